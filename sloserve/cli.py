@@ -1,0 +1,104 @@
+"""The `sloserve` command line."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Optional, Sequence
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=None, help="GGUF file or HF model directory (default: embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    g.add_argument("--device", default="auto", help="cpu, cuda or auto")
+    g.add_argument("--num-threads", type=int, default=None, help="torch threads (default: cores available)")
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks (overrides --kv-cache-gib)")
+    g.add_argument("--kv-cache-gib", type=float, default=1.0)
+    g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--max-num-batched-tokens", type=int, default=512, help="per-step token budget")
+    g.add_argument("--max-num-seqs", type=int, default=64)
+    g.add_argument("--no-chunked-prefill", action="store_true")
+    g.add_argument("--scheduling-policy", default="fcfs")
+    g.add_argument("--seed", type=int, default=0)
+
+
+def engine_config_from_args(args: argparse.Namespace):
+    from sloserve.config import CacheConfig, EngineConfig, SchedulerConfig
+
+    return EngineConfig(
+        model=args.model, dtype=args.dtype, device=args.device, num_threads=args.num_threads,
+        max_model_len=args.max_model_len, seed=args.seed,
+        cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks, kv_cache_gib=args.kv_cache_gib,
+                          enable_prefix_caching=not args.no_prefix_caching),
+        scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+                                  enable_chunked_prefill=not args.no_chunked_prefill, policy=args.scheduling_policy),
+    )
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from sloserve.engine.llm_engine import LLMEngine
+    from sloserve.types import SamplingParams
+
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        min_p=args.min_p, seed=args.seed_sampling, stop=args.stop or [], ignore_eos=args.ignore_eos,
+        repetition_penalty=args.repetition_penalty,
+    )
+    engine = LLMEngine(engine_config_from_args(args))
+    prompt = engine.tokenizer.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
+    engine.add_request(prompt, params)
+    final = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            sys.stdout.write(out.delta_text)
+            sys.stdout.flush()
+            final = out
+    sys.stdout.write("\n")
+    if final is not None:
+        logging.getLogger("sloserve").info(
+            "%d prompt + %d output tokens, finish_reason=%s", len(final.prompt_token_ids), len(final.token_ids),
+            final.finish_reason,
+        )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="sloserve", description="SLO-driven LLM serving")
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text for one prompt, streamed to stdout")
+    gen.add_argument("prompt")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--min-p", type=float, default=0.0)
+    gen.add_argument("--repetition-penalty", type=float, default=1.0)
+    gen.add_argument("--seed-sampling", type=int, default=None, help="per-request sampling seed")
+    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.add_argument("--ignore-eos", action="store_true")
+    add_engine_args(gen)
+    gen.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"sloserve: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

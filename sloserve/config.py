@@ -1,0 +1,104 @@
+"""Configuration shared by every layer: model shape, KV cache, scheduler, engine.
+
+Pure dataclasses (no torch) so the simulator and the cluster layer can read a model's
+shape and an instance's limits without loading anything.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The shape of a Llama-family decoder (Llama, Mistral, Qwen2, SmolLM2)."""
+
+    architecture: str  # "llama", "mistral" or "qwen2"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: Optional[dict] = None
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2 has biases on q/k/v projections
+    bos_token_id: Optional[int] = None
+    eos_token_ids: tuple[int, ...] = ()
+    sliding_window: Optional[int] = None
+    name: str = ""
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        """Bytes of K and V one token occupies across all layers."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+    @property
+    def num_params(self) -> int:
+        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        q = self.num_heads * self.head_dim
+        kv = self.num_kv_heads * self.head_dim
+        per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h
+        head = 0 if self.tie_word_embeddings else v * h
+        return v * h + self.num_layers * per_layer + h + head
+
+
+@dataclass
+class CacheConfig:
+    """The paged KV pool. Size it by blocks or by GiB; one of them decides."""
+
+    block_size: int = 16
+    num_blocks: Optional[int] = None
+    kv_cache_gib: float = 1.0
+    enable_prefix_caching: bool = True
+    # Keep this share of blocks free when admitting a new request, so a burst of
+    # admissions does not force the running decodes straight into preemption.
+    watermark: float = 0.01
+
+    def validate(self) -> None:
+        if self.block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks <= 0:
+            raise ValueError(f"num_blocks must be positive, got {self.num_blocks}")
+        if self.num_blocks is None and self.kv_cache_gib <= 0:
+            raise ValueError(f"kv_cache_gib must be positive, got {self.kv_cache_gib}")
+        if not 0.0 <= self.watermark < 1.0:
+            raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
+
+
+@dataclass
+class SchedulerConfig:
+    """Limits of one step; the policy decides order within them."""
+
+    max_num_batched_tokens: int = 512  # the per-step token budget (prefill chunks + decodes)
+    max_num_seqs: int = 64  # requests running at once
+    enable_chunked_prefill: bool = True
+    # A single prefill chunk never exceeds this, so one long prompt cannot take the whole
+    # budget from other waiting prompts. 0 means "up to the budget".
+    long_prefill_token_threshold: int = 0
+    policy: str = "fcfs"
+
+    def validate(self) -> None:
+        if self.max_num_batched_tokens <= 0:
+            raise ValueError("max_num_batched_tokens must be positive")
+        if self.max_num_seqs <= 0:
+            raise ValueError("max_num_seqs must be positive")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError("long_prefill_token_threshold must be >= 0")
+
+
+@dataclass
+class EngineConfig:
+    """Everything an instance needs; `model=None` means the embedded SmolLM2-135M."""
+
+    model: Optional[str] = None
+    dtype: str = "auto"  # "float32", "bfloat16" or "auto" (float32 on CPU, bfloat16 on CUDA)
+    device: str = "auto"  # "cpu", "cuda" or "auto"
+    num_threads: Optional[int] = None  # torch intra-op threads; None = the cores this process may use
+    max_model_len: Optional[int] = None  # defaults to the model's context window
+    seed: int = 0
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

@@ -1,0 +1,168 @@
+"""The engine for servers: one background thread steps the engine; asyncio callers add
+requests, iterate their outputs as they are produced, and abort them.
+
+All engine state is touched by the loop thread only. Callers talk to it through an inbox
+(adds and aborts) and receive outputs through a per-request asyncio queue, so the HTTP
+event loop never blocks on a model step.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections import deque
+from typing import AsyncIterator, Optional
+
+from sloserve.engine.llm_engine import LLMEngine, Prompt
+from sloserve.engine.outputs import RequestOutput
+from sloserve.types import Request, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop failed while this request was in flight."""
+
+
+class RequestStream:
+    """Async iterator over one request's outputs. Leaving it early aborts the request."""
+
+    def __init__(self, engine: "AsyncLLMEngine", request_id: str, loop: asyncio.AbstractEventLoop):
+        self.request_id = request_id
+        self._engine = engine
+        self._loop = loop
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self.finished = False
+
+    def _put(self, item: object) -> None:  # called from the engine thread
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        except RuntimeError:  # the caller's event loop is gone: nobody is listening
+            self._engine.abort(self.request_id)
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        try:
+            item = await self._queue.get()
+        except BaseException:  # cancelled: the client went away
+            self.abort()
+            raise
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        if item.finished:
+            self.finished = True
+        return item
+
+    def abort(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self._engine.abort(self.request_id)
+
+
+class AsyncLLMEngine:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._cond = threading.Condition()
+        self._adds: deque[tuple[Request, RequestStream]] = deque()
+        self._aborts: deque[str] = deque()
+        self._streams: dict[str, RequestStream] = {}
+        self._stopped = False
+        self._thread = threading.Thread(target=self._loop, name="sloserve-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def add_request(
+        self, prompt: Prompt, params: Optional[SamplingParams] = None, request_id: Optional[str] = None, **kwargs
+    ) -> RequestStream:
+        """Validate now (ValueError on bad input, before any work) and queue the request."""
+        if self._stopped:
+            raise EngineDeadError("engine is shut down")
+        request = self.engine.make_request(prompt, params, request_id=request_id, **kwargs)
+        stream = RequestStream(self, request.request_id, asyncio.get_running_loop())
+        with self._cond:
+            if request.request_id in self._streams:
+                raise ValueError(f"duplicate request id {request.request_id!r}")
+            self._streams[request.request_id] = stream
+            self._adds.append((request, stream))
+            self._cond.notify()
+        return stream
+
+    async def generate(self, prompt: Prompt, params: Optional[SamplingParams] = None, **kwargs) -> AsyncIterator[RequestOutput]:
+        stream = self.add_request(prompt, params, **kwargs)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.abort()
+
+    def abort(self, request_id: str) -> None:
+        with self._cond:
+            self._aborts.append(request_id)
+            self._cond.notify()
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        """Stop the loop; requests still in flight end with EngineDeadError."""
+        with self._cond:
+            self._stopped = True
+            self._cond.notify()
+        self._thread.join(timeout)
+
+    # ---- the engine thread -------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stopped and not self._adds and not self._aborts and not self.engine.has_unfinished_requests():
+                    self._cond.wait()
+                if self._stopped:
+                    break
+                adds, self._adds = list(self._adds), deque()
+                aborts, self._aborts = list(self._aborts), deque()
+            for request, stream in adds:
+                try:
+                    self.engine.add(request)
+                except ValueError as e:
+                    self._close(request.request_id, e)
+            for request_id in aborts:
+                out = self.engine.abort_request(request_id)
+                if out is not None:
+                    self._deliver(out)
+            try:
+                outputs = self.engine.step()
+            except Exception as e:  # keep serving: fail what was in flight, free everything
+                logger.exception("engine step failed; aborting %d requests", self.engine.num_unfinished)
+                for request_id in list(self._streams):
+                    self.engine.abort_request(request_id)
+                    self._close(request_id, EngineDeadError(f"engine step failed: {e}"))
+                continue
+            for out in outputs:
+                self._deliver(out)
+        for request_id in list(self._streams):
+            self.engine.abort_request(request_id)
+            self._close(request_id, EngineDeadError("engine shut down"))
+
+    def _deliver(self, out: RequestOutput) -> None:
+        stream = self._streams.get(out.request_id)
+        if stream is None:
+            return
+        if out.finished:
+            with self._cond:
+                self._streams.pop(out.request_id, None)
+        stream._put(out)
+
+    def _close(self, request_id: str, error: BaseException) -> None:
+        with self._cond:
+            stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            stream._put(error)

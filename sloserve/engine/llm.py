@@ -1,0 +1,125 @@
+"""The offline API: `LLM().generate(prompts, params)` and `LLM().chat(messages)`."""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Optional, Sequence, Union
+
+from sloserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from sloserve.engine.llm_engine import LLMEngine, Prompt
+from sloserve.engine.outputs import RequestOutput
+from sloserve.types import SamplingParams
+
+Messages = list[dict]
+
+
+class LLM:
+    """Batch generation on one engine. With no `model`, the embedded SmolLM2-135M-Instruct."""
+
+    def __init__(
+        self,
+        model: Optional[str] = None,
+        *,
+        dtype: str = "auto",
+        device: str = "auto",
+        seed: int = 0,
+        max_model_len: Optional[int] = None,
+        num_threads: Optional[int] = None,
+        block_size: int = 16,
+        num_blocks: Optional[int] = None,
+        kv_cache_gib: float = 1.0,
+        enable_prefix_caching: bool = True,
+        max_num_batched_tokens: int = 512,
+        max_num_seqs: int = 64,
+        enable_chunked_prefill: bool = True,
+        long_prefill_token_threshold: int = 0,
+        scheduling_policy: str = "fcfs",
+        config: Optional[EngineConfig] = None,
+    ):
+        if config is None:
+            config = EngineConfig(
+                model=model, dtype=dtype, device=device, seed=seed, max_model_len=max_model_len,
+                num_threads=num_threads,
+                cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, kv_cache_gib=kv_cache_gib,
+                                  enable_prefix_caching=enable_prefix_caching),
+                scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+                                          enable_chunked_prefill=enable_chunked_prefill,
+                                          long_prefill_token_threshold=long_prefill_token_threshold,
+                                          policy=scheduling_policy),
+            )
+        elif model is not None:
+            config = replace(config, model=model)
+        self.engine = LLMEngine(config)
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Union[Prompt, Sequence[Prompt]],
+        params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+        progress: bool = False,
+    ) -> list[RequestOutput]:
+        """One finished output per prompt, in order. Every prompt is validated before any runs."""
+        prompt_list = _as_prompt_list(prompts)
+        if params is None or isinstance(params, SamplingParams):
+            param_list = [params or SamplingParams()] * len(prompt_list)
+        else:
+            param_list = list(params)
+            if len(param_list) != len(prompt_list):
+                raise ValueError(f"{len(prompt_list)} prompts but {len(param_list)} SamplingParams")
+        requests = [self.engine.make_request(p, sp) for p, sp in zip(prompt_list, param_list)]
+        return self._run(requests, progress)
+
+    def chat(
+        self,
+        messages: Union[Messages, Sequence[Messages]],
+        params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+        progress: bool = False,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template and generate; one output per conversation."""
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise ValueError("messages must be a non-empty list")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        prompts = [self.tokenizer.encode_chat(list(c)) for c in conversations]
+        return self.generate(prompts, params, progress)
+
+    def _run(self, requests, progress: bool) -> list[RequestOutput]:
+        for request in requests:
+            self.engine.add(request)
+        order = {r.request_id: i for i, r in enumerate(requests)}
+        results: list[Optional[RequestOutput]] = [None] * len(requests)
+        bar = _progress(len(requests)) if progress else None
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished and out.request_id in order:
+                        results[order[out.request_id]] = out
+                        if bar:
+                            bar[0].advance(bar[1])
+        except BaseException:
+            for request in requests:  # leave no request (and no KV block) behind
+                self.engine.abort_request(request.request_id)
+            raise
+        finally:
+            if bar:
+                bar[0].stop()
+        return results  # type: ignore[return-value]
+
+
+def _as_prompt_list(prompts) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, (list, tuple)):
+        if not prompts:
+            raise ValueError("no prompts given")
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+            return [list(prompts)]  # one prompt of token ids
+        return list(prompts)
+    raise ValueError(f"prompts must be a string, a list of token ids, or a list of those; got {type(prompts).__name__}")
+
+
+def _progress(total: int):
+    from rich.progress import Progress
+
+    bar = Progress(transient=True)
+    task = bar.add_task("generating", total=total)
+    bar.start()
+    return bar, task

@@ -1,0 +1,280 @@
+"""The synchronous engine: validation, the scheduler-executor step loop, output processing.
+
+One call to `step()` is one iteration: schedule, execute, update, then detokenize and
+check stop strings for the requests that produced a token.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Union
+
+import torch
+
+from sloserve.config import EngineConfig, ModelConfig
+from sloserve.engine.model import KVCache, LlamaModel
+from sloserve.engine.outputs import RequestMetrics, RequestOutput, TokenLogprob
+from sloserve.engine.runner import ModelRunner
+from sloserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from sloserve.engine.weights import load_model
+from sloserve.kv.manager import KVCacheManager
+from sloserve.sched.scheduler import Scheduler
+from sloserve.types import DEFAULT_QOS, FinishReason, QoSClass, Request, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+Prompt = Union[str, list[int]]
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' requested but torch has no CUDA device")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        # On CPUs without bf16 hardware bf16 matmuls are emulated and several times slower.
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+             "float16": torch.float16, "fp16": torch.float16}
+    if name not in table:
+        raise ValueError(f"unsupported dtype {name!r}; use float32 or bfloat16")
+    return table[name]
+
+
+def available_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+@dataclass
+class _Tracked:
+    """Engine-side state of a request the scheduler does not need."""
+
+    request: Request
+    detok: IncrementalDetokenizer
+    logprobs: Optional[list[TokenLogprob]]
+    sent_text_len: int = 0
+    sent_token_len: int = 0
+    stop_reason: Optional[Union[str, int]] = None
+    final_text: Optional[str] = None
+
+
+class LLMEngine:
+    def __init__(self, config: Optional[EngineConfig] = None, clock: Callable[[], float] = time.monotonic):
+        self.config = config = config or EngineConfig()
+        config.cache.validate()
+        config.scheduler.validate()
+        self.clock = clock
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        if self.device.type == "cpu":
+            torch.set_num_threads(config.num_threads or available_cores())
+        loaded = load_model(config.model, dtype=self.dtype)
+        self.model_config: ModelConfig = loaded.config
+        self.tokenizer: Tokenizer = loaded.tokenizer
+        self.model_name = loaded.config.name or "model"
+        self.model = LlamaModel(loaded.config, loaded.weights, self.device, self.dtype)
+        del loaded
+
+        cache = config.cache
+        per_block = cache.block_size * self.model_config.kv_bytes_per_token(torch.finfo(self.dtype).bits // 8)
+        num_blocks = cache.num_blocks or max(1, int(cache.kv_cache_gib * 2**30 // per_block))
+        context = config.max_model_len or self.model_config.max_position_embeddings
+        if context > self.model_config.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len {context} exceeds the model's context window {self.model_config.max_position_embeddings}"
+            )
+        if num_blocks * cache.block_size < context:
+            logger.warning("KV pool holds %d tokens; max_model_len lowered from %d", num_blocks * cache.block_size, context)
+            context = num_blocks * cache.block_size
+        self.max_model_len = context
+        sched_cfg = config.scheduler
+        if not sched_cfg.enable_chunked_prefill and sched_cfg.max_num_batched_tokens < context:
+            raise ValueError("without chunked prefill, max_num_batched_tokens must cover max_model_len")
+
+        self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching, cache.watermark)
+        self.kv_cache = KVCache(self.model_config, num_blocks, cache.block_size, self.dtype, self.device)
+        eos = tuple(self.model_config.eos_token_ids)
+        self.scheduler = Scheduler(sched_cfg, self.kv, context, eos)
+        self.runner = ModelRunner(self.model, self.kv_cache, eos, seed=config.seed)
+        self._tracked: dict[str, _Tracked] = {}
+        self._ids = itertools.count()
+        logger.info(
+            "engine ready: %s, %s on %s, %d KV blocks x %d tokens, context %d",
+            self.model_name, str(self.dtype).removeprefix("torch."), self.device, num_blocks, cache.block_size, context,
+        )
+
+    # ---- requests ----------------------------------------------------------------
+    def tokenize_prompt(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple)):
+            ids = list(prompt)
+            vocab = self.model_config.vocab_size
+            if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
+                raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        else:
+            raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        if not ids:
+            raise ValueError("prompt is empty")
+        return ids
+
+    def make_request(
+        self,
+        prompt: Prompt,
+        params: Optional[SamplingParams] = None,
+        request_id: Optional[str] = None,
+        qos: QoSClass = DEFAULT_QOS,
+        tenant: str = "",
+        priority: Optional[int] = None,
+        arrival_time: Optional[float] = None,
+    ) -> Request:
+        """Validate and build a Request without touching engine state (safe from any thread)."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError("params must be a SamplingParams")
+        params.validate()
+        ids = self.tokenize_prompt(prompt)
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens; the context window is {self.max_model_len}")
+        if params.max_tokens is not None and len(ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context window "
+                f"({self.max_model_len})"
+            )
+        return Request(
+            request_id=request_id if request_id is not None else f"req-{next(self._ids)}",
+            prompt_token_ids=ids,
+            sampling_params=params,
+            arrival_time=self.clock() if arrival_time is None else arrival_time,
+            qos=qos,
+            tenant=tenant,
+            priority=priority,
+        )
+
+    def add(self, request: Request) -> None:
+        """Queue a request built by make_request (on the thread that runs step())."""
+        if request.request_id in self._tracked:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        self.scheduler.add_request(request)
+        want_logprobs = request.sampling_params.logprobs is not None
+        detok = IncrementalDetokenizer(
+            self.tokenizer, request.prompt_token_ids, skip_special_tokens=request.sampling_params.skip_special_tokens
+        )
+        self._tracked[request.request_id] = _Tracked(request, detok, [] if want_logprobs else None)
+
+    def add_request(self, prompt: Prompt, params: Optional[SamplingParams] = None, **kwargs) -> str:
+        request = self.make_request(prompt, params, **kwargs)
+        self.add(request)
+        return request.request_id
+
+    def abort_request(self, request_id: str) -> Optional[RequestOutput]:
+        """Abort and free; returns the final output, or None if the id is unknown or done."""
+        tracked = self._tracked.get(request_id)
+        if tracked is None:
+            return None
+        self.scheduler.abort_request(request_id, self.clock())
+        return self._emit(tracked)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._tracked)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._tracked)
+
+    # ---- the loop ------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule(self.clock())
+        if plan.is_empty:
+            return []
+        result = self.runner.execute(plan)
+        now = self.clock()
+        produced = self.scheduler.update(plan, result, now)
+        outputs = []
+        for request in produced:
+            tracked = self._tracked[request.request_id]
+            token = request.output_token_ids[-1]
+            tracked.detok.add([token])
+            if tracked.logprobs is not None and request.request_id in result.extras:
+                lp, top = result.extras[request.request_id]
+                tracked.logprobs.append(TokenLogprob(token, lp, list(top or [])))
+            if request.is_finished:
+                if request.finish_reason is FinishReason.STOP and token in request.sampling_params.stop_token_ids:
+                    tracked.stop_reason = token
+            else:
+                self._check_stop_strings(tracked, now)
+            outputs.append(self._emit(tracked))
+        return outputs
+
+    def _check_stop_strings(self, tracked: _Tracked, now: float) -> None:
+        stops = tracked.request.sampling_params.stop
+        if not stops:
+            return
+        text = tracked.detok.text
+        window_start = max(0, tracked.sent_text_len - max(map(len, stops)))
+        best: Optional[tuple[int, str]] = None
+        for stop in stops:
+            i = text.find(stop, window_start)
+            if i >= 0 and (best is None or i < best[0]):
+                best = (i, stop)
+        if best is None:
+            return
+        i, stop = best
+        include = tracked.request.sampling_params.include_stop_str_in_output
+        tracked.final_text = text[: i + len(stop)] if include else text[:i]
+        tracked.stop_reason = stop
+        self.scheduler.finish_request(tracked.request.request_id, FinishReason.STOP, now)
+
+    def _visible_text(self, tracked: _Tracked) -> str:
+        if tracked.final_text is not None:
+            return tracked.final_text
+        text = tracked.detok.text
+        stops = tracked.request.sampling_params.stop
+        if stops and not tracked.request.is_finished:
+            # Hold back what could still become a stop string, so a stream never shows it.
+            hold = max(map(len, stops)) - 1
+            text = text[: max(tracked.sent_text_len, len(text) - hold)]
+        return text
+
+    def _emit(self, tracked: _Tracked) -> RequestOutput:
+        request = tracked.request
+        text = self._visible_text(tracked)
+        tokens = request.output_token_ids
+        out = RequestOutput(
+            request_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            text=text,
+            token_ids=list(tokens),
+            delta_text=text[tracked.sent_text_len:],
+            delta_token_ids=tokens[tracked.sent_token_len:],
+            finished=request.is_finished,
+            finish_reason=request.finish_reason.value if request.finish_reason else None,
+            logprobs=list(tracked.logprobs) if tracked.logprobs is not None else None,
+            num_cached_tokens=request.num_cached_tokens,
+            metrics=RequestMetrics(
+                arrival_time=request.arrival_time,
+                first_scheduled_time=request.first_scheduled_time,
+                first_token_time=request.first_token_time,
+                finished_time=request.finished_time,
+                num_preemptions=request.num_preemptions,
+            ),
+            stop_reason=tracked.stop_reason,
+        )
+        tracked.sent_text_len = len(text)
+        tracked.sent_token_len = len(tokens)
+        if request.is_finished:
+            del self._tracked[request.request_id]
+            self.runner.release(request.request_id)
+        return out

@@ -1,0 +1,190 @@
+"""The Llama-family decoder forward over a paged KV cache.
+
+One forward computes a mixed batch: decodes (one new token each, attending to their
+cached context) and prefill chunks (several new tokens, attending to their cached prefix
+and causally to each other). Tokens are laid out flat, decodes first. Logits are computed
+only at the positions that sample: the tied LM head alone costs as much as several layers.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from sloserve.config import ModelConfig
+
+
+@dataclass
+class PrefillSpan:
+    """One prefill chunk inside the flat token batch."""
+
+    token_start: int  # index of its first token in the flat batch
+    num_tokens: int
+    start_pos: int  # tokens of this sequence already in the cache
+    context_slots: Optional[torch.Tensor]  # cache slots of all start_pos + num_tokens positions; None if start_pos == 0
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor  # [T] long
+    positions: torch.Tensor  # [T] long
+    slot_mapping: torch.Tensor  # [T] long: where each new token's K/V is written
+    num_decodes: int  # the first num_decodes tokens are decodes
+    decode_slots: Optional[torch.Tensor]  # [D, max_ctx] long: cache slots of each decode's context (padded)
+    decode_mask: Optional[torch.Tensor]  # [D, 1, 1, max_ctx] additive mask (0 or -inf)
+    prefills: list[PrefillSpan]
+    sample_indices: torch.Tensor  # [S] long: flat token indices whose logits are wanted
+
+
+class KVCache:
+    """K and V for every layer, as flat slot arrays: slot = block_id * block_size + offset."""
+
+    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device):
+        shape = (config.num_layers, 2, num_blocks * block_size, config.num_kv_heads, config.head_dim)
+        self.data = torch.zeros(shape, dtype=dtype, device=device)
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy whole blocks src -> dst in every layer (copy-on-write)."""
+        if not pairs:
+            return
+        bs = self.block_size
+        offsets = torch.arange(bs, device=self.data.device)
+        src = torch.cat([s * bs + offsets for s, _ in pairs])
+        dst = torch.cat([d * bs + offsets for _, d in pairs])
+        self.data[:, :, dst] = self.data[:, :, src]
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Inverse RoPE frequencies, with Llama-3 style or linear scaling when configured."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = config.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind in (None, "default"):
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / float(scaling["factor"])
+    if kind == "llama3":
+        factor = float(scaling["factor"])
+        low = float(scaling.get("low_freq_factor", 1.0))
+        high = float(scaling.get("high_freq_factor", 4.0))
+        old_len = float(scaling.get("original_max_position_embeddings", 8192))
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (old_len / wavelen - low) / (high - low)
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        mid = (1 - smooth) * scaled / factor + smooth * scaled
+        is_mid = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        return torch.where(is_mid, mid, scaled)
+    raise ValueError(f"unsupported rope_scaling type {kind!r}")
+
+
+class LlamaModel:
+    """Weights plus a forward function; no nn.Module bookkeeping is needed for inference."""
+
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype):
+        self.config = config
+        self.device = device
+        self.dtype = dtype
+
+        def w(name: str) -> torch.Tensor:
+            return weights[name].to(device=device, dtype=dtype)
+
+        self.embed = w("model.embed_tokens.weight")
+        self.lm_head = self.embed if config.tie_word_embeddings or "lm_head.weight" not in weights else w("lm_head.weight")
+        self.norm = w("model.norm.weight")
+        self.layers = []
+        for i in range(config.num_layers):
+            p = f"model.layers.{i}."
+            # Fusing q/k/v and gate/up makes two GEMMs out of five: fewer, larger calls.
+            layer = {
+                "in_norm": w(p + "input_layernorm.weight"),
+                "qkv": torch.cat([w(p + f"self_attn.{x}_proj.weight") for x in "qkv"]),
+                "o": w(p + "self_attn.o_proj.weight"),
+                "post_norm": w(p + "post_attention_layernorm.weight"),
+                "gate_up": torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]),
+                "down": w(p + "mlp.down_proj.weight"),
+                "qkv_bias": None,
+            }
+            if config.attention_bias:
+                layer["qkv_bias"] = torch.cat([w(p + f"self_attn.{x}_proj.bias") for x in "qkv"])
+            self.layers.append(layer)
+        inv_freq = rope_inv_freq(config).to(device)
+        t = torch.arange(config.max_position_embeddings, device=device, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.cos = emb.cos().to(dtype)
+        self.sin = emb.sin().to(dtype)
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+        self.scale = config.head_dim ** -0.5
+
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)
+        return weight * x32.to(x.dtype)
+
+    @staticmethod
+    def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rotated * sin
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
+        """Logits [S, vocab] at batch.sample_indices."""
+        cfg = self.config
+        T = batch.input_ids.shape[0]
+        nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        cos = self.cos[batch.positions].unsqueeze(1)
+        sin = self.sin[batch.positions].unsqueeze(1)
+        h = F.embedding(batch.input_ids, self.embed)
+        D = batch.num_decodes
+        for li, layer in enumerate(self.layers):
+            x = self._rms_norm(h, layer["in_norm"])
+            qkv = F.linear(x, layer["qkv"], layer["qkv_bias"])
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = self._rope(q.view(T, nh, hd), cos, sin)
+            k = self._rope(k.view(T, nkv, hd), cos, sin)
+            v = v.view(T, nkv, hd)
+            k_cache, v_cache = kv_cache.data[li, 0], kv_cache.data[li, 1]
+            k_cache.index_copy_(0, batch.slot_mapping, k)
+            v_cache.index_copy_(0, batch.slot_mapping, v)
+            attn = torch.empty(T, nh, hd, dtype=q.dtype, device=q.device)
+            if D:
+                # [D, nh, 1, hd] against each decode's gathered context [D, nkv, ctx, hd].
+                kd = k_cache[batch.decode_slots].transpose(1, 2)
+                vd = v_cache[batch.decode_slots].transpose(1, 2)
+                out = F.scaled_dot_product_attention(
+                    q[:D].unsqueeze(2), kd, vd, attn_mask=batch.decode_mask, scale=self.scale, enable_gqa=True
+                )
+                attn[:D] = out.squeeze(2)
+            for span in batch.prefills:
+                s, n = span.token_start, span.num_tokens
+                qp = q[s:s + n].transpose(0, 1).unsqueeze(0)
+                if span.context_slots is None:
+                    kp, vp = k[s:s + n], v[s:s + n]
+                    mask, causal = None, True
+                else:
+                    kp, vp = k_cache[span.context_slots], v_cache[span.context_slots]
+                    # SDPA's is_causal is top-left aligned; with a cached prefix the new tokens
+                    # sit at the bottom right of the score matrix, so build the mask here.
+                    ctx = span.start_pos + n
+                    rows = torch.arange(n, device=q.device).unsqueeze(1) + span.start_pos
+                    mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= rows
+                    causal = False
+                out = F.scaled_dot_product_attention(
+                    qp, kp.transpose(0, 1).unsqueeze(0), vp.transpose(0, 1).unsqueeze(0),
+                    attn_mask=mask, is_causal=causal, scale=self.scale, enable_gqa=True,
+                )
+                attn[s:s + n] = out.squeeze(0).transpose(0, 1)
+            h = h + F.linear(attn.view(T, self.q_size), layer["o"])
+            x = self._rms_norm(h, layer["post_norm"])
+            gate, up = F.linear(x, layer["gate_up"]).chunk(2, dim=-1)
+            h = h + F.linear(F.silu(gate) * up, layer["down"])
+        h = self._rms_norm(h[batch.sample_indices], self.norm)
+        return F.linear(h, self.lm_head).float()

@@ -1,0 +1,119 @@
+"""The real executor: turns a StepPlan into one forward pass and sampled tokens."""
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+import torch
+
+from sloserve.engine.model import ForwardBatch, KVCache, LlamaModel, PrefillSpan
+from sloserve.engine.sampler import Sampler, SamplingRow
+from sloserve.sched.plan import ScheduledRequest, StepPlan, StepResult
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, kv_cache: KVCache, eos_token_ids: tuple[int, ...], seed: int = 0):
+        self.model = model
+        self.kv_cache = kv_cache
+        self.block_size = kv_cache.block_size
+        self.device = model.device
+        self.eos_token_ids = eos_token_ids
+        default = torch.Generator(device=self.device)
+        default.manual_seed(seed)
+        self.sampler = Sampler(default)
+        self._generators: dict[str, torch.Generator] = {}
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        t0 = time.perf_counter()
+        if plan.copies:
+            self.kv_cache.copy_blocks([(op.src, op.dst) for op in plan.copies])
+        if plan.is_empty:
+            return StepResult({}, time.perf_counter() - t0)
+        decodes = [s for s in plan.scheduled if s.num_new_tokens == 1]
+        prefills = [s for s in plan.scheduled if s.num_new_tokens > 1]
+        ordered = decodes + prefills
+        batch = self._build_batch(decodes, prefills)
+        logits = self.model.forward(batch, self.kv_cache)
+        sampling = [s for s in ordered if s.samples]
+        rows = [self._row(s) for s in sampling]
+        out = self.sampler(logits, rows)
+        sampled = {s.request_id: tok for s, tok in zip(sampling, out.token_ids)}
+        extras = {}
+        for s, lp, top in zip(sampling, out.logprobs, out.top_logprobs):
+            if lp is not None:
+                extras[s.request_id] = (lp, top)
+        return StepResult(sampled, time.perf_counter() - t0, extras)
+
+    def release(self, request_id: str) -> None:
+        """Forget per-request state once a request has finished."""
+        self._generators.pop(request_id, None)
+
+    def _row(self, item: ScheduledRequest) -> SamplingRow:
+        req = item.request
+        params = req.sampling_params
+        gen: Optional[torch.Generator] = None
+        if params.seed is not None:
+            gen = self._generators.get(req.request_id)
+            if gen is None:
+                gen = torch.Generator(device=self.device)
+                gen.manual_seed(params.seed)
+                self._generators[req.request_id] = gen
+        return SamplingRow(params, req.output_token_ids, req.prompt_token_ids, gen, self.eos_token_ids)
+
+    def _slots(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
+        pos = torch.arange(start, end)
+        table = torch.tensor(block_table, dtype=torch.long)
+        return table[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def _build_batch(self, decodes: list[ScheduledRequest], prefills: list[ScheduledRequest]) -> ForwardBatch:
+        ids: list[int] = []
+        positions: list[torch.Tensor] = []
+        slots: list[torch.Tensor] = []
+        sample_indices: list[int] = []
+        bs = self.block_size
+
+        decode_slots = decode_mask = None
+        if decodes:
+            ctx = torch.tensor([d.context_len for d in decodes])
+            max_ctx = int(ctx.max())
+            width = -(-max_ctx // bs)
+            tables = torch.zeros(len(decodes), width, dtype=torch.long)
+            for i, d in enumerate(decodes):
+                n = min(width, len(d.block_table))
+                tables[i, :n] = torch.tensor(d.block_table[:n], dtype=torch.long)
+                ids.extend(d.request.token_slice(d.start, d.start + 1))
+                if d.samples:
+                    sample_indices.append(i)
+            pos = torch.arange(max_ctx)
+            all_slots = tables[:, pos // bs] * bs + pos % bs  # [D, max_ctx]
+            valid = pos.unsqueeze(0) < ctx.unsqueeze(1)
+            decode_slots = torch.where(valid, all_slots, torch.zeros_like(all_slots))
+            decode_mask = torch.zeros(len(decodes), 1, 1, max_ctx, dtype=self.model.dtype)
+            decode_mask.masked_fill_(~valid.view(len(decodes), 1, 1, max_ctx), float("-inf"))
+            last = ctx - 1
+            positions.append(last)
+            slots.append(all_slots[torch.arange(len(decodes)), last])
+
+        spans: list[PrefillSpan] = []
+        for p in prefills:
+            start, end = p.start, p.start + p.num_new_tokens
+            token_start = len(ids)
+            ids.extend(p.request.token_slice(start, end))
+            positions.append(torch.arange(start, end))
+            ctx_slots = self._slots(p.block_table, 0, end)
+            slots.append(ctx_slots[start:])
+            spans.append(PrefillSpan(token_start, p.num_new_tokens, start, ctx_slots.to(self.device) if start else None))
+            if p.samples:
+                sample_indices.append(len(ids) - 1)
+
+        dev = self.device
+        return ForwardBatch(
+            input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
+            positions=torch.cat(positions).to(dev),
+            slot_mapping=torch.cat(slots).to(dev),
+            num_decodes=len(decodes),
+            decode_slots=None if decode_slots is None else decode_slots.to(dev),
+            decode_mask=None if decode_mask is None else decode_mask.to(dev),
+            prefills=spans,
+            sample_indices=torch.tensor(sample_indices, dtype=torch.long, device=dev),
+        )

@@ -1,0 +1,199 @@
+"""The KV cache manager: block tables, prefix sharing, copy-on-write.
+
+It owns which blocks each request holds; it never touches tensors. The executor receives
+block ids and copy operations through the StepPlan and moves the actual bytes.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from sloserve.kv.block_pool import Block, BlockPool
+from sloserve.kv.hashing import BlockHash, hash_block
+from sloserve.types import Request
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CopyOp:
+    """Copy one block's KV to another before the step (copy-on-write of a shared tail)."""
+
+    src: int
+    dst: int
+
+
+@dataclass
+class PrefixCacheStats:
+    queries: int = 0  # prompt tokens looked up
+    hits: int = 0  # of those, tokens found cached
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+class KVCacheManager:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int = 16,
+        enable_prefix_caching: bool = True,
+        watermark: float = 0.01,
+    ) -> None:
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks, enable_prefix_caching)
+        self.enable_prefix_caching = enable_prefix_caching
+        self.watermark_blocks = int(watermark * num_blocks)
+        self._tables: dict[str, list[Block]] = {}
+        self._hashes: dict[str, list[BlockHash]] = {}  # keys of the request's full blocks so far
+        self.stats = PrefixCacheStats()
+
+    # ---- queries -------------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free
+
+    @property
+    def usage(self) -> float:
+        """Share of blocks referenced by requests (cached-but-free blocks count as free)."""
+        return self.pool.num_used / self.pool.num_blocks
+
+    def block_table(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self._tables.get(request_id, ())]
+
+    def num_blocks_of(self, request_id: str) -> int:
+        return len(self._tables.get(request_id, ()))
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def request_hashes(self, request: Request) -> list[BlockHash]:
+        """Keys of every full block of the request's tokens, computed incrementally."""
+        hashes = self._hashes.setdefault(request.request_id, [])
+        n_full = request.num_tokens // self.block_size
+        if len(hashes) < n_full:
+            parent = hashes[-1] if hashes else None
+            bs = self.block_size
+            for b in range(len(hashes), n_full):
+                parent = hash_block(parent, request.token_slice(b * bs, (b + 1) * bs), request.tenant)
+                hashes.append(parent)
+        return hashes
+
+    # ---- allocation ----------------------------------------------------------------
+    def get_computed_blocks(self, request: Request) -> tuple[list[Block], int]:
+        """The longest cached prefix of a request that holds no blocks yet.
+
+        At least one token is always left to compute: the step that computes it also
+        produces the logits to sample from.
+        """
+        if not self.enable_prefix_caching or request.request_id in self._tables:
+            return [], 0
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[Block] = []
+        for block_hash in self.request_hashes(request)[:max_blocks]:
+            block = self.pool.lookup(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits, len(hits) * self.block_size
+
+    def record_prefix_lookup(self, num_queried: int, num_hit: int) -> None:
+        self.stats.queries += num_queried
+        self.stats.hits += num_hit
+
+    def can_allocate(self, num_new_blocks: int, use_watermark: bool) -> bool:
+        reserve = self.watermark_blocks if use_watermark else 0
+        return self.pool.num_free - num_new_blocks >= reserve
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        computed_blocks: Sequence[Block] = (),
+        use_watermark: bool = False,
+    ) -> Optional[list[CopyOp]]:
+        """Make room for `num_new_tokens` more tokens after the computed ones.
+
+        Returns the copy-on-write operations to run first, or None (changing nothing)
+        when the pool cannot supply the blocks.
+        """
+        table = self._tables.get(request.request_id)
+        if table is None:
+            table = []
+        num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
+        needed_total = self.blocks_needed(num_computed + num_new_tokens)
+        have = len(table) + len(computed_blocks)
+        # Cached hits that sit free in the pool stop being free once referenced.
+        free_hits = sum(1 for b in computed_blocks if b.ref_count == 0)
+        cow = self._needs_copy_on_write(table, num_computed, num_new_tokens)
+        num_new_blocks = max(0, needed_total - have) + (1 if cow else 0)
+        if not self.can_allocate(num_new_blocks + free_hits, use_watermark):
+            return None
+
+        self.pool.touch(computed_blocks)
+        table.extend(computed_blocks)
+        self._tables[request.request_id] = table
+        ops: list[CopyOp] = []
+        if cow:
+            old = table[-1]
+            (new,) = self.pool.allocate(1)
+            ops.append(CopyOp(old.block_id, new.block_id))
+            self.pool.free([old])
+            table[-1] = new
+            num_new_blocks -= 1
+        table.extend(self.pool.allocate(num_new_blocks))
+        return ops
+
+    def _needs_copy_on_write(self, table: list[Block], num_computed: int, num_new_tokens: int) -> bool:
+        """A shared, partly filled last block must be copied before this request writes into it."""
+        if not table or num_new_tokens <= 0 or num_computed % self.block_size == 0:
+            return False
+        last_index = num_computed // self.block_size
+        return last_index == len(table) - 1 and table[-1].ref_count > 1
+
+    def cache_blocks(self, request: Request) -> None:
+        """Register the request's newly full, computed blocks in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        table = self._tables.get(request.request_id)
+        if not table:
+            return
+        n_full = min(request.num_computed_tokens // self.block_size, len(table))
+        hashes = self.request_hashes(request)
+        for i in range(n_full):
+            if table[i].block_hash is None:
+                self.pool.cache(table[i], hashes[i])
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """Let `child` share all of `parent`'s blocks (parallel sampling of one prompt)."""
+        table = self._tables.get(parent.request_id, [])
+        self.pool.touch(table)
+        self._tables[child.request_id] = list(table)
+        child.num_computed_tokens = parent.num_computed_tokens
+
+    def free(self, request: Request) -> None:
+        """Release every block the request holds; full ones stay cached for reuse."""
+        table = self._tables.pop(request.request_id, None)
+        self._hashes.pop(request.request_id, None)
+        if table:
+            self.pool.free(reversed(table))
+
+    def reset_prefix_cache(self) -> None:
+        self.pool.reset_cache()
+
+    def check_invariants(self) -> None:
+        self.pool.check_invariants()
+        refs = [0] * self.pool.num_blocks
+        for table in self._tables.values():
+            for block in table:
+                refs[block.block_id] += 1
+        for block in self.pool.blocks:
+            assert block.ref_count == refs[block.block_id], f"{block} held by {refs[block.block_id]} tables"

@@ -1,0 +1,80 @@
+"""What crosses between the instance scheduler and an executor, once per step.
+
+The scheduler emits a StepPlan; the executor (the real model runner or a cost model)
+returns a StepResult. Nothing else passes between them, which is what lets the simulator
+run the very scheduler the engine runs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from sloserve.kv.manager import CopyOp
+from sloserve.types import Request
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    start: int  # tokens already in the KV cache: this step computes [start, start + num_new_tokens)
+    num_new_tokens: int
+    block_table: list[int]
+    samples: bool  # the step ends this request's pending tokens, so it produces a new token
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.start < self.request.num_prompt_tokens or self.num_new_tokens > 1
+
+    @property
+    def context_len(self) -> int:
+        """Tokens attended to after this step (cached + new)."""
+        return self.start + self.num_new_tokens
+
+
+@dataclass
+class StepPlan:
+    step_id: int
+    now: float
+    scheduled: list[ScheduledRequest]
+    copies: list[CopyOp] = field(default_factory=list)  # run before the forward
+    preempted: list[str] = field(default_factory=list)  # ids preempted while planning this step
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled if s.is_prefill)
+
+    @property
+    def num_decodes(self) -> int:
+        return sum(1 for s in self.scheduled if not s.is_prefill)
+
+    @property
+    def composition(self) -> tuple[tuple[str, int, int], ...]:
+        """(request id, start, new tokens) per entry: comparable across executors."""
+        return tuple((s.request_id, s.start, s.num_new_tokens) for s in self.scheduled)
+
+
+@dataclass
+class StepResult:
+    # One new token per scheduled request whose `samples` is true.
+    sampled_token_ids: dict[str, int]
+    duration_s: float = 0.0
+    # Executor-specific per-request extras the scheduler ignores (e.g. logprobs).
+    extras: dict[str, Any] = field(default_factory=dict)
+
+
+class Executor(Protocol):
+    """Runs a StepPlan: the real model runner, or a cost model in the simulator."""
+
+    def execute(self, plan: StepPlan) -> StepResult: ...
