@@ -1,0 +1,1 @@
+"""sloserve.engine."""

@@ -1,0 +1,33 @@
+"""Shared fixtures. Loading the embedded model costs seconds, so engines are shared."""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))  # tests import their helpers by module name
+
+
+@pytest.fixture(scope="session")
+def llm():
+    """The embedded SmolLM2-135M on the default engine configuration."""
+    from sloserve import LLM
+
+    return LLM()
+
+
+@pytest.fixture(scope="session")
+def hf_reference():
+    """transformers' own load of the same GGUF (dequantized to fp32) and its tokenizer."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from sloserve.engine.weights import embedded_model_path
+
+    path = embedded_model_path()
+    model = AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
+    )
+    model.eval()
+    return model
