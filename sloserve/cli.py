@@ -65,6 +65,47 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    import os
+
+    from sloserve.server.launcher import run_server
+    from sloserve.server.qos import QoSRegistry, load_qos_config
+    from sloserve.server.settings import ServerSettings
+
+    level = logging.DEBUG if args.verbose else getattr(logging, args.log_level.upper())
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
+    registry = load_qos_config(args.qos_config) if args.qos_config else QoSRegistry()
+    keys = list(args.api_key or [])
+    if os.environ.get("SLOSERVE_API_KEY"):
+        keys.append(os.environ["SLOSERVE_API_KEY"])
+    settings = ServerSettings(
+        served_model_names=list(args.served_model_name or []),
+        registry=registry.with_keys(keys),
+        max_queue=args.max_queue,
+        max_body_bytes=args.max_body_bytes,
+        grace_period_s=args.grace_period,
+    )
+    settings.validate()
+    return run_server(engine_config_from_args(args), settings, host=args.host, port=args.port)
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, local only)")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--served-model-name", action="append", metavar="NAME",
+                   help="name clients use in `model` (repeatable; the first is reported; default: the model's name)")
+    g.add_argument("--api-key", action="append", metavar="KEY",
+                   help="accepted API key (repeatable; also $SLOSERVE_API_KEY); none = no authentication")
+    g.add_argument("--qos-config", metavar="FILE", help="YAML/JSON file with QoS classes and API key -> tenant")
+    g.add_argument("--max-queue", type=int, default=256,
+                   help="requests that may wait beyond one full batch (max-num-seqs); more get 429 (default 256)")
+    g.add_argument("--grace-period", type=float, default=30.0, metavar="S",
+                   help="on SIGTERM/SIGINT, seconds in-flight requests get to finish before they are aborted")
+    g.add_argument("--max-body-bytes", type=int, default=4 * 2**20, help="larger request bodies get 413")
+    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sloserve", description="SLO-driven LLM serving")
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -84,6 +125,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ignore-eos", action="store_true")
     add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
+
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (continuous batching across requests)")
+    add_serve_args(serve)
+    add_engine_args(serve)
+    serve.set_defaults(func=cmd_serve)
     return parser
 
 

@@ -250,6 +250,8 @@ class LLMEngine:
 
     def _emit(self, tracked: _Tracked) -> RequestOutput:
         request = tracked.request
+        if request.is_finished:
+            tracked.detok.flush()  # a generation may end inside a multi-byte character
         text = self._visible_text(tracked)
         tokens = request.output_token_ids
         out = RequestOutput(

@@ -24,7 +24,7 @@ class PrefillSpan:
     token_start: int  # index of its first token in the flat batch
     num_tokens: int
     start_pos: int  # tokens of this sequence already in the cache
-    context_slots: Optional[torch.Tensor]  # cache slots of all start_pos + num_tokens positions; None if start_pos == 0
+    context_blocks: Optional[torch.Tensor]  # block ids covering all start_pos + num_tokens positions; None if start_pos == 0
 
 
 @dataclass
@@ -33,8 +33,8 @@ class ForwardBatch:
     positions: torch.Tensor  # [T] long
     slot_mapping: torch.Tensor  # [T] long: where each new token's K/V is written
     num_decodes: int  # the first num_decodes tokens are decodes
-    decode_slots: Optional[torch.Tensor]  # [D, max_ctx] long: cache slots of each decode's context (padded)
-    decode_mask: Optional[torch.Tensor]  # [D, 1, 1, max_ctx] additive mask (0 or -inf)
+    decode_blocks: Optional[torch.Tensor]  # [D, W] long: each decode's block table, padded to W blocks
+    decode_mask: Optional[torch.Tensor]  # [D, 1, 1, W * block_size] additive mask (0 or -inf)
     prefills: list[PrefillSpan]
     sample_indices: torch.Tensor  # [S] long: flat token indices whose logits are wanted
 
@@ -47,6 +47,16 @@ class KVCache:
         self.data = torch.zeros(shape, dtype=dtype, device=device)
         self.block_size = block_size
         self.num_blocks = num_blocks
+
+    def gather(self, layer: int, kind: int, block_ids: torch.Tensor) -> torch.Tensor:
+        """K (kind 0) or V (kind 1) of whole blocks, [*block_ids.shape[:-1], W * block_size, kv_heads, head_dim].
+
+        Gathering whole blocks (one contiguous row each) instead of single slots makes this a
+        memcpy-speed copy; slot-wise advanced indexing was the slowest op of a decode step.
+        """
+        flat = self.data[layer, kind].view(self.num_blocks, -1)
+        rows = flat.index_select(0, block_ids.reshape(-1))
+        return rows.view(*block_ids.shape[:-1], block_ids.shape[-1] * self.block_size, *self.data.shape[-2:])
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy whole blocks src -> dst in every layer (copy-on-write)."""
@@ -157,8 +167,8 @@ class LlamaModel:
             attn = torch.empty(T, nh, hd, dtype=q.dtype, device=q.device)
             if D:
                 # [D, nh, 1, hd] against each decode's gathered context [D, nkv, ctx, hd].
-                kd = k_cache[batch.decode_slots].transpose(1, 2)
-                vd = v_cache[batch.decode_slots].transpose(1, 2)
+                kd = kv_cache.gather(li, 0, batch.decode_blocks).transpose(1, 2)
+                vd = kv_cache.gather(li, 1, batch.decode_blocks).transpose(1, 2)
                 out = F.scaled_dot_product_attention(
                     q[:D].unsqueeze(2), kd, vd, attn_mask=batch.decode_mask, scale=self.scale, enable_gqa=True
                 )
@@ -166,14 +176,15 @@ class LlamaModel:
             for span in batch.prefills:
                 s, n = span.token_start, span.num_tokens
                 qp = q[s:s + n].transpose(0, 1).unsqueeze(0)
-                if span.context_slots is None:
+                if span.context_blocks is None:
                     kp, vp = k[s:s + n], v[s:s + n]
                     mask, causal = None, True
                 else:
-                    kp, vp = k_cache[span.context_slots], v_cache[span.context_slots]
+                    ctx = span.start_pos + n
+                    kp = kv_cache.gather(li, 0, span.context_blocks)[:ctx]
+                    vp = kv_cache.gather(li, 1, span.context_blocks)[:ctx]
                     # SDPA's is_causal is top-left aligned; with a cached prefix the new tokens
                     # sit at the bottom right of the score matrix, so build the mask here.
-                    ctx = span.start_pos + n
                     rows = torch.arange(n, device=q.device).unsqueeze(1) + span.start_pos
                     mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= rows
                     causal = False

@@ -72,11 +72,10 @@ class ModelRunner:
         sample_indices: list[int] = []
         bs = self.block_size
 
-        decode_slots = decode_mask = None
+        decode_blocks = decode_mask = None
         if decodes:
             ctx = torch.tensor([d.context_len for d in decodes])
-            max_ctx = int(ctx.max())
-            width = -(-max_ctx // bs)
+            width = -(-int(ctx.max()) // bs)
             tables = torch.zeros(len(decodes), width, dtype=torch.long)
             for i, d in enumerate(decodes):
                 n = min(width, len(d.block_table))
@@ -84,15 +83,14 @@ class ModelRunner:
                 ids.extend(d.request.token_slice(d.start, d.start + 1))
                 if d.samples:
                     sample_indices.append(i)
-            pos = torch.arange(max_ctx)
-            all_slots = tables[:, pos // bs] * bs + pos % bs  # [D, max_ctx]
-            valid = pos.unsqueeze(0) < ctx.unsqueeze(1)
-            decode_slots = torch.where(valid, all_slots, torch.zeros_like(all_slots))
-            decode_mask = torch.zeros(len(decodes), 1, 1, max_ctx, dtype=self.model.dtype)
-            decode_mask.masked_fill_(~valid.view(len(decodes), 1, 1, max_ctx), float("-inf"))
+            pos = torch.arange(width * bs)
+            valid = pos.unsqueeze(0) < ctx.unsqueeze(1)  # padding blocks and slots are masked out
+            decode_blocks = tables
+            decode_mask = torch.zeros(len(decodes), 1, 1, width * bs, dtype=self.model.dtype)
+            decode_mask.masked_fill_(~valid.view(len(decodes), 1, 1, -1), float("-inf"))
             last = ctx - 1
             positions.append(last)
-            slots.append(all_slots[torch.arange(len(decodes)), last])
+            slots.append(tables[torch.arange(len(decodes)), last // bs] * bs + last % bs)
 
         spans: list[PrefillSpan] = []
         for p in prefills:
@@ -100,9 +98,11 @@ class ModelRunner:
             token_start = len(ids)
             ids.extend(p.request.token_slice(start, end))
             positions.append(torch.arange(start, end))
-            ctx_slots = self._slots(p.block_table, 0, end)
-            slots.append(ctx_slots[start:])
-            spans.append(PrefillSpan(token_start, p.num_new_tokens, start, ctx_slots.to(self.device) if start else None))
+            slots.append(self._slots(p.block_table, start, end))
+            blocks = None
+            if start:
+                blocks = torch.tensor(p.block_table[: -(-end // bs)], dtype=torch.long, device=self.device)
+            spans.append(PrefillSpan(token_start, p.num_new_tokens, start, blocks))
             if p.samples:
                 sample_indices.append(len(ids) - 1)
 
@@ -112,7 +112,7 @@ class ModelRunner:
             positions=torch.cat(positions).to(dev),
             slot_mapping=torch.cat(slots).to(dev),
             num_decodes=len(decodes),
-            decode_slots=None if decode_slots is None else decode_slots.to(dev),
+            decode_blocks=None if decode_blocks is None else decode_blocks.to(dev),
             decode_mask=None if decode_mask is None else decode_mask.to(dev),
             prefills=spans,
             sample_indices=torch.tensor(sample_indices, dtype=torch.long, device=dev),
