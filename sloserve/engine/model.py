@@ -144,6 +144,24 @@ class LlamaModel:
         rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
         return x * cos + rotated * sin
 
+    def _prefill_mask(self, span: PrefillSpan) -> Optional[torch.Tensor]:
+        """Boolean [n, ctx] mask, or None when SDPA's own causal mask is right.
+
+        SDPA's is_causal is top-left aligned: right only when the chunk starts at position 0.
+        With a cached prefix the new tokens sit at the bottom right of the score matrix; with a
+        sliding window (Mistral) keys more than window-1 positions back are hidden too.
+        """
+        window = self.config.sliding_window
+        n, start = span.num_tokens, span.start_pos
+        if start == 0 and (window is None or n <= window):
+            return None
+        q_pos = torch.arange(start, start + n, device=self.device).unsqueeze(1)
+        k_pos = torch.arange(start + n, device=self.device).unsqueeze(0)
+        mask = k_pos <= q_pos
+        if window is not None:
+            mask &= k_pos > q_pos - window
+        return mask
+
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
         """Logits [S, vocab] at batch.sample_indices."""
@@ -154,6 +172,7 @@ class LlamaModel:
         sin = self.sin[batch.positions].unsqueeze(1)
         h = F.embedding(batch.input_ids, self.embed)
         D = batch.num_decodes
+        prefill_masks = {span.token_start: self._prefill_mask(span) for span in batch.prefills}
         for li, layer in enumerate(self.layers):
             x = self._rms_norm(h, layer["in_norm"])
             qkv = F.linear(x, layer["qkv"], layer["qkv_bias"])
@@ -178,16 +197,11 @@ class LlamaModel:
                 qp = q[s:s + n].transpose(0, 1).unsqueeze(0)
                 if span.context_blocks is None:
                     kp, vp = k[s:s + n], v[s:s + n]
-                    mask, causal = None, True
                 else:
-                    ctx = span.start_pos + n
-                    kp = kv_cache.gather(li, 0, span.context_blocks)[:ctx]
-                    vp = kv_cache.gather(li, 1, span.context_blocks)[:ctx]
-                    # SDPA's is_causal is top-left aligned; with a cached prefix the new tokens
-                    # sit at the bottom right of the score matrix, so build the mask here.
-                    rows = torch.arange(n, device=q.device).unsqueeze(1) + span.start_pos
-                    mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= rows
-                    causal = False
+                    kp = kv_cache.gather(li, 0, span.context_blocks)[:span.start_pos + n]
+                    vp = kv_cache.gather(li, 1, span.context_blocks)[:span.start_pos + n]
+                mask = prefill_masks[span.token_start]
+                causal = mask is None
                 out = F.scaled_dot_product_attention(
                     qp, kp.transpose(0, 1).unsqueeze(0), vp.transpose(0, 1).unsqueeze(0),
                     attn_mask=mask, is_causal=causal, scale=self.scale, enable_gqa=True,

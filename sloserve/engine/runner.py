@@ -85,6 +85,9 @@ class ModelRunner:
                     sample_indices.append(i)
             pos = torch.arange(width * bs)
             valid = pos.unsqueeze(0) < ctx.unsqueeze(1)  # padding blocks and slots are masked out
+            window = self.model.config.sliding_window
+            if window is not None:
+                valid &= pos.unsqueeze(0) > (ctx - 1 - window).unsqueeze(1)
             decode_blocks = tables
             decode_mask = torch.zeros(len(decodes), 1, 1, width * bs, dtype=self.model.dtype)
             decode_mask.masked_fill_(~valid.view(len(decodes), 1, 1, -1), float("-inf"))
