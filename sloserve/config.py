@@ -30,6 +30,8 @@ class ModelConfig:
     bos_token_id: Optional[int] = None
     eos_token_ids: tuple[int, ...] = ()
     sliding_window: Optional[int] = None
+    num_experts: int = 0  # MoE: experts per layer (0 = dense MLP)
+    num_experts_per_token: int = 0  # MoE: experts each token is routed to
     name: str = ""
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
@@ -37,11 +39,20 @@ class ModelConfig:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
 
     @property
+    def num_active_params(self) -> int:
+        """Parameters one token touches (MoE: only its routed experts)."""
+        if not self.num_experts:
+            return self.num_params
+        idle = self.num_experts - self.num_experts_per_token
+        return self.num_params - self.num_layers * idle * 3 * self.hidden_size * self.intermediate_size
+
+    @property
     def num_params(self) -> int:
         h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
         q = self.num_heads * self.head_dim
         kv = self.num_kv_heads * self.head_dim
-        per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h
+        experts = max(1, self.num_experts)
+        per_layer = h * (q + 2 * kv) + q * h + experts * 3 * h * i + 2 * h + (h * self.num_experts)
         head = 0 if self.tie_word_embeddings else v * h
         return v * h + self.num_layers * per_layer + h + head
 

@@ -1,0 +1,1 @@
+"""Cluster scheduler: routing across instances (autoscaling, migration and disaggregation to come)."""

@@ -1,0 +1,1 @@
+"""Fleet simulator: the real `sched/` and `kv/` code on modelled hardware, in simulated time."""
