@@ -1,0 +1,157 @@
+"""The FastAPI application: routes, wiring, and the drain hook for graceful shutdown.
+
+`build_app` takes a running AsyncLLMEngine (its one loop thread batches every in-flight
+HTTP request) and returns an app with its own admission gate, metrics registry and QoS
+registry, so several apps can coexist in one process.
+"""
+from __future__ import annotations
+
+import logging
+import uuid
+from dataclasses import dataclass
+from typing import Any, Callable, Coroutine
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
+
+import sloserve
+from sloserve.engine.async_engine import AsyncLLMEngine
+from sloserve.server.admission import Admission
+from sloserve.server.errors import APIError, bad_request, error_response, install_error_handlers
+from sloserve.server.metrics import EngineGauges, ServerMetrics
+from sloserve.server.middleware import EdgeMiddleware
+from sloserve.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+)
+from sloserve.server.serving import STATUS_CLIENT_GONE, OpenAIServing
+from sloserve.server.settings import ServerSettings
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ServerState:
+    """Everything the routes share, hung on `app.state.sloserve`."""
+
+    engine: AsyncLLMEngine
+    settings: ServerSettings
+    admission: Admission
+    metrics: ServerMetrics
+    serving: OpenAIServing
+
+    async def drain(self, grace_s: float) -> int:
+        """Stop admitting (503), let in-flight requests finish within `grace_s`, abort the rest."""
+        logger.info("draining: %d requests in flight, grace period %.1fs", self.admission.num_in_flight, grace_s)
+        aborted = await self.admission.drain(grace_s, self.engine.abort)
+        if aborted:
+            logger.warning("grace period over: aborted %d requests", aborted)
+        return aborted
+
+
+class _Route(APIRoute):
+    """Answers an unexpected exception with a logged 500 in the OpenAI schema, naming the
+    request id, instead of letting it escape to the server's default error page."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def guarded(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except (APIError, HTTPException, RequestValidationError):
+                raise
+            except ClientDisconnect:
+                return Response(status_code=STATUS_CLIENT_GONE)
+            except Exception:
+                request_id = getattr(request.state, "request_id", None) or f"req-{uuid.uuid4().hex[:12]}"
+                logger.exception("unexpected error in %s %s (request %s)", request.method, request.url.path,
+                                 request_id)
+                return error_response(APIError(500, f"internal server error (request {request_id})",
+                                               code="internal_error"))
+
+        return guarded
+
+
+def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
+    settings.validate()
+    core = engine.engine
+    names = settings.served_model_names or [core.model_name]
+    admission = Admission(core.config.scheduler.max_num_seqs, settings.max_queue, settings.retry_after_s)
+    metrics = ServerMetrics(EngineGauges.of(core, lambda: admission.num_in_flight), names[0])
+    serving = OpenAIServing(engine, names, settings.registry, admission, metrics)
+    state = ServerState(engine, settings, admission, metrics, serving)
+
+    app = FastAPI(title="sloserve", version=sloserve.__version__, docs_url="/docs", redoc_url=None)
+    app.router.route_class = _Route
+    app.state.sloserve = state
+    install_error_handlers(app)
+    app.add_middleware(EdgeMiddleware, admission=admission, registry=settings.registry,
+                       max_body_bytes=settings.max_body_bytes, observe_http=metrics.observe_http,
+                       on_rejected=metrics.observe_rejected)
+    _add_routes(app, state)
+    return app
+
+
+def _add_routes(app: FastAPI, state: ServerState) -> None:
+    serving, core = state.serving, state.engine.engine
+
+    @app.get("/health")
+    async def health() -> Response:
+        if state.admission.draining:
+            return error_response(APIError(503, "server is shutting down", code="draining"))
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": sloserve.__version__}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        cards = [ModelCard(id=name, root=core.model_name, max_model_len=core.max_model_len)
+                 for name in serving.served_models]
+        return ModelList(data=cards).model_dump()
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await serving.completions(body, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await serving.chat(body, request)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict:
+        serving.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise bad_request("give exactly one of prompt or messages", "prompt")
+        try:
+            if body.messages is not None:
+                conversation = [m.plain(i) for i, m in enumerate(body.messages)]
+                ids = core.tokenizer.encode_chat(conversation, add_generation_prompt=body.add_generation_prompt)
+            else:
+                ids = core.tokenizer.encode(body.prompt or "")
+        except ValueError as exc:
+            raise bad_request(str(exc), "messages" if body.messages is not None else "prompt") from None
+        return {"tokens": ids, "count": len(ids), "max_model_len": core.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict:
+        serving.check_model(body.model)
+        vocab = core.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in body.tokens):
+            raise bad_request(f"tokens must be integers in [0, {vocab})", "tokens")
+        return {"prompt": core.tokenizer.decode(body.tokens)}

@@ -1,0 +1,119 @@
+"""The server's edge, as plain ASGI middleware (no BaseHTTPMiddleware: it breaks streaming
+and hides client disconnects).
+
+In order: count every response by route and status; refuse oversized bodies (413) before
+reading them; for API routes refuse new work while draining (503) and check the API key
+(401) before the body is even parsed, so a bad key never reveals how the body would have
+been judged.
+"""
+from __future__ import annotations
+
+import json
+from typing import Callable, Optional
+
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from sloserve.server.admission import Admission
+from sloserve.server.errors import APIError
+from sloserve.server.qos import QoSRegistry
+
+API_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+KNOWN_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics",
+                          "/tokenize", "/detokenize", "/version"})
+
+
+async def send_error(send: Send, err: APIError) -> None:
+    body = json.dumps(err.body()).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    headers += [(k.lower().encode(), v.encode()) for k, v in err.headers.items()]
+    await send({"type": "http.response.start", "status": err.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+def bearer_token(headers: Headers) -> Optional[str]:
+    value = headers.get("authorization")
+    if value and value[:7].lower() == "bearer ":
+        return value[7:].strip()
+    return headers.get("x-api-key")
+
+
+class EdgeMiddleware:
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        admission: Admission,
+        registry: QoSRegistry,
+        max_body_bytes: int,
+        observe_http: Callable[[str, int], None],
+        on_rejected: Callable[[str], None],
+    ) -> None:
+        self.app = app
+        self.admission = admission
+        self.registry = registry
+        self.max_body_bytes = max_body_bytes
+        self.observe_http = observe_http
+        self.on_rejected = on_rejected
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope.get("path", "")
+        route = path if path in KNOWN_ROUTES else "other"
+        status_seen: list[int] = []
+
+        async def counting_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status_seen.append(message["status"])
+            await send(message)
+
+        try:
+            err = self._refuse(scope)
+            if err is not None:
+                await send_error(counting_send, err)
+                return
+            await self.app(scope, self._limited(receive), counting_send)
+        finally:
+            if status_seen:
+                self.observe_http(route, status_seen[0])
+
+    def _refuse(self, scope: Scope) -> Optional[APIError]:
+        headers = Headers(scope=scope)
+        length = headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
+            return APIError(413, f"request body of {length} bytes exceeds the limit of {self.max_body_bytes}",
+                            code="request_too_large")
+        if not scope.get("path", "").startswith(API_PREFIXES):
+            return None
+        if self.admission.draining:
+            self.on_rejected("draining")
+            try:
+                self.admission.check_open()
+            except APIError as e:
+                return e
+        principal = self.registry.authenticate(bearer_token(headers))
+        if principal is None:
+            self.on_rejected("unauthorized")
+            return APIError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
+                            code="invalid_api_key")
+        scope.setdefault("state", {})["principal"] = principal
+        return None
+
+    def _limited(self, receive: Receive) -> Receive:
+        """Count body bytes as they arrive: chunked uploads have no Content-Length to check."""
+        seen = 0
+        limit = self.max_body_bytes
+
+        async def wrapped() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > limit:
+                    raise HTTPException(413, f"request body exceeds the limit of {limit} bytes")
+            return message
+
+        return wrapped

@@ -1,0 +1,339 @@
+"""The OpenAI wire format: request bodies (validated strictly) and response bodies.
+
+Requests are strict: "16" is not an integer, unknown fields are rejected (as OpenAI does),
+so a typo such as `max_token` is a 400 instead of a silently ignored setting. A few fields
+clients send routinely but that change nothing here (`user`, `metadata`, `store`, ...) are
+accepted. Ranges are checked by `SamplingParams.validate`, the single source of truth the
+offline engine uses too.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from sloserve.server.errors import APIError, bad_request, param_from_message
+from sloserve.types import SamplingParams
+
+MAX_CHOICES = 64  # n x prompts per HTTP request; each choice is one engine request
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class SamplingFields(_Strict):
+    """Fields both endpoints share: OpenAI's, vLLM's extensions, and sloserve's QoS fields."""
+
+    model: Optional[str] = None
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    repetition_penalty: Optional[float] = None
+    seed: Optional[int] = None
+    stop: Optional[Union[str, list[str]]] = None
+    stop_token_ids: Optional[list[int]] = None
+    n: Optional[int] = None
+    logit_bias: Optional[dict[str, float]] = None
+    stream: Optional[bool] = False
+    stream_options: Optional[StreamOptions] = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    # sloserve extensions (also accepted as X-QoS-Class / X-Priority headers)
+    priority: Optional[int] = None
+    qos_class: Optional[str] = None
+    # accepted and ignored: they change nothing about generation here
+    user: Optional[str] = None
+    metadata: Optional[dict[str, str]] = None
+    store: Optional[bool] = None
+    service_tier: Optional[str] = None
+
+    def _check_common(self) -> None:
+        if self.n is not None and not 1 <= self.n <= MAX_CHOICES:
+            raise bad_request(f"n must be in [1, {MAX_CHOICES}], got {self.n}", "n")
+        if self.logit_bias:
+            raise bad_request("logit_bias is not supported", "logit_bias", "unsupported_parameter")
+        if self.stream_options is not None and not self.stream:
+            raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+
+    def _params(self, max_tokens: Optional[int], logprobs: Optional[int]) -> SamplingParams:
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        fields: dict[str, Any] = dict(
+            max_tokens=max_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=0 if self.top_k is None else self.top_k,
+            min_p=0.0 if self.min_p is None else self.min_p,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            seed=self.seed,
+            stop=stop,
+            stop_token_ids=list(self.stop_token_ids or []),
+            ignore_eos=self.ignore_eos,
+            min_tokens=self.min_tokens,
+            logprobs=logprobs,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
+        )
+        try:
+            return SamplingParams(**fields)
+        except ValueError as exc:
+            message = str(exc)
+            raise bad_request(message, param_from_message(message)) from None
+
+    @property
+    def num_choices(self) -> int:
+        return self.n or 1
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+PromptInput = Union[str, list[int], list[str], list[list[int]]]
+
+
+class CompletionRequest(SamplingFields):
+    prompt: PromptInput
+    max_tokens: Optional[int] = 16
+    logprobs: Optional[int] = None
+    echo: bool = False
+    best_of: Optional[int] = None
+    suffix: Optional[str] = None
+
+    def prompts(self) -> list[Union[str, list[int]]]:
+        """The prompt field as a list of prompts (a string, token ids, or a batch of either)."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise bad_request("prompt must not be empty", "prompt")
+        if isinstance(p[0], int):
+            return [p]  # type: ignore[list-item]
+        return list(p)  # type: ignore[arg-type]
+
+    def sampling_params(self) -> SamplingParams:
+        self._check_common()
+        if self.echo:
+            raise bad_request("echo is not supported", "echo", "unsupported_parameter")
+        if self.suffix:
+            raise bad_request("suffix is not supported", "suffix", "unsupported_parameter")
+        if self.best_of is not None and self.best_of != self.num_choices:
+            raise bad_request("best_of other than n is not supported", "best_of", "unsupported_parameter")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise bad_request(f"logprobs must be in [0, 20], got {self.logprobs}", "logprobs")
+        return self._params(self.max_tokens, self.logprobs)
+
+
+class TextPart(_Strict):
+    type: str
+    text: Optional[str] = None
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[str, list[TextPart], None] = None
+    name: Optional[str] = None
+    tool_call_id: Optional[str] = None
+
+    def plain(self, index: int) -> dict[str, str]:
+        """The message as the chat template wants it: role and a text content."""
+        content = self.content
+        if content is None:
+            raise bad_request(f"messages[{index}].content is required", f"messages.{index}.content")
+        if isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                if part.type != "text" or part.text is None:
+                    raise bad_request(f"messages[{index}].content[{j}]: only text parts are supported, got {part.type!r}",
+                                      f"messages.{index}.content")
+                texts.append(part.text)
+            content = "".join(texts)
+        role = "system" if self.role == "developer" else self.role
+        return {"role": role, "content": content}
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage]
+    max_tokens: Optional[int] = None
+    max_completion_tokens: Optional[int] = None
+    logprobs: bool = False
+    top_logprobs: Optional[int] = None
+    response_format: Optional[dict[str, Any]] = None
+    tools: Optional[list[dict[str, Any]]] = None
+    tool_choice: Optional[Union[str, dict[str, Any]]] = None
+    parallel_tool_calls: Optional[bool] = None
+
+    def conversation(self) -> list[dict[str, str]]:
+        if not self.messages:
+            raise bad_request("messages must be a non-empty list", "messages")
+        return [m.plain(i) for i, m in enumerate(self.messages)]
+
+    def sampling_params(self) -> SamplingParams:
+        self._check_common()
+        if self.tools:
+            raise bad_request("tools are not supported", "tools", "unsupported_parameter")
+        if self.tool_choice not in (None, "none"):
+            raise bad_request("tool_choice is not supported", "tool_choice", "unsupported_parameter")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise bad_request("only response_format type 'text' is supported", "response_format",
+                              "unsupported_parameter")
+        if self.top_logprobs is not None:
+            if not self.logprobs:
+                raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+            if not 0 <= self.top_logprobs <= 20:
+                raise bad_request(f"top_logprobs must be in [0, 20], got {self.top_logprobs}", "top_logprobs")
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        try:
+            return self._params(max_tokens, logprobs)
+        except APIError as err:
+            if err.param == "max_tokens" and self.max_completion_tokens is not None:
+                err.param = "max_completion_tokens"
+            raise
+
+
+class TokenizeRequest(_Strict):
+    model: Optional[str] = None
+    prompt: Optional[str] = None
+    messages: Optional[list[ChatMessage]] = None
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Strict):
+    model: Optional[str] = None
+    tokens: list[int]
+
+
+# ---------------------------------------------------------------------------- responses
+
+
+class _Out(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class PromptTokensDetails(_Out):
+    cached_tokens: int = 0
+
+
+class Usage(_Out):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: Optional[PromptTokensDetails] = None
+
+
+class CompletionLogprobs(_Out):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[Optional[float]] = Field(default_factory=list)
+    top_logprobs: list[Optional[dict[str, float]]] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(_Out):
+    index: int
+    text: str
+    logprobs: Optional[CompletionLogprobs] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Union[int, str, None] = None
+
+
+class CompletionResponse(_Out):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: Optional[Usage] = None
+
+
+class TopLogprob(_Out):
+    token: str
+    logprob: float
+    bytes: Optional[list[int]] = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(_Out):
+    content: Optional[list[ChatTokenLogprob]] = None
+
+
+class ChatResponseMessage(_Out):
+    role: str = "assistant"
+    content: Optional[str] = None
+
+
+class ChatChoice(_Out):
+    index: int
+    message: ChatResponseMessage
+    logprobs: Optional[ChatLogprobs] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Union[int, str, None] = None
+
+
+class ChatCompletionResponse(_Out):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: Optional[Usage] = None
+
+
+class DeltaMessage(_Out):
+    role: Optional[str] = None
+    content: Optional[str] = None
+
+
+class ChatChunkChoice(_Out):
+    index: int
+    delta: DeltaMessage
+    logprobs: Optional[ChatLogprobs] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Union[int, str, None] = None
+
+
+class ChatCompletionChunk(_Out):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Optional[Usage] = None
+
+
+class CompletionChunk(_Out):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Optional[Usage] = None
+
+
+class ModelCard(_Out):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "sloserve"
+    root: Optional[str] = None
+    max_model_len: Optional[int] = None
+
+
+class ModelList(_Out):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

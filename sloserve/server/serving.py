@@ -1,0 +1,531 @@
+"""The generation endpoints: from a validated OpenAI request to engine requests and back.
+
+One HTTP request becomes one engine request per choice (`n` x prompts). Each engine
+request is wrapped in a tracking stream that measures TTFT/ITL as the server sees them and,
+however it ends (finished, aborted, client gone, engine failure), releases its admission
+slot, feeds the metrics and writes one access-log line, exactly once.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import re
+import time
+import uuid
+from dataclasses import dataclass, field, replace
+from typing import AsyncIterator, Optional, Sequence, Union
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from sloserve.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
+from sloserve.engine.outputs import RequestOutput
+from sloserve.server.admission import Admission
+from sloserve.server.errors import APIError, bad_request, error_body
+from sloserve.server.logprobs import TokenStrings, chat_logprobs, completion_logprobs
+from sloserve.server.metrics import FinishedRequest, ServerMetrics
+from sloserve.server.protocol import (
+    MAX_CHOICES,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatResponseMessage,
+    CompletionChoice,
+    CompletionChunk,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
+    PromptTokensDetails,
+    Usage,
+    SamplingFields,
+)
+from sloserve.server.qos import ANONYMOUS, Principal, QoSRegistry
+from sloserve.types import QoSClass, SamplingParams
+
+logger = logging.getLogger(__name__)
+access_log = logging.getLogger("sloserve.access")
+
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+STATUS_CLIENT_GONE = 499  # nginx's convention for "client closed the request"
+
+
+@dataclass
+class CallContext:
+    """One HTTP generation request: who, which class, which ids."""
+
+    request_id: str
+    model: str
+    principal: Principal
+    qos: QoSClass
+    priority: Optional[int]
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+@dataclass
+class Choice:
+    """One engine request: its prompt ids and sampling parameters."""
+
+    index: int
+    engine_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    prompt_index: int
+
+
+class OpenAIServing:
+    def __init__(
+        self,
+        engine: AsyncLLMEngine,
+        served_models: Sequence[str],
+        registry: QoSRegistry,
+        admission: Admission,
+        metrics: ServerMetrics,
+    ) -> None:
+        self.engine = engine
+        self.served_models = list(served_models)
+        self.registry = registry
+        self.admission = admission
+        self.metrics = metrics
+        self.tokenizer = engine.engine.tokenizer
+        self.strings = TokenStrings(self.tokenizer)
+
+    # ------------------------------------------------------------------ endpoints
+
+    async def completions(self, body: CompletionRequest, request: Request) -> Response:
+        ctx = self._context(body, request, "cmpl")
+        params = body.sampling_params()
+        prompts = body.prompts()
+        # Refuse under overload before spending CPU on tokenization.
+        self._counting_rejections(self.admission.check_room, len(prompts) * body.num_choices)
+        prompt_ids = [self._tokenize(p, "prompt") for p in prompts]
+        choices = self._choices(ctx, prompt_ids, params, body.num_choices)
+        streams = self._submit(ctx, choices)
+        if body.stream:
+            return self._sse(self._completion_events(ctx, choices, streams, body.include_usage), ctx, streams)
+        finals = await self._collect(request, ctx, streams)
+        out = []
+        for c, final in zip(choices, finals):
+            lp = completion_logprobs(final.logprobs or [], self.strings) if c.params.logprobs is not None else None
+            out.append(CompletionChoice(index=c.index, text=final.text, logprobs=lp, finish_reason=final.finish_reason,
+                                        stop_reason=final.stop_reason))
+        resp = CompletionResponse(id=ctx.request_id, created=ctx.created, model=ctx.model, choices=out,
+                                  usage=_usage(choices, finals))
+        return _json(resp.model_dump(), ctx)
+
+    async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
+        ctx = self._context(body, request, "chatcmpl")
+        params = body.sampling_params()
+        conversation = body.conversation()
+        self._counting_rejections(self.admission.check_room, body.num_choices)
+        try:
+            ids = self.tokenizer.encode_chat(conversation)
+        except ValueError as exc:
+            raise bad_request(str(exc), "messages") from None
+        choices = self._choices(ctx, [ids], params, body.num_choices)
+        streams = self._submit(ctx, choices)
+        if body.stream:
+            return self._sse(self._chat_events(ctx, choices, streams, body.include_usage), ctx, streams)
+        finals = await self._collect(request, ctx, streams)
+        out = []
+        for c, final in zip(choices, finals):
+            lp = chat_logprobs(final.logprobs or [], self.strings) if c.params.logprobs is not None else None
+            out.append(ChatChoice(index=c.index, message=ChatResponseMessage(content=final.text), logprobs=lp,
+                                  finish_reason=final.finish_reason, stop_reason=final.stop_reason))
+        resp = ChatCompletionResponse(id=ctx.request_id, created=ctx.created, model=ctx.model, choices=out,
+                                      usage=_usage(choices, finals))
+        return _json(resp.model_dump(), ctx)
+
+    # ------------------------------------------------------------------ request set-up
+
+    def check_model(self, name: Optional[str]) -> str:
+        if name is None or name in self.served_models:
+            return self.served_models[0] if name is None else name
+        raise APIError(404, f"model {name!r} does not exist; available: {self.served_models}", param="model",
+                       code="model_not_found")
+
+    def _context(self, body: SamplingFields, request: Request, prefix: str) -> CallContext:
+        model = self.check_model(body.model)
+        header_id = request.headers.get("x-request-id")
+        if header_id is not None and not _REQUEST_ID.match(header_id):
+            raise bad_request("X-Request-Id must be 1-128 characters of [A-Za-z0-9._:-]", "X-Request-Id")
+        request_id = header_id or f"{prefix}-{uuid.uuid4().hex}"
+        request.state.request_id = request_id
+        principal: Principal = getattr(request.state, "principal", ANONYMOUS)
+        class_name = body.qos_class if body.qos_class is not None else request.headers.get("x-qos-class")
+        try:
+            qos = self.registry.resolve(class_name, principal)
+        except KeyError:
+            raise bad_request(f"unknown qos_class {class_name!r}; known: {sorted(self.registry.classes)}",
+                              "qos_class") from None
+        priority = body.priority
+        if priority is None and "x-priority" in request.headers:
+            raw = request.headers["x-priority"].strip()
+            if not re.fullmatch(r"-?\d{1,9}", raw):
+                raise bad_request("X-Priority must be an integer", "X-Priority")
+            priority = int(raw)
+        return CallContext(request_id, model, principal, qos, priority)
+
+    def _tokenize(self, prompt: Union[str, list[int]], param: str) -> list[int]:
+        try:
+            return self.engine.engine.tokenize_prompt(prompt)
+        except ValueError as exc:
+            raise bad_request(str(exc), param) from None
+
+    def _choices(self, ctx: CallContext, prompt_ids: list[list[int]], params: SamplingParams, n: int) -> list[Choice]:
+        total = len(prompt_ids) * n
+        if total > MAX_CHOICES:
+            raise bad_request(f"{len(prompt_ids)} prompts x n={n} = {total} choices; the limit is {MAX_CHOICES}",
+                              "n")
+        choices = []
+        for p, ids in enumerate(prompt_ids):
+            for j in range(n):
+                index = p * n + j
+                engine_id = ctx.request_id if total == 1 else f"{ctx.request_id}-{index}"
+                # n samples of one prompt must differ even with a seed: offset it per choice.
+                choice_params = replace(params, seed=params.seed + j) if params.seed is not None and j else params
+                choices.append(Choice(index, engine_id, ids, choice_params, p))
+        return choices
+
+    def _counting_rejections(self, gate, arg) -> None:
+        try:
+            gate(arg)
+        except APIError as err:
+            if err.code in ("queue_full", "draining"):
+                self.metrics.observe_rejected(err.code)
+            raise
+
+    def _submit(self, ctx: CallContext, choices: list[Choice]) -> list["TrackedStream"]:
+        """Admit and queue every choice, or none: a failure undoes what was queued."""
+        self._counting_rejections(self.admission.admit, [c.engine_id for c in choices])
+        streams: list[RequestStream] = []
+        try:
+            for c in choices:
+                streams.append(self.engine.add_request(c.prompt_ids, c.params, request_id=c.engine_id, qos=ctx.qos,
+                                                       tenant=ctx.principal.tenant, priority=ctx.priority))
+        except (ValueError, EngineDeadError) as exc:
+            for stream in streams:
+                stream.abort()
+            for c in choices:
+                self.admission.release(c.engine_id)
+            if isinstance(exc, EngineDeadError):
+                raise APIError(503, "the engine is not running", code="engine_unavailable") from None
+            message = str(exc)
+            param = "max_tokens" if "max_tokens" in message else ("messages" if ctx.request_id.startswith("chat")
+                                                                  else "prompt")
+            code = "context_length_exceeded" if "context window" in message else None
+            raise bad_request(message, param, code) from None
+        return [TrackedStream(self, ctx, c, s) for c, s in zip(choices, streams)]
+
+    def account(self, ctx: CallContext, choice: Choice, last: Optional[RequestOutput], itls: list[float],
+                status: int) -> None:
+        """Metrics and the access-log line for one engine request that has ended."""
+        m = last.metrics if last is not None else None
+        finish = last.finish_reason if last is not None and last.finished else None
+        e2e = None
+        if m is not None:
+            e2e = m.e2e if m.e2e is not None else time.monotonic() - m.arrival_time
+        rec = FinishedRequest(
+            request_id=choice.engine_id,
+            tenant=ctx.principal.tenant,
+            qos=ctx.qos,
+            num_prompt_tokens=len(choice.prompt_ids),
+            num_output_tokens=len(last.token_ids) if last is not None else 0,
+            num_cached_tokens=last.num_cached_tokens if last is not None else 0,
+            finish_reason=finish or "abort",
+            ttft=m.ttft if m is not None else None,
+            e2e=e2e,
+            queue_time=(m.first_scheduled_time - m.arrival_time) if m and m.first_scheduled_time else None,
+            itls=itls,
+        )
+        try:
+            self.metrics.observe_finished(rec)
+        except Exception:  # metrics must never take a request down
+            logger.exception("recording metrics for %s failed", choice.engine_id)
+        access_log.info(
+            "id=%s tenant=%s class=%s status=%d prompt_tokens=%d output_tokens=%d cached_tokens=%d ttft=%s e2e=%s "
+            "finish=%s",
+            rec.request_id, rec.tenant or "-", rec.qos.name, status, rec.num_prompt_tokens, rec.num_output_tokens,
+            rec.num_cached_tokens, _secs(rec.ttft), _secs(rec.e2e), rec.finish_reason,
+        )
+
+    # ------------------------------------------------------------------ non-streaming
+
+    async def _collect(self, request: Request, ctx: CallContext, streams: list["TrackedStream"]) -> list[RequestOutput]:
+        """Run every choice to its end; a client that disconnects meanwhile aborts them all."""
+
+        async def last_of(stream: TrackedStream) -> RequestOutput:
+            final = None
+            async for out in stream:
+                final = out
+            if final is None or not final.finished:
+                raise EngineDeadError("the request ended without a final output")
+            return final
+
+        work = asyncio.ensure_future(asyncio.gather(*(last_of(s) for s in streams)))
+        gone = asyncio.ensure_future(_wait_for_disconnect(request))
+        try:
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not work.done():
+                work.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await work
+                raise APIError(STATUS_CLIENT_GONE, "client disconnected", code="client_disconnected")
+            try:
+                return work.result()
+            except EngineDeadError as exc:
+                logger.error("request %s failed in the engine: %s", ctx.request_id, exc)
+                raise APIError(500, f"the engine failed while serving request {ctx.request_id}",
+                               code="engine_error") from None
+        finally:
+            gone.cancel()
+            if not work.done():
+                work.cancel()
+            for stream in streams:  # whatever happened above, no engine request outlives the call
+                stream.close()
+
+    # ------------------------------------------------------------------ streaming
+
+    def _sse(self, events: AsyncIterator[str], ctx: CallContext, streams: list["TrackedStream"]) -> Response:
+        async def cleanup() -> None:
+            with contextlib.suppress(RuntimeError):  # "already running": it is being closed by its own task
+                await events.aclose()  # type: ignore[attr-defined]
+            for stream in streams:
+                stream.close()
+
+        return SSEResponse(events, cleanup, headers={"Cache-Control": "no-cache", "X-Request-Id": ctx.request_id,
+                                                     "X-Accel-Buffering": "no"})
+
+    async def _completion_events(self, ctx: CallContext, choices: list[Choice], streams: list["TrackedStream"],
+                                 include_usage: bool) -> AsyncIterator[str]:
+        finals: dict[int, RequestOutput] = {}
+        offsets = [0] * len(choices)
+        sent_lp = [0] * len(choices)
+
+        def chunk(choice_list: list[CompletionChoice], usage: Optional[Usage] = None) -> str:
+            c = CompletionChunk(id=ctx.request_id, object="text_completion", created=ctx.created, model=ctx.model,
+                                choices=choice_list)
+            if include_usage:
+                c.usage = usage
+            return _event(c.model_dump_json(exclude_unset=True))
+
+        try:
+            async with contextlib.aclosing(_merge(streams)) as merged:
+                async for i, out in merged:
+                    c = choices[i]
+                    lp = None
+                    if c.params.logprobs is not None and out.logprobs is not None and len(out.logprobs) > sent_lp[i]:
+                        lp = completion_logprobs(out.logprobs[sent_lp[i]:], self.strings, offsets[i])
+                        sent_lp[i] = len(out.logprobs)
+                        offsets[i] += sum(len(t) for t in lp.tokens)
+                    if not out.delta_text and not out.finished and lp is None:
+                        continue
+                    if out.finished:
+                        finals[i] = out
+                    yield chunk([CompletionChoice(index=c.index, text=out.delta_text, logprobs=lp,
+                                                  finish_reason=out.finish_reason if out.finished else None,
+                                                  stop_reason=out.stop_reason if out.finished else None)])
+        except EngineDeadError as exc:
+            yield _stream_error(ctx, exc)
+        else:
+            if include_usage and len(finals) == len(choices):
+                yield chunk([], _usage(choices, [finals[i] for i in range(len(choices))]))
+        yield _event("[DONE]")
+
+    async def _chat_events(self, ctx: CallContext, choices: list[Choice], streams: list["TrackedStream"],
+                           include_usage: bool) -> AsyncIterator[str]:
+        finals: dict[int, RequestOutput] = {}
+        sent_lp = [0] * len(choices)
+
+        def chunk(choice_list: list[ChatChunkChoice], usage: Optional[Usage] = None) -> str:
+            c = ChatCompletionChunk(id=ctx.request_id, object="chat.completion.chunk", created=ctx.created,
+                                    model=ctx.model, choices=choice_list)
+            if include_usage:
+                c.usage = usage
+            return _event(c.model_dump_json(exclude_unset=True))
+
+        for c in choices:  # the role first, as OpenAI does, before any token exists
+            yield chunk([ChatChunkChoice(index=c.index, delta=DeltaMessage(role="assistant", content=""),
+                                         logprobs=None, finish_reason=None)])
+        try:
+            async with contextlib.aclosing(_merge(streams)) as merged:
+                async for i, out in merged:
+                    c = choices[i]
+                    lp = None
+                    if c.params.logprobs is not None and out.logprobs is not None and len(out.logprobs) > sent_lp[i]:
+                        lp = chat_logprobs(out.logprobs[sent_lp[i]:], self.strings)
+                        sent_lp[i] = len(out.logprobs)
+                    if not out.delta_text and not out.finished and lp is None:
+                        continue
+                    if out.finished:
+                        finals[i] = out
+                    delta = DeltaMessage(content=out.delta_text) if out.delta_text else DeltaMessage()
+                    yield chunk([ChatChunkChoice(index=c.index, delta=delta, logprobs=lp,
+                                                 finish_reason=out.finish_reason if out.finished else None,
+                                                 stop_reason=out.stop_reason if out.finished else None)])
+        except EngineDeadError as exc:
+            yield _stream_error(ctx, exc)
+        else:
+            if include_usage and len(finals) == len(choices):
+                yield chunk([], _usage(choices, [finals[i] for i in range(len(choices))]))
+        yield _event("[DONE]")
+
+
+class TrackedStream:
+    """One engine request's outputs as the server sees them.
+
+    Measures inter-token gaps on arrival and, on whichever comes first (final output,
+    engine failure, cancellation, `close()` from the response's cleanup), aborts the engine
+    request if it is still running, frees the admission slot and accounts for it, once.
+    """
+
+    def __init__(self, serving: OpenAIServing, ctx: CallContext, choice: Choice, stream: RequestStream) -> None:
+        self._serving = serving
+        self._ctx = ctx
+        self.choice = choice
+        self._stream = stream
+        self._last: Optional[RequestOutput] = None
+        self._itls: list[float] = []
+        self._prev_t: Optional[float] = None
+        self._status = STATUS_CLIENT_GONE  # until it finishes, an ending means the client left
+        self._closed = False
+
+    def __aiter__(self) -> "TrackedStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._closed:
+            raise StopAsyncIteration
+        try:
+            out = await self._stream.__anext__()
+        except StopAsyncIteration:
+            self.close()
+            raise
+        except EngineDeadError:
+            self._status = 500
+            self.close()
+            raise
+        except BaseException:
+            self.close()
+            raise
+        now = time.monotonic()
+        k = len(out.delta_token_ids)
+        if k:
+            if self._prev_t is not None:
+                self._itls.extend([(now - self._prev_t) / k] * k)
+            self._prev_t = now
+        self._last = out
+        if out.finished:
+            self._status = 200
+            self.close()
+        return out
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._stream.abort()
+        self._serving.admission.release(self.choice.engine_id)
+        self._serving.account(self._ctx, self.choice, self._last, self._itls, self._status)
+
+
+class SSEResponse(StreamingResponse):
+    """A text/event-stream response that always runs its cleanup, even when the client is gone
+    before the first byte (then Starlette never starts the body iterator)."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, content: AsyncIterator[str], cleanup, headers: dict[str, str]) -> None:
+        super().__init__(content, headers=headers, media_type=self.media_type)
+        self._cleanup = cleanup
+
+    async def __call__(self, scope, receive, send) -> None:  # type: ignore[override]
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._cleanup()
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+async def _merge(streams: list[TrackedStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave the outputs of several streams, tagged with their index.
+
+    Closing the merge cancels the pumps; a cancelled pump's stream aborts its request."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, stream: TrackedStream) -> None:
+        try:
+            async for out in stream:
+                queue.put_nowait((i, out))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            queue.put_nowait((i, exc))
+        finally:
+            queue.put_nowait((i, done))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    """Return when the client closes the connection. The body is already read, so the next
+    ASGI message on this request can only be `http.disconnect`."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def _usage(choices: list[Choice], finals: Sequence[RequestOutput]) -> Usage:
+    prompts: dict[int, tuple[int, int]] = {}
+    completion = 0
+    for c, final in zip(choices, finals):
+        prompts.setdefault(c.prompt_index, (len(c.prompt_ids), final.num_cached_tokens))
+        completion += len(final.token_ids)
+    prompt = sum(p for p, _ in prompts.values())
+    cached = sum(k for _, k in prompts.values())
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+
+
+def _json(payload: dict, ctx: CallContext) -> JSONResponse:
+    return JSONResponse(payload, headers={"X-Request-Id": ctx.request_id})
+
+
+def _event(data: str) -> str:
+    return f"data: {data}\n\n"
+
+
+def _stream_error(ctx: CallContext, exc: BaseException) -> str:
+    """The engine failed mid-stream: the status line is long gone, so say it in an event."""
+    logger.error("stream %s failed in the engine: %s", ctx.request_id, exc)
+    body = error_body(500, f"the engine failed while serving request {ctx.request_id}", code="engine_error")
+    return _event(json.dumps(body, separators=(",", ":")))
+
+
+def _secs(value: Optional[float]) -> str:
+    return "-" if value is None else f"{value:.3f}s"
