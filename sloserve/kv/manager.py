@@ -49,7 +49,9 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.watermark_blocks = int(watermark * num_blocks)
         self._tables: dict[str, list[Block]] = {}
+        self._ids: dict[str, list[int]] = {}  # block ids of each table, kept in step with _tables
         self._hashes: dict[str, list[BlockHash]] = {}  # keys of the request's full blocks so far
+        self._num_cached: dict[str, int] = {}  # leading blocks of each table already offered to the cache
         self.stats = PrefixCacheStats()
 
     # ---- queries -------------------------------------------------------------------
@@ -67,7 +69,9 @@ class KVCacheManager:
         return self.pool.num_used / self.pool.num_blocks
 
     def block_table(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self._tables.get(request_id, ())]
+        """The request's block ids. The list is live (no copy per step): it is valid until the
+        next allocation or free for this request, i.e. for the step it was planned for."""
+        return self._ids.get(request_id, [])
 
     def num_blocks_of(self, request_id: str) -> int:
         return len(self._tables.get(request_id, ()))
@@ -128,6 +132,12 @@ class KVCacheManager:
         table = self._tables.get(request.request_id)
         if table is None:
             table = []
+        elif not computed_blocks and num_new_tokens > 0:
+            # Fast path of every decode step: the new tokens fit in blocks it already owns.
+            end = request.num_computed_tokens + num_new_tokens
+            if end <= len(table) * self.block_size and not self._needs_copy_on_write(
+                    table, request.num_computed_tokens, num_new_tokens):
+                return []
         num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
         needed_total = self.blocks_needed(num_computed + num_new_tokens)
         have = len(table) + len(computed_blocks)
@@ -138,8 +148,10 @@ class KVCacheManager:
         if not self.can_allocate(num_new_blocks + free_hits, use_watermark):
             return None
 
+        ids = self._ids.setdefault(request.request_id, [])
         self.pool.touch(computed_blocks)
         table.extend(computed_blocks)
+        ids.extend(b.block_id for b in computed_blocks)
         self._tables[request.request_id] = table
         ops: list[CopyOp] = []
         if cow:
@@ -147,9 +159,11 @@ class KVCacheManager:
             (new,) = self.pool.allocate(1)
             ops.append(CopyOp(old.block_id, new.block_id))
             self.pool.free([old])
-            table[-1] = new
+            table[-1], ids[-1] = new, new.block_id
             num_new_blocks -= 1
-        table.extend(self.pool.allocate(num_new_blocks))
+        new_blocks = self.pool.allocate(num_new_blocks)
+        table.extend(new_blocks)
+        ids.extend(b.block_id for b in new_blocks)
         return ops
 
     def _needs_copy_on_write(self, table: list[Block], num_computed: int, num_new_tokens: int) -> bool:
@@ -167,22 +181,30 @@ class KVCacheManager:
         if not table:
             return
         n_full = min(request.num_computed_tokens // self.block_size, len(table))
+        done = self._num_cached.get(request.request_id, 0)
+        if n_full <= done:
+            return
         hashes = self.request_hashes(request)
-        for i in range(n_full):
+        for i in range(done, n_full):
             if table[i].block_hash is None:
                 self.pool.cache(table[i], hashes[i])
+        self._num_cached[request.request_id] = n_full
 
     def fork(self, parent: Request, child: Request) -> None:
         """Let `child` share all of `parent`'s blocks (parallel sampling of one prompt)."""
         table = self._tables.get(parent.request_id, [])
         self.pool.touch(table)
         self._tables[child.request_id] = list(table)
+        self._ids[child.request_id] = [b.block_id for b in table]
+        self._num_cached[child.request_id] = self._num_cached.get(parent.request_id, 0)
         child.num_computed_tokens = parent.num_computed_tokens
 
     def free(self, request: Request) -> None:
         """Release every block the request holds; full ones stay cached for reuse."""
         table = self._tables.pop(request.request_id, None)
+        self._ids.pop(request.request_id, None)
         self._hashes.pop(request.request_id, None)
+        self._num_cached.pop(request.request_id, None)
         if table:
             self.pool.free(reversed(table))
 
@@ -192,7 +214,8 @@ class KVCacheManager:
     def check_invariants(self) -> None:
         self.pool.check_invariants()
         refs = [0] * self.pool.num_blocks
-        for table in self._tables.values():
+        for rid, table in self._tables.items():
+            assert self._ids[rid] == [b.block_id for b in table], rid
             for block in table:
                 refs[block.block_id] += 1
         for block in self.pool.blocks:

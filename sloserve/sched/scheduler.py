@@ -202,6 +202,73 @@ class Scheduler:
                 self._finish(request, reason, now)
         return produced
 
+    # ---- steady-state decode runs (simulation) ----------------------------------------
+    def decode_run_length(self, max_steps: int) -> int:
+        """How many upcoming steps are certain to be the same pure-decode step of the same
+        running set: nothing can be admitted, nobody finishes before the last of them, and
+        the free blocks cover every block the run will need. 0 when the next step needs the
+        full scheduler.
+
+        Valid only when sampled tokens cannot stop a request early (no EOS or stop token
+        ids), which holds in simulation, where requests end at their recorded lengths.
+        """
+        running = self.running
+        if not running or max_steps < 1 or self.eos_token_ids:
+            return 0
+        if len(running) > self.config.max_num_batched_tokens:
+            return 0
+        if self.waiting and len(running) < self.config.max_num_seqs:
+            return 0  # a waiting request might be admitted at any step
+        k = max_steps
+        for r in running:
+            if r.num_tokens - r.num_computed_tokens != 1 or r.sampling_params.stop_token_ids:
+                return 0
+            k = min(k, r.max_output_tokens - r.num_output_tokens)
+        if k < 1:
+            return 0
+        bs, free = self.kv.block_size, self.kv.num_free_blocks
+        tables = [(r.num_computed_tokens, self.kv.num_blocks_of(r.request_id)) for r in running]
+
+        def blocks_needed(steps: int) -> int:
+            return sum(max(0, -(-(c + steps) // bs) - have) for c, have in tables)
+
+        if blocks_needed(k) > free:
+            lo, hi = 0, k  # largest run whose blocks fit
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                lo, hi = (mid, hi) if blocks_needed(mid) <= free else (lo, mid - 1)
+            k = lo
+        return k
+
+    def advance_decodes(self, num_steps: int, end_time: float, token: int) -> list[Request]:
+        """Apply `num_steps` pure-decode steps at once (after decode_run_length said they are
+        certain); every request gets `token` per step. Returns the requests that finished."""
+        if num_steps <= 0:
+            return []
+        finished = []
+        for request in list(self.running):
+            if self.kv.allocate_slots(request, num_steps) is None:
+                raise RuntimeError("decode run outgrew the KV pool; decode_run_length was not respected")
+            request.num_computed_tokens += num_steps
+            request.output_token_ids.extend([token] * num_steps)
+            self.kv.cache_blocks(request)
+            request.last_token_time = end_time
+            if request.num_output_tokens >= request.max_output_tokens:
+                self._finish(request, FinishReason.LENGTH, end_time)
+                finished.append(request)
+        n = len(self.running) + len(finished)
+        self._step_id += num_steps
+        self.stats.num_steps += num_steps
+        self.stats.total_scheduled_seqs += n * num_steps
+        self.stats.max_batch_size = max(self.stats.max_batch_size, n)
+        return finished
+
+    def reserve_decode_step(self) -> None:
+        """Allocate what the next decode step will (as schedule() would at its start), so a
+        snapshot taken while that step runs counts the same blocks either way."""
+        for request in self.running:
+            self.kv.allocate_slots(request, 1)
+
     # ---- snapshot for the cluster layer ------------------------------------------------
     def snapshot(self, now: float) -> InstanceState:
         queued_prefill = sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in self.running)

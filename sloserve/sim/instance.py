@@ -6,6 +6,7 @@ what the trace says happened.
 """
 from __future__ import annotations
 
+import bisect
 import logging
 from dataclasses import dataclass, field
 from typing import Optional
@@ -15,7 +16,7 @@ from sloserve.kv.manager import KVCacheManager
 from sloserve.sched.plan import StepPlan, StepResult
 from sloserve.sched.scheduler import Scheduler
 from sloserve.sched.state import InstanceState
-from sloserve.sim.cost import CostModel
+from sloserve.sim.cost import CostModel, StepShape
 from sloserve.types import Request
 
 logger = logging.getLogger(__name__)
@@ -48,10 +49,27 @@ class StepTrace:
     composition: tuple
 
 
+@dataclass
+class DecodeRun:
+    """A stretch of identical pure-decode steps priced at once; applied lazily as time passes."""
+
+    ends: list[float]  # end time of each step
+    applied: int = 0  # steps already applied to the scheduler
+
+    @property
+    def end(self) -> float:
+        return self.ends[-1]
+
+
 class SimInstance:
+    """One simulated engine. With `fast_forward`, a steady state of pure decodes is priced as
+    one run of steps instead of one event per step; anything that could change the schedule
+    (a request routed here) cuts the run at the step in flight, so decisions stay the same
+    as stepping one at a time."""
+
     def __init__(self, instance_id: int, cost_model: CostModel, num_blocks: int, max_model_len: int,
                  scheduler_config: SchedulerConfig, cache_config: Optional[CacheConfig] = None,
-                 trace: bool = False):
+                 trace: bool = False, fast_forward: bool = True, max_run_steps: int = 4096):
         cache = cache_config or CacheConfig()
         self.instance_id = instance_id
         self.cost_model = cost_model
@@ -59,23 +77,30 @@ class SimInstance:
         # No EOS: a simulated request ends at its recorded length, never on a placeholder token.
         self.scheduler = Scheduler(scheduler_config, self.kv, max_model_len, eos_token_ids=())
         self.current: Optional[StepPlan] = None
+        self.run: Optional[DecodeRun] = None
+        self.fast_forward = fast_forward and not trace
+        self.max_run_steps = max_run_steps
         self.busy_until: Optional[float] = None
         self.busy_time = 0.0
         self.traces: Optional[list[StepTrace]] = [] if trace else None
 
     @property
     def is_busy(self) -> bool:
-        return self.current is not None
+        return self.current is not None or self.run is not None
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
 
     def start_step(self, now: float) -> Optional[float]:
         """Plan the next step; returns when it ends, or None when there is nothing to run."""
-        if self.current is not None:
+        if self.is_busy:
             raise RuntimeError("a step is already running")
         if not self.scheduler.has_unfinished():
             return None
+        if self.fast_forward:
+            steps = self.scheduler.decode_run_length(self.max_run_steps)
+            if steps >= 2:
+                return self._start_run(now, steps)
         plan = self.scheduler.schedule(now)
         if plan.is_empty:
             return None
@@ -87,8 +112,54 @@ class SimInstance:
             self.traces.append(StepTrace(now, now + duration, plan.composition))
         return self.busy_until
 
+    def _start_run(self, now: float, steps: int) -> float:
+        running = self.scheduler.running
+        n = len(running)
+        context = sum(r.num_computed_tokens for r in running)
+        ends, t = [], now
+        for i in range(1, steps + 1):
+            duration = self.cost_model.step_time(StepShape.decode_only(n, context + i * n))
+            t += duration
+            ends.append(t)
+        self.busy_time += t - now
+        self.scheduler.reserve_decode_step()
+        self.run = DecodeRun(ends)
+        self.busy_until = t
+        return t
+
+    def sync(self, now: float) -> None:
+        """Apply the run's steps that ended before `now`, so a snapshot sees what stepping
+        one at a time would show: completed steps applied, the step in flight reserved."""
+        run = self.run
+        if run is None:
+            return
+        done = bisect.bisect_left(run.ends, now, lo=run.applied)  # steps ending strictly before now
+        if done > run.applied and done < len(run.ends):
+            self.scheduler.advance_decodes(done - run.applied, run.ends[done - 1], PLACEHOLDER_TOKEN)
+            run.applied = done
+            self.scheduler.reserve_decode_step()
+
+    def interrupt(self, now: float) -> Optional[float]:
+        """Something may change the schedule at `now`: end the run with the step in flight.
+        Returns the new end time, or None when the run already ends with that step."""
+        run = self.run
+        if run is None:
+            return None
+        self.sync(now)
+        in_flight = bisect.bisect_left(run.ends, now, lo=run.applied)
+        if in_flight >= len(run.ends) - 1:
+            return None
+        self.busy_time -= run.ends[-1] - run.ends[in_flight]
+        del run.ends[in_flight + 1:]
+        self.busy_until = run.ends[-1]
+        return self.busy_until
+
     def finish_step(self, now: float) -> list[Request]:
-        """Apply the running step's result; returns the requests that finished."""
+        """Apply the running step's (or run's) result; returns the requests that finished."""
+        run = self.run
+        if run is not None:
+            self.run, self.busy_until = None, None
+            return self.scheduler.advance_decodes(len(run.ends) - run.applied, run.ends[-1], PLACEHOLDER_TOKEN)
         plan, self.current, self.busy_until = self.current, None, None
         if plan is None:
             return []

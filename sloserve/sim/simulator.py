@@ -79,7 +79,9 @@ class Simulator:
                 if pending is not None:
                     self._push(pending.arrival_time, ARRIVAL, pending)
             else:
-                instance = payload
+                instance, end = payload
+                if instance.busy_until != end:
+                    continue  # a decode run cut short by an arrival: its old end no longer stands
                 for request in instance.finish_step(time):
                     finished.append(FinishedRequest(request, instance.instance_id))
                 self._start(instance)
@@ -90,6 +92,8 @@ class Simulator:
         return SimResult(finished, rejected, self.now, events, [i.busy_time for i in self.instances])
 
     def _arrive(self, request: Request, rejected: list) -> None:
+        for inst in self.instances:
+            inst.sync(self.now)
         states = [inst.snapshot(self.now) for inst in self.instances]
         choice = self.router.route(request, states)
         instance = self.instances[choice]
@@ -100,8 +104,12 @@ class Simulator:
             return
         if not instance.is_busy:
             self._start(instance)
+        else:
+            new_end = instance.interrupt(self.now)
+            if new_end is not None:
+                self._push(new_end, STEP_END, (instance, new_end))
 
     def _start(self, instance: SimInstance) -> None:
         end = instance.start_step(self.now)
         if end is not None:
-            self._push(end, STEP_END, instance)
+            self._push(end, STEP_END, (instance, end))

@@ -1,0 +1,97 @@
+"""The simulator runs the real scheduler and KV manager: fast-forwarded decode runs must not
+change a single decision, and a simulated instance must plan the same steps as the engine."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from sloserve.cluster.routers import make_router
+from sloserve.config import SchedulerConfig
+from sloserve.sim.catalog import get_model
+from sloserve.sim.cost import Profile, ProfiledCostModel, RooflineCostModel, StepShape, features, fit_nonnegative
+from sloserve.sim.hardware import get_hardware
+from sloserve.sim.instance import SimInstance, kv_blocks_for
+from sloserve.sim.simulator import Simulator
+from sloserve.types import Request, SamplingParams
+
+
+def workload(n: int, rate: float, seed: int = 0, shared_prefix: int = 64) -> list[Request]:
+    rng = random.Random(seed)
+    prefix = [rng.randrange(1000, 2000) for _ in range(shared_prefix)]
+    t, out = 0.0, []
+    for i in range(n):
+        t += rng.expovariate(rate)
+        body = [rng.randrange(2000, 30000) for _ in range(rng.randint(5, 400))]
+        prompt = (prefix if rng.random() < 0.5 else []) + body
+        params = SamplingParams(max_tokens=rng.randint(1, 300), ignore_eos=True, temperature=0)
+        out.append(Request(f"r{i}", prompt, params, arrival_time=t))
+    return out
+
+
+def simulate(fast_forward: bool, router: str, num_blocks: int, n: int = 400):
+    cost = RooflineCostModel(get_hardware("a100-80g"), get_model("llama-3.1-8b"))
+    cfg = SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=32)
+    instances = [SimInstance(i, cost, num_blocks, 4096, cfg, fast_forward=fast_forward) for i in range(3)]
+    result = Simulator(instances, make_router(router)).run(workload(n, rate=30.0))
+    timings = sorted((f.request.request_id, f.instance_id, f.request.first_token_time, f.request.finished_time,
+                      f.request.num_preemptions, f.request.num_cached_tokens) for f in result.finished)
+    stats = [(i.scheduler.stats.num_steps, i.scheduler.stats.num_preemptions, i.kv.stats.hits) for i in instances]
+    return timings, stats, result
+
+
+@pytest.mark.parametrize("router, num_blocks", [("round-robin", 5000), ("least-requests", 120)])
+def test_fast_forward_changes_no_decision(router, num_blocks):
+    slow, slow_stats, slow_res = simulate(False, router, num_blocks)
+    fast, fast_stats, fast_res = simulate(True, router, num_blocks)
+    assert len(slow) == 400 and slow == fast
+    assert slow_stats == fast_stats
+    if num_blocks == 120:
+        assert sum(s[1] for s in slow_stats) > 0  # the small pool really preempted
+    else:  # with room to spare, steady decoding dominates and fast-forward saves most events
+        assert fast_res.num_events < slow_res.num_events / 2
+    assert sum(s[2] for s in slow_stats) > 0  # and shared prefixes really hit the cache
+
+
+def test_kv_pool_is_sized_from_device_memory():
+    model, hw = get_model("llama-3.1-8b"), get_hardware("h100-80g")
+    cost = RooflineCostModel(hw, model)
+    blocks = kv_blocks_for(hw.mem_bytes, cost.weight_bytes(), model, 16, 1, 2048, 256)
+    tokens = blocks * 16
+    # 80 GB * 0.9 - 16 GB of weights leaves ~55 GB; at 128 KiB per token that is ~420k tokens.
+    assert 380_000 < tokens < 460_000
+    with pytest.raises(ValueError, match="does not fit"):
+        kv_blocks_for(hw.mem_bytes, RooflineCostModel(hw, get_model("llama-3.1-70b")).weight_bytes(),
+                      get_model("llama-3.1-70b"), 16, 1, 2048, 256)
+
+
+def test_roofline_is_memory_bound_at_decode_and_compute_bound_at_prefill():
+    model, hw = get_model("llama-3.1-8b"), get_hardware("h100-80g")
+    cost = RooflineCostModel(hw, model)
+    one = cost.step_time(StepShape.decode_only(1, 512))
+    many = cost.step_time(StepShape.decode_only(64, 64 * 512))
+    assert many < 2.5 * one  # batching decodes is nearly free while weights dominate
+    prefill = cost.step_time(StepShape(4096, 1, 0, 0, 4096 * 2048.5, 4096))
+    assert prefill > 8 * one
+    tp2 = RooflineCostModel(hw, model, tp=2).step_time(StepShape(4096, 1, 0, 0, 4096 * 2048.5, 4096))
+    assert 0.5 * prefill < tp2 < prefill
+    moe = get_model("mixtral-8x7b")
+    assert moe.num_active_params < moe.num_params / 3
+
+
+def test_profile_fit_recovers_a_known_linear_cost(tmp_path):
+    truth = [0.004, 2e-4, 1e-3, 5e-5, 3e-7, 1e-8]
+    rng = random.Random(0)
+    shapes = [StepShape(t, s, d, d * rng.randint(10, 900), rng.uniform(0, 1e5), 0)
+              for t, s, d in ((rng.randint(1, 512), rng.randint(1, 64), rng.randint(0, 64)) for _ in range(60))]
+    rows = [features(s) for s in shapes]
+    times = [sum(c * f for c, f in zip(truth, r)) for r in rows]
+    coef = fit_nonnegative(rows, times)
+    profile = Profile("m", "here", "float32", 2, coef, [])
+    profile.save(tmp_path / "p.json")
+    model = ProfiledCostModel(Profile.load(tmp_path / "p.json"))
+    for s, t in zip(shapes, times):
+        assert model.step_time(s) == pytest.approx(t, rel=0.02)
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(ValueError):
+        Profile.load(tmp_path / "bad.json")
