@@ -65,6 +65,22 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_profile(args: argparse.Namespace) -> int:
+    from rich.progress import Progress
+
+    from sloserve.engine.llm_engine import LLMEngine
+    from sloserve.engine.profiler import FULL_GRID, QUICK_GRID, profile_engine
+
+    engine = LLMEngine(engine_config_from_args(args))
+    with Progress(transient=True) as bar:
+        task = bar.add_task("profiling step shapes", total=None)
+        profile = profile_engine(engine, QUICK_GRID if args.quick else FULL_GRID, repeats=args.repeats,
+                                 on_point=lambda done, total: bar.update(task, completed=done, total=total))
+    profile.save(args.out)
+    print(f"{len(profile.samples)} step shapes, mean relative fit error {100 * profile.fit_error:.1f}% -> {args.out}")
+    return 0
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import os
 
@@ -125,6 +141,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ignore-eos", action="store_true")
     add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
+
+    prof = sub.add_parser("profile", help="measure the engine's step times and fit the simulator's cost model")
+    prof.add_argument("--out", default="profile.json")
+    prof.add_argument("--quick", action="store_true", help="a small grid (seconds, not minutes)")
+    prof.add_argument("--repeats", type=int, default=3)
+    add_engine_args(prof)
+    prof.set_defaults(func=cmd_profile)
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (continuous batching across requests)")
     add_serve_args(serve)

@@ -17,7 +17,9 @@ from sloserve.types import Request
 
 logger = logging.getLogger(__name__)
 
-ARRIVAL, STEP_END = 0, 1  # at equal times, step ends are applied after arrivals are queued
+# At equal times: every arrival is queued first, then idle instances wake (so requests that
+# arrive together share the first step, as they would in the engine loop), then steps end.
+ARRIVAL, WAKE, STEP_END = 0, 1, 2
 
 
 @dataclass
@@ -43,6 +45,7 @@ class Simulator:
         self.router = router
         self._heap: list[tuple[float, int, int, object]] = []
         self._seq = itertools.count()
+        self._waking: set[int] = set()
         self.now = 0.0
 
     def _push(self, time: float, kind: int, payload: object) -> None:
@@ -78,6 +81,11 @@ class Simulator:
                 pending = next(arrivals, None)
                 if pending is not None:
                     self._push(pending.arrival_time, ARRIVAL, pending)
+            elif kind == WAKE:
+                instance = payload
+                self._waking.discard(instance.instance_id)
+                if not instance.is_busy:
+                    self._start(instance)
             else:
                 instance, end = payload
                 if instance.busy_until != end:
@@ -103,7 +111,9 @@ class Simulator:
             rejected.append((request, str(e)))
             return
         if not instance.is_busy:
-            self._start(instance)
+            if instance.instance_id not in self._waking:
+                self._waking.add(instance.instance_id)
+                self._push(self.now, WAKE, instance)
         else:
             new_end = instance.interrupt(self.now)
             if new_end is not None:
