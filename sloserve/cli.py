@@ -23,6 +23,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-chunked-prefill", action="store_true")
     g.add_argument("--scheduling-policy", default="fcfs")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--no-native-kernels", action="store_true", help="use the portable attention path only")
 
 
 def engine_config_from_args(args: argparse.Namespace):
@@ -30,7 +31,7 @@ def engine_config_from_args(args: argparse.Namespace):
 
     return EngineConfig(
         model=args.model, dtype=args.dtype, device=args.device, num_threads=args.num_threads,
-        max_model_len=args.max_model_len, seed=args.seed,
+        max_model_len=args.max_model_len, seed=args.seed, native_kernels=not args.no_native_kernels,
         cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks, kv_cache_gib=args.kv_cache_gib,
                           enable_prefix_caching=not args.no_prefix_caching),
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
@@ -153,6 +154,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_args(serve)
     add_engine_args(serve)
     serve.set_defaults(func=cmd_serve)
+
+    from sloserve.bench.cli import add_bench_parser  # `sloserve bench` and `sloserve bench compare`
+
+    add_bench_parser(sub)
     return parser
 
 

@@ -111,5 +111,6 @@ class EngineConfig:
     num_threads: Optional[int] = None  # torch intra-op threads; None = the cores this process may use
     max_model_len: Optional[int] = None  # defaults to the model's context window
     seed: int = 0
+    native_kernels: bool = True  # compile and use the CPU decode-attention kernel (falls back if it cannot)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

@@ -33,12 +33,13 @@ class LLM:
         enable_chunked_prefill: bool = True,
         long_prefill_token_threshold: int = 0,
         scheduling_policy: str = "fcfs",
+        native_kernels: bool = True,
         config: Optional[EngineConfig] = None,
     ):
         if config is None:
             config = EngineConfig(
                 model=model, dtype=dtype, device=device, seed=seed, max_model_len=max_model_len,
-                num_threads=num_threads,
+                num_threads=num_threads, native_kernels=native_kernels,
                 cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, kv_cache_gib=kv_cache_gib,
                                   enable_prefix_caching=enable_prefix_caching),
                 scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,

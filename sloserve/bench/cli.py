@@ -1,0 +1,201 @@
+"""`sloserve bench` and `sloserve bench compare`: argument parsing, progress bar, printed tables.
+
+The only place in `bench/` that prints (through rich); everything it calls logs instead.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Optional
+
+WORKLOAD_HELP = ("sharegpt, azure-code, azure-conv, mooncake-conv, mooncake-synthetic, servegen, synthetic, "
+                 "or a file in one of those formats")
+
+
+def parse_rates(text: str) -> list[float]:
+    """`2` or `1,2,4` or `inf` -> rates in req/s."""
+    rates = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        try:
+            r = float(part)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"bad rate {part!r}: a number of requests per second or inf") from None
+        if not r > 0:
+            raise argparse.ArgumentTypeError(f"rate must be > 0, got {part}")
+        rates.append(r)
+    if not rates:
+        raise argparse.ArgumentTypeError("no rate given")
+    return rates
+
+
+def add_bench_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="benchmark any OpenAI-compatible server (sloserve, vLLM, SGLang, llama.cpp)",
+                       description="Send a workload to an OpenAI-compatible server and report TTFT, TPOT, ITL, E2E, "
+                                   "throughput, SLO attainment and goodput. `sloserve bench compare A.json B.json` "
+                                   "puts result files side by side.")
+    g = p.add_argument_group("server")
+    g.add_argument("--base-url", help="server root, e.g. http://127.0.0.1:8000 (a trailing /v1 is fine)")
+    g.add_argument("--model", help="model name to send (default: the first one the server lists)")
+    g.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
+    g.add_argument("--backend", choices=["openai", "llamacpp"], default="openai",
+                   help="openai: max_tokens + ignore_eos (sloserve, vLLM, SGLang); llamacpp: also n_predict")
+    g.add_argument("--api-key", help="bearer token (tenants' keys come from --classes)")
+    g.add_argument("--extra-body", type=json.loads, default={}, metavar="JSON", help="fields merged into every body")
+    g.add_argument("--no-ignore-eos", action="store_true",
+                   help="let the model stop early (output lengths then differ from the workload's)")
+    g.add_argument("--request-timeout", type=float, default=300.0, metavar="S", help="total time per request")
+    g.add_argument("--drain-timeout", type=float, default=60.0, metavar="S",
+                   help="with --duration: how long requests in flight may run past it")
+    w = p.add_argument_group("workload")
+    w.add_argument("--workload", default="sharegpt", help=WORKLOAD_HELP)
+    mode = w.add_mutually_exclusive_group()
+    mode.add_argument("--rate", type=parse_rates, metavar="R[,R2,...]",
+                      help="requests/s (inf = all at once); several values run a sweep")
+    mode.add_argument("--replay", action="store_true", help="use the trace's own arrival times")
+    w.add_argument("--arrival-process", default="auto", choices=["auto", "poisson", "gamma", "weibull", "trace"],
+                   help="how --rate arrivals are drawn; trace = the trace's own pattern rescaled to the rate "
+                        "(auto: trace for servegen, else poisson)")
+    w.add_argument("--cv", type=float, default=1.0, help="burstiness (inter-arrival CV) for gamma/weibull")
+    w.add_argument("--num-requests", type=int, help="send this many requests (default 100 without --duration)")
+    w.add_argument("--duration", type=float, metavar="S", help="stop sending after S seconds")
+    w.add_argument("--start", type=float, default=0.0, metavar="S", help="skip the trace's first S seconds")
+    w.add_argument("--time-scale", type=float, default=1.0, help="replay F times faster")
+    w.add_argument("--max-concurrency", type=int, help="at most C requests in flight")
+    w.add_argument("--max-prompt-len", type=int, help="clip prompts to this many tokens (small context windows)")
+    w.add_argument("--max-output-len", type=int, help="clip output lengths")
+    w.add_argument("--input-len", type=int, default=256, help="synthetic workload: prompt tokens")
+    w.add_argument("--output-len", type=int, default=64, help="synthetic workload: output tokens")
+    w.add_argument("--servegen-model", default="m-large",
+                   help="servegen: m-large, m-mid, m-small, mm-image or deepseek-r1")
+    w.add_argument("--classes", metavar="FILE", help="QoS classes / tenants with shares and targets (YAML or JSON)")
+    w.add_argument("--prompt-format", choices=["text", "tokens"], default="text",
+                   help="send prompts as text (any server) or token ids (exact lengths; completions only)")
+    w.add_argument("--tokenizer", help="tokenizer.json, GGUF or HF dir of the served model (default: embedded model)")
+    w.add_argument("--seed", type=int, default=0)
+    r = p.add_argument_group("results")
+    r.add_argument("--slo", help="targets in ms, e.g. ttft=500,tpot=50,e2e=10000 (goodput counts requests meeting all)")
+    w.add_argument("--warmup", type=int, default=1, metavar="N",
+                   help="send N requests one by one before measuring (not recorded; all failing aborts the run)")
+    r.add_argument("--out", default="bench-out", metavar="DIR", help="results.json, report.md and PNGs go here")
+    r.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=cmd_bench)
+
+    csub = p.add_subparsers(dest="bench_command")
+    c = csub.add_parser("compare", help="side-by-side table with ratios and an overlaid CDF plot")
+    c.add_argument("results", nargs="+", metavar="RESULT.json")
+    c.add_argument("--out", default="bench-compare", metavar="DIR", help="compare.md and latency_cdf.png go here")
+    c.set_defaults(func=cmd_compare)
+
+
+def _plan(args: argparse.Namespace):
+    from sloserve.bench.client import ClientConfig
+    from sloserve.bench.metrics import SLO
+    from sloserve.bench.runner import BenchPlan
+    from sloserve.workload.build import WorkloadSpec
+    from sloserve.workload.mix import load_mix
+
+    if not args.base_url:
+        raise ValueError("--base-url is required")
+    if args.endpoint == "chat" and args.prompt_format == "tokens":
+        raise ValueError("the chat endpoint takes text prompts; use --prompt-format text")
+    mix = load_mix(args.classes) if args.classes else None
+    num = args.num_requests if args.num_requests is not None or args.duration is not None else 100
+    spec = WorkloadSpec(
+        name=args.workload, seed=args.seed, replay=args.replay, rate=None, arrival_process=args.arrival_process,
+        cv=args.cv, time_scale=args.time_scale, start_s=args.start, num_requests=num, duration_s=args.duration,
+        max_prompt_len=args.max_prompt_len, max_output_len=args.max_output_len, input_len=args.input_len,
+        output_len=args.output_len, servegen_model=args.servegen_model, mix=mix)
+    client = ClientConfig(
+        base_url=args.base_url, model=args.model, endpoint=args.endpoint, backend=args.backend, api_key=args.api_key,
+        tenant_keys={t.name: t.api_key for t in mix.tenants if t.api_key} if mix else {},
+        send_qos_class=mix is not None and bool(mix.classes), max_concurrency=args.max_concurrency,
+        request_timeout_s=args.request_timeout, drain_timeout_s=args.drain_timeout,
+        ignore_eos=not args.no_ignore_eos, extra_body=args.extra_body)
+    rates = args.rate if args.rate else [None]
+    if rates == [None] and not args.replay:
+        # no mode given: replay what has arrival times, send the rest at once
+        spec.validate()
+        spec.replay = spec.has_trace_times
+    for rate in rates:  # fail before any request is sent
+        replace(spec, rate=rate, replay=spec.replay if rate is None else False).validate()
+    if args.warmup < 0:
+        raise ValueError("--warmup must be >= 0")
+    started = datetime.now(timezone.utc).isoformat(timespec="seconds")  # metadata only, not a measurement
+    return BenchPlan(spec, client, rates, SLO.parse(args.slo) if args.slo else SLO(), args.prompt_format,
+                     Path(args.out), args.warmup, {"started_at": started, "classes_file": args.classes})
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.markdown import Markdown
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from sloserve.bench.report import fmt_rate, run_markdown, sweep_markdown
+    from sloserve.bench.runner import BenchError, default_synthesizer, run_plan, write_outputs
+    from sloserve.bench.tokenizer import load_bench_tokenizer
+
+    plan = _plan(args)
+    console = Console(stderr=True)
+    synthesizer = default_synthesizer(load_bench_tokenizer(args.tokenizer), args.seed)
+    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                        TextColumn("{task.fields[failed]} failed"), console=console, disable=args.no_progress,
+                        transient=False)
+    state: dict[str, Optional[int]] = {"task": None}
+    failed = [0]
+
+    def on_run_start(rate: Optional[float], n: int) -> None:
+        failed[0] = 0
+        desc = f"rate {fmt_rate(rate)}" if rate is not None else "replay" if plan.spec.replay else "burst"
+        state["task"] = progress.add_task(desc, total=n, failed=0)
+
+    def on_record(rec) -> None:
+        if not rec.success:
+            failed[0] += 1
+        if state["task"] is not None:
+            progress.update(state["task"], advance=1, failed=failed[0])
+
+    try:
+        with progress:
+            results = run_plan(plan, synthesizer, on_run_start, on_record, write=False)
+    except BenchError as exc:
+        console.print(f"sloserve bench: {exc}")
+        return 1
+    paths = write_outputs(results, plan.out_dir) if plan.out_dir else []
+    out = Console()
+    if len(results) > 1:
+        out.print(Markdown(sweep_markdown(results)))
+    for r in results:
+        out.print(Markdown(run_markdown(r)))
+    console.print("wrote " + ", ".join(str(p) for p in paths))
+    total = sum(r.summary.overall.num_requests for r in results)
+    ok = sum(r.summary.overall.completed for r in results)
+    return 0 if total == 0 or ok > 0 else 1
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.markdown import Markdown
+
+    from sloserve.bench.compare import compare_markdown, load_runs
+
+    runs, labels = load_runs(args.results)
+    if not runs:
+        raise ValueError("no runs in the given files")
+    text = compare_markdown(runs, labels)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "compare.md").write_text(text, encoding="utf-8")
+    written = [out / "compare.md"]
+    try:
+        from sloserve.bench.plots import plot_latency_cdfs
+
+        written.append(plot_latency_cdfs(runs, out / "latency_cdf.png", labels))
+    except ImportError as exc:
+        print(f"no plot: {exc}", file=sys.stderr)
+    Console().print(Markdown(text))
+    Console(stderr=True).print("wrote " + ", ".join(map(str, written)))
+    return 0

@@ -1,0 +1,87 @@
+"""`sloserve bench compare`: runs side by side, with ratios to the first, and one overlaid CDF.
+
+The use case is "same client, same workload, different servers" (sloserve vs vLLM vs
+llama.cpp) or "before vs after a change". Ratios are plain value/baseline; whether higher is
+better depends on the row, so each row says which way is better.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+from sloserve.bench.report import md_table, fmt_num
+from sloserve.bench.result import BenchResult, load_results
+from sloserve.bench.metrics import GroupSummary
+
+
+@dataclass(frozen=True)
+class Row:
+    name: str
+    get: Callable[[GroupSummary], Optional[float]]
+    scale: float = 1.0  # 1000 for seconds shown as ms
+    higher_is_better: bool = False
+
+
+def _lat(metric: str, q: Optional[float]) -> Callable[[GroupSummary], Optional[float]]:
+    return lambda g: g.latency[metric].mean if q is None else g.latency[metric].p(q)
+
+
+ROWS = (
+    Row("request throughput (req/s)", lambda g: g.request_throughput, higher_is_better=True),
+    Row("output throughput (tok/s)", lambda g: g.output_throughput, higher_is_better=True),
+    Row("TTFT mean (ms)", _lat("ttft", None), 1000), Row("TTFT p50 (ms)", _lat("ttft", 50), 1000),
+    Row("TTFT p99 (ms)", _lat("ttft", 99), 1000),
+    Row("TPOT mean (ms)", _lat("tpot", None), 1000), Row("TPOT p50 (ms)", _lat("tpot", 50), 1000),
+    Row("TPOT p99 (ms)", _lat("tpot", 99), 1000),
+    Row("ITL p50 (ms)", _lat("itl", 50), 1000), Row("ITL p99 (ms)", _lat("itl", 99), 1000),
+    Row("E2E p50 (ms)", _lat("e2e", 50), 1000), Row("E2E p99 (ms)", _lat("e2e", 99), 1000),
+    Row("SLO attainment (%)", lambda g: g.slo_attainment, 100, True),
+    Row("goodput (req/s)", lambda g: g.goodput, higher_is_better=True),
+    Row("failed requests", lambda g: g.failed),
+)
+
+
+def load_runs(paths: Sequence[str | Path]) -> tuple[list[BenchResult], list[str]]:
+    """Every run of every file, with its label; `file: label` where labels would collide."""
+    runs: list[BenchResult] = []
+    stems: list[str] = []
+    for p in paths:
+        for r in load_results(p):
+            runs.append(r)
+            stems.append(Path(p).stem)
+    labels = [r.label for r in runs]
+    if len(set(labels)) < len(labels):
+        labels = [f"{stem}: {lab}" for stem, lab in zip(stems, labels)]
+    return runs, labels
+
+
+def _ratio(value: Optional[float], base: Optional[float]) -> str:
+    if value is None or base is None or math.isnan(value) or math.isnan(base) or base == 0:
+        return "–"
+    return f"{value / base:.2f}×"
+
+
+def compare_rows(runs: Sequence[BenchResult]) -> list[list[str]]:
+    """One row per metric: the value of each run, and after each non-baseline run its ratio."""
+    out = []
+    for row in ROWS:
+        values = [row.get(r.summary.overall) for r in runs]
+        cells = [row.name + (" ↑" if row.higher_is_better else " ↓")]
+        for i, v in enumerate(values):
+            cells.append(fmt_num(v * row.scale if v is not None else None, 1 if row.scale != 1 else 3))
+            if i > 0:
+                cells.append(_ratio(v, values[0]))
+        out.append(cells)
+    return out
+
+
+def compare_markdown(runs: Sequence[BenchResult], labels: Sequence[str]) -> str:
+    header = ["metric (↑ higher / ↓ lower is better)"]
+    for i, lab in enumerate(labels):
+        header.append(lab)
+        if i > 0:
+            header.append(f"÷ {labels[0]}" if len(labels[0]) <= 24 else "ratio")
+    return "\n".join(["# sloserve bench compare", "", f"Baseline: **{labels[0]}**", ""]
+                     + md_table(header, compare_rows(runs)) + [""])
