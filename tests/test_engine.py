@@ -157,3 +157,10 @@ def test_missing_and_corrupt_models(tmp_path):
     bad.write_bytes(b"GGUF" + b"\x00" * 100)
     with pytest.raises(ValueError):
         LLM(model=str(bad))
+
+
+def test_portable_attention_path_gives_the_same_tokens(reference_tokens):
+    portable = LLM(native_kernels=False, max_num_batched_tokens=64)
+    assert portable.engine.model.decode_attention is None
+    outs = portable.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == reference_tokens

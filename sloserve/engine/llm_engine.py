@@ -15,6 +15,7 @@ from typing import Callable, Optional, Union
 import torch
 
 from sloserve.config import EngineConfig, ModelConfig
+from sloserve.engine.kernels import load_paged_decode_attention
 from sloserve.engine.model import KVCache, LlamaModel
 from sloserve.engine.outputs import RequestMetrics, RequestOutput, TokenLogprob
 from sloserve.engine.runner import ModelRunner
@@ -82,7 +83,10 @@ class LLMEngine:
         self.model_config: ModelConfig = loaded.config
         self.tokenizer: Tokenizer = loaded.tokenizer
         self.model_name = loaded.config.name or "model"
-        self.model = LlamaModel(loaded.config, loaded.weights, self.device, self.dtype)
+        decode_attention = None
+        if config.native_kernels and self.device.type == "cpu" and self.dtype == torch.float32:
+            decode_attention = load_paged_decode_attention()
+        self.model = LlamaModel(loaded.config, loaded.weights, self.device, self.dtype, decode_attention)
         del loaded
 
         cache = config.cache

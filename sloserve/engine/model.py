@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +35,7 @@ class ForwardBatch:
     num_decodes: int  # the first num_decodes tokens are decodes
     decode_blocks: Optional[torch.Tensor]  # [D, W] long: each decode's block table, padded to W blocks
     decode_mask: Optional[torch.Tensor]  # [D, 1, 1, W * block_size] additive mask (0 or -inf)
+    decode_context_lens: Optional[torch.Tensor]  # [D] long: tokens each decode attends to
     prefills: list[PrefillSpan]
     sample_indices: torch.Tensor  # [S] long: flat token indices whose logits are wanted
 
@@ -96,8 +97,11 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 class LlamaModel:
     """Weights plus a forward function; no nn.Module bookkeeping is needed for inference."""
 
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype,
+                 decode_attention: Optional[Callable] = None):
         self.config = config
+        # A native kernel reading K/V in place (see engine/kernels); None = gather + SDPA.
+        self.decode_attention = decode_attention
         self.device = device
         self.dtype = dtype
 
@@ -184,7 +188,12 @@ class LlamaModel:
             k_cache.index_copy_(0, batch.slot_mapping, k)
             v_cache.index_copy_(0, batch.slot_mapping, v)
             attn = torch.empty(T, nh, hd, dtype=q.dtype, device=q.device)
-            if D:
+            if D and self.decode_attention is not None:
+                attn[:D] = self.decode_attention(
+                    q[:D].contiguous(), k_cache, v_cache, batch.decode_blocks, batch.decode_context_lens,
+                    kv_cache.block_size, self.scale, self.config.sliding_window or 0,
+                )
+            elif D:
                 # [D, nh, 1, hd] against each decode's gathered context [D, nkv, ctx, hd].
                 kd = kv_cache.gather(li, 0, batch.decode_blocks).transpose(1, 2)
                 vd = kv_cache.gather(li, 1, batch.decode_blocks).transpose(1, 2)

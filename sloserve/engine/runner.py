@@ -72,7 +72,7 @@ class ModelRunner:
         sample_indices: list[int] = []
         bs = self.block_size
 
-        decode_blocks = decode_mask = None
+        decode_blocks = decode_mask = ctx = None
         if decodes:
             ctx = torch.tensor([d.context_len for d in decodes])
             width = -(-int(ctx.max()) // bs)
@@ -117,6 +117,7 @@ class ModelRunner:
             num_decodes=len(decodes),
             decode_blocks=None if decode_blocks is None else decode_blocks.to(dev),
             decode_mask=None if decode_mask is None else decode_mask.to(dev),
+            decode_context_lens=None if ctx is None else ctx.to(dev),
             prefills=spans,
             sample_indices=torch.tensor(sample_indices, dtype=torch.long, device=dev),
         )

@@ -1,0 +1,67 @@
+"""Optional native kernels, compiled on first use with the C++ compiler torch was built for.
+
+Everything here has a portable PyTorch fallback; a machine without a compiler only runs slower.
+The build is cached (torch's extension cache), so only the first engine start pays for it.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import shutil
+from pathlib import Path
+from typing import Callable, Optional
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("paged_attention.cpp")
+
+
+def _cpu_tag() -> str:
+    """Builds use -march=native: key the cache by the CPU's features, so a cached build is
+    never loaded on a machine it would crash on."""
+    flags = platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                flags += line
+                break
+    except OSError:
+        pass
+    return hashlib.sha1(flags.encode()).hexdigest()[:10]
+
+
+def _put_ninja_on_path() -> None:
+    """torch builds extensions with ninja from PATH; the `ninja` wheel's binary sits in the venv,
+    which is not on PATH when the venv's python is run directly."""
+    if shutil.which("ninja") is not None:
+        return
+    try:
+        import ninja
+    except ImportError:
+        return
+    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+
+
+def load_paged_decode_attention() -> Optional[Callable]:
+    """The compiled CPU decode-attention kernel, or None (with a logged reason) if it cannot be built."""
+    _put_ninja_on_path()
+    try:
+        from torch.utils import cpp_extension
+
+        module = cpp_extension.load(
+            name=f"sloserve_paged_attention_{_cpu_tag()}",
+            sources=[str(_SOURCE)],
+            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
+    except Exception as e:  # no compiler, no ninja, unsupported platform...
+        logger.warning("native decode attention unavailable (%s); using the portable gather + SDPA path",
+                       str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__)
+        return None
+    return module.paged_decode_attention
+
+
+__all__ = ["load_paged_decode_attention"]
