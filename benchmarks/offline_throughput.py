@@ -75,6 +75,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--num-threads", type=int, default=None, help="compute threads (default: the usable cores)")
     p.add_argument("--hf-batch-size", type=int, default=16,
                    help="static batch size for HF generate (batches in prompt order, left-padded)")
+    p.add_argument("--kv-cache-gib", type=float, default=2.0,
+                   help="sloserve's KV pool (vLLM's peer gets the same via VLLM_CPU_KVCACHE_SPACE)")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="sloserve's running-request cap (vLLM's default)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="sloserve's per-step token budget")
     p.add_argument("--gemm-size", type=int, default=2048, help="n of the n x n x n fp32 GEMM probe")
     p.add_argument("--gemm-reps", type=int, default=5)
     p.add_argument("--output-dir", type=Path, default=DEFAULT_OUTPUT_DIR)
@@ -242,7 +246,8 @@ def run_sloserve(prompts: list[list[int]], args: argparse.Namespace) -> dict[str
     """sloserve's offline API with its defaults (continuous batching, chunked prefill, prefix cache)."""
     from sloserve import LLM, SamplingParams
 
-    llm = LLM(dtype="float32", num_threads=args.num_threads, seed=args.seed)
+    llm = LLM(dtype="float32", num_threads=args.num_threads, seed=args.seed, kv_cache_gib=args.kv_cache_gib,
+              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
     llm.generate([WARMUP_PROMPT], SamplingParams(max_tokens=WARMUP_TOKENS, temperature=0, ignore_eos=True))
     ready_at = time.perf_counter()
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
@@ -390,7 +395,9 @@ def run_own(system: str, args: argparse.Namespace, prompts_file: Path, workdir: 
                "--prompts-file", str(prompts_file), "--result-file", str(result_file),
                "--max-tokens", str(args.max_tokens), "--num-threads", str(args.num_threads),
                "--hf-batch-size", str(args.hf_batch_size), "--seed", str(args.seed),
-               "--gemm-size", str(args.gemm_size), "--gemm-reps", str(args.gemm_reps)]
+               "--gemm-size", str(args.gemm_size), "--gemm-reps", str(args.gemm_reps),
+               "--kv-cache-gib", str(args.kv_cache_gib), "--max-num-seqs", str(args.max_num_seqs),
+               "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     return run_in_subprocess(command, result_file, child_env(args.num_threads))
 
 
@@ -404,7 +411,7 @@ def run_vllm(args: argparse.Namespace, prompts_file: Path, workdir: Path) -> dic
     command = [str(args.vllm_python), str(VLLM_SCRIPT), "--model", str(args.vllm_model),
                "--prompts-file", str(prompts_file), "--result-file", str(result_file),
                "--max-tokens", str(args.max_tokens), "--num-threads", str(args.num_threads),
-               "--seed", str(args.seed)]
+               "--seed", str(args.seed), "--kv-cache-gib", str(max(1, round(args.kv_cache_gib)))]
     env = dict(os.environ)
     env.pop("PYTHONPATH", None)  # keep sloserve's venv out of vLLM's
     return run_in_subprocess(command, result_file, env)

@@ -158,6 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
     from sloserve.bench.cli import add_bench_parser  # `sloserve bench` and `sloserve bench compare`
 
     add_bench_parser(sub)
+    from sloserve.sim.cli import add_simulate_parser
+
+    add_simulate_parser(sub)
     return parser
 
 

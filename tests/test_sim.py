@@ -95,3 +95,24 @@ def test_profile_fit_recovers_a_known_linear_cost(tmp_path):
     (tmp_path / "bad.json").write_text("{}")
     with pytest.raises(ValueError):
         Profile.load(tmp_path / "bad.json")
+
+
+def test_simulate_cli_writes_the_bench_report(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "out"
+    res = subprocess.run(
+        [sys.executable, "-m", "sloserve.cli", "simulate", "--workload", "mooncake-conv", "--replay", "--duration", "60",
+         "--instances", "2", "--router", "least-requests", "--slo", "ttft=2000,tpot=100", "--out", str(out),
+         "--no-progress"], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    data = json.loads((out / "results.json").read_text())
+    run = data["runs"][0]
+    assert run["config"]["simulated"] and run["config"]["completed"] == len(run["records"]) > 10
+    assert all(r["ttft_s"] <= r["e2e_s"] for r in run["records"] if r["http_status"] == 200)
+    assert (out / "latency_cdf.png").stat().st_size > 1000 and "TTFT" in (out / "report.md").read_text()
+    bad = subprocess.run([sys.executable, "-m", "sloserve.cli", "simulate", "--hardware", "tpu-v9", "--num-requests",
+                          "5", "--out", str(tmp_path / "bad")], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "unknown hardware" in bad.stderr

@@ -32,24 +32,8 @@ def parse_rates(text: str) -> list[float]:
     return rates
 
 
-def add_bench_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bench", help="benchmark any OpenAI-compatible server (sloserve, vLLM, SGLang, llama.cpp)",
-                       description="Send a workload to an OpenAI-compatible server and report TTFT, TPOT, ITL, E2E, "
-                                   "throughput, SLO attainment and goodput. `sloserve bench compare A.json B.json` "
-                                   "puts result files side by side.")
-    g = p.add_argument_group("server")
-    g.add_argument("--base-url", help="server root, e.g. http://127.0.0.1:8000 (a trailing /v1 is fine)")
-    g.add_argument("--model", help="model name to send (default: the first one the server lists)")
-    g.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
-    g.add_argument("--backend", choices=["openai", "llamacpp"], default="openai",
-                   help="openai: max_tokens + ignore_eos (sloserve, vLLM, SGLang); llamacpp: also n_predict")
-    g.add_argument("--api-key", help="bearer token (tenants' keys come from --classes)")
-    g.add_argument("--extra-body", type=json.loads, default={}, metavar="JSON", help="fields merged into every body")
-    g.add_argument("--no-ignore-eos", action="store_true",
-                   help="let the model stop early (output lengths then differ from the workload's)")
-    g.add_argument("--request-timeout", type=float, default=300.0, metavar="S", help="total time per request")
-    g.add_argument("--drain-timeout", type=float, default=60.0, metavar="S",
-                   help="with --duration: how long requests in flight may run past it")
+def add_workload_args(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """The workload options shared by `sloserve bench` and `sloserve simulate`."""
     w = p.add_argument_group("workload")
     w.add_argument("--workload", default="sharegpt", help=WORKLOAD_HELP)
     mode = w.add_mutually_exclusive_group()
@@ -76,6 +60,28 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                    help="send prompts as text (any server) or token ids (exact lengths; completions only)")
     w.add_argument("--tokenizer", help="tokenizer.json, GGUF or HF dir of the served model (default: embedded model)")
     w.add_argument("--seed", type=int, default=0)
+    return w
+
+
+def add_bench_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="benchmark any OpenAI-compatible server (sloserve, vLLM, SGLang, llama.cpp)",
+                       description="Send a workload to an OpenAI-compatible server and report TTFT, TPOT, ITL, E2E, "
+                                   "throughput, SLO attainment and goodput. `sloserve bench compare A.json B.json` "
+                                   "puts result files side by side.")
+    g = p.add_argument_group("server")
+    g.add_argument("--base-url", help="server root, e.g. http://127.0.0.1:8000 (a trailing /v1 is fine)")
+    g.add_argument("--model", help="model name to send (default: the first one the server lists)")
+    g.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
+    g.add_argument("--backend", choices=["openai", "llamacpp"], default="openai",
+                   help="openai: max_tokens + ignore_eos (sloserve, vLLM, SGLang); llamacpp: also n_predict")
+    g.add_argument("--api-key", help="bearer token (tenants' keys come from --classes)")
+    g.add_argument("--extra-body", type=json.loads, default={}, metavar="JSON", help="fields merged into every body")
+    g.add_argument("--no-ignore-eos", action="store_true",
+                   help="let the model stop early (output lengths then differ from the workload's)")
+    g.add_argument("--request-timeout", type=float, default=300.0, metavar="S", help="total time per request")
+    g.add_argument("--drain-timeout", type=float, default=60.0, metavar="S",
+                   help="with --duration: how long requests in flight may run past it")
+    w = add_workload_args(p)
     r = p.add_argument_group("results")
     r.add_argument("--slo", help="targets in ms, e.g. ttft=500,tpot=50,e2e=10000 (goodput counts requests meeting all)")
     w.add_argument("--warmup", type=int, default=1, metavar="N",
@@ -91,6 +97,33 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     c.set_defaults(func=cmd_compare)
 
 
+def workload_spec_from_args(args: argparse.Namespace):
+    """A WorkloadSpec from the shared workload options (rate left open: callers sweep it)."""
+    from sloserve.workload.build import WorkloadSpec
+    from sloserve.workload.mix import load_mix
+
+    mix = load_mix(args.classes) if args.classes else None
+    num = args.num_requests if args.num_requests is not None or args.duration is not None else 100
+    spec = WorkloadSpec(
+        name=args.workload, seed=args.seed, replay=args.replay, rate=None, arrival_process=args.arrival_process,
+        cv=args.cv, time_scale=args.time_scale, start_s=args.start, num_requests=num, duration_s=args.duration,
+        max_prompt_len=args.max_prompt_len, max_output_len=args.max_output_len, input_len=args.input_len,
+        output_len=args.output_len, servegen_model=args.servegen_model, mix=mix)
+    return spec
+
+
+def resolve_rates(args: argparse.Namespace, spec) -> list[Optional[float]]:
+    """The runs to make: one per --rate, or one replay/burst (None). Validates each before any work."""
+    rates = args.rate if args.rate else [None]
+    if rates == [None] and not args.replay:
+        # no mode given: replay what has arrival times, send the rest at once
+        spec.validate()
+        spec.replay = spec.has_trace_times
+    for rate in rates:
+        replace(spec, rate=rate, replay=spec.replay if rate is None else False).validate()
+    return rates
+
+
 def _plan(args: argparse.Namespace):
     from sloserve.bench.client import ClientConfig
     from sloserve.bench.metrics import SLO
@@ -102,26 +135,15 @@ def _plan(args: argparse.Namespace):
         raise ValueError("--base-url is required")
     if args.endpoint == "chat" and args.prompt_format == "tokens":
         raise ValueError("the chat endpoint takes text prompts; use --prompt-format text")
-    mix = load_mix(args.classes) if args.classes else None
-    num = args.num_requests if args.num_requests is not None or args.duration is not None else 100
-    spec = WorkloadSpec(
-        name=args.workload, seed=args.seed, replay=args.replay, rate=None, arrival_process=args.arrival_process,
-        cv=args.cv, time_scale=args.time_scale, start_s=args.start, num_requests=num, duration_s=args.duration,
-        max_prompt_len=args.max_prompt_len, max_output_len=args.max_output_len, input_len=args.input_len,
-        output_len=args.output_len, servegen_model=args.servegen_model, mix=mix)
+    spec = workload_spec_from_args(args)
+    mix = spec.mix
     client = ClientConfig(
         base_url=args.base_url, model=args.model, endpoint=args.endpoint, backend=args.backend, api_key=args.api_key,
         tenant_keys={t.name: t.api_key for t in mix.tenants if t.api_key} if mix else {},
         send_qos_class=mix is not None and bool(mix.classes), max_concurrency=args.max_concurrency,
         request_timeout_s=args.request_timeout, drain_timeout_s=args.drain_timeout,
         ignore_eos=not args.no_ignore_eos, extra_body=args.extra_body)
-    rates = args.rate if args.rate else [None]
-    if rates == [None] and not args.replay:
-        # no mode given: replay what has arrival times, send the rest at once
-        spec.validate()
-        spec.replay = spec.has_trace_times
-    for rate in rates:  # fail before any request is sent
-        replace(spec, rate=rate, replay=spec.replay if rate is None else False).validate()
+    rates = resolve_rates(args, spec)
     if args.warmup < 0:
         raise ValueError("--warmup must be >= 0")
     started = datetime.now(timezone.utc).isoformat(timespec="seconds")  # metadata only, not a measurement

@@ -30,10 +30,11 @@ class FinishedRequest:
 
 @dataclass
 class SimResult:
-    finished: list[FinishedRequest]
+    finished: list[FinishedRequest]  # empty when the run reported requests through `on_done`
     rejected: list[tuple[Request, str]]  # requests no instance could accept, with the reason
     end_time: float
     num_events: int
+    num_finished: int = 0
     instance_busy_time: list[float] = field(default_factory=list)
 
 
@@ -52,15 +53,18 @@ class Simulator:
         heapq.heappush(self._heap, (time, kind, next(self._seq), payload))
 
     def run(self, requests: Iterable[Request], on_progress: Optional[Callable[[float, int], None]] = None,
-            until: Optional[float] = None) -> SimResult:
+            until: Optional[float] = None,
+            on_done: Optional[Callable[[Request, Optional[str]], None]] = None) -> SimResult:
         """Simulate until every request has finished (or `until` seconds of simulated time).
 
         `requests` must come in arrival order; they are pulled lazily, so a generator of a
-        million requests never sits in memory at once.
+        million requests never sits in memory at once. With `on_done(request, error)` each
+        request is handed over when it finishes (error None) or is rejected, and not kept.
         """
         arrivals: Iterator[Request] = iter(requests)
         finished: list[FinishedRequest] = []
         rejected: list[tuple[Request, str]] = []
+        num_finished = 0
         events = 0
         last_arrival = -float("inf")
         pending = next(arrivals, None)
@@ -77,7 +81,12 @@ class Simulator:
                 if request.arrival_time < last_arrival:
                     raise ValueError(f"requests are not in arrival order at {request.request_id!r}")
                 last_arrival = request.arrival_time
-                self._arrive(request, rejected)
+                error = self._arrive(request)
+                if error is not None:
+                    if on_done is not None:
+                        on_done(request, error)
+                    else:
+                        rejected.append((request, error))
                 pending = next(arrivals, None)
                 if pending is not None:
                     self._push(pending.arrival_time, ARRIVAL, pending)
@@ -91,15 +100,20 @@ class Simulator:
                 if instance.busy_until != end:
                     continue  # a decode run cut short by an arrival: its old end no longer stands
                 for request in instance.finish_step(time):
-                    finished.append(FinishedRequest(request, instance.instance_id))
+                    num_finished += 1
+                    if on_done is not None:
+                        on_done(request, None)
+                    else:
+                        finished.append(FinishedRequest(request, instance.instance_id))
                 self._start(instance)
-            if on_progress is not None and events % 256 == 0:
-                on_progress(self.now, len(finished))
+            if on_progress is not None and events % 1024 == 0:
+                on_progress(self.now, num_finished)
         if on_progress is not None:
-            on_progress(self.now, len(finished))
-        return SimResult(finished, rejected, self.now, events, [i.busy_time for i in self.instances])
+            on_progress(self.now, num_finished)
+        return SimResult(finished, rejected, self.now, events, num_finished, [i.busy_time for i in self.instances])
 
-    def _arrive(self, request: Request, rejected: list) -> None:
+    def _arrive(self, request: Request) -> Optional[str]:
+        """Route and queue an arrival; returns why it was rejected, if it was."""
         for inst in self.instances:
             inst.sync(self.now)
         states = [inst.snapshot(self.now) for inst in self.instances]
@@ -108,8 +122,7 @@ class Simulator:
         try:
             instance.add_request(request)
         except ValueError as e:  # e.g. longer than the context window: the server would answer 400
-            rejected.append((request, str(e)))
-            return
+            return str(e)
         if not instance.is_busy:
             if instance.instance_id not in self._waking:
                 self._waking.add(instance.instance_id)
@@ -118,6 +131,7 @@ class Simulator:
             new_end = instance.interrupt(self.now)
             if new_end is not None:
                 self._push(new_end, STEP_END, (instance, new_end))
+        return None
 
     def _start(self, instance: SimInstance) -> None:
         end = instance.start_step(self.now)

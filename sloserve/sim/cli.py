@@ -1,0 +1,111 @@
+"""`sloserve simulate`: a fleet on modelled hardware, with `sloserve bench`'s workloads and reports."""
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Optional
+
+
+def add_simulate_parser(sub: argparse._SubParsersAction) -> None:
+    from sloserve.bench.cli import add_workload_args
+    from sloserve.cluster.routers import ROUTERS
+    from sloserve.sched.policies import POLICIES
+    from sloserve.sim.catalog import MODELS
+    from sloserve.sim.hardware import HARDWARE
+
+    p = sub.add_parser("simulate", help="simulate a fleet running the real schedulers on modelled hardware")
+    f = p.add_argument_group("fleet")
+    f.add_argument("--instances", type=int, default=1)
+    f.add_argument("--hardware", default="h100-80g", help=f"one of {sorted(HARDWARE)}")
+    f.add_argument("--model", default="llama-3.1-8b", help=f"one of {sorted(MODELS)}")
+    f.add_argument("--tp", type=int, default=1, help="tensor-parallel degree per instance")
+    f.add_argument("--router", default="round-robin", help=f"one of {sorted(ROUTERS)}")
+    f.add_argument("--scheduler", default="fcfs", help=f"instance scheduling policy: one of {sorted(POLICIES)}")
+    f.add_argument("--profile", help="price steps with a `sloserve profile` file instead of the roofline model")
+    f.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    f.add_argument("--max-num-seqs", type=int, default=256)
+    f.add_argument("--block-size", type=int, default=16)
+    f.add_argument("--num-blocks", type=int, help="KV blocks per instance (default: what device memory leaves)")
+    f.add_argument("--no-prefix-caching", action="store_true")
+    f.add_argument("--no-fast-forward", action="store_true", help="one event per step (slower, same decisions)")
+    add_workload_args(p)
+    r = p.add_argument_group("results")
+    r.add_argument("--slo", help="targets in ms, e.g. ttft=500,tpot=50,e2e=10000")
+    r.add_argument("--out", default="sim-out", metavar="DIR", help="results.json, report.md and PNGs go here")
+    r.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=cmd_simulate)
+
+
+def fleet_config_from_args(args: argparse.Namespace):
+    from sloserve.config import CacheConfig, SchedulerConfig
+    from sloserve.sim.fleet import FleetConfig
+
+    return FleetConfig(
+        instances=args.instances, hardware=args.hardware, model=args.model, tp=args.tp, router=args.router,
+        scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+                                  policy=args.scheduler),
+        cache=CacheConfig(block_size=args.block_size, enable_prefix_caching=not args.no_prefix_caching),
+        profile=args.profile, num_blocks=args.num_blocks, fast_forward=not args.no_fast_forward)
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.markdown import Markdown
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from sloserve.bench.cli import resolve_rates, workload_spec_from_args
+    from sloserve.bench.metrics import SLO, summarize
+    from sloserve.bench.report import fmt_rate, run_markdown, sweep_markdown
+    from sloserve.bench.result import BenchResult
+    from sloserve.bench.runner import class_slos, write_outputs
+    from sloserve.sim.fleet import build_fleet, sim_requests, simulate
+    from sloserve.workload.build import build_stream
+
+    spec = workload_spec_from_args(args)
+    rates = resolve_rates(args, spec)
+    fleet = fleet_config_from_args(args)
+    fleet.validate()
+    build_fleet(fleet)  # fail on bad names before any work
+    slo = SLO.parse(args.slo) if args.slo else SLO()
+    classes = {c.name: c.qos for c in spec.mix.classes} if spec.mix else {}
+    console = Console(stderr=True)
+    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                        TextColumn("sim {task.fields[sim_time]:.1f} s"), TimeElapsedColumn(), console=console,
+                        disable=args.no_progress)
+    results = []
+    with progress:
+        for rate in rates:
+            run_spec = spec if rate is None else replace(spec, rate=rate, replay=False)
+            stream = build_stream(run_spec)
+            desc = f"rate {fmt_rate(rate)}" if rate is not None else ("replay" if run_spec.replay else "burst")
+            task = progress.add_task(desc, total=len(stream), sim_time=0.0)
+            sim = build_fleet(fleet)
+            wall0 = time.perf_counter()
+            records, result = simulate(
+                sim, sim_requests(stream, classes),
+                on_progress=lambda t, n: progress.update(task, completed=n, sim_time=t))
+            wall = time.perf_counter() - wall0
+            summary = summarize(records, None, slo, class_slos(spec.mix))
+            config = {
+                "simulated": True, "workload": run_spec.name, "rate": fmt_rate(rate), "replay": run_spec.replay,
+                "instances": fleet.instances, "hardware": fleet.hardware, "model": fleet.model, "tp": fleet.tp,
+                "router": fleet.router, "scheduler": fleet.scheduler.policy, "profile": fleet.profile,
+                "num_requests": len(stream), "completed": result.num_finished, "rejected": len(stream) - result.num_finished,
+                "sim_end_s": result.end_time, "wall_s": wall, "events": result.num_events,
+                "speedup_vs_real_time": result.end_time / wall if wall > 0 else None,
+            }
+            label = f"sim {fleet.instances}x {fleet.model} on {fleet.hardware} · {run_spec.name} · {desc}"
+            results.append(BenchResult(label, summary, records, rate, config))
+    paths = write_outputs(results, Path(args.out))
+    out = Console()
+    if len(results) > 1:
+        out.print(Markdown(sweep_markdown(results)))
+    for r in results:
+        out.print(Markdown(run_markdown(r)))
+        c = r.config
+        out.print(f"completed {c['completed']}/{c['num_requests']} requests; simulated {c['sim_end_s']:.1f} s "
+                  f"in {c['wall_s']:.1f} s of wall time ({c['speedup_vs_real_time'] or 0:.0f}x real time)")
+    console.print("wrote " + ", ".join(str(p) for p in paths))
+    return 0

@@ -1,0 +1,117 @@
+"""Assemble a simulated fleet from names, feed it a workload, and turn what happened into
+the same per-request records the bench client writes, so one report serves both."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Iterator, Optional
+
+from sloserve.bench.records import RequestRecord, error_kind_for_status
+from sloserve.cluster.routers import make_router
+from sloserve.config import CacheConfig, ModelConfig, SchedulerConfig
+from sloserve.sim.catalog import get_model
+from sloserve.sim.cost import CostModel, Profile, ProfiledCostModel, RooflineCostModel
+from sloserve.sim.hardware import get_hardware
+from sloserve.sim.instance import SimInstance, kv_blocks_for
+from sloserve.sim.prompts import SyntheticPrompt
+from sloserve.sim.simulator import SimResult, Simulator
+from sloserve.types import DEFAULT_QOS, QoSClass, Request, SamplingParams
+from sloserve.workload.types import WorkloadRequest
+
+
+@dataclass
+class FleetConfig:
+    instances: int = 1
+    hardware: str = "h100-80g"
+    model: str = "llama-3.1-8b"
+    tp: int = 1
+    router: str = "round-robin"
+    scheduler: SchedulerConfig = field(default_factory=lambda: SchedulerConfig(max_num_batched_tokens=2048,
+                                                                               max_num_seqs=256))
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    profile: Optional[str] = None  # a `sloserve profile` file: price steps with it instead of the roofline
+    num_blocks: Optional[int] = None  # override the pool size derived from device memory
+    max_model_len: Optional[int] = None
+    dtype_bytes: int = 2
+    fast_forward: bool = True
+
+    def validate(self) -> None:
+        if self.instances < 1:
+            raise ValueError("--instances must be >= 1")
+        if self.tp < 1:
+            raise ValueError("--tp must be >= 1")
+        self.scheduler.validate()
+        self.cache.validate()
+
+
+def build_cost_model(cfg: FleetConfig) -> tuple[CostModel, ModelConfig, int]:
+    """The cost model, the model's shape, and KV blocks per instance."""
+    model = get_model(cfg.model)
+    hw = get_hardware(cfg.hardware)
+    roofline = RooflineCostModel(hw, model, cfg.tp, cfg.dtype_bytes)
+    cost: CostModel = roofline
+    if cfg.profile:
+        cost = ProfiledCostModel(Profile.load(cfg.profile))
+    blocks = cfg.num_blocks or kv_blocks_for(hw.mem_bytes, roofline.weight_bytes(), model, cfg.cache.block_size,
+                                             cfg.tp, cfg.scheduler.max_num_batched_tokens, cfg.scheduler.max_num_seqs,
+                                             cfg.dtype_bytes)
+    return cost, model, blocks
+
+
+def build_fleet(cfg: FleetConfig) -> Simulator:
+    cfg.validate()
+    cost, model, blocks = build_cost_model(cfg)
+    context = min(cfg.max_model_len or model.max_position_embeddings, blocks * cfg.cache.block_size)
+    instances = [SimInstance(i, cost, blocks, context, cfg.scheduler, cfg.cache, fast_forward=cfg.fast_forward)
+                 for i in range(cfg.instances)]
+    return Simulator(instances, make_router(cfg.router))
+
+
+def sim_requests(stream: Iterable[WorkloadRequest], classes: Optional[dict[str, QoSClass]] = None) -> Iterator[Request]:
+    """Workload requests as scheduler requests: ending at their recorded output length."""
+    classes = classes or {}
+    for i, w in enumerate(stream):
+        prompt = w.prompt_token_ids if w.prompt_token_ids is not None else SyntheticPrompt(
+            max(1, w.prompt_len), i, w.hash_ids, w.hash_block_size or 512)
+        params = SamplingParams(max_tokens=max(1, w.output_len), ignore_eos=True, temperature=0.0)
+        yield Request(w.request_id or f"sim-{i}", prompt, params, arrival_time=w.arrival_s,
+                      qos=classes.get(w.qos_class, DEFAULT_QOS), tenant=w.tenant)
+
+
+def record_of(index: int, request: Request, error: Optional[str] = None) -> RequestRecord:
+    """What a client would have recorded (no per-chunk gaps: TPOT comes from E2E and TTFT)."""
+    arrival = request.arrival_time
+    rec = RequestRecord(index=index, request_id=request.request_id, tenant=request.tenant,
+                        qos_class=request.qos.name, scheduled_s=arrival, dispatch_s=arrival, send_s=arrival,
+                        prompt_len=request.num_prompt_tokens, output_len=request.sampling_params.max_tokens or 0)
+    if error is not None:
+        rec.http_status, rec.error = 400, error
+        rec.error_kind = error_kind_for_status(400)
+        return rec
+    rec.http_status = 200
+    rec.ttft_s = request.first_token_time - arrival
+    rec.e2e_s = request.finished_time - arrival
+    rec.prompt_tokens = request.num_prompt_tokens
+    rec.output_tokens = rec.num_chunks = request.num_output_tokens
+    rec.finish_reason = request.finish_reason.value if request.finish_reason else None
+    return rec
+
+
+def simulate(sim: Simulator, requests: Iterable[Request],
+             on_progress: Optional[Callable[[float, int], None]] = None) -> tuple[list[RequestRecord], SimResult]:
+    """Run the fleet; one record per request, in arrival order."""
+    index: dict[str, int] = {}
+
+    def numbered() -> Iterator[Request]:
+        for i, r in enumerate(requests):
+            index[r.request_id] = i
+            yield r
+
+    records: list[Optional[RequestRecord]] = []
+
+    def keep(request: Request, error: Optional[str]) -> None:
+        i = index[request.request_id]
+        records.extend([None] * (i + 1 - len(records)))
+        records[i] = record_of(i, request, error)
+
+    result = sim.run(numbered(), on_progress=on_progress, on_done=keep)
+    return [r for r in records if r is not None], result

@@ -1,0 +1,52 @@
+"""Prompt token ids for simulated requests, without storing them.
+
+The simulated KV manager hashes prompt blocks exactly as the engine's does, so prefix reuse in
+a trace must show up as equal token ids: blocks named by the same Mooncake `hash_id` get the
+same ids, everything else gets ids no other request has. A trace of a million requests would
+need tens of GB as Python lists; these sequences compute each id on demand instead.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Optional, Union, overload
+
+_REQUEST_SPACE = 1 << 40  # unique-token namespace per request
+_HASH_SPACE = 1 << 62  # shared-prefix namespace per hash id, far from every request's
+
+
+class SyntheticPrompt(Sequence):
+    """`length` token ids: shared blocks for `hash_ids` (of `hash_block` tokens), then unique ids."""
+
+    __slots__ = ("length", "uid", "hash_ids", "hash_block")
+
+    def __init__(self, length: int, uid: int, hash_ids: Optional[tuple[int, ...]] = None, hash_block: int = 512):
+        self.length = length
+        self.uid = uid
+        self.hash_ids = hash_ids or ()
+        self.hash_block = hash_block
+
+    def __len__(self) -> int:
+        return self.length
+
+    def _at(self, i: int) -> int:
+        b = i // self.hash_block
+        if b < len(self.hash_ids):
+            return _HASH_SPACE + self.hash_ids[b] * self.hash_block + i % self.hash_block
+        return (self.uid + 1) * _REQUEST_SPACE + i
+
+    @overload
+    def __getitem__(self, i: int) -> int: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[int]: ...
+
+    def __getitem__(self, i: Union[int, slice]):
+        if isinstance(i, slice):
+            return [self._at(j) for j in range(*i.indices(self.length))]
+        if i < 0:
+            i += self.length
+        if not 0 <= i < self.length:
+            raise IndexError(i)
+        return self._at(i)
+
+    def __add__(self, other):  # Request.all_token_ids (only the real executor needs it)
+        return self[:] + list(other)
