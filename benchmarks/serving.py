@@ -23,9 +23,6 @@ import gzip
 import json
 import os
 import random
-import signal
-import socket
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -35,6 +32,8 @@ from typing import Optional
 
 import httpx
 import numpy as np
+
+from sloserve.bench.local_server import LocalServer
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_DATASET = REPO_ROOT.parent / "shared" / "data" / "sharegpt_v3_first_turn.jsonl.gz"
@@ -203,45 +202,6 @@ def plot(summaries: list[dict], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-
-
-class LocalServer:
-    """`sloserve serve` on a free loopback port, stopped with SIGTERM (a clean drain) at the end."""
-
-    def __init__(self, server_args: list[str], log_path: Path) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.base_url = f"http://127.0.0.1:{self.port}"
-        self._log = open(log_path, "wb")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "sloserve.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
-             "--log-level", "warning", *server_args],
-            cwd=REPO_ROOT, stdout=self._log, stderr=subprocess.STDOUT)
-
-    def wait_ready(self, timeout: float = 300.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise SystemExit(f"server exited with {self.proc.returncode}; see {self._log.name}")
-            try:
-                if httpx.get(self.base_url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)
-        raise SystemExit(f"server not ready after {timeout}s; see {self._log.name}")
-
-    def stop(self) -> Optional[int]:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
-        return self.proc.returncode
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:

@@ -84,3 +84,10 @@ def test_bad_input_raises_in_the_caller_and_engine_keeps_serving(aengine):
 
     last = asyncio.run(main())
     assert last.finished and len(last.token_ids) >= 1
+
+
+def test_liveness_follows_the_loop_thread(llm):
+    engine = AsyncLLMEngine(llm.engine)
+    assert engine.is_alive
+    engine.shutdown()
+    assert not engine.is_alive

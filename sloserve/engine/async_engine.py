@@ -109,6 +109,11 @@ class AsyncLLMEngine:
             self._cond.notify()
 
     @property
+    def is_alive(self) -> bool:
+        """False once the loop thread has stopped (shut down, or died): health checks read this."""
+        return self._thread.is_alive() and not self._stopped
+
+    @property
     def num_in_flight(self) -> int:
         return len(self._streams)
 

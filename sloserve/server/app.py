@@ -109,6 +109,8 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     async def health() -> Response:
         if state.admission.draining:
             return error_response(APIError(503, "server is shutting down", code="draining"))
+        if not state.engine.is_alive:
+            return error_response(APIError(503, "engine loop is not running", code="engine_dead"))
         return JSONResponse({"status": "ok"})
 
     @app.get("/version")

@@ -9,9 +9,11 @@ import heapq
 import itertools
 import logging
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator, Optional, Sequence
+from collections.abc import Sequence
+from typing import Callable, Iterable, Iterator, Optional
 
 from sloserve.cluster.routers.base import Router
+from sloserve.sched.state import InstanceState
 from sloserve.sim.instance import SimInstance
 from sloserve.types import Request
 
@@ -114,10 +116,7 @@ class Simulator:
 
     def _arrive(self, request: Request) -> Optional[str]:
         """Route and queue an arrival; returns why it was rejected, if it was."""
-        for inst in self.instances:
-            inst.sync(self.now)
-        states = [inst.snapshot(self.now) for inst in self.instances]
-        choice = self.router.route(request, states)
+        choice = self.router.route(request, _LazyStates(self.instances, self.now))
         instance = self.instances[choice]
         try:
             instance.add_request(request)
@@ -137,3 +136,26 @@ class Simulator:
         end = instance.start_step(self.now)
         if end is not None:
             self._push(end, STEP_END, (instance, end))
+
+
+class _LazyStates(Sequence):
+    """Instance snapshots taken only when the router looks: round-robin looks at none, and a
+    fleet of 64 instances need not be brought up to date 64 times for every arrival."""
+
+    def __init__(self, instances: Sequence[SimInstance], now: float):
+        self._instances = instances
+        self._now = now
+        self._cache: dict[int, InstanceState] = {}
+
+    def __len__(self) -> int:
+        return len(self._instances)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        state = self._cache.get(i)
+        if state is None:
+            instance = self._instances[i]
+            instance.sync(self._now)
+            state = self._cache[i] = instance.snapshot(self._now)
+        return state

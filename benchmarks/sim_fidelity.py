@@ -1,0 +1,124 @@
+"""Does the simulator predict the real server? One workload, both ways, in one run.
+
+1. `sloserve profile` measures this machine's engine step times (the simulator's cost model).
+2. `sloserve serve` (embedded model) takes ShareGPT prompts at Poisson arrivals through the
+   bench client, at two rates.
+3. The simulator runs the same requests (same token ids, arrival times and output lengths) on
+   one simulated instance with the same scheduler settings, priced by that profile.
+It prints the relative error of p50/p90/p99 TTFT, TPOT and E2E and writes both runs as bench
+results (so `sloserve bench compare` can overlay them), JSON and a CDF plot.
+Target: <= 10% at p50, <= 20% at p99.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import subprocess
+import sys
+from dataclasses import replace
+from datetime import datetime, timezone
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from sloserve.bench.client import BenchClient, ClientConfig
+from sloserve.bench.local_server import LocalServer
+from sloserve.bench.metrics import summarize
+from sloserve.bench.plots import plot_latency_cdfs
+from sloserve.bench.result import BenchResult, save_results
+from sloserve.bench.runner import default_synthesizer, prepare
+from sloserve.bench.tokenizer import load_bench_tokenizer
+from sloserve.config import CacheConfig, SchedulerConfig
+from sloserve.sim.fleet import FleetConfig, build_fleet, sim_requests, simulate
+from sloserve.workload.build import WorkloadSpec
+
+REPO = Path(__file__).resolve().parents[1]
+METRICS = ("ttft", "tpot", "e2e")
+QUANTILES = ("p50", "p90", "p99")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rates", default="0.5,1.5", help="two (or more) Poisson rates, req/s")
+    p.add_argument("--num-requests", type=int, default=60)
+    p.add_argument("--max-prompt-len", type=int, default=512)
+    p.add_argument("--max-output-len", type=int, default=128)
+    p.add_argument("--num-threads", type=int, default=2)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--num-blocks", type=int, default=1456)
+    p.add_argument("--profile", type=Path, help="reuse a profile instead of measuring one")
+    p.add_argument("--quick-profile", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+    out = REPO / "benchmarks" / "results" / f"sim_fidelity-{datetime.now(timezone.utc).strftime('%Y%m%d-%H%M%S')}"
+    out.mkdir(parents=True, exist_ok=True)
+    console = Console()
+    engine_args = ["--num-threads", str(args.num_threads), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+                   "--max-num-seqs", str(args.max_num_seqs), "--num-blocks", str(args.num_blocks)]
+
+    profile = args.profile
+    if profile is None:
+        profile = out / "profile.json"
+        console.rule("profiling the engine on this machine")
+        subprocess.run([sys.executable, "-m", "sloserve.cli", "profile", "--out", str(profile), *engine_args,
+                        *(["--quick"] if args.quick_profile else [])], check=True, cwd=REPO)
+
+    synthesizer = default_synthesizer(load_bench_tokenizer(None), args.seed)
+    rates = [float(r) for r in args.rates.split(",")]
+    base = WorkloadSpec("sharegpt", seed=args.seed, num_requests=args.num_requests,
+                        max_prompt_len=args.max_prompt_len, max_output_len=args.max_output_len)
+    fleet = FleetConfig(instances=1, hardware="cpu", model="smollm2-135m", profile=str(profile),
+                        num_blocks=args.num_blocks, dtype_bytes=4, max_model_len=8192,
+                        scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
+                                                  max_num_seqs=args.max_num_seqs),
+                        cache=CacheConfig(block_size=16))
+    results: list[BenchResult] = []
+    rows = []
+    server = LocalServer(engine_args, out / "server.log")
+    try:
+        server.wait_ready()
+        client = ClientConfig(base_url=server.base_url, request_timeout_s=600)
+        for rate in rates:
+            requests = prepare(replace(base, rate=rate), synthesizer, "tokens")
+            warm = [replace(requests[0], arrival_s=0.0, output_len=4)]
+            asyncio.run(BenchClient(client).run(warm))
+            console.rule(f"real server, {rate:g} req/s")
+            real = asyncio.run(BenchClient(client).run(requests))
+            real_summary = summarize(real.records, real.duration_s)
+            console.rule(f"simulator, {rate:g} req/s")
+            records, _ = simulate(build_fleet(fleet), sim_requests(requests))
+            sim_summary = summarize(records)
+            results += [BenchResult(f"real · rate {rate:g}", real_summary, real.records, rate),
+                        BenchResult(f"sim · rate {rate:g}", sim_summary, records, rate)]
+            for metric in METRICS:
+                r_stats, s_stats = real_summary.overall.latency[metric], sim_summary.overall.latency[metric]
+                for q in QUANTILES:
+                    rv, sv = r_stats.p(float(q[1:])), s_stats.p(float(q[1:]))
+                    err = abs(sv - rv) / rv if rv and not math.isnan(rv) else math.nan
+                    rows.append({"rate": rate, "metric": metric, "quantile": q, "real_ms": 1e3 * rv,
+                                 "sim_ms": 1e3 * sv, "rel_error": err})
+    finally:
+        server.stop()
+
+    table = Table(title="simulator vs real server (relative error)")
+    for col in ("rate", "metric", "quantile", "real ms", "sim ms", "error", "target"):
+        table.add_column(col)
+    for r in rows:
+        target = 0.10 if r["quantile"] == "p50" else 0.20 if r["quantile"] == "p99" else None
+        ok = "" if target is None else ("ok" if r["rel_error"] <= target else "MISSED")
+        table.add_row(f"{r['rate']:g}", r["metric"], r["quantile"], f"{r['real_ms']:.0f}", f"{r['sim_ms']:.0f}",
+                      f"{100 * r['rel_error']:.1f}%", f"{'' if target is None else f'<= {target:.0%}'} {ok}")
+    console.print(table)
+    save_results(out / "results.json", results)
+    (out / "fidelity.json").write_text(json.dumps({"rows": rows, "profile": str(profile)}, indent=1))
+    plot_latency_cdfs(results, out / "latency_cdf.png")
+    console.print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
