@@ -58,13 +58,16 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     console = Console()
     engine_args = ["--num-threads", str(args.num_threads), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-                   "--max-num-seqs", str(args.max_num_seqs), "--num-blocks", str(args.num_blocks)]
+                   "--max-num-seqs", str(args.max_num_seqs)]
+    server_args = [*engine_args, "--num-blocks", str(args.num_blocks)]
 
     profile = args.profile
     if profile is None:
         profile = out / "profile.json"
         console.rule("profiling the engine on this machine")
+        # the profile's grid (up to 64 decodes x 1024 tokens) needs a bigger pool than the server's
         subprocess.run([sys.executable, "-m", "sloserve.cli", "profile", "--out", str(profile), *engine_args,
+                        "--kv-cache-gib", "4",
                         *(["--quick"] if args.quick_profile else [])], check=True, cwd=REPO)
 
     synthesizer = default_synthesizer(load_bench_tokenizer(None), args.seed)
@@ -78,7 +81,7 @@ def main() -> int:
                         cache=CacheConfig(block_size=16))
     results: list[BenchResult] = []
     rows = []
-    server = LocalServer(engine_args, out / "server.log")
+    server = LocalServer(server_args, out / "server.log")
     try:
         server.wait_ready()
         client = ClientConfig(base_url=server.base_url, request_timeout_s=600)

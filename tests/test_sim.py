@@ -9,7 +9,8 @@ import pytest
 from sloserve.cluster.routers import make_router
 from sloserve.config import SchedulerConfig
 from sloserve.sim.catalog import get_model
-from sloserve.sim.cost import Profile, ProfiledCostModel, RooflineCostModel, StepShape, features, fit_nonnegative
+from sloserve.sim.cost import (Profile, ProfiledCostModel, RooflineCostModel, StepShape, choose_knots, features,
+                               fit_nonnegative)
 from sloserve.sim.hardware import get_hardware
 from sloserve.sim.instance import SimInstance, kv_blocks_for
 from sloserve.sim.simulator import Simulator
@@ -79,19 +80,28 @@ def test_roofline_is_memory_bound_at_decode_and_compute_bound_at_prefill():
     assert moe.num_active_params < moe.num_params / 3
 
 
-def test_profile_fit_recovers_a_known_linear_cost(tmp_path):
-    truth = [0.004, 2e-4, 1e-3, 5e-5, 3e-7, 1e-8]
+def test_profile_fit_recovers_a_known_piecewise_linear_cost(tmp_path):
+    # Linear layers cost 60 ms at 1 token, 150 ms at 8, 200 ms at 64, 600 ms at 512 (GEMMs at
+    # small batch run below peak), plus per-row LM-head and attention terms.
+    knots_truth = {1: 0.060, 8: 0.150, 64: 0.200, 512: 0.600}
+    per_unit = [1e-3, 8e-6, 1e-6]
     rng = random.Random(0)
-    shapes = [StepShape(t, s, d, d * rng.randint(10, 900), rng.uniform(0, 1e5), 0)
-              for t, s, d in ((rng.randint(1, 512), rng.randint(1, 64), rng.randint(0, 64)) for _ in range(60))]
-    rows = [features(s) for s in shapes]
-    times = [sum(c * f for c, f in zip(truth, r)) for r in rows]
-    coef = fit_nonnegative(rows, times)
-    profile = Profile("m", "here", "float32", 2, coef, [])
-    profile.save(tmp_path / "p.json")
+    shapes = []
+    for tokens in knots_truth:
+        for _ in range(6):
+            d = rng.randint(0, tokens)
+            shapes.append(StepShape(tokens, max(1, d), d, d * rng.randint(10, 900), rng.uniform(0, 1e5), 0))
+    knots = choose_knots([s.num_tokens for s in shapes])
+    assert knots == [1, 8, 64, 512]
+    truth = list(knots_truth.values()) + per_unit
+    times = [sum(c * f for c, f in zip(truth, features(s, knots))) for s in shapes]
+    coef = fit_nonnegative([features(s, knots) for s in shapes], times)
+    Profile("m", "here", "float32", 2, coef, [], knots).save(tmp_path / "p.json")
     model = ProfiledCostModel(Profile.load(tmp_path / "p.json"))
     for s, t in zip(shapes, times):
         assert model.step_time(s) == pytest.approx(t, rel=0.02)
+    between = StepShape(36, 1, 0, 0, 0.0, 0)  # halfway between the 8- and 64-token knots
+    assert model.step_time(between) == pytest.approx(0.175 + 1e-3, rel=0.02)
     (tmp_path / "bad.json").write_text("{}")
     with pytest.raises(ValueError):
         Profile.load(tmp_path / "bad.json")

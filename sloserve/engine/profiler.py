@@ -19,7 +19,7 @@ from typing import Callable, Iterable, Optional
 from sloserve.engine.llm_engine import LLMEngine
 from sloserve.kv.manager import KVCacheManager
 from sloserve.sched.plan import ScheduledRequest, StepPlan
-from sloserve.sim.cost import Profile, StepShape, features, fit_nonnegative
+from sloserve.sim.cost import Profile, StepShape, choose_knots, features, fit_nonnegative
 from sloserve.types import Request, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -89,14 +89,16 @@ def profile_engine(engine: LLMEngine, grid: Iterable[tuple[int, int, int, int]] 
         samples.append({**asdict(shape), "seconds": statistics.median(times)})
         if on_point is not None:
             on_point(index + 1, len(points))
-    rows = [features(StepShape(**{k: v for k, v in s.items() if k != "seconds"})) for s in samples]
+    shapes = [StepShape(**{k: v for k, v in s.items() if k != "seconds"}) for s in samples]
+    knots = choose_knots([sh.num_tokens for sh in shapes])
+    rows = [features(sh, knots) for sh in shapes]
     targets = [s["seconds"] for s in samples]
     coef = fit_nonnegative(rows, targets)
     errors = [abs(sum(c * f for c, f in zip(coef, r)) - t) / t for r, t in zip(rows, targets)]
     profile = Profile(
         model=engine.model_name, machine=f"{platform.node()} {platform.processor() or platform.machine()}",
         dtype=str(engine.dtype).removeprefix("torch."), num_threads=_threads(), coefficients=coef,
-        samples=samples, fit_error=statistics.fmean(errors),
+        samples=samples, knots=knots, fit_error=statistics.fmean(errors),
     )
     logger.info("profiled %d step shapes; mean relative fit error %.1f%%", len(samples), 100 * profile.fit_error)
     return profile
