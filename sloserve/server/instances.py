@@ -1,0 +1,201 @@
+"""Engine workers as the front sees them: something that starts, has a URL, can be checked
+and killed. Two kinds behind one interface:
+
+- `ProcessWorker`: a local child process (`python -m sloserve.server.worker`);
+- `RayWorker`: a Ray actor running the same worker app in its process, placed by Ray's
+  resources (`num_cpus` = the threads it gets), so instances can live on other machines.
+
+Both speak HTTP to the front, which is what keeps the front identical for both.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import subprocess
+import sys
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Optional
+
+from sloserve.config import EngineConfig
+from sloserve.server.worker import API_KEYS_ENV, config_to_json
+
+logger = logging.getLogger(__name__)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: Linux sends it SIGTERM when the front dies, so a killed
+    front never leaves workers holding a model's memory behind."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+@dataclass
+class WorkerSpec:
+    """What every worker of a fleet is started with."""
+
+    engine: EngineConfig
+    qos_config: Optional[str] = None
+    api_keys: list[str] = field(default_factory=list)
+    served_model_names: list[str] = field(default_factory=list)
+    max_queue: int = 256
+    log_level: str = "warning"
+
+
+class WorkerHandle(ABC):
+    kind: str = "?"
+
+    @property
+    @abstractmethod
+    def url(self) -> Optional[str]:
+        """Base URL once known (a Ray actor learns its port after starting)."""
+
+    @abstractmethod
+    def is_running(self) -> bool:
+        """False once the worker's process is known to be gone."""
+
+    @abstractmethod
+    def kill(self) -> None:
+        """Stop it now (a hung worker, or shutdown)."""
+
+    def describe(self) -> dict:
+        return {"kind": self.kind, "url": self.url}
+
+
+class ProcessWorker(WorkerHandle):
+    kind = "process"
+
+    def __init__(self, spec: WorkerSpec, host: str = "127.0.0.1", port: Optional[int] = None):
+        self.host = host
+        self.port = port or free_port(host)
+        cmd = [sys.executable, "-m", "sloserve.server.worker", "--config", config_to_json(spec.engine),
+               "--host", host, "--port", str(self.port), "--max-queue", str(spec.max_queue),
+               "--log-level", spec.log_level]
+        if spec.qos_config:
+            cmd += ["--qos-config", spec.qos_config]
+        for name in spec.served_model_names:
+            cmd += ["--served-model-name", name]
+        env = dict(os.environ)
+        if spec.api_keys:  # through the environment, not the command line where `ps` shows it
+            env[API_KEYS_ENV] = "\n".join(spec.api_keys)
+        self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+        logger.info("started worker pid %d on port %d", self.proc.pid, self.port)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def is_running(self) -> bool:
+        return self.proc.poll() is None
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            logger.error("worker pid %d did not exit after SIGKILL", self.proc.pid)
+
+    def terminate(self, timeout: float = 10.0) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def describe(self) -> dict:
+        return {"kind": self.kind, "url": self.url, "pid": self.proc.pid, "exit_code": self.proc.poll()}
+
+
+def _actor_class():
+    import ray
+
+    class WorkerActor:
+        """Runs one worker app (engine + HTTP) inside a Ray actor process."""
+
+        def __init__(self, config_json: str, qos_config: Optional[str], api_keys: list[str],
+                     served_model_names: list[str], max_queue: int):
+            import threading
+
+            import uvicorn
+
+            from sloserve.server.worker import build_worker_app, config_from_json, settings_from_args
+
+            settings = settings_from_args(qos_config, api_keys, served_model_names, max_queue)
+            self.engine, app = build_worker_app(config_from_json(config_json), settings)
+            self.host = ray.util.get_node_ip_address()
+            self.port = free_port(self.host)
+            config = uvicorn.Config(app, host=self.host, port=self.port, lifespan="off", access_log=False,
+                                    log_config=None, timeout_keep_alive=30)
+            self.server = uvicorn.Server(config)
+            self.thread = threading.Thread(target=self.server.run, name="sloserve-worker-http", daemon=True)
+            self.thread.start()
+
+        def address(self) -> str:
+            return f"http://{self.host}:{self.port}"
+
+        def pid(self) -> int:
+            return os.getpid()
+
+    return ray.remote(WorkerActor)
+
+
+class RayWorker(WorkerHandle):
+    """A worker as a Ray actor; `ray.init` must have run (the launcher does it)."""
+
+    kind = "ray"
+
+    def __init__(self, spec: WorkerSpec, num_cpus: float = 1.0, num_gpus: float = 0.0):
+        import ray
+
+        cls = _actor_class().options(num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=0)
+        self.actor = cls.remote(config_to_json(spec.engine), spec.qos_config, list(spec.api_keys),
+                                list(spec.served_model_names), spec.max_queue)
+        self._ray = ray
+        self._url: Optional[str] = None
+        self._dead = False
+        self._address_ref = self.actor.address.remote()
+
+    @property
+    def url(self) -> Optional[str]:
+        if self._url is None and not self._dead:
+            ready, _ = self._ray.wait([self._address_ref], timeout=0)
+            if ready:
+                try:
+                    self._url = self._ray.get(self._address_ref)
+                except Exception:  # the actor died while starting
+                    logger.exception("ray worker failed to start")
+                    self._dead = True
+        return self._url
+
+    def is_running(self) -> bool:
+        if self._url is None:
+            _ = self.url  # notices an actor that died while starting
+        return not self._dead  # past startup, liveness is judged over HTTP, like any worker
+
+    def kill(self) -> None:
+        self._dead = True
+        try:
+            self._ray.kill(self.actor, no_restart=True)
+        except Exception:
+            logger.debug("ray.kill failed (already gone?)", exc_info=True)
+
+    def describe(self) -> dict:
+        return {"kind": self.kind, "url": self._url}

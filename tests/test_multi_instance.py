@@ -1,0 +1,84 @@
+"""`sloserve serve --instances 2` for real: two engine worker processes (the embedded model)
+behind the router on 127.0.0.1. Requests spread per policy; killing a worker mid-load ends
+every request (completed or with an error, none silently lost or hanging); the replacement
+joins and serves."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from server_helpers import ServerProcess, wait_for
+
+pytestmark = pytest.mark.slow
+
+ARGS = ["--instances", "2", "--router", "round-robin", "--max-num-seqs", "4", "--kv-cache-gib", "0.1",
+        "--log-level", "warning"]
+
+
+def instances(base: str) -> dict:
+    return httpx.get(base + "/v1/instances", timeout=10).json()
+
+
+def stream(base: str, prompt: str, max_tokens: int) -> tuple[int, list]:
+    """One streamed completion: (status, events). A transport error fails the test: the front must end
+    every stream itself."""
+    events = []
+    with httpx.stream("POST", base + "/v1/completions", timeout=120, json={
+            "prompt": prompt, "max_tokens": max_tokens, "stream": True, "ignore_eos": True, "temperature": 0,
+            "stream_options": {"include_usage": True}}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                data = line[6:]
+                events.append(data if data == "[DONE]" else json.loads(data))
+        return r.status_code, events
+
+
+def test_two_workers_spread_survive_a_kill_and_replace_it(tmp_path):
+    server = ServerProcess(ARGS, tmp_path / "front.log", startup_timeout=300)
+    base = server.base_url
+    try:
+        info = instances(base)
+        assert [d["status"] for d in info["data"]] == ["healthy", "healthy"]
+        assert all(d["kind"] == "process" and d["pid"] for d in info["data"])
+        for i in range(4):
+            r = httpx.post(base + "/v1/completions", timeout=60,
+                           json={"prompt": f"Count to {i}:", "max_tokens": 3, "temperature": 0})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+        assert [d["routed"] for d in instances(base)["data"]] == [2, 2]  # round-robin
+        assert httpx.get(base + "/v1/models", timeout=10).json()["data"]
+
+        victim_pid = instances(base)["data"][0]["pid"]
+        with ThreadPoolExecutor(8) as pool:
+            futures = [pool.submit(stream, base, f"Story number {i}:", 48) for i in range(8)]
+            wait_for(lambda: instances(base)["data"][0]["in_flight"] > 0, 60, what="load on worker 0")
+            os.kill(victim_pid, signal.SIGKILL)
+            results = [f.result(timeout=180) for f in futures]
+        completed = errored = 0
+        for status, events in results:
+            assert status == 200 and events and events[-1] == "[DONE]"  # every stream ends properly
+            if any(isinstance(e, dict) and "error" in e for e in events):
+                errored += 1
+                assert [e for e in events if isinstance(e, dict) and "error" in e][0]["error"]["code"] == "instance_failed"
+            else:
+                completed += 1
+                assert events[-2]["usage"]["completion_tokens"] == 48
+        assert completed + errored == 8 and completed >= 4
+
+        def replaced():
+            d = instances(base)["data"][0]
+            return d["status"] == "healthy" and d["generation"] == 1 and d["pid"] != victim_pid
+
+        wait_for(replaced, 240, interval=0.5, what="the replacement worker to join")
+        before = instances(base)["data"][0]["routed"]
+        for i in range(2):
+            r = httpx.post(base + "/v1/completions", timeout=60, json={"prompt": "Hi", "max_tokens": 2})
+            assert r.status_code == 200
+        assert instances(base)["data"][0]["routed"] == before + 1  # the new worker takes its turn
+        assert 'sloserve:front_replacements_total 1.0' in httpx.get(base + "/metrics", timeout=10).text
+    finally:
+        server.kill()
