@@ -21,7 +21,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=512, help="per-step token budget")
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--no-chunked-prefill", action="store_true")
-    g.add_argument("--scheduling-policy", default="fcfs")
+    g.add_argument("--scheduling-policy", default="fcfs", help="fcfs, priority, edf or slo")
+    g.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap", "auto"],
+                   help="preempt by recompute, by swap to host memory, or per victim by cost (auto)")
+    g.add_argument("--swap-space", type=float, default=4.0, metavar="GIB", help="host memory for swapped-out KV")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--no-native-kernels", action="store_true", help="use the portable attention path only")
 
@@ -33,9 +36,10 @@ def engine_config_from_args(args: argparse.Namespace):
         model=args.model, dtype=args.dtype, device=args.device, num_threads=args.num_threads,
         max_model_len=args.max_model_len, seed=args.seed, native_kernels=not args.no_native_kernels,
         cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks, kv_cache_gib=args.kv_cache_gib,
-                          enable_prefix_caching=not args.no_prefix_caching),
+                          enable_prefix_caching=not args.no_prefix_caching, swap_space_gib=args.swap_space),
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-                                  enable_chunked_prefill=not args.no_chunked_prefill, policy=args.scheduling_policy),
+                                  enable_chunked_prefill=not args.no_chunked_prefill, policy=args.scheduling_policy,
+                                  preemption_mode=args.preemption_mode),
     )
 
 
@@ -103,6 +107,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         grace_period_s=args.grace_period,
     )
     settings.validate()
+    if args.instances > 1 or args.backend != "process":
+        from sloserve.server.multi import run_multi
+
+        return run_multi(engine_config_from_args(args), settings, instances=args.instances, router=args.router,
+                         backend=args.backend, host=args.host, port=args.port, qos_config=args.qos_config,
+                         api_keys=keys, ray_address=args.ray_address)
     return run_server(engine_config_from_args(args), settings, host=args.host, port=args.port)
 
 
@@ -121,6 +131,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="on SIGTERM/SIGINT, seconds in-flight requests get to finish before they are aborted")
     g.add_argument("--max-body-bytes", type=int, default=4 * 2**20, help="larger request bodies get 413")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    m = p.add_argument_group("multi-instance")
+    m.add_argument("--instances", type=int, default=1, help="engine workers behind one router (threads split evenly)")
+    m.add_argument("--router", default="least-requests", help="routing policy across instances (see README)")
+    m.add_argument("--backend", default="process", choices=["process", "ray"], help="workers as local processes or Ray actors")
+    m.add_argument("--ray-address", help="join this Ray cluster (e.g. auto, ray://head:10001) instead of starting one")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -161,6 +176,9 @@ def build_parser() -> argparse.ArgumentParser:
     from sloserve.sim.cli import add_simulate_parser
 
     add_simulate_parser(sub)
+    from sloserve.cluster.train_cli import add_train_predictor_parser
+
+    add_train_predictor_parser(sub)
     return parser
 
 

@@ -68,6 +68,10 @@ class CacheConfig:
     # Keep this share of blocks free when admitting a new request, so a burst of
     # admissions does not force the running decodes straight into preemption.
     watermark: float = 0.01
+    # The host-memory tier that preempted requests swap to (used only when the scheduler's
+    # preemption_mode is "swap" or "auto"). Sized per device as vLLM's --swap-space; or by blocks.
+    swap_space_gib: float = 4.0
+    num_host_blocks: Optional[int] = None
 
     def validate(self) -> None:
         if self.block_size <= 0:
@@ -78,6 +82,16 @@ class CacheConfig:
             raise ValueError(f"kv_cache_gib must be positive, got {self.kv_cache_gib}")
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
+        if self.swap_space_gib < 0:
+            raise ValueError(f"swap_space_gib must be >= 0, got {self.swap_space_gib}")
+        if self.num_host_blocks is not None and self.num_host_blocks < 0:
+            raise ValueError(f"num_host_blocks must be >= 0, got {self.num_host_blocks}")
+
+    def host_blocks(self, bytes_per_block: float) -> int:
+        """Blocks of the host swap tier: `num_host_blocks`, else what `swap_space_gib` holds."""
+        if self.num_host_blocks is not None:
+            return self.num_host_blocks
+        return int(self.swap_space_gib * 2**30 // bytes_per_block) if bytes_per_block > 0 else 0
 
 
 @dataclass
@@ -91,6 +105,15 @@ class SchedulerConfig:
     # budget from other waiting prompts. 0 means "up to the budget".
     long_prefill_token_threshold: int = 0
     policy: str = "fcfs"
+    # How a preempted request gives back its blocks: "recompute" (drop the KV, re-run the
+    # prefill later), "swap" (copy the KV to the host tier and back), or "auto" (per victim,
+    # whichever the cost estimates say is cheaper).
+    preemption_mode: str = "recompute"
+    # Size each step's prefill tokens from the TBT slack of the running decodes; None = the
+    # policy's default (on for `slo`). Needs a step-cost estimator.
+    dynamic_chunking: Optional[bool] = None
+    # Dynamic chunking never shrinks a step's prefill below this, so prefills keep moving.
+    min_prefill_chunk: int = 32
 
     def validate(self) -> None:
         if self.max_num_batched_tokens <= 0:
@@ -99,6 +122,10 @@ class SchedulerConfig:
             raise ValueError("max_num_seqs must be positive")
         if self.long_prefill_token_threshold < 0:
             raise ValueError("long_prefill_token_threshold must be >= 0")
+        if self.preemption_mode not in ("recompute", "swap", "auto"):
+            raise ValueError(f"preemption_mode must be recompute, swap or auto, got {self.preemption_mode!r}")
+        if self.min_prefill_chunk < 1:
+            raise ValueError("min_prefill_chunk must be >= 1")
 
 
 @dataclass

@@ -203,7 +203,7 @@ def edge_client():
         scheduler=SimpleNamespace(num_running=0, num_waiting=0, stats=stats),
         kv=SimpleNamespace(usage=0.0, stats=SimpleNamespace(queries=0, hits=0)),
     )
-    engine = SimpleNamespace(engine=core, abort=lambda rid: None)
+    engine = SimpleNamespace(engine=core, abort=lambda rid: None, is_alive=True)
     settings = ServerSettings(registry=QoSRegistry().with_keys(["sk-1"]), max_body_bytes=1000)
     with TestClient(build_app(engine, settings)) as c:
         yield c

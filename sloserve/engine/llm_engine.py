@@ -19,9 +19,11 @@ from sloserve.engine.kernels import load_paged_decode_attention
 from sloserve.engine.model import KVCache, LlamaModel
 from sloserve.engine.outputs import RequestMetrics, RequestOutput, TokenLogprob
 from sloserve.engine.runner import ModelRunner
+from sloserve.engine.swap import HostKVPool, measure_link_bandwidth
 from sloserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from sloserve.engine.weights import load_model
 from sloserve.kv.manager import KVCacheManager
+from sloserve.sched.costs import LinkSwapCost, OnlineStepEstimator, StepCostEstimator, StepLoad
 from sloserve.sched.scheduler import Scheduler
 from sloserve.types import DEFAULT_QOS, FinishReason, QoSClass, Request, SamplingParams
 
@@ -70,7 +72,10 @@ class _Tracked:
 
 
 class LLMEngine:
-    def __init__(self, config: Optional[EngineConfig] = None, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, config: Optional[EngineConfig] = None, clock: Callable[[], float] = time.monotonic,
+                 step_estimator: Optional[StepCostEstimator] = None):
+        """`step_estimator` prices steps for the SLO-aware scheduling decisions; by default a
+        linear model fitted online to the measured step durations."""
         self.config = config = config or EngineConfig()
         config.cache.validate()
         config.scheduler.validate()
@@ -105,11 +110,20 @@ class LLMEngine:
         if not sched_cfg.enable_chunked_prefill and sched_cfg.max_num_batched_tokens < context:
             raise ValueError("without chunked prefill, max_num_batched_tokens must cover max_model_len")
 
-        self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching, cache.watermark)
+        num_host_blocks = 0 if sched_cfg.preemption_mode == "recompute" else cache.host_blocks(per_block)
+        self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching, cache.watermark,
+                                 num_host_blocks=num_host_blocks)
         self.kv_cache = KVCache(self.model_config, num_blocks, cache.block_size, self.dtype, self.device)
+        self.host_pool: Optional[HostKVPool] = None
+        self.swap_cost: Optional[LinkSwapCost] = None
+        if num_host_blocks:
+            self.host_pool = HostKVPool(self.kv_cache, num_host_blocks)
+            self.swap_cost = LinkSwapCost(per_block, measure_link_bandwidth(self.device))
+        self.step_estimator = step_estimator if step_estimator is not None else OnlineStepEstimator()
         eos = tuple(self.model_config.eos_token_ids)
-        self.scheduler = Scheduler(sched_cfg, self.kv, context, eos)
-        self.runner = ModelRunner(self.model, self.kv_cache, eos, seed=config.seed)
+        self.scheduler = Scheduler(sched_cfg, self.kv, context, eos, estimator=self.step_estimator,
+                                   swap_cost=self.swap_cost)
+        self.runner = ModelRunner(self.model, self.kv_cache, eos, seed=config.seed, host_pool=self.host_pool)
         self._tracked: dict[str, _Tracked] = {}
         self._ids = itertools.count()
         logger.info(
@@ -201,10 +215,11 @@ class LLMEngine:
     # ---- the loop ------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule(self.clock())
-        if plan.is_empty:
+        if plan.is_empty and not plan.has_kv_ops:
             return []
         result = self.runner.execute(plan)
         now = self.clock()
+        self._learn_costs(plan, result.duration_s)
         produced = self.scheduler.update(plan, result, now)
         outputs = []
         for request in produced:
@@ -221,6 +236,15 @@ class LLMEngine:
                 self._check_stop_strings(tracked, now)
             outputs.append(self._emit(tracked))
         return outputs
+
+    def _learn_costs(self, plan, duration_s: float) -> None:
+        """Feed measured times back to the estimators the scheduler prices decisions with."""
+        swap_s, swap_blocks = self.runner.last_swap_s, self.runner.last_swap_blocks
+        if self.swap_cost is not None and swap_blocks:
+            self.swap_cost.observe(swap_blocks, swap_s)
+        observe = getattr(self.step_estimator, "observe", None)
+        if observe is not None and not plan.is_empty:
+            observe(StepLoad.of_plan(plan), duration_s - swap_s)
 
     def _check_stop_strings(self, tracked: _Tracked, now: float) -> None:
         stops = tracked.request.sampling_params.stop

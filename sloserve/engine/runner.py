@@ -8,13 +8,18 @@ import torch
 
 from sloserve.engine.model import ForwardBatch, KVCache, LlamaModel, PrefillSpan
 from sloserve.engine.sampler import Sampler, SamplingRow
+from sloserve.engine.swap import HostKVPool
 from sloserve.sched.plan import ScheduledRequest, StepPlan, StepResult
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, kv_cache: KVCache, eos_token_ids: tuple[int, ...], seed: int = 0):
+    def __init__(self, model: LlamaModel, kv_cache: KVCache, eos_token_ids: tuple[int, ...], seed: int = 0,
+                 host_pool: Optional[HostKVPool] = None):
         self.model = model
         self.kv_cache = kv_cache
+        self.host_pool = host_pool  # the swap tier; None when preemption only recomputes
+        self.last_swap_s = 0.0  # time the last step spent copying KV to/from the host tier
+        self.last_swap_blocks = 0
         self.block_size = kv_cache.block_size
         self.device = model.device
         self.eos_token_ids = eos_token_ids
@@ -25,6 +30,10 @@ class ModelRunner:
 
     def execute(self, plan: StepPlan) -> StepResult:
         t0 = time.perf_counter()
+        self.last_swap_s, self.last_swap_blocks = 0.0, 0
+        if plan.swap_out or plan.swap_in:
+            self._swap(plan)
+            self.last_swap_s = time.perf_counter() - t0
         if plan.copies:
             self.kv_cache.copy_blocks([(op.src, op.dst) for op in plan.copies])
         if plan.is_empty:
@@ -43,6 +52,17 @@ class ModelRunner:
             if lp is not None:
                 extras[s.request_id] = (lp, top)
         return StepResult(sampled, time.perf_counter() - t0, extras)
+
+    def _swap(self, plan: StepPlan) -> None:
+        """Out before in: a block swapped out may be the destination of a swap-in (or of this
+        step's writes) in the same step."""
+        if self.host_pool is None:
+            raise RuntimeError("the plan swaps KV but the engine has no host swap pool")
+        self.host_pool.swap_out(self.kv_cache, plan.swap_out)
+        self.host_pool.swap_in(self.kv_cache, plan.swap_in)
+        if self.kv_cache.data.device.type == "cuda":
+            torch.cuda.synchronize(self.kv_cache.data.device)  # time the copies, and finish them before reuse
+        self.last_swap_blocks = len(plan.swap_out) + len(plan.swap_in)
 
     def release(self, request_id: str) -> None:
         """Forget per-request state once a request has finished."""

@@ -1,4 +1,4 @@
-"""The KV cache manager: block tables, prefix sharing, copy-on-write.
+"""The KV cache manager: block tables, prefix sharing, copy-on-write, swap to host memory.
 
 It owns which blocks each request holds; it never touches tensors. The executor receives
 block ids and copy operations through the StepPlan and moves the actual bytes.
@@ -11,6 +11,7 @@ from typing import Optional, Sequence
 
 from sloserve.kv.block_pool import Block, BlockPool
 from sloserve.kv.hashing import BlockHash, hash_block
+from sloserve.kv.host_pool import HostBlockPool
 from sloserve.types import Request
 
 logger = logging.getLogger(__name__)
@@ -41,6 +42,7 @@ class KVCacheManager:
         block_size: int = 16,
         enable_prefix_caching: bool = True,
         watermark: float = 0.01,
+        num_host_blocks: int = 0,
     ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
@@ -53,6 +55,12 @@ class KVCacheManager:
         self._hashes: dict[str, list[BlockHash]] = {}  # keys of the request's full blocks so far
         self._num_cached: dict[str, int] = {}  # leading blocks of each table already offered to the cache
         self.stats = PrefixCacheStats()
+        # Host tier (swap): blocks each swapped-out request holds there, in table order.
+        self.host = HostBlockPool(num_host_blocks)
+        self._swapped: dict[str, list[int]] = {}
+        # Host blocks read by a swap-in of the step being planned: freed only when the next
+        # step is planned, so a swap-out in the same step cannot overwrite them before the read.
+        self._host_to_release: list[int] = []
 
     # ---- queries -------------------------------------------------------------------
     @property
@@ -207,6 +215,66 @@ class KVCacheManager:
         self._num_cached.pop(request.request_id, None)
         if table:
             self.pool.free(reversed(table))
+        host_ids = self._swapped.pop(request.request_id, None)
+        if host_ids:
+            self.host.free(host_ids)
+
+    # ---- swap to the host tier --------------------------------------------------------
+    @property
+    def num_free_host_blocks(self) -> int:
+        return self.host.num_free
+
+    def num_swapped_blocks(self, request_id: str) -> int:
+        return len(self._swapped.get(request_id, ()))
+
+    def is_swapped(self, request_id: str) -> bool:
+        return request_id in self._swapped
+
+    def blocks_to_swap(self, request: Request) -> int:
+        """Blocks holding the request's computed KV: what a swap-out copies."""
+        return min(self.blocks_needed(request.num_computed_tokens), self.num_blocks_of(request.request_id))
+
+    def swap_out(self, request: Request) -> Optional[list[tuple[int, int]]]:
+        """Move the request's computed KV to host blocks and free its device blocks.
+
+        Returns (device block, host block) pairs to copy before the next step writes anything,
+        or None (changing nothing) when the host tier has no room. Freed full blocks stay in
+        the device prefix cache like any freed block.
+        """
+        rid = request.request_id
+        n = self.blocks_to_swap(request)
+        if n == 0 or n > self.host.num_free or rid in self._swapped:
+            return None
+        device_ids = self._ids[rid][:n]
+        host_ids = self.host.allocate(n)
+        self.free(request)
+        self._swapped[rid] = host_ids
+        return list(zip(device_ids, host_ids))
+
+    def swap_in(self, request: Request, num_new_tokens: int,
+                use_watermark: bool = False) -> Optional[list[tuple[int, int]]]:
+        """Give a swapped-out request fresh device blocks for its KV plus room for
+        `num_new_tokens` more. Returns (host block, device block) pairs to copy before the step,
+        or None (changing nothing) when the device pool cannot supply the blocks."""
+        rid = request.request_id
+        host_ids = self._swapped[rid]
+        total = self.blocks_needed(request.num_computed_tokens + num_new_tokens)
+        if not self.can_allocate(total, use_watermark):
+            return None
+        blocks = self.pool.allocate(len(host_ids))
+        self._tables[rid] = blocks
+        self._ids[rid] = [b.block_id for b in blocks]
+        ops = self.allocate_slots(request, num_new_tokens)
+        assert ops == [], "fresh blocks need no copy-on-write"
+        del self._swapped[rid]
+        self._host_to_release.extend(host_ids)
+        return list(zip(host_ids, self._ids[rid]))
+
+    def release_host_blocks(self) -> None:
+        """The step that read the last swap-ins has run: their host blocks are free again."""
+        if self._host_to_release:
+            self.host.free(self._host_to_release)
+            self._host_to_release = []
 
     def reset_prefix_cache(self) -> None:
         self.pool.reset_cache()
@@ -220,3 +288,8 @@ class KVCacheManager:
                 refs[block.block_id] += 1
         for block in self.pool.blocks:
             assert block.ref_count == refs[block.block_id], f"{block} held by {refs[block.block_id]} tables"
+        held = [b for ids in self._swapped.values() for b in ids] + self._host_to_release
+        assert len(held) == len(set(held)), "a host block is held twice"
+        assert not set(held) & self.host.free_ids(), "a held host block is also free"
+        assert len(held) + self.host.num_free == self.host.num_blocks, "host blocks leaked"
+        assert not set(self._swapped) & set(self._tables), "a swapped request holds device blocks"

@@ -42,10 +42,20 @@ class StepPlan:
     scheduled: list[ScheduledRequest]
     copies: list[CopyOp] = field(default_factory=list)  # run before the forward
     preempted: list[str] = field(default_factory=list)  # ids preempted while planning this step
+    # Swap to/from the host tier, run before the copies and the forward, in this order:
+    # swap_out (device block, host block) first, since a swapped-out device block may be
+    # handed to another request in this very step; then swap_in (host block, device block).
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+    @property
+    def has_kv_ops(self) -> bool:
+        """KV moves the executor must run even when no request computes (a swap-out)."""
+        return bool(self.swap_out or self.swap_in or self.copies)
 
     @property
     def num_batched_tokens(self) -> int:

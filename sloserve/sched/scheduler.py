@@ -4,23 +4,33 @@ Each step has a token budget. Running decodes are planned first (one token each)
 running prefills continue, then waiting requests are admitted in policy order, their
 prompts cut into chunks that fit what is left of the budget. A long prompt therefore never
 stalls the decodes (Sarathi-style stall-free batching). When the KV pool runs dry, the
-lowest-ranked running request is preempted by recompute: its blocks are freed and it
-goes back to the waiting queue to recompute prompt + output so far.
+lowest-ranked running request is preempted: by recompute (its blocks are freed and it goes
+back to the waiting queue to recompute prompt + output so far), or by swap (its KV is
+copied to the host tier and back later), as the preemption mode and the costs decide.
 
-Pure Python; time comes in as `now` arguments, never from the wall clock.
+SLO-aware policies switch on more (see SchedulingPolicy): running prefills and waiting
+requests share the prefill budget in policy order, higher classes may preempt lower ones
+for blocks or seats, and the step's prefill size follows the TBT slack of the decodes.
+
+Pure Python; time comes in as `now` arguments, never from the wall clock. Durations the
+SLO-aware decisions need come from an injected estimator (sched/costs.py).
 """
 from __future__ import annotations
 
 import bisect
+import heapq
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 from sloserve.config import SchedulerConfig
 from sloserve.kv.manager import CopyOp, KVCacheManager
+from sloserve.sched.chunking import prefill_token_cap, tbt_slack
+from sloserve.sched.costs import StepCostEstimator, StepLoad, SwapCostEstimator
 from sloserve.sched.plan import ScheduledRequest, StepPlan, StepResult
 from sloserve.sched.policies import SchedulingPolicy, make_policy
+from sloserve.sched.preemption import SWAP, PreemptionChoice, choose_preemption
 from sloserve.sched.state import InstanceState
 from sloserve.types import FinishReason, Request, RequestStatus
 
@@ -35,10 +45,29 @@ class SchedulerStats:
     num_aborted: int = 0
     max_batch_size: int = 0
     total_scheduled_seqs: int = 0
+    num_recomputes: int = 0  # preemptions that dropped the KV
+    num_swaps_out: int = 0  # preemptions that moved the KV to the host tier
+    num_swaps_in: int = 0
+    num_blocks_swapped: int = 0  # blocks copied either way
 
     @property
     def mean_batch_size(self) -> float:
         return self.total_scheduled_seqs / self.num_steps if self.num_steps else 0.0
+
+
+@dataclass
+class _StepBuild:
+    """What one schedule() call has decided so far."""
+
+    now: float
+    budget: int
+    prefill_left: float = math.inf  # dynamic chunking: prefill tokens this step may still take
+    prefill_ids: set[str] = field(default_factory=set)  # planned requests counted against prefill_left
+    planned: dict[str, ScheduledRequest] = field(default_factory=dict)
+    copies: dict[str, list[CopyOp]] = field(default_factory=dict)
+    preempted: list[str] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
 
 
 class Scheduler:
@@ -49,20 +78,37 @@ class Scheduler:
         max_model_len: int,
         eos_token_ids: tuple[int, ...] = (),
         policy: Optional[SchedulingPolicy] = None,
+        estimator: Optional[StepCostEstimator] = None,
+        swap_cost: Optional[SwapCostEstimator] = None,
     ) -> None:
+        """`estimator` prices steps (dynamic chunking, relegation, recompute cost); `swap_cost`
+        prices copies to the host tier. Both are optional: without them the SLO-aware parts
+        fall back to what needs no estimate (static chunks, relegation only past a deadline,
+        recompute in `auto` mode)."""
         config.validate()
         self.config = config
         self.kv = kv
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
         self.policy = policy or make_policy(config.policy)
+        self.estimator = estimator
+        self.swap_cost = swap_cost
+        self.policy.bind(estimator, self._chunk_cap())
         self.requests: dict[str, Request] = {}
-        self.waiting: list[Request] = []  # in policy order
+        self.waiting: list[Request] = []  # in policy order (preempted and swapped-out ones too)
         self.running: list[Request] = []  # in policy order
         self._seq: dict[str, int] = {}
         self._next_seq = 0
         self._step_id = 0
+        self.last_preemption: Optional[PreemptionChoice] = None
         self.stats = SchedulerStats()
+
+    @property
+    def dynamic_chunking(self) -> bool:
+        wanted = self.config.dynamic_chunking
+        if wanted is None:
+            wanted = self.policy.dynamic_chunking
+        return wanted and self.estimator is not None
 
     # ---- request lifecycle -----------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -109,73 +155,171 @@ class Scheduler:
 
     # ---- planning -----------------------------------------------------------------
     def schedule(self, now: float) -> StepPlan:
-        budget = self.config.max_num_batched_tokens
-        planned: dict[str, ScheduledRequest] = {}
-        copies: dict[str, list[CopyOp]] = {}
-        preempted: list[str] = []
+        self.kv.release_host_blocks()  # the previous step has run: its swap-ins were read
+        step = _StepBuild(now, self.config.max_num_batched_tokens)
         if not self.policy.static:
             self._resort(now)
 
-        # 1) running requests: decodes first (one token each), then unfinished prefills.
-        order = [r for r in self.running if self._pending(r) == 1] + [r for r in self.running if self._pending(r) > 1]
-        for request in order:
-            if budget <= 0:
+        # 1) running decodes first (one token each), then what is left goes to prefills.
+        decodes = [r for r in self.running if self._pending(r) == 1]
+        prefills = [r for r in self.running if self._pending(r) > 1]
+        for request in decodes:
+            if step.budget <= 0:
                 break
-            if request.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
-                continue
-            n = min(self._pending(request), budget, self._chunk_cap())
-            while True:
-                ops = self.kv.allocate_slots(request, n)
-                if ops is not None:
-                    break
-                victim = self._pick_victim()
-                budget += self._preempt(victim, planned, copies, now)
-                preempted.append(victim.request_id)
-                if victim is request:
-                    break
-            if request.status is not RequestStatus.RUNNING:
-                continue
-            planned[request.request_id] = self._scheduled(request, n)
-            copies[request.request_id] = ops
-            budget -= n
+            if request.status is RequestStatus.RUNNING:  # not preempted earlier in this loop
+                self._plan_running(request, step)
+        if self.dynamic_chunking and step.budget > 0:
+            step.prefill_left = self._prefill_cap(step, prefills)
 
-        # 2) waiting requests in policy order, while budget, seats and blocks last.
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not preempted:
-            request = self.waiting[0]
-            computed_blocks, num_cached = self.kv.get_computed_blocks(request)
-            remaining = request.num_tokens - num_cached
-            n = min(remaining, budget, self._chunk_cap())
-            if not self.config.enable_chunked_prefill and n < remaining:
-                break
-            ops = self.kv.allocate_slots(request, n, computed_blocks, use_watermark=bool(self.running))
-            if ops is None:
-                break  # head-of-line: later requests wait behind it rather than overtake
-            self.waiting.pop(0)
-            if request.num_preemptions == 0:
-                request.num_cached_tokens = num_cached
-                self.kv.record_prefix_lookup(request.num_prompt_tokens, num_cached)
-            request.num_computed_tokens = num_cached
-            request.status = RequestStatus.RUNNING
-            if request.first_scheduled_time is None:
-                request.first_scheduled_time = now
-            self._insert_sorted(self.running, request, now)
-            planned[request.request_id] = self._scheduled(request, n)
-            copies[request.request_id] = ops
-            budget -= n
+        if self.policy.interleave_prefills:
+            # 2') running prefills and waiting requests share the budget in policy order.
+            self._plan_prefills_interleaved(prefills, step)
+        else:
+            # 2) unfinished prefills, then 3) waiting requests in policy order.
+            for request in prefills:
+                if step.budget <= 0 or step.prefill_left <= 0:
+                    break
+                if request.status is RequestStatus.RUNNING:
+                    self._plan_running(request, step)
+            while self.waiting and step.budget > 0 and not step.preempted:
+                if not self._admit(self.waiting[0], step):
+                    break  # head-of-line: later requests wait behind it rather than overtake
 
-        scheduled = [planned[r.request_id] for r in self.running if r.request_id in planned]
+        scheduled = [step.planned[r.request_id] for r in self.running if r.request_id in step.planned]
         self._step_id += 1
         if scheduled:
             self.stats.num_steps += 1
             self.stats.total_scheduled_seqs += len(scheduled)
             self.stats.max_batch_size = max(self.stats.max_batch_size, len(scheduled))
+        self.stats.num_blocks_swapped += len(step.swap_out) + len(step.swap_in)
         return StepPlan(
             step_id=self._step_id,
             now=now,
             scheduled=scheduled,
-            copies=[op for s in scheduled for op in copies[s.request_id]],
-            preempted=preempted,
+            copies=[op for s in scheduled for op in step.copies[s.request_id]],
+            preempted=step.preempted,
+            swap_out=step.swap_out,
+            swap_in=step.swap_in,
         )
+
+    def _plan_prefills_interleaved(self, prefills: list[Request], step: _StepBuild) -> None:
+        seqs, now = self._seq, step.now
+
+        def key(r: Request):
+            return self.policy.key(r, seqs[r.request_id], now)
+
+        admitting = not step.preempted  # memory ran short for running requests: admit nobody
+        # Head-of-line per class: once a waiting request cannot be admitted, nobody of its class
+        # or a lower one overtakes it, but a higher class still may (it can preempt lower ones).
+        blocked: Optional[int] = None
+        for request in heapq.merge(prefills, list(self.waiting), key=key):
+            if step.budget <= 0 or step.prefill_left <= 0:
+                break
+            if request.status is RequestStatus.RUNNING:
+                if request.request_id not in step.planned:
+                    self._plan_running(request, step)
+            elif admitting and request.request_id not in step.preempted and not request.is_finished:
+                if blocked is not None and request.effective_priority >= blocked:
+                    continue
+                if not self._admit(request, step):
+                    blocked = request.effective_priority
+
+    def _plan_running(self, request: Request, step: _StepBuild) -> None:
+        """Plan the next chunk (or decode token) of a running request, preempting the
+        lowest-ranked running requests while its blocks do not fit."""
+        pending = self._pending(request)
+        n = min(pending, step.budget, self._chunk_cap())
+        if pending > 1:
+            n = int(min(n, step.prefill_left))
+        if n <= 0:
+            return
+        while True:
+            ops = self.kv.allocate_slots(request, n)
+            if ops is not None:
+                break
+            victim = self._pick_victim()
+            self._preempt(victim, step)
+            if victim is request:
+                return
+        step.planned[request.request_id] = self._scheduled(request, n)
+        step.copies[request.request_id] = ops
+        step.budget -= n
+        if pending > 1:
+            step.prefill_left -= n
+            step.prefill_ids.add(request.request_id)
+
+    def _admit(self, request: Request, step: _StepBuild) -> bool:
+        """Admit a waiting (or swapped-out) request with its first chunk. When it finds no seat
+        or no blocks, a policy that allows it preempts lower-ranked running requests for it.
+        False when it cannot run in this step."""
+        while True:
+            if len(self.running) < self.config.max_num_seqs:
+                admitted = self._try_admit(request, step)
+                if admitted is not None:
+                    return admitted
+            if not (self.policy.preempts_for_admission and self.running):
+                return False
+            victim = self.running[-1]
+            if not self.policy.may_preempt(request, victim, step.now):
+                return False
+            self._preempt(victim, step)
+
+    def _try_admit(self, request: Request, step: _StepBuild) -> Optional[bool]:
+        """True if admitted; False if it cannot run this step whatever is preempted (budget,
+        no chunking); None if only blocks are missing."""
+        swapped = request.status is RequestStatus.SWAPPED
+        if swapped:
+            computed_blocks, num_cached = [], request.num_computed_tokens
+        else:
+            computed_blocks, num_cached = self.kv.get_computed_blocks(request)
+        remaining = request.num_tokens - num_cached
+        n = min(remaining, step.budget, self._chunk_cap())
+        if remaining > 1:
+            n = int(min(n, step.prefill_left))
+        if n <= 0 or (not self.config.enable_chunked_prefill and n < remaining):
+            return False
+        use_watermark = bool(self.running)
+        if swapped:
+            pairs = self.kv.swap_in(request, n, use_watermark)
+            if pairs is None:
+                return None
+            step.swap_in.extend(pairs)
+            ops: list[CopyOp] = []
+            self.stats.num_swaps_in += 1
+        else:
+            maybe_ops = self.kv.allocate_slots(request, n, computed_blocks, use_watermark=use_watermark)
+            if maybe_ops is None:
+                return None
+            ops = maybe_ops
+            if request.num_preemptions == 0:
+                request.num_cached_tokens = num_cached
+                self.kv.record_prefix_lookup(request.num_prompt_tokens, num_cached)
+            request.num_computed_tokens = num_cached
+        self._remove_waiting(request)
+        request.status = RequestStatus.RUNNING
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = step.now
+        self._insert_sorted(self.running, request, step.now)
+        step.planned[request.request_id] = self._scheduled(request, n)
+        step.copies[request.request_id] = ops
+        step.budget -= n
+        if remaining > 1:
+            step.prefill_left -= n
+            step.prefill_ids.add(request.request_id)
+        return True
+
+    def _prefill_cap(self, step: _StepBuild, prefills: list[Request]) -> int:
+        """Prefill tokens this step may carry so the decodes planned so far keep their TBT."""
+        head = prefills[0] if prefills else (self.waiting[0] if self.waiting else None)
+        if head is None:
+            return step.budget  # nothing to prefill: no need to price anything
+        planned = list(step.planned.values())
+        n = len(planned)
+        load = StepLoad(n, n, n, sum(s.context_len for s in planned))
+        decodes = [s.request for s in planned]
+        start = head.num_computed_tokens
+        return prefill_token_cap(load, tbt_slack(decodes, step.now), self.estimator, step.budget,
+                                 self.config.min_prefill_chunk, start)
 
     def update(self, plan: StepPlan, result: StepResult, now: float) -> list[Request]:
         """Apply a finished step: advance KV, append sampled tokens, finish what is done.
@@ -219,6 +363,10 @@ class Scheduler:
             return 0
         if self.waiting and len(running) < self.config.max_num_seqs:
             return 0  # a waiting request might be admitted at any step
+        if self.waiting and self.policy.preempts_for_admission:
+            lowest = max(r.effective_priority for r in running)
+            if any(w.effective_priority < lowest for w in self.waiting):
+                return 0  # a higher class waiting might take a lower one's seat at any step
         k = max_steps
         for r in running:
             if r.num_tokens - r.num_computed_tokens != 1 or r.sampling_params.stop_token_ids:
@@ -240,9 +388,11 @@ class Scheduler:
             k = lo
         return k
 
-    def advance_decodes(self, num_steps: int, end_time: float, token: int) -> list[Request]:
+    def advance_decodes(self, num_steps: int, first_end: float, end_time: float, token: int) -> list[Request]:
         """Apply `num_steps` pure-decode steps at once (after decode_run_length said they are
-        certain); every request gets `token` per step. Returns the requests that finished."""
+        certain); every request gets `token` per step. `first_end` is when the first of them ended:
+        a request whose last prompt token was still pending gets its first token there. Returns
+        the requests that finished."""
         if num_steps <= 0:
             return []
         finished = []
@@ -252,6 +402,8 @@ class Scheduler:
             request.num_computed_tokens += num_steps
             request.output_token_ids.extend([token] * num_steps)
             self.kv.cache_blocks(request)
+            if request.first_token_time is None:
+                request.first_token_time = first_end
             request.last_token_time = end_time
             if request.num_output_tokens >= request.max_output_tokens:
                 self._finish(request, FinishReason.LENGTH, end_time)
@@ -271,8 +423,12 @@ class Scheduler:
 
     # ---- snapshot for the cluster layer ------------------------------------------------
     def snapshot(self, now: float) -> InstanceState:
+        from sloserve.sched.state import KeySetIndex
+
         queued_prefill = sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in self.running)
         queued_prefill += sum(r.num_tokens for r in self.waiting)
+        bs = self.kv.block_size
+        waiting_blocks = sum(-(-r.num_tokens // bs) for r in self.waiting)
         remaining_decode = 0
         for r in self.running + self.waiting:
             expected = r.predicted_output_len if r.predicted_output_len is not None else r.max_output_tokens
@@ -288,6 +444,9 @@ class Scheduler:
             predicted_remaining_decode_tokens=remaining_decode,
             prefix_cache_hit_rate=self.kv.stats.hit_rate,
             min_ttft_slack_s=slack,
+            block_size=bs,
+            kv_blocks_waiting=waiting_blocks,
+            prefix_index=KeySetIndex(self.kv.pool.cached) if self.kv.enable_prefix_caching else None,
         )
 
     # ---- internals ----------------------------------------------------------------
@@ -311,21 +470,40 @@ class Scheduler:
     def _pick_victim(self) -> Request:
         return self.running[-1]  # the lowest-ranked running request
 
-    def _preempt(
-        self, victim: Request, planned: dict[str, ScheduledRequest], copies: dict[str, list[CopyOp]], now: float
-    ) -> int:
-        """Preempt by recompute; returns the budget the victim had taken in this plan."""
+    def _preempt(self, victim: Request, step: _StepBuild) -> None:
+        """Take a running request off the device: swap its KV to the host tier or drop it for
+        recompute, as the preemption mode and the costs decide. Gives back the budget it had
+        taken in this step."""
+        rid = victim.request_id
         self.running.remove(victim)
-        self.kv.free(victim)
-        victim.num_computed_tokens = 0
+        choice = choose_preemption(
+            self.config.preemption_mode, victim.num_computed_tokens, self.kv.blocks_to_swap(victim),
+            self.kv.num_free_host_blocks, self.estimator, self.swap_cost, self._chunk_cap())
+        pairs = None
+        if choice.how == SWAP and not step.copies.get(rid):  # a pending copy-on-write: its block is not written yet
+            pairs = self.kv.swap_out(victim)
+        if pairs is not None:
+            step.swap_out.extend(pairs)
+            victim.status = RequestStatus.SWAPPED
+            self.stats.num_swaps_out += 1
+        else:
+            self.kv.free(victim)
+            victim.num_computed_tokens = 0
+            victim.status = RequestStatus.PREEMPTED
+            self.stats.num_recomputes += 1
+        self.last_preemption = choice
         victim.num_preemptions += 1
-        victim.status = RequestStatus.PREEMPTED
         self.stats.num_preemptions += 1
-        logger.debug("preempted %s (%d tokens to recompute)", victim.request_id, victim.num_tokens)
-        self._enqueue_waiting(victim, now)
-        copies.pop(victim.request_id, None)
-        item = planned.pop(victim.request_id, None)
-        return item.num_new_tokens if item else 0
+        logger.debug("preempted %s by %s (%d tokens computed)", rid, "swap" if pairs else "recompute",
+                     victim.num_tokens)
+        self._enqueue_waiting(victim, step.now)
+        step.preempted.append(rid)
+        step.copies.pop(rid, None)
+        item = step.planned.pop(rid, None)
+        if item is not None:
+            step.budget += item.num_new_tokens
+            if rid in step.prefill_ids:
+                step.prefill_left += item.num_new_tokens
 
     def _stop_reason(self, request: Request, token: int) -> Optional[FinishReason]:
         params = request.sampling_params
@@ -355,6 +533,14 @@ class Scheduler:
             self.stats.num_finished += 1
         del self.requests[request.request_id]
         del self._seq[request.request_id]
+
+    def _remove_waiting(self, request: Request) -> None:
+        """By identity (usually the head): Request's dataclass equality compares every field."""
+        for i, r in enumerate(self.waiting):
+            if r is request:
+                del self.waiting[i]
+                return
+        raise ValueError(f"{request.request_id} is not waiting")
 
     def _enqueue_waiting(self, request: Request, now: float) -> None:
         self._insert_sorted(self.waiting, request, now)

@@ -22,6 +22,12 @@ def add_simulate_parser(sub: argparse._SubParsersAction) -> None:
     f.add_argument("--model", default="llama-3.1-8b", help=f"one of {sorted(MODELS)}")
     f.add_argument("--tp", type=int, default=1, help="tensor-parallel degree per instance")
     f.add_argument("--router", default="round-robin", help=f"one of {sorted(ROUTERS)}")
+    f.add_argument("--predictor", default="auto", metavar="none|default|FILE",
+                   help="output-length predictor giving requests a predicted length: the packaged `default`, a "
+                        "`sloserve train-predictor` file, or none (auto: default for predicted-load, else none)")
+    f.add_argument("--no-online-predictor", action="store_true", help="do not learn from completed requests")
+    f.add_argument("--router-seed", type=int, default=0, help="seed of randomized routers (power-of-two)")
+    f.add_argument("--router-epsilon", type=float, default=0.25, help="prefix-affinity load bound: (1+e) x mean")
     f.add_argument("--scheduler", default="fcfs", help=f"instance scheduling policy: one of {sorted(POLICIES)}")
     f.add_argument("--profile", help="price steps with a `sloserve profile` file instead of the roofline model")
     f.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -29,6 +35,10 @@ def add_simulate_parser(sub: argparse._SubParsersAction) -> None:
     f.add_argument("--block-size", type=int, default=16)
     f.add_argument("--num-blocks", type=int, help="KV blocks per instance (default: what device memory leaves)")
     f.add_argument("--no-prefix-caching", action="store_true")
+    f.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap", "auto"],
+                   help="preempt by recompute, swap to host memory, or per victim by cost (auto)")
+    f.add_argument("--swap-space", type=float, default=4.0, metavar="GIB",
+                   help="host memory per device for swapped-out KV (with --preemption-mode swap/auto)")
     f.add_argument("--no-fast-forward", action="store_true", help="one event per step (slower, same decisions)")
     add_workload_args(p)
     r = p.add_argument_group("results")
@@ -45,9 +55,14 @@ def fleet_config_from_args(args: argparse.Namespace):
     return FleetConfig(
         instances=args.instances, hardware=args.hardware, model=args.model, tp=args.tp, router=args.router,
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-                                  policy=args.scheduler),
-        cache=CacheConfig(block_size=args.block_size, enable_prefix_caching=not args.no_prefix_caching),
-        profile=args.profile, num_blocks=args.num_blocks, fast_forward=not args.no_fast_forward)
+                                  policy=args.scheduler, preemption_mode=args.preemption_mode),
+        cache=CacheConfig(block_size=args.block_size, enable_prefix_caching=not args.no_prefix_caching,
+                          swap_space_gib=args.swap_space),
+        profile=args.profile, num_blocks=args.num_blocks, fast_forward=not args.no_fast_forward,
+        predictor=(("default" if args.router == "predicted-load" else None) if args.predictor == "auto"
+                   else args.predictor),
+        online_predictor=not args.no_online_predictor, router_seed=args.router_seed,
+        router_epsilon=args.router_epsilon)
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
@@ -60,14 +75,14 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from sloserve.bench.report import fmt_rate, run_markdown, sweep_markdown
     from sloserve.bench.result import BenchResult
     from sloserve.bench.runner import class_slos, write_outputs
-    from sloserve.sim.fleet import build_fleet, sim_requests, simulate
+    from sloserve.sim.fleet import build_fleet, make_predictions, sim_requests, simulate
     from sloserve.workload.build import build_stream
 
     spec = workload_spec_from_args(args)
     rates = resolve_rates(args, spec)
     fleet = fleet_config_from_args(args)
     fleet.validate()
-    build_fleet(fleet)  # fail on bad names before any work
+    build_fleet(fleet, make_predictions(fleet))  # fail on bad names (and a bad predictor file) before any work
     slo = SLO.parse(args.slo) if args.slo else SLO()
     classes = {c.name: c.qos for c in spec.mix.classes} if spec.mix else {}
     console = Console(stderr=True)
@@ -81,17 +96,19 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             stream = build_stream(run_spec)
             desc = f"rate {fmt_rate(rate)}" if rate is not None else ("replay" if run_spec.replay else "burst")
             task = progress.add_task(desc, total=len(stream), sim_time=0.0)
-            sim = build_fleet(fleet)
+            predictions = make_predictions(fleet)
+            sim = build_fleet(fleet, predictions)
             wall0 = time.perf_counter()
             records, result = simulate(
-                sim, sim_requests(stream, classes),
-                on_progress=lambda t, n: progress.update(task, completed=n, sim_time=t))
+                sim, sim_requests(stream, classes, predictions),
+                on_progress=lambda t, n: progress.update(task, completed=n, sim_time=t), predictions=predictions)
             wall = time.perf_counter() - wall0
             summary = summarize(records, None, slo, class_slos(spec.mix))
             config = {
                 "simulated": True, "workload": run_spec.name, "rate": fmt_rate(rate), "replay": run_spec.replay,
                 "instances": fleet.instances, "hardware": fleet.hardware, "model": fleet.model, "tp": fleet.tp,
-                "router": fleet.router, "scheduler": fleet.scheduler.policy, "profile": fleet.profile,
+                "router": fleet.router, "predictor": fleet.predictor, "scheduler": fleet.scheduler.policy,
+                "profile": fleet.profile,
                 "num_requests": len(stream), "completed": result.num_finished, "rejected": len(stream) - result.num_finished,
                 "sim_end_s": result.end_time, "wall_s": wall, "events": result.num_events,
                 "speedup_vs_real_time": result.end_time / wall if wall > 0 else None,

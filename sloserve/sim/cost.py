@@ -9,11 +9,12 @@ from __future__ import annotations
 import json
 import math
 from abc import ABC, abstractmethod
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
 
 from sloserve.config import ModelConfig
+from sloserve.sched.costs import StepLoad
 from sloserve.sched.plan import StepPlan
 from sloserve.sim.hardware import HardwareSpec
 
@@ -26,6 +27,7 @@ class StepShape:
     decode_context: int  # sum over decodes of the tokens each attends to
     prefill_attention: float  # sum over prefill chunks of n * (start + (n + 1) / 2): attended (query, key) pairs
     prefill_context: int  # sum over prefill chunks of start + n: KV the chunks read
+    swap_blocks: int = 0  # KV blocks copied between device and host before the step (either way)
 
     @staticmethod
     def from_plan(plan: StepPlan) -> "StepShape":
@@ -41,7 +43,7 @@ class StepShape:
             else:
                 pattn += n * (s.start + (n + 1) / 2)
                 pctx += s.start + n
-        return StepShape(tokens, sampled, decodes, dctx, pattn, pctx)
+        return StepShape(tokens, sampled, decodes, dctx, pattn, pctx, len(plan.swap_out) + len(plan.swap_in))
 
     @staticmethod
     def decode_only(num_decodes: int, decode_context: int) -> "StepShape":
@@ -49,12 +51,32 @@ class StepShape:
 
 
 class CostModel(ABC):
+    """Prices steps for the simulator, and is also what a simulated instance's scheduler gets
+    as its step-cost and swap-cost estimator (`estimate`, `swap_time`): in simulation the
+    scheduler's estimates are exact, as a well-profiled engine's would be."""
+
     @abstractmethod
     def step_time(self, shape: StepShape) -> float:
-        """Seconds the step takes."""
+        """Seconds the step takes (swap copies included)."""
+
+    def swap_time(self, num_blocks: int) -> float:
+        """Seconds to copy `num_blocks` KV blocks one way between device and host (0: not modelled)."""
+        return 0.0
 
     def plan_time(self, plan: StepPlan) -> float:
         return self.step_time(StepShape.from_plan(plan))
+
+    def decode_run(self, num_decodes: int, context: int, steps: int) -> list[float]:
+        """Durations of `steps` pure-decode steps of `num_decodes` requests whose computed
+        tokens sum to `context` before the first; each step adds one token to each. Models
+        override this with a closed form: it prices the simulator's fast-forwarded runs."""
+        n = num_decodes
+        return [self.step_time(StepShape.decode_only(n, context + i * n)) for i in range(1, steps + 1)]
+
+    def estimate(self, load: StepLoad) -> float:
+        """The scheduler's StepCostEstimator interface."""
+        return self.step_time(StepShape(load.num_tokens, load.num_sampled, load.num_decodes, load.decode_context,
+                                        load.prefill_attention, load.prefill_context))
 
 
 @dataclass(frozen=True)
@@ -69,16 +91,18 @@ class Efficiency:
     interconnect: float = 0.7
     step_overhead_s: float = 2e-3  # scheduler + launch overhead per step (CUDA graphs keep it small)
     allreduce_latency_s: float = 10e-6
+    host_link: float = 0.8  # pinned-memory copies over PCIe reach ~80% of the link's bandwidth
 
 
 class RooflineCostModel(CostModel):
     """max(compute, memory) per phase (linear layers, attention) plus tensor-parallel all-reduces."""
 
     def __init__(self, hardware: HardwareSpec, model: ModelConfig, tp: int = 1, dtype_bytes: int = 2,
-                 efficiency: Efficiency = Efficiency()):
+                 efficiency: Efficiency = Efficiency(), block_size: int = 16):
         if tp < 1:
             raise ValueError("tensor parallel degree must be >= 1")
         self.hw, self.model, self.tp, self.dtype_bytes, self.eff = hardware, model, tp, dtype_bytes, efficiency
+        self.block_size = block_size
         m = model
         q, kv = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
         self.attn_params = m.num_layers * (m.hidden_size * (q + 2 * kv) + q * m.hidden_size)
@@ -97,34 +121,84 @@ class RooflineCostModel(CostModel):
         k, e = m.num_experts_per_token, m.num_experts
         return e * (1.0 - (1.0 - k / e) ** tokens)  # expected distinct experts hit by `tokens` tokens
 
-    def step_time(self, shape: StepShape) -> float:
-        if shape.num_tokens == 0:
-            return 0.0
+    def swap_time(self, num_blocks: int) -> float:
+        """Each tensor-parallel rank moves its shard of the blocks over its own host link."""
+        block_bytes = self.block_size * self.kv_bytes_per_token / self.tp
+        return num_blocks * block_bytes / (self.hw.host_link_bandwidth * self.eff.host_link)
+
+    def _attention_time(self, pairs: float, kv_tokens: float) -> float:
+        m, hw, eff, tp = self.model, self.hw, self.eff, self.tp
+        attn_flops = 4.0 * m.num_layers * m.num_heads * m.head_dim * pairs
+        kv_bytes = self.kv_bytes_per_token * kv_tokens
+        return max(attn_flops / tp / (hw.peak_flops * eff.attention), kv_bytes / tp / (hw.mem_bandwidth * eff.memory))
+
+    def decode_run(self, num_decodes: int, context: int, steps: int) -> list[float]:
+        # Only the attention term changes from step to step; the sum keeps step_time's order so
+        # a fast-forwarded run is priced to the last bit like the same steps one at a time.
+        n = num_decodes
+        t_linear, t_comm = self._linear_and_comm(n, n)
+        tail = self.eff.step_overhead_s
+        swap = self.swap_time(0)
+        return [t_linear + self._attention_time(context + i * n, context + (i + 1) * n) + t_comm + tail + swap
+                for i in range(1, steps + 1)]
+
+    def _linear_and_comm(self, num_tokens: int, num_sampled: int) -> tuple[float, float]:
         m, hw, eff, tp = self.model, self.hw, self.eff, self.tp
         per_token_experts = max(1, m.num_experts_per_token)
-        linear_flops = 2.0 * shape.num_tokens * (self.attn_params + per_token_experts * self.expert_params)
-        linear_flops += 2.0 * shape.num_sampled * self.head_params
-        weight_bytes = (self.attn_params + self._experts_touched(shape.num_tokens) * self.expert_params
+        linear_flops = 2.0 * num_tokens * (self.attn_params + per_token_experts * self.expert_params)
+        linear_flops += 2.0 * num_sampled * self.head_params
+        weight_bytes = (self.attn_params + self._experts_touched(num_tokens) * self.expert_params
                         + self.head_params) * self.dtype_bytes
         t_linear = max(linear_flops / tp / (hw.peak_flops * eff.compute),
                        weight_bytes / tp / (hw.mem_bandwidth * eff.memory))
-        pairs = shape.decode_context + shape.prefill_attention
-        attn_flops = 4.0 * m.num_layers * m.num_heads * m.head_dim * pairs
-        kv_bytes = self.kv_bytes_per_token * (shape.decode_context + shape.prefill_context + shape.num_tokens)
-        t_attn = max(attn_flops / tp / (hw.peak_flops * eff.attention), kv_bytes / tp / (hw.mem_bandwidth * eff.memory))
         t_comm = 0.0
         if tp > 1:  # two all-reduces of the hidden states per layer (ring: 2(tp-1)/tp of the data)
-            data = shape.num_tokens * m.hidden_size * self.dtype_bytes * 2 * (tp - 1) / tp
+            data = num_tokens * m.hidden_size * self.dtype_bytes * 2 * (tp - 1) / tp
             per = data / (hw.interconnect_bandwidth * eff.interconnect) + eff.allreduce_latency_s
             t_comm = 2 * m.num_layers * per
-        return t_linear + t_attn + t_comm + eff.step_overhead_s
+        return t_linear, t_comm
+
+    def step_time(self, shape: StepShape) -> float:
+        if shape.num_tokens == 0:
+            return self.swap_time(shape.swap_blocks)
+        t_linear, t_comm = self._linear_and_comm(shape.num_tokens, shape.num_sampled)
+        t_attn = self._attention_time(shape.decode_context + shape.prefill_attention,
+                                      shape.decode_context + shape.prefill_context + shape.num_tokens)
+        return t_linear + t_attn + t_comm + self.eff.step_overhead_s + self.swap_time(shape.swap_blocks)
 
 
-FEATURES = ("const", "num_tokens", "num_sampled", "num_decodes", "decode_context", "prefill_attention")
+ATTENTION_FEATURES = ("num_sampled", "decode_context", "prefill_attention")
 
 
-def features(shape: StepShape) -> list[float]:
-    return [1.0, shape.num_tokens, shape.num_sampled, shape.num_decodes, shape.decode_context, shape.prefill_attention]
+def choose_knots(token_counts: list[int], spacing: float = 1.25) -> list[int]:
+    """Knots for the per-step token count: the measured counts, thinned so that each is at
+    least `spacing` times the previous one.
+
+    A step's cost is not linear in its token count on a CPU (small GEMMs run far below peak:
+    8 decodes can cost 2.5x one decode), so the linear-layer part of the model is piecewise
+    linear between these knots. Each knot is a measured count, so each has data on it."""
+    knots: list[int] = []
+    for t in sorted(set(max(1, t) for t in token_counts)):
+        if not knots or t >= spacing * knots[-1]:
+            knots.append(t)
+    return knots
+
+
+def features(shape: StepShape, knots: list[int]) -> list[float]:
+    """Hat-function weights of the token count over `knots` (linear interpolation, linear
+    extrapolation past the ends), then the attention and LM-head terms."""
+    t = shape.num_tokens
+    hats = [0.0] * len(knots)
+    if len(knots) == 1:
+        hats[0] = t / knots[0]
+    else:
+        i = 0
+        while i < len(knots) - 2 and t > knots[i + 1]:
+            i += 1
+        lo, hi = knots[i], knots[i + 1]
+        w = (hi - t) / (hi - lo)
+        hats[i], hats[i + 1] = w, 1.0 - w
+    return hats + [shape.num_sampled, shape.decode_context, shape.prefill_attention]
 
 
 @dataclass
@@ -135,8 +209,9 @@ class Profile:
     machine: str
     dtype: str
     num_threads: int
-    coefficients: list[float]  # seconds per unit of each FEATURES entry
+    coefficients: list[float]  # step time at each knot, then seconds per unit of each ATTENTION_FEATURES entry
     samples: list[dict]  # the measured grid: shape fields + "seconds"
+    knots: list[int] = field(default_factory=list)  # token counts of the piecewise-linear part
     fit_error: Optional[float] = None  # mean relative error of the fit over the samples
 
     def save(self, path: str | Path) -> None:
@@ -151,22 +226,31 @@ class Profile:
             raise
         except (ValueError, TypeError) as e:
             raise ValueError(f"{path}: not a sloserve profile ({e})") from None
-        if len(profile.coefficients) != len(FEATURES):
-            raise ValueError(f"{path}: expected {len(FEATURES)} coefficients, got {len(profile.coefficients)}")
+        want = len(profile.knots) + len(ATTENTION_FEATURES)
+        if not profile.knots or len(profile.coefficients) != want:
+            raise ValueError(f"{path}: expected knots and {want} coefficients, got {len(profile.coefficients)}")
         return profile
 
 
 class ProfiledCostModel(CostModel):
-    """A linear model over step features, fitted to measured steps of the real engine."""
+    """Fitted to measured steps of the real engine: piecewise linear in the step's token count,
+    linear in attention work and sampled rows."""
 
-    def __init__(self, profile: Profile):
+    def __init__(self, profile: Profile, swap_s_per_block: float = 0.0):
+        """`swap_s_per_block`: one-way copy time of a block (a profile does not time swaps)."""
         self.profile = profile
         self.coefficients = list(profile.coefficients)
+        self.knots = list(profile.knots)
+        self.swap_s_per_block = swap_s_per_block
+
+    def swap_time(self, num_blocks: int) -> float:
+        return num_blocks * self.swap_s_per_block
 
     def step_time(self, shape: StepShape) -> float:
         if shape.num_tokens == 0:
-            return 0.0
-        return sum(c * f for c, f in zip(self.coefficients, features(shape)))
+            return self.swap_time(shape.swap_blocks)
+        t = sum(c * f for c, f in zip(self.coefficients, features(shape, self.knots)))
+        return max(t, 0.0) + self.swap_time(shape.swap_blocks)
 
 
 def fit_nonnegative(rows: list[list[float]], targets: list[float], iterations: int = 2000) -> list[float]:

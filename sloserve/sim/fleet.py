@@ -3,10 +3,10 @@ the same per-request records the bench client writes, so one report serves both.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator, Optional
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Optional
 
 from sloserve.bench.records import RequestRecord, error_kind_for_status
-from sloserve.cluster.routers import make_router
+from sloserve.cluster.routers import RouterOptions, make_router
 from sloserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from sloserve.sim.catalog import get_model
 from sloserve.sim.cost import CostModel, Profile, ProfiledCostModel, RooflineCostModel
@@ -16,6 +16,9 @@ from sloserve.sim.prompts import SyntheticPrompt
 from sloserve.sim.simulator import SimResult, Simulator
 from sloserve.types import DEFAULT_QOS, QoSClass, Request, SamplingParams
 from sloserve.workload.types import WorkloadRequest
+
+if TYPE_CHECKING:
+    from sloserve.cluster.predict import PredictionBook
 
 
 @dataclass
@@ -33,12 +36,21 @@ class FleetConfig:
     max_model_len: Optional[int] = None
     dtype_bytes: int = 2
     fast_forward: bool = True
+    # Output-length predictor: None (requests carry no prediction; the scheduler's snapshot then
+    # falls back to max_tokens, which in simulation is the recorded length, i.e. an oracle),
+    # "default" (the packaged one) or a file from `sloserve train-predictor`.
+    predictor: Optional[str] = None
+    online_predictor: bool = True  # completed requests update the predictor as the run goes
+    router_seed: int = 0
+    router_epsilon: float = 0.25  # prefix-affinity's load bound
 
     def validate(self) -> None:
         if self.instances < 1:
             raise ValueError("--instances must be >= 1")
         if self.tp < 1:
             raise ValueError("--tp must be >= 1")
+        if self.router_epsilon < 0:
+            raise ValueError("--router-epsilon must be >= 0")
         self.scheduler.validate()
         self.cache.validate()
 
@@ -47,34 +59,66 @@ def build_cost_model(cfg: FleetConfig) -> tuple[CostModel, ModelConfig, int]:
     """The cost model, the model's shape, and KV blocks per instance."""
     model = get_model(cfg.model)
     hw = get_hardware(cfg.hardware)
-    roofline = RooflineCostModel(hw, model, cfg.tp, cfg.dtype_bytes)
+    roofline = RooflineCostModel(hw, model, cfg.tp, cfg.dtype_bytes, block_size=cfg.cache.block_size)
     cost: CostModel = roofline
-    if cfg.profile:
-        cost = ProfiledCostModel(Profile.load(cfg.profile))
+    if cfg.profile:  # a profile times no swaps: price them over the hardware's host link
+        cost = ProfiledCostModel(Profile.load(cfg.profile), swap_s_per_block=roofline.swap_time(1))
     blocks = cfg.num_blocks or kv_blocks_for(hw.mem_bytes, roofline.weight_bytes(), model, cfg.cache.block_size,
                                              cfg.tp, cfg.scheduler.max_num_batched_tokens, cfg.scheduler.max_num_seqs,
                                              cfg.dtype_bytes)
     return cost, model, blocks
 
 
-def build_fleet(cfg: FleetConfig) -> Simulator:
+def host_blocks_for(cfg: FleetConfig, model: ModelConfig) -> int:
+    """Host swap blocks per instance (none unless preemption may swap): the swap space is per
+    device, as vLLM's --swap-space, and each device holds 1/tp of every block."""
+    if cfg.scheduler.preemption_mode == "recompute":
+        return 0
+    per_device_block = cfg.cache.block_size * model.kv_bytes_per_token(cfg.dtype_bytes) / cfg.tp
+    return cfg.cache.host_blocks(per_device_block)
+
+
+def make_predictions(cfg: FleetConfig) -> Optional["PredictionBook"]:
+    """The run's prediction book (one per run: online updates must not leak across runs)."""
+    if cfg.predictor is None or cfg.predictor == "none":
+        return None
+    from sloserve.cluster.predict import PredictionBook, load_predictor
+
+    return PredictionBook(load_predictor(cfg.predictor), online=cfg.online_predictor)  # type: ignore[arg-type]
+
+
+def build_fleet(cfg: FleetConfig, predictions: Optional["PredictionBook"] = None) -> Simulator:
+    """The simulated fleet; with `predictions`, predictive routers read the requests' length
+    distributions from it."""
     cfg.validate()
     cost, model, blocks = build_cost_model(cfg)
     context = min(cfg.max_model_len or model.max_position_embeddings, blocks * cfg.cache.block_size)
-    instances = [SimInstance(i, cost, blocks, context, cfg.scheduler, cfg.cache, fast_forward=cfg.fast_forward)
+    host = host_blocks_for(cfg, model)
+    instances = [SimInstance(i, cost, blocks, context, cfg.scheduler, cfg.cache, fast_forward=cfg.fast_forward,
+                             num_host_blocks=host)
                  for i in range(cfg.instances)]
-    return Simulator(instances, make_router(cfg.router))
+    options = RouterOptions(seed=cfg.router_seed, epsilon=cfg.router_epsilon,
+                            predictions=predictions.lookup if predictions is not None else None)
+    return Simulator(instances, make_router(cfg.router, options))
 
 
-def sim_requests(stream: Iterable[WorkloadRequest], classes: Optional[dict[str, QoSClass]] = None) -> Iterator[Request]:
-    """Workload requests as scheduler requests: ending at their recorded output length."""
+def sim_requests(stream: Iterable[WorkloadRequest], classes: Optional[dict[str, QoSClass]] = None,
+                 predictions: Optional["PredictionBook"] = None) -> Iterator[Request]:
+    """Workload requests as scheduler requests: ending at their recorded output length.
+
+    With `predictions`, each request also carries a predicted output length, made from what a
+    real front end would have: the prompt text where the workload has it (ShareGPT, ServeGen),
+    otherwise only the prompt's token count (Azure and Mooncake traces carry no text)."""
     classes = classes or {}
     for i, w in enumerate(stream):
         prompt = w.prompt_token_ids if w.prompt_token_ids is not None else SyntheticPrompt(
             max(1, w.prompt_len), i, w.hash_ids, w.hash_block_size or 512)
         params = SamplingParams(max_tokens=max(1, w.output_len), ignore_eos=True, temperature=0.0)
-        yield Request(w.request_id or f"sim-{i}", prompt, params, arrival_time=w.arrival_s,
-                      qos=classes.get(w.qos_class, DEFAULT_QOS), tenant=w.tenant)
+        request = Request(w.request_id or f"sim-{i}", prompt, params, arrival_time=w.arrival_s,
+                          qos=classes.get(w.qos_class, DEFAULT_QOS), tenant=w.tenant)
+        if predictions is not None:
+            predictions.annotate(request, w.prompt_text)
+        yield request
 
 
 def record_of(index: int, request: Request, error: Optional[str] = None) -> RequestRecord:
@@ -97,8 +141,11 @@ def record_of(index: int, request: Request, error: Optional[str] = None) -> Requ
 
 
 def simulate(sim: Simulator, requests: Iterable[Request],
-             on_progress: Optional[Callable[[float, int], None]] = None) -> tuple[list[RequestRecord], SimResult]:
-    """Run the fleet; one record per request, in arrival order."""
+             on_progress: Optional[Callable[[float, int], None]] = None,
+             predictions: Optional["PredictionBook"] = None) -> tuple[list[RequestRecord], SimResult]:
+    """Run the fleet; one record per request, in arrival order. With `predictions`, every
+    completed request's length is fed back to the predictor as it finishes (online adaptation
+    in simulated time: a later arrival sees what earlier completions taught it)."""
     index: dict[str, int] = {}
 
     def numbered() -> Iterator[Request]:
@@ -112,6 +159,8 @@ def simulate(sim: Simulator, requests: Iterable[Request],
         i = index[request.request_id]
         records.extend([None] * (i + 1 - len(records)))
         records[i] = record_of(i, request, error)
+        if predictions is not None:
+            predictions.observe(request, completed=error is None)
 
     result = sim.run(numbered(), on_progress=on_progress, on_done=keep)
     return [r for r in records if r is not None], result

@@ -69,13 +69,17 @@ class SimInstance:
 
     def __init__(self, instance_id: int, cost_model: CostModel, num_blocks: int, max_model_len: int,
                  scheduler_config: SchedulerConfig, cache_config: Optional[CacheConfig] = None,
-                 trace: bool = False, fast_forward: bool = True, max_run_steps: int = 4096):
+                 trace: bool = False, fast_forward: bool = True, max_run_steps: int = 64,
+                 num_host_blocks: int = 0):
         cache = cache_config or CacheConfig()
         self.instance_id = instance_id
         self.cost_model = cost_model
-        self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching, cache.watermark)
+        self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching, cache.watermark,
+                                 num_host_blocks=num_host_blocks)
         # No EOS: a simulated request ends at its recorded length, never on a placeholder token.
-        self.scheduler = Scheduler(scheduler_config, self.kv, max_model_len, eos_token_ids=())
+        # The cost model doubles as the scheduler's step and swap estimator.
+        self.scheduler = Scheduler(scheduler_config, self.kv, max_model_len, eos_token_ids=(),
+                                   estimator=cost_model, swap_cost=cost_model)
         self.current: Optional[StepPlan] = None
         self.run: Optional[DecodeRun] = None
         self.fast_forward = fast_forward and not trace
@@ -102,7 +106,7 @@ class SimInstance:
             if steps >= 2:
                 return self._start_run(now, steps)
         plan = self.scheduler.schedule(now)
-        if plan.is_empty:
+        if plan.is_empty and not plan.has_kv_ops:  # a swap-out alone still takes its copy time
             return None
         duration = self.cost_model.plan_time(plan)
         self.current = plan
@@ -117,8 +121,7 @@ class SimInstance:
         n = len(running)
         context = sum(r.num_computed_tokens for r in running)
         ends, t = [], now
-        for i in range(1, steps + 1):
-            duration = self.cost_model.step_time(StepShape.decode_only(n, context + i * n))
+        for duration in self.cost_model.decode_run(n, context, steps):
             t += duration
             ends.append(t)
         self.busy_time += t - now
@@ -135,7 +138,8 @@ class SimInstance:
             return
         done = bisect.bisect_left(run.ends, now, lo=run.applied)  # steps ending strictly before now
         if done > run.applied and done < len(run.ends):
-            self.scheduler.advance_decodes(done - run.applied, run.ends[done - 1], PLACEHOLDER_TOKEN)
+            self.scheduler.advance_decodes(done - run.applied, run.ends[run.applied], run.ends[done - 1],
+                                           PLACEHOLDER_TOKEN)
             run.applied = done
             self.scheduler.reserve_decode_step()
 
@@ -159,7 +163,8 @@ class SimInstance:
         run = self.run
         if run is not None:
             self.run, self.busy_until = None, None
-            return self.scheduler.advance_decodes(len(run.ends) - run.applied, run.ends[-1], PLACEHOLDER_TOKEN)
+            return self.scheduler.advance_decodes(len(run.ends) - run.applied, run.ends[run.applied], run.ends[-1],
+                                                  PLACEHOLDER_TOKEN)
         plan, self.current, self.busy_until = self.current, None, None
         if plan is None:
             return []

@@ -41,12 +41,31 @@ class SyntheticPrompt(Sequence):
 
     def __getitem__(self, i: Union[int, slice]):
         if isinstance(i, slice):
-            return [self._at(j) for j in range(*i.indices(self.length))]
+            start, stop, step = i.indices(self.length)
+            if step != 1:
+                return [self._at(j) for j in range(start, stop, step)]
+            return self._span(start, stop)
         if i < 0:
             i += self.length
         if not 0 <= i < self.length:
             raise IndexError(i)
         return self._at(i)
+
+    def _span(self, start: int, stop: int) -> list[int]:
+        """Ids of [start, stop) built from ranges (the KV manager hashes prompts block by block)."""
+        out: list[int] = []
+        shared_end = min(stop, len(self.hash_ids) * self.hash_block)
+        pos = start
+        while pos < shared_end:
+            b, off = divmod(pos, self.hash_block)
+            end = min(shared_end, (b + 1) * self.hash_block)
+            base = _HASH_SPACE + self.hash_ids[b] * self.hash_block
+            out.extend(range(base + off, base + off + (end - pos)))
+            pos = end
+        if pos < stop:
+            base = (self.uid + 1) * _REQUEST_SPACE
+            out.extend(range(base + pos, base + stop))
+        return out
 
     def __add__(self, other):  # Request.all_token_ids (only the real executor needs it)
         return self[:] + list(other)

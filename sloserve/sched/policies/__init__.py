@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 from sloserve.sched.policies.base import SchedulingPolicy
+from sloserve.sched.policies.edf import EDFPolicy
 from sloserve.sched.policies.fcfs import FCFSPolicy
 from sloserve.sched.policies.priority import PriorityPolicy
+from sloserve.sched.policies.slo import SLOPolicy
 
-POLICIES: dict[str, type[SchedulingPolicy]] = {p.name: p for p in (FCFSPolicy, PriorityPolicy)}
+POLICIES: dict[str, type[SchedulingPolicy]] = {p.name: p for p in (FCFSPolicy, PriorityPolicy, EDFPolicy, SLOPolicy)}
 
 
 def make_policy(name: str) -> SchedulingPolicy:
@@ -15,4 +17,4 @@ def make_policy(name: str) -> SchedulingPolicy:
         raise ValueError(f"unknown scheduling policy {name!r}; choose from {sorted(POLICIES)}") from None
 
 
-__all__ = ["SchedulingPolicy", "FCFSPolicy", "PriorityPolicy", "POLICIES", "make_policy"]
+__all__ = ["SchedulingPolicy", "EDFPolicy", "FCFSPolicy", "PriorityPolicy", "SLOPolicy", "POLICIES", "make_policy"]

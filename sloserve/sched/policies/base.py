@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Optional
 
+from sloserve.sched.costs import StepCostEstimator
 from sloserve.types import Request
 
 
@@ -12,11 +13,34 @@ class SchedulingPolicy(ABC):
 
     `static` policies give each request a key that never changes, so the waiting queue
     stays sorted on insertion; dynamic ones (deadline slack) are re-sorted every step.
+
+    Besides the order, a policy switches on the scheduler behaviours it relies on (all off
+    by default, which is the vLLM-like baseline):
+    - `interleave_prefills`: running prefills and waiting requests share the step's prefill
+      budget in policy order (a long low-class prefill in progress does not hold back an
+      urgent newcomer); otherwise running prefills go first.
+    - `preempts_for_admission`: a waiting request that finds no blocks or no seat may preempt
+      the lowest-ranked running request when `may_preempt` allows it.
+    - `dynamic_chunking`: the step's prefill tokens are sized from the TBT slack of the
+      running decodes (needs a step-cost estimator; the config can override).
     """
 
     name: ClassVar[str]
     static: ClassVar[bool] = True
+    interleave_prefills: ClassVar[bool] = False
+    preempts_for_admission: ClassVar[bool] = False
+    dynamic_chunking: ClassVar[bool] = False
+
+    def bind(self, estimator: Optional[StepCostEstimator], max_chunk: int) -> None:
+        """Called once by the scheduler: the step-cost estimator (or None) and the largest
+        prefill chunk a step can take. Policies that price work in seconds keep them."""
 
     @abstractmethod
     def key(self, request: Request, seq: int, now: float) -> Any:
         """`seq` is the request's arrival order at this instance (a stable tie-breaker)."""
+
+    def may_preempt(self, candidate: Request, victim: Request, now: float) -> bool:
+        """Whether waiting `candidate` may take the place of running `victim` (only asked when
+        `preempts_for_admission`). Strictly higher classes only, so requests of one class
+        never preempt each other back and forth."""
+        return candidate.effective_priority < victim.effective_priority

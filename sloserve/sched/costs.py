@@ -1,0 +1,164 @@
+"""What the scheduler may ask about time: how long a step would take, how long a swap would.
+
+The scheduler never measures time itself. SLO-aware decisions (chunk size from TBT slack,
+relegation, swap vs recompute) need *estimates*, so an executor-side object is injected:
+the simulator passes its cost model, the engine a profiled model or an estimator fitted
+online to the step durations it measures. Pure Python: no torch, no wall clock.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Protocol, runtime_checkable
+
+from sloserve.sched.plan import StepPlan
+
+
+@dataclass(frozen=True)
+class StepLoad:
+    """The few numbers that decide a step's cost (mirrors the simulator's StepShape)."""
+
+    num_tokens: int = 0  # new tokens computed (prefill chunks + decodes)
+    num_sampled: int = 0  # rows that go through the LM head
+    num_decodes: int = 0
+    decode_context: int = 0  # sum over decodes of the tokens each attends to
+    prefill_attention: float = 0.0  # sum over chunks of n * (start + (n + 1) / 2)
+    prefill_context: int = 0  # sum over chunks of start + n
+
+    @staticmethod
+    def prefill(num_tokens: int, start: int = 0, samples: bool = True) -> "StepLoad":
+        """One prefill chunk of `num_tokens` after `start` cached tokens."""
+        if num_tokens <= 0:
+            return StepLoad()
+        return StepLoad(num_tokens, int(samples), 0, 0, num_tokens * (start + (num_tokens + 1) / 2),
+                        start + num_tokens)
+
+    @staticmethod
+    def decode(context_len: int) -> "StepLoad":
+        return StepLoad(1, 1, 1, context_len, 0.0, 0)
+
+    def __add__(self, other: "StepLoad") -> "StepLoad":
+        return StepLoad(self.num_tokens + other.num_tokens, self.num_sampled + other.num_sampled,
+                        self.num_decodes + other.num_decodes, self.decode_context + other.decode_context,
+                        self.prefill_attention + other.prefill_attention,
+                        self.prefill_context + other.prefill_context)
+
+    @staticmethod
+    def of_plan(plan: StepPlan) -> "StepLoad":
+        tokens = sampled = decodes = dctx = pctx = 0
+        pattn = 0.0
+        for s in plan.scheduled:
+            n = s.num_new_tokens
+            tokens += n
+            sampled += s.samples
+            if n == 1:
+                decodes += 1
+                dctx += s.start + 1
+            else:
+                pattn += n * (s.start + (n + 1) / 2)
+                pctx += s.start + n
+        return StepLoad(tokens, sampled, decodes, dctx, pattn, pctx)
+
+
+@runtime_checkable
+class StepCostEstimator(Protocol):
+    """Seconds a step of this load would take on the executor under the scheduler."""
+
+    def estimate(self, load: StepLoad) -> float: ...
+
+
+@runtime_checkable
+class SwapCostEstimator(Protocol):
+    """Seconds to copy `num_blocks` KV blocks one way between device and host memory."""
+
+    def swap_time(self, num_blocks: int) -> float: ...
+
+
+@dataclass
+class LinkSwapCost:
+    """Swap time from a link bandwidth (measured by the engine, or modelled) and the block size
+    in bytes; `bandwidth` may be updated while serving as copies are measured."""
+
+    bytes_per_block: float
+    bandwidth: float  # bytes per second, one direction
+    latency_s: float = 0.0  # fixed cost per transfer (launch, synchronisation)
+
+    def swap_time(self, num_blocks: int) -> float:
+        if num_blocks <= 0:
+            return 0.0
+        return self.latency_s + num_blocks * self.bytes_per_block / self.bandwidth
+
+    def observe(self, num_blocks: int, seconds: float, smoothing: float = 0.3) -> None:
+        """Fold a measured copy into the bandwidth (exponential moving average)."""
+        if num_blocks > 0 and seconds > 0:
+            measured = num_blocks * self.bytes_per_block / seconds
+            self.bandwidth = (1 - smoothing) * self.bandwidth + smoothing * measured
+
+
+class OnlineStepEstimator:
+    """A linear step-time model fitted online (recursive least squares with forgetting) to the
+    durations an executor reports: t = c0 + c1 * new tokens + c2 * attended (query, key) pairs.
+
+    Why online: a real engine's speed depends on the machine, threads and model; a few dozen
+    steps are enough to price chunk sizes, and forgetting lets it follow a changing machine.
+    Until it has seen `warmup` steps it answers from the prior coefficients. Estimates use the
+    coefficients clamped at zero, so a longer step is never estimated cheaper (the chunk-size
+    search relies on that).
+    """
+
+    _SCALE = (1.0, 1e-3, 1e-6)  # feature scaling keeps the RLS well conditioned
+
+    def __init__(self, prior: tuple[float, float, float] = (5e-3, 2e-4, 1e-8),
+                 forgetting: float = 0.995, warmup: int = 8) -> None:
+        self.prior = tuple(prior)
+        self.forgetting = forgetting
+        self.warmup = warmup
+        self.num_observed = 0
+        self._w = [c / s for c, s in zip(prior, self._SCALE)]  # coefficients in scaled units
+        n = len(self._w)
+        # A large initial covariance: the prior is weak, measurements dominate quickly.
+        self._p = [[(1e4 if i == j else 0.0) for j in range(n)] for i in range(n)]
+
+    @property
+    def coefficients(self) -> tuple[float, ...]:
+        if self.num_observed < self.warmup:
+            return self.prior
+        return tuple(max(0.0, w * s) for w, s in zip(self._w, self._SCALE))
+
+    @staticmethod
+    def _features(load: StepLoad) -> tuple[float, float, float]:
+        return (1.0, float(load.num_tokens), load.decode_context + load.prefill_attention)
+
+    def estimate(self, load: StepLoad) -> float:
+        if load.num_tokens <= 0:
+            return 0.0
+        return sum(c * f for c, f in zip(self.coefficients, self._features(load)))
+
+    def observe(self, load: StepLoad, seconds: float) -> None:
+        """Fold in one measured step."""
+        if load.num_tokens <= 0 or not seconds > 0 or not math.isfinite(seconds):
+            return
+        x = [f * s for f, s in zip(self._features(load), self._SCALE)]
+        n, p, lam = len(x), self._p, self.forgetting
+        px = [sum(p[i][j] * x[j] for j in range(n)) for i in range(n)]
+        denom = lam + sum(x[i] * px[i] for i in range(n))
+        gain = [v / denom for v in px]
+        err = seconds - sum(w * xi for w, xi in zip(self._w, x))
+        self._w = [w + g * err for w, g in zip(self._w, gain)]
+        self._p = [[(p[i][j] - gain[i] * px[j]) / lam for j in range(n)] for i in range(n)]
+        self.num_observed += 1
+
+
+def prefill_time(estimator: Optional[StepCostEstimator], start: int, num_tokens: int, chunk: int) -> float:
+    """The least time the prefill of `num_tokens` tokens after `start` can take: alone on the
+    instance, in chunks of the full step budget. 0 without an estimator (a lower bound still)."""
+    if estimator is None or num_tokens <= 0:
+        return 0.0
+    chunk = max(1, chunk)
+    total, pos, left = 0.0, start, num_tokens
+    while left > 0:
+        n = min(chunk, left)
+        total += estimator.estimate(StepLoad.prefill(n, pos, samples=(n == left)))
+        pos += n
+        left -= n
+    return total
