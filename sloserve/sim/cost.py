@@ -31,19 +31,9 @@ class StepShape:
 
     @staticmethod
     def from_plan(plan: StepPlan) -> "StepShape":
-        tokens = sampled = decodes = dctx = pctx = 0
-        pattn = 0.0
-        for s in plan.scheduled:
-            n = s.num_new_tokens
-            tokens += n
-            sampled += s.samples
-            if n == 1:
-                decodes += 1
-                dctx += s.start + 1
-            else:
-                pattn += n * (s.start + (n + 1) / 2)
-                pctx += s.start + n
-        return StepShape(tokens, sampled, decodes, dctx, pattn, pctx, len(plan.swap_out) + len(plan.swap_in))
+        load = StepLoad.of_plan(plan)  # the scheduler's own summary of the step's work
+        return StepShape(load.num_tokens, load.num_sampled, load.num_decodes, load.decode_context,
+                         load.prefill_attention, load.prefill_context, len(plan.swap_out) + len(plan.swap_in))
 
     @staticmethod
     def decode_only(num_decodes: int, decode_context: int) -> "StepShape":
