@@ -5,24 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sloserve import LLM, SamplingParams
+from sloserve import LLM
 from sloserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from sloserve.engine.model import KVCache
 from sloserve.engine.swap import HostKVPool
 
 pytestmark = pytest.mark.slow
 
-PROMPTS = [
-    "Hi",
-    "The capital of France is",
-    "Write a Python function that returns the n-th Fibonacci number.\n",
-    "Once upon a time, in a small village by the sea, there lived an old fisherman who every morning "
-    "walked down to the harbour before sunrise. One day he found",
-    "Explain, step by step, why the sky appears blue during the day and red at sunset. Start with what "
-    "sunlight is made of, then describe how molecules in the atmosphere scatter light of different "
-    "wavelengths, and finish with why the path length through the atmosphere changes at sunset. " * 3,
-]
-GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
+from test_engine import GREEDY, PROMPTS  # noqa: E402  (the same prompts the engine tests check)
 
 
 def engine_config(num_blocks: int, mode: str = "recompute", num_host_blocks: int = 0, policy: str = "fcfs"):
