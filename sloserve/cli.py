@@ -27,6 +27,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--swap-space", type=float, default=4.0, metavar="GIB", help="host memory for swapped-out KV")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--no-native-kernels", action="store_true", help="use the portable attention path only")
+    g.add_argument("--step-trace", metavar="FILE", help="write one JSON line per engine step (timings and load)")
 
 
 def engine_config_from_args(args: argparse.Namespace):
@@ -35,6 +36,7 @@ def engine_config_from_args(args: argparse.Namespace):
     return EngineConfig(
         model=args.model, dtype=args.dtype, device=args.device, num_threads=args.num_threads,
         max_model_len=args.max_model_len, seed=args.seed, native_kernels=not args.no_native_kernels,
+        step_trace=args.step_trace,
         cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks, kv_cache_gib=args.kv_cache_gib,
                           enable_prefix_caching=not args.no_prefix_caching, swap_space_gib=args.swap_space),
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,

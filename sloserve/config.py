@@ -139,5 +139,6 @@ class EngineConfig:
     max_model_len: Optional[int] = None  # defaults to the model's context window
     seed: int = 0
     native_kernels: bool = True  # compile and use the CPU decode-attention kernel (falls back if it cannot)
+    step_trace: Optional[str] = None  # write one JSON line per engine step to this file (engine/step_trace.py)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

@@ -164,3 +164,25 @@ def test_portable_attention_path_gives_the_same_tokens(reference_tokens):
     assert portable.engine.model.decode_attention is None
     outs = portable.generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == reference_tokens
+
+
+def test_step_trace_records_every_step_with_its_load(tmp_path, reference_tokens):
+    from sloserve.config import CacheConfig, EngineConfig, SchedulerConfig
+    from sloserve.engine.step_trace import read_step_trace
+
+    path = tmp_path / "steps.jsonl"
+    config = EngineConfig(step_trace=str(path), cache=CacheConfig(enable_prefix_caching=False),
+                          scheduler=SchedulerConfig(max_num_batched_tokens=64))
+    traced = LLM(config=config)
+    outs = traced.generate(PROMPTS, GREEDY)
+    traced.engine.close()
+    assert [o.token_ids for o in outs] == reference_tokens  # tracing changes nothing
+    steps = list(read_step_trace(path))
+    prompt_tokens = sum(len(o.prompt_token_ids) for o in outs)
+    output_tokens = sum(len(o.token_ids) for o in outs)
+    # every computed token is in exactly one step: prompts, then each output but the last fed back
+    assert sum(s.load.num_tokens for s in steps) == prompt_tokens + output_tokens - len(outs)
+    assert sum(s.load.num_sampled for s in steps) == output_tokens
+    assert all(s.load.num_tokens <= 64 for s in steps)
+    assert all(min(s.schedule_s, s.execute_s, s.process_s) >= 0 for s in steps)
+    assert all(a.end_s <= b.start_s for a, b in zip(steps, steps[1:]))  # in order, not overlapping

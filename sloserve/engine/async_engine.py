@@ -123,6 +123,8 @@ class AsyncLLMEngine:
             self._stopped = True
             self._cond.notify()
         self._thread.join(timeout)
+        if not self._thread.is_alive():
+            self.engine.close()
 
     # ---- the engine thread -------------------------------------------------------
     def _loop(self) -> None:

@@ -19,6 +19,7 @@ from sloserve.engine.kernels import load_paged_decode_attention
 from sloserve.engine.model import KVCache, LlamaModel
 from sloserve.engine.outputs import RequestMetrics, RequestOutput, TokenLogprob
 from sloserve.engine.runner import ModelRunner
+from sloserve.engine.step_trace import StepRecord, StepTraceWriter
 from sloserve.engine.swap import HostKVPool, measure_link_bandwidth
 from sloserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from sloserve.engine.weights import load_model
@@ -126,6 +127,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.kv_cache, eos, seed=config.seed, host_pool=self.host_pool)
         self._tracked: dict[str, _Tracked] = {}
         self._ids = itertools.count()
+        self._trace = StepTraceWriter(config.step_trace) if config.step_trace else None
         logger.info(
             "engine ready: %s, %s on %s, %d KV blocks x %d tokens, context %d",
             self.model_name, str(self.dtype).removeprefix("torch."), self.device, num_blocks, cache.block_size, context,
@@ -214,9 +216,11 @@ class LLMEngine:
 
     # ---- the loop ------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        plan = self.scheduler.schedule(self.clock())
+        started = self.clock()
+        plan = self.scheduler.schedule(started)
         if plan.is_empty and not plan.has_kv_ops:
             return []
+        scheduled = self.clock()
         result = self.runner.execute(plan)
         now = self.clock()
         self._learn_costs(plan, result.duration_s)
@@ -235,7 +239,16 @@ class LLMEngine:
             else:
                 self._check_stop_strings(tracked, now)
             outputs.append(self._emit(tracked))
+        if self._trace is not None:
+            self._trace.write(StepRecord(started, scheduled - started, now - scheduled, self.clock() - now,
+                                         StepLoad.of_plan(plan)))
         return outputs
+
+    def close(self) -> None:
+        """Flush and close the step trace (the engine stays usable, untraced)."""
+        if self._trace is not None:
+            self._trace.close()
+            self._trace = None
 
     def _learn_costs(self, plan, duration_s: float) -> None:
         """Feed measured times back to the estimators the scheduler prices decisions with."""

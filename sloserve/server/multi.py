@@ -58,6 +58,8 @@ def run_multi(engine_config: EngineConfig, settings, *, instances: int, router: 
 
     if instances < 1:
         raise ValueError("--instances must be >= 1")
+    if engine_config.step_trace:
+        raise ValueError("--step-trace needs a single instance (each worker would write the same file)")
     if router not in ROUTERS:
         raise ValueError(f"unknown router {router!r}; choose from {sorted(ROUTERS)}")
     total = engine_config.num_threads or cores()
