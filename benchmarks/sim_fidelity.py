@@ -32,12 +32,55 @@ from sloserve.bench.result import BenchResult, save_results
 from sloserve.bench.runner import default_synthesizer, prepare
 from sloserve.bench.tokenizer import load_bench_tokenizer
 from sloserve.config import CacheConfig, SchedulerConfig
+from sloserve.engine.step_trace import StepRecord, read_step_trace
+from sloserve.sim.cost import Profile, ProfiledCostModel
 from sloserve.sim.fleet import FleetConfig, build_fleet, sim_requests, simulate
 from sloserve.workload.build import WorkloadSpec
 
 REPO = Path(__file__).resolve().parents[1]
 METRICS = ("ttft", "tpot", "e2e")
 QUANTILES = ("p50", "p90", "p99")
+
+
+def step_breakdown(steps: list[StepRecord], cost: ProfiledCostModel) -> dict:
+    """Where the real server's step time goes, against what the profile prices: the model's own
+    time (execute) vs the estimate for the same load, the engine's time around it (scheduling,
+    output processing), and the gap to the next step while work was waiting (the server's event
+    loop). Split by the step's kind, because decode-only steps dominate TPOT."""
+    def med(xs: list[float]) -> float:
+        xs = sorted(xs)
+        return xs[len(xs) // 2] if xs else math.nan
+
+    out = {}
+    busy_gap = [b.start_s - a.end_s for a, b in zip(steps, steps[1:]) if b.start_s - a.end_s < 0.05]
+    for kind, pick in (("decode-only", lambda s: s.load.num_tokens == s.load.num_decodes),
+                       ("with prefill", lambda s: s.load.num_tokens > s.load.num_decodes)):
+        sel = [s for s in steps if pick(s)]
+        est = [cost.estimate(s.load) for s in sel]
+        out[kind] = {
+            "steps": len(sel),
+            "median_rows": med([s.load.num_sampled for s in sel]),
+            "median_execute_ms": 1e3 * med([s.execute_s for s in sel]),
+            "median_estimate_ms": 1e3 * med(est),
+            "median_execute_over_estimate": med([s.execute_s / e for s, e in zip(sel, est) if e > 0]),
+            "median_schedule_ms": 1e3 * med([s.schedule_s for s in sel]),
+            "median_process_ms": 1e3 * med([s.process_s for s in sel]),
+        }
+    out["median_gap_between_busy_steps_ms"] = 1e3 * med(busy_gap)
+    return out
+
+
+def breakdown_table(b: dict) -> Table:
+    table = Table(title="real server steps vs the profile (medians)")
+    for col in ("kind", "steps", "rows", "execute ms", "profile ms", "execute / profile", "schedule ms", "process ms"):
+        table.add_column(col)
+    for kind in ("decode-only", "with prefill"):
+        r = b[kind]
+        table.add_row(kind, str(r["steps"]), f"{r['median_rows']}", f"{r['median_execute_ms']:.1f}",
+                      f"{r['median_estimate_ms']:.1f}", f"{r['median_execute_over_estimate']:.2f}",
+                      f"{r['median_schedule_ms']:.2f}", f"{r['median_process_ms']:.2f}")
+    table.caption = f"median gap between steps while busy: {b['median_gap_between_busy_steps_ms']:.2f} ms"
+    return table
 
 
 def main() -> int:
@@ -59,7 +102,8 @@ def main() -> int:
     console = Console()
     engine_args = ["--num-threads", str(args.num_threads), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
                    "--max-num-seqs", str(args.max_num_seqs)]
-    server_args = [*engine_args, "--num-blocks", str(args.num_blocks)]
+    trace_path = out / "steps.jsonl"
+    server_args = [*engine_args, "--num-blocks", str(args.num_blocks), "--step-trace", str(trace_path)]
 
     profile = args.profile
     if profile is None:
@@ -85,9 +129,12 @@ def main() -> int:
     try:
         server.wait_ready()
         client = ClientConfig(base_url=server.base_url, request_timeout_s=600)
-        for rate in rates:
-            requests = prepare(replace(base, rate=rate), synthesizer, "tokens")
-            warm = [replace(requests[0], arrival_s=0.0, output_len=4)]
+        for i, rate in enumerate(rates):
+            # Each rate gets its own prompts and the warm-up a prompt of its own: the server's prefix
+            # cache lives across runs, the simulator starts each run empty.
+            requests = prepare(replace(base, rate=rate, seed=args.seed + i), synthesizer, "tokens")
+            warm = [replace(requests[0], arrival_s=0.0, output_len=4, prompt_len=16,
+                            prompt_token_ids=list(range(1000 + 16 * i, 1016 + 16 * i)))]
             asyncio.run(BenchClient(client).run(warm))
             console.rule(f"real server, {rate:g} req/s")
             real = asyncio.run(BenchClient(client).run(requests))
@@ -116,8 +163,11 @@ def main() -> int:
         table.add_row(f"{r['rate']:g}", r["metric"], r["quantile"], f"{r['real_ms']:.0f}", f"{r['sim_ms']:.0f}",
                       f"{100 * r['rel_error']:.1f}%", f"{'' if target is None else f'<= {target:.0%}'} {ok}")
     console.print(table)
+    breakdown = step_breakdown(list(read_step_trace(trace_path)), ProfiledCostModel(Profile.load(profile)))
+    console.print(breakdown_table(breakdown))
     save_results(out / "results.json", results)
-    (out / "fidelity.json").write_text(json.dumps({"rows": rows, "profile": str(profile)}, indent=1))
+    (out / "fidelity.json").write_text(json.dumps({"rows": rows, "profile": str(profile), "steps": breakdown},
+                                                  indent=1))
     plot_latency_cdfs(results, out / "latency_cdf.png")
     console.print(f"wrote {out}")
     return 0

@@ -121,3 +121,18 @@ def test_connection_refused_is_a_connection_error():
     res = _run(ClientConfig("http://127.0.0.1:9", model="m", request_timeout_s=2, connect_timeout_s=1),
                [_req("ok", 0)])
     assert res.records[0].error_kind == "connection"
+
+
+def test_token_chunks_include_empty_text_but_not_the_chat_role_chunk():
+    from sloserve.bench.client import _is_token_chunk
+
+    # completions: a token whose text is held back (special token, partial UTF-8) still counts
+    assert _is_token_chunk({"index": 0, "text": ""}, "completions")
+    assert _is_token_chunk({"index": 0, "text": "Hi", "finish_reason": None}, "completions")
+    assert not _is_token_chunk({"index": 0}, "completions")
+    # chat: the opening role chunk comes before any token (sloserve sends it before the prefill)
+    assert not _is_token_chunk({"index": 0, "delta": {"role": "assistant", "content": ""}}, "chat")
+    assert _is_token_chunk({"index": 0, "delta": {"role": "assistant", "content": "Hi"}}, "chat")
+    assert _is_token_chunk({"index": 0, "delta": {"content": ""}}, "chat")
+    assert _is_token_chunk({"index": 0, "delta": {"reasoning_content": "hm"}}, "chat")
+    assert not _is_token_chunk({"index": 0, "delta": {}, "finish_reason": "stop"}, "chat")

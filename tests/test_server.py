@@ -271,12 +271,14 @@ def test_32_concurrent_streams_are_batched(server, model_name, llm):
         stream = await aclient.completions.create(model=model_name, prompt=prompt, max_tokens=max_tokens,
                                                   temperature=0, stream=True, stream_options={"include_usage": True},
                                                   extra_body={"ignore_eos": True})
-        text, usage = "", None
+        text, usage, token_chunks = "", None, 0
         async for chunk in stream:
             if chunk.choices:
                 text += chunk.choices[0].text
+                token_chunks += 1
             if chunk.usage:
                 usage = chunk.usage
+        assert token_chunks == max_tokens  # one chunk per token, even when its text is empty (EOS ignored)
         return text, usage
 
     async def main():

@@ -2,7 +2,7 @@
 
 It sends each workload request at its scheduled time (open loop; an optional concurrency cap
 turns it into a bounded closed loop), streams the response and records, per request, when it
-was due, released and sent, the time to the first text chunk, every gap between text chunks,
+was due, released and sent, the time to the first token chunk, every gap between token chunks,
 the end-to-end time, the server's token counts from `usage`, the finish reason, the HTTP status
 and any error. It is the measuring instrument, so it reads `time.monotonic` (injectable).
 
@@ -121,11 +121,17 @@ def request_headers(req: WorkloadRequest, cfg: ClientConfig) -> dict[str, str]:
     return headers
 
 
-def _chunk_text(choice: Mapping[str, Any], endpoint: Endpoint) -> str:
+def _is_token_chunk(choice: Mapping[str, Any], endpoint: Endpoint) -> bool:
+    """Whether a streamed choice reports generated tokens. Its text may be empty (a special
+    token, or bytes of a character not complete yet): the token exists, so it counts for TTFT
+    and ITL, as in `vllm bench serve`. A chat stream's opening role chunk (role, empty content)
+    carries no token: servers may send it before the prefill has run."""
     if endpoint == "completions":
-        return choice.get("text") or ""
+        return isinstance(choice.get("text"), str)
     delta = choice.get("delta") or {}
-    return (delta.get("content") or "") + (delta.get("reasoning_content") or "")
+    if "content" not in delta and "reasoning_content" not in delta:
+        return False
+    return not ("role" in delta and not delta.get("content") and not delta.get("reasoning_content"))
 
 
 def _error_message(body: bytes) -> str:
@@ -252,7 +258,7 @@ class BenchClient:
                 rec.error = f"HTTP {resp.status_code}: {_error_message(await resp.aread())}"
                 return
             last_choice_at: Optional[float] = None
-            last_text_at: Optional[float] = None
+            last_token_at: Optional[float] = None
             done = False
             async for line in resp.aiter_lines():
                 if not line.startswith("data:"):
@@ -277,12 +283,12 @@ class BenchClient:
                 if choices:
                     choice = choices[0]
                     last_choice_at = now
-                    if _chunk_text(choice, endpoint):
+                    if _is_token_chunk(choice, endpoint):
                         if rec.ttft_s is None:
                             rec.ttft_s = now - rec.send_s
                         else:
-                            rec.itl_s.append(now - last_text_at)  # type: ignore[operator]
-                        last_text_at = now
+                            rec.itl_s.append(now - last_token_at)  # type: ignore[operator]
+                        last_token_at = now
                         rec.num_chunks += 1
                     if choice.get("finish_reason"):
                         rec.finish_reason = str(choice["finish_reason"])

@@ -28,8 +28,8 @@ def error_kind_for_status(status: int) -> str:
 class RequestRecord:
     """What happened to one request, as the client saw it.
 
-    TTFT is measured from `send_s` to the first streamed chunk that carries text; `itl_s` holds
-    the gaps between consecutive text chunks (one per chunk after the first, so it has
+    TTFT is measured from `send_s` to the first streamed chunk that reports a token (its text may
+    be empty); `itl_s` holds the gaps between consecutive token chunks (one per chunk after the first, so it has
     `output_tokens - 1` entries when every chunk is one token); `e2e_s` runs from `send_s` to
     the end of the stream. `scheduled_s` is when the workload said the request arrives and
     `dispatch_s` when the client's rate control released it; `send_s` can be later than
@@ -49,7 +49,7 @@ class RequestRecord:
     prompt_len: int = 0  # what the workload asked for
     output_len: int = 0  # max_tokens sent
     prompt_tokens: Optional[int] = None  # from the server's usage
-    output_tokens: Optional[int] = None  # from usage; else the number of text chunks
+    output_tokens: Optional[int] = None  # from usage; else the number of token chunks
     num_chunks: int = 0
     finish_reason: Optional[str] = None
     http_status: Optional[int] = None

@@ -321,8 +321,8 @@ class OpenAIServing:
                         lp = completion_logprobs(out.logprobs[sent_lp[i]:], self.strings, offsets[i])
                         sent_lp[i] = len(out.logprobs)
                         offsets[i] += sum(len(t) for t in lp.tokens)
-                    if not out.delta_text and not out.finished and lp is None:
-                        continue
+                    if not out.delta_token_ids and not out.finished and lp is None:
+                        continue  # a chunk per new token, even one whose text is held back (as vLLM)
                     if out.finished:
                         finals[i] = out
                     yield chunk([CompletionChoice(index=c.index, text=out.delta_text, logprobs=lp,
@@ -358,11 +358,11 @@ class OpenAIServing:
                     if c.params.logprobs is not None and out.logprobs is not None and len(out.logprobs) > sent_lp[i]:
                         lp = chat_logprobs(out.logprobs[sent_lp[i]:], self.strings)
                         sent_lp[i] = len(out.logprobs)
-                    if not out.delta_text and not out.finished and lp is None:
-                        continue
+                    if not out.delta_token_ids and not out.finished and lp is None:
+                        continue  # a chunk per new token, even one whose text is held back (as vLLM)
                     if out.finished:
                         finals[i] = out
-                    delta = DeltaMessage(content=out.delta_text) if out.delta_text else DeltaMessage()
+                    delta = DeltaMessage(content=out.delta_text)
                     yield chunk([ChatChunkChoice(index=c.index, delta=delta, logprobs=lp,
                                                  finish_reason=out.finish_reason if out.finished else None,
                                                  stop_reason=out.stop_reason if out.finished else None)])
