@@ -18,11 +18,13 @@ SLO-aware decisions need come from an injected estimator (sched/costs.py).
 from __future__ import annotations
 
 import bisect
+import functools
 import heapq
+import itertools
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 from sloserve.config import SchedulerConfig
 from sloserve.kv.manager import CopyOp, KVCacheManager
@@ -31,7 +33,7 @@ from sloserve.sched.costs import StepCostEstimator, StepLoad, SwapCostEstimator
 from sloserve.sched.plan import ScheduledRequest, StepPlan, StepResult
 from sloserve.sched.policies import SchedulingPolicy, make_policy
 from sloserve.sched.preemption import SWAP, PreemptionChoice, choose_preemption
-from sloserve.sched.state import InstanceState
+from sloserve.sched.state import InstanceState, KeySetIndex, PrefixIndex, _LoadMeasures
 from sloserve.types import FinishReason, Request, RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -327,12 +329,14 @@ class Scheduler:
         Returns the requests that produced a token in this step (finished ones included).
         """
         produced: list[Request] = []
+        bs = self.kv.block_size
         for item in plan.scheduled:
             request = item.request
             if request.is_finished or self.requests.get(request.request_id) is not request:
                 continue  # aborted while the step ran
-            request.num_computed_tokens = item.start + item.num_new_tokens
-            self.kv.cache_blocks(request)
+            request.num_computed_tokens = end = item.start + item.num_new_tokens
+            if end // bs > item.start // bs:  # a block filled up: register it
+                self.kv.cache_blocks(request)
             if not item.samples:
                 continue
             token = result.sampled_token_ids[request.request_id]
@@ -396,12 +400,15 @@ class Scheduler:
         if num_steps <= 0:
             return []
         finished = []
+        kv, bs = self.kv, self.kv.block_size
         for request in list(self.running):
-            if self.kv.allocate_slots(request, num_steps) is None:
+            before = request.num_computed_tokens
+            if kv.allocate_slots(request, num_steps) is None:
                 raise RuntimeError("decode run outgrew the KV pool; decode_run_length was not respected")
-            request.num_computed_tokens += num_steps
+            request.num_computed_tokens = before + num_steps
             request.output_token_ids.extend([token] * num_steps)
-            self.kv.cache_blocks(request)
+            if (before + num_steps) // bs > before // bs:  # a block filled up: register it
+                kv.cache_blocks(request)
             if request.first_token_time is None:
                 request.first_token_time = first_end
             request.last_token_time = end_time
@@ -423,31 +430,14 @@ class Scheduler:
 
     # ---- snapshot for the cluster layer ------------------------------------------------
     def snapshot(self, now: float) -> InstanceState:
-        from sloserve.sched.state import KeySetIndex
+        """Every field, computed now (a worker ships this to its router)."""
+        return self.live_state(now).freeze()
 
-        queued_prefill = sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in self.running)
-        queued_prefill += sum(r.num_tokens for r in self.waiting)
-        bs = self.kv.block_size
-        waiting_blocks = sum(-(-r.num_tokens // bs) for r in self.waiting)
-        remaining_decode = 0
-        for r in self.running + self.waiting:
-            expected = r.predicted_output_len if r.predicted_output_len is not None else r.max_output_tokens
-            remaining_decode += max(0, (expected or 0) - r.num_output_tokens)
-        slack = min((r.ttft_deadline - now for r in self.waiting if r.first_token_time is None), default=math.inf)
-        return InstanceState(
-            num_running=len(self.running),
-            num_waiting=len(self.waiting),
-            queued_prefill_tokens=queued_prefill,
-            kv_blocks_used=self.kv.pool.num_used,
-            kv_blocks_free=self.kv.num_free_blocks,
-            kv_blocks_total=self.kv.num_blocks,
-            predicted_remaining_decode_tokens=remaining_decode,
-            prefix_cache_hit_rate=self.kv.stats.hit_rate,
-            min_ttft_slack_s=slack,
-            block_size=bs,
-            kv_blocks_waiting=waiting_blocks,
-            prefix_index=KeySetIndex(self.kv.pool.cached) if self.kv.enable_prefix_caching else None,
-        )
+    def live_state(self, now: float, catch_up: Optional[Callable[[], None]] = None) -> "LiveInstanceState":
+        """The same fields, each computed when first read: in one process (the simulator) a
+        router that reads two counters of 64 instances pays for 128 counters, not for 64 walks
+        over every queue. Valid while the scheduler does not change (one routing decision)."""
+        return LiveInstanceState(self, now, catch_up)
 
     # ---- internals ----------------------------------------------------------------
     @staticmethod
@@ -551,3 +541,94 @@ class Scheduler:
     def _resort(self, now: float) -> None:
         for queue in (self.waiting, self.running):
             queue.sort(key=lambda r: self.policy.key(r, self._seq[r.request_id], now))
+
+
+class LiveInstanceState(_LoadMeasures):
+    """A scheduler's InstanceState at one moment, fields computed on first read.
+
+    `catch_up` (the simulator's: apply the steps of a fast-forwarded decode run that ended
+    before now) runs once, before the first field that steps change is read. The request
+    counts do not need it: a run keeps its running set until its last step."""
+
+    def __init__(self, scheduler: Scheduler, now: float, catch_up: Optional[Callable[[], None]] = None) -> None:
+        self._s = scheduler
+        self._now = now
+        self._catch_up = catch_up
+
+    @property
+    def num_running(self) -> int:  # type: ignore[override]
+        return len(self._s.running)
+
+    @property
+    def num_waiting(self) -> int:  # type: ignore[override]
+        return len(self._s.waiting)
+
+    @property
+    def num_requests(self) -> int:  # the one field least-requests reads, read 64 times an arrival
+        s = self._s
+        return len(s.running) + len(s.waiting)
+
+    @property
+    def kv_blocks_total(self) -> int:  # type: ignore[override]
+        return self._s.kv.num_blocks
+
+    @property
+    def block_size(self) -> int:
+        return self._s.kv.block_size
+
+    def _current(self) -> Scheduler:
+        if self._catch_up is not None:
+            catch_up, self._catch_up = self._catch_up, None
+            catch_up()
+        return self._s
+
+    @functools.cached_property
+    def kv_blocks_used(self) -> int:  # type: ignore[override]
+        return self._current().kv.pool.num_used
+
+    @functools.cached_property
+    def kv_blocks_free(self) -> int:
+        return self._current().kv.num_free_blocks
+
+    @functools.cached_property
+    def prefix_index(self) -> Optional[PrefixIndex]:  # type: ignore[override]
+        kv = self._current().kv
+        return KeySetIndex(kv.pool.cached) if kv.enable_prefix_caching else None
+
+    @functools.cached_property
+    def queued_prefill_tokens(self) -> int:
+        s = self._current()
+        return (sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in s.running)
+                + sum(r.num_tokens for r in s.waiting))
+
+    @functools.cached_property
+    def kv_blocks_waiting(self) -> int:  # type: ignore[override]
+        bs = self.block_size
+        return sum(-(-r.num_tokens // bs) for r in self._s.waiting)
+
+    @functools.cached_property
+    def predicted_remaining_decode_tokens(self) -> int:
+        total = 0
+        s = self._current()
+        for r in itertools.chain(s.running, s.waiting):
+            expected = r.predicted_output_len if r.predicted_output_len is not None else r.max_output_tokens
+            total += max(0, (expected or 0) - r.num_output_tokens)
+        return total
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self._current().kv.stats.hit_rate
+
+    @functools.cached_property
+    def min_ttft_slack_s(self) -> float:
+        now = self._now
+        return min((r.ttft_deadline - now for r in self._s.waiting if r.first_token_time is None), default=math.inf)
+
+    def freeze(self) -> InstanceState:
+        return InstanceState(
+            num_running=self.num_running, num_waiting=self.num_waiting,
+            queued_prefill_tokens=self.queued_prefill_tokens, kv_blocks_used=self.kv_blocks_used,
+            kv_blocks_free=self.kv_blocks_free, kv_blocks_total=self.kv_blocks_total,
+            predicted_remaining_decode_tokens=self.predicted_remaining_decode_tokens,
+            prefix_cache_hit_rate=self.prefix_cache_hit_rate, min_ttft_slack_s=self.min_ttft_slack_s,
+            block_size=self.block_size, kv_blocks_waiting=self.kv_blocks_waiting, prefix_index=self.prefix_index)

@@ -47,25 +47,15 @@ class KeySetIndex:
         return n
 
 
-@dataclass(frozen=True)
-class InstanceState:
+class _LoadMeasures:
+    """What routers derive from a state's fields; shared by the frozen and the live form."""
+
+    kv_blocks_used: int
+    kv_blocks_total: int
+    kv_blocks_waiting: int
     num_running: int
     num_waiting: int
-    queued_prefill_tokens: int  # prompt tokens not yet computed, running and waiting
-    kv_blocks_used: int
-    kv_blocks_free: int
-    kv_blocks_total: int
-    predicted_remaining_decode_tokens: int
-    prefix_cache_hit_rate: float
-    min_ttft_slack_s: float  # smallest (deadline - now) among waiting requests; inf when none
-    block_size: int = 16  # tokens per KV block, to turn token counts into blocks
-    # Blocks that waiting requests will need once admitted (their prompts, minus nothing: a
-    # prefix hit is only known at admission). Lets KV-aware routers see demand queued behind
-    # a step in flight, not only blocks already taken.
-    kv_blocks_waiting: int = 0
-    # The prefix cache as the router may query it; None when prefix caching is off or the
-    # instance does not publish it. In-process it is a live view, valid at routing time.
-    prefix_index: Optional[PrefixIndex] = None
+    prefix_index: Optional[PrefixIndex]
 
     @property
     def kv_usage(self) -> float:
@@ -85,3 +75,24 @@ class InstanceState:
     def prefix_match_blocks(self, keys: Sequence[int]) -> int:
         """Leading blocks of `keys` this instance holds (0 without a published index)."""
         return self.prefix_index.match(keys) if self.prefix_index is not None else 0
+
+
+@dataclass(frozen=True)
+class InstanceState(_LoadMeasures):
+    num_running: int
+    num_waiting: int
+    queued_prefill_tokens: int  # prompt tokens not yet computed, running and waiting
+    kv_blocks_used: int
+    kv_blocks_free: int
+    kv_blocks_total: int
+    predicted_remaining_decode_tokens: int
+    prefix_cache_hit_rate: float
+    min_ttft_slack_s: float  # smallest (deadline - now) among waiting requests; inf when none
+    block_size: int = 16  # tokens per KV block, to turn token counts into blocks
+    # Blocks that waiting requests will need once admitted (their prompts, minus nothing: a
+    # prefix hit is only known at admission). Lets KV-aware routers see demand queued behind
+    # a step in flight, not only blocks already taken.
+    kv_blocks_waiting: int = 0
+    # The prefix cache as the router may query it; None when prefix caching is off or the
+    # instance does not publish it. In-process it is a live view, valid at routing time.
+    prefix_index: Optional[PrefixIndex] = None

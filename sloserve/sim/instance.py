@@ -14,7 +14,7 @@ from typing import Optional
 from sloserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from sloserve.kv.manager import KVCacheManager
 from sloserve.sched.plan import StepPlan, StepResult
-from sloserve.sched.scheduler import Scheduler
+from sloserve.sched.scheduler import LiveInstanceState, Scheduler
 from sloserve.sched.state import InstanceState
 from sloserve.sim.cost import CostModel, StepShape
 from sloserve.types import Request
@@ -174,3 +174,8 @@ class SimInstance:
 
     def snapshot(self, now: float) -> InstanceState:
         return self.scheduler.snapshot(now)
+
+    def live_state(self, now: float) -> LiveInstanceState:
+        """What the router reads, computed as read; the decode run in progress is synced to
+        `now` only if a field that depends on it is read."""
+        return self.scheduler.live_state(now, lambda: self.sync(now))

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import Callable, Iterable, Iterator, Optional
 
 from sloserve.cluster.routers.base import Router
-from sloserve.sched.state import InstanceState
+from sloserve.sched.scheduler import LiveInstanceState
 from sloserve.sim.instance import SimInstance
 from sloserve.types import Request
 
@@ -145,7 +145,7 @@ class _LazyStates(Sequence):
     def __init__(self, instances: Sequence[SimInstance], now: float):
         self._instances = instances
         self._now = now
-        self._cache: dict[int, InstanceState] = {}
+        self._cache: dict[int, LiveInstanceState] = {}
 
     def __len__(self) -> int:
         return len(self._instances)
@@ -155,7 +155,5 @@ class _LazyStates(Sequence):
             return [self[j] for j in range(*i.indices(len(self)))]
         state = self._cache.get(i)
         if state is None:
-            instance = self._instances[i]
-            instance.sync(self._now)
-            state = self._cache[i] = instance.snapshot(self._now)
+            state = self._cache[i] = self._instances[i].live_state(self._now)
         return state

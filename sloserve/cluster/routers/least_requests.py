@@ -13,4 +13,4 @@ class LeastRequestsRouter(Router):
     name = "least-requests"
 
     def route(self, request: Request, states: Sequence[InstanceState]) -> int:
-        return min(range(len(states)), key=lambda i: (states[i].num_running + states[i].num_waiting, i))
+        return min(range(len(states)), key=lambda i: (states[i].num_requests, i))
