@@ -118,6 +118,21 @@ def test_slo_orders_by_slack_and_remaining_work():
     assert policy.remaining_work(b) - policy.remaining_work(a) == pytest.approx(1990 * (0.01 + 0.256) / 256)
 
 
+def test_slo_class_weight_discounts_remaining_work():
+    policy = SLOPolicy(work_weight=2.0)
+    policy.bind(LinearCost(0.01, 1e-3), max_chunk=256)
+    plain = QoSClass("plain", ttft_target_s=5.0, tbt_target_s=0.1)
+    heavy = QoSClass("heavy", ttft_target_s=5.0, tbt_target_s=0.1, weight=4.0)
+    a = make_request("a", 300, arrival=0.0, qos=plain)
+    b = make_request("b", 600, arrival=0.0, qos=heavy)
+    # Same deadline; b has twice the work, but weight 4 makes it count as half of a's.
+    assert policy.key(b, 1, 0.0) < policy.key(a, 0, 0.0)
+    work_a, work_b = policy.remaining_work(a), policy.remaining_work(b)
+    slack = lambda r: 5.0 - policy.min_prefill_time(r)  # noqa: E731
+    assert policy.key(a, 0, 0.0)[1] == pytest.approx(slack(a) + 2.0 * work_a)
+    assert policy.key(b, 1, 0.0)[1] == pytest.approx(slack(b) + 2.0 * work_b / 4.0)
+
+
 def test_slo_victim_is_the_loosest_running_request():
     est = LinearCost(0.001, 1e-5)
     sched = scheduler("slo", est, budget=512)

@@ -20,7 +20,8 @@ class SLOPolicy(SchedulingPolicy):
       remaining output at the marginal cost of a token). With w > 1 short jobs go first among
       requests due about together (SRPT), while a much earlier deadline still wins (EDF). Once
       tokens flow, the slack is to its TBT deadline. `now` is common to every key of one sort,
-      so the key leaves it out.
+      so the key leaves it out. The class's `weight` divides the work term: among requests due
+      about together, a class of weight 2 is served as if its jobs were half as long.
     - Relegation: a request whose TTFT deadline can no longer be met even if it ran alone from
       now on (now + least remaining prefill time > deadline) moves behind every request that
       can still make it, in arrival order. It is deprioritized, never dropped: it runs as soon
@@ -101,7 +102,8 @@ class SLOPolicy(SchedulingPolicy):
             score = deadline - need
         else:
             score = tbt_deadline(request)
-        return (0, score + self.work_weight * self.remaining_work(request), seq)
+        weight = request.qos.weight if request.qos.weight > 0 else 1.0
+        return (0, score + self.work_weight * self.remaining_work(request) / weight, seq)
 
     def may_preempt(self, candidate: Request, victim: Request, now: float) -> bool:
         return super().may_preempt(candidate, victim, now) and not self.is_relegated(candidate, now)
