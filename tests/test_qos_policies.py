@@ -265,6 +265,25 @@ def test_tbt_slack_is_the_earliest_next_token_deadline():
     assert tbt_slack([], 1.0) == math.inf
 
 
+def test_tbt_deadline_follows_the_pace_since_the_first_token():
+    from sloserve.sched.deadlines import TBT_BANK, TBT_PACE_HEADROOM, tbt_deadline
+
+    r = make_request("r", 5, max_tokens=100, qos=QoSClass("x", 1.0, 0.1))
+    assert tbt_deadline(r) == math.inf  # no token yet: the TTFT deadline applies
+    r.first_token_time = 10.0
+    r.output_token_ids = [1] * 5  # the 6th token is due at 10 + 5 x 0.1 (x headroom) by the pace
+    pace = 10.0 + 5 * 0.1 * TBT_PACE_HEADROOM
+    r.last_token_time = 10.2  # ahead of pace: the banked time extends this gap
+    assert tbt_deadline(r) == pytest.approx(pace) and pace > 10.3
+    r.last_token_time = pace - 0.05  # nearly on pace: still one full target from the last token
+    assert tbt_deadline(r) == pytest.approx(pace + 0.05)
+    r.last_token_time = 11.0  # behind pace: one target from the last token, never in the past
+    assert tbt_deadline(r) == pytest.approx(11.1)
+    r.output_token_ids = [1] * 50  # far ahead: the bank is capped
+    r.last_token_time = 10.5
+    assert tbt_deadline(r) == pytest.approx(10.5 + TBT_BANK * 0.1)
+
+
 # ---- classes preempt classes --------------------------------------------------------------
 @pytest.mark.parametrize("policy, preempts", [("fcfs", False), ("priority", False), ("edf", True), ("slo", True)])
 def test_higher_class_takes_a_seat_from_a_lower_one(policy, preempts):

@@ -15,12 +15,29 @@ def ttft_deadline(request: Request) -> float:
     return request.arrival_time + request.qos.ttft_target_s
 
 
+# How many TBT targets of time a request that runs ahead of its pace may bank, i.e. the
+# longest gap it accepts before one token when earlier tokens came early.
+TBT_BANK = 4.0
+# The pace runs this much faster than the target: a request paced exactly at its target ends
+# with a TPOT at the target, and a step's worth of estimation error then misses it.
+TBT_PACE_HEADROOM = 0.9
+
+
 def tbt_deadline(request: Request) -> float:
-    """When the next token is due once tokens flow: the last token + the class's TBT target."""
+    """When the next token is due once tokens flow.
+
+    The pace is the class's TBT target per token since the first (the k-th token after the
+    first is due at first + k * target, with TBT_PACE_HEADROOM): the TPOT the request is judged by, and it
+    lets a request that got its last tokens early absorb one longer step (a big prefill chunk)
+    instead of forcing every step to stay short. Two bounds keep the stream smooth: the banked
+    time is capped at TBT_BANK targets, and a request already behind its pace still gets one
+    target from its last token (never a deadline in the past)."""
     target = request.qos.tbt_target_s
-    if request.last_token_time is None or math.isinf(target):
+    if request.last_token_time is None or request.first_token_time is None or math.isinf(target):
         return math.inf
-    return request.last_token_time + target
+    last = request.last_token_time
+    paced = request.first_token_time + request.num_output_tokens * target * TBT_PACE_HEADROOM
+    return max(last + target, min(paced, last + TBT_BANK * target))
 
 
 def next_deadline(request: Request) -> float:
