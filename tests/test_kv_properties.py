@@ -11,6 +11,7 @@ import itertools
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, initialize, invariant, rule
 
+from kv_helpers import assert_cached_blocks_unchanged, assert_tables_read_back
 from sloserve.kv.manager import KVCacheManager
 from sloserve.types import Request, SamplingParams
 
@@ -108,18 +109,13 @@ class KVMachine(RuleBasedStateMachine):
 
     @invariant()
     def tables_read_back_tokens(self):
-        for req in getattr(self, "live", {}).values():
-            table = self.kv.block_table(req.request_id)
-            got = [self.content[table[p // BS]][p % BS] for p in range(req.num_computed_tokens)]
-            assert got == req.all_token_ids[: req.num_computed_tokens], req.request_id
+        if hasattr(self, "kv"):
+            assert_tables_read_back(self.kv, self.live.values(), self.content, BS)
 
     @invariant()
     def cached_blocks_never_change(self):
-        if not hasattr(self, "kv"):
-            return
-        for block in self.kv.pool.blocks:
-            if block.block_hash is not None:
-                assert tuple(self.content[block.block_id]) == self.hashed_content[block.block_hash]
+        if hasattr(self, "kv"):
+            assert_cached_blocks_unchanged(self.kv, self.content, self.hashed_content)
 
 
 TestKVMachine = KVMachine.TestCase

@@ -7,6 +7,7 @@ import random
 
 import pytest
 
+from kv_helpers import assert_cached_blocks_unchanged, assert_tables_read_back
 from sched_helpers import VOCAB, make_request, run_to_completion
 from sloserve.config import CacheConfig, SchedulerConfig
 from sloserve.kv.manager import KVCacheManager
@@ -363,18 +364,13 @@ class SwapMachine(RuleBasedStateMachine):
 
     @invariant()
     def resident_tables_read_back_tokens(self):
-        for req in getattr(self, "resident", {}).values():
-            table = self.kv.block_table(req.request_id)
-            got = [self.device[table[p // PBS]][p % PBS] for p in range(req.num_computed_tokens)]
-            assert got == req.all_token_ids[:req.num_computed_tokens], req.request_id
+        if hasattr(self, "kv"):
+            assert_tables_read_back(self.kv, self.resident.values(), self.device, PBS)
 
     @invariant()
     def cached_blocks_never_change(self):
-        if not hasattr(self, "kv"):
-            return
-        for block in self.kv.pool.blocks:
-            if block.block_hash is not None:
-                assert tuple(self.device[block.block_id]) == self.hashed[block.block_hash]
+        if hasattr(self, "kv"):
+            assert_cached_blocks_unchanged(self.kv, self.device, self.hashed)
 
 
 TestSwapMachine = SwapMachine.TestCase
