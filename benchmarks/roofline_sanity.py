@@ -4,9 +4,9 @@ For Llama-3.1-8B on one A100-80G / H100-80G (tp=1), the roofline model (`sloserv
 RooflineCostModel`, default `Efficiency`) prices exactly the single-request settings that a cited
 source measured:
 
-- decode: one request at the stated context, `StepShape.decode_only(1, ctx)`, against a published
+- decode: one request at the stated context, `StepLoad.decodes(1, ctx)`, against a published
   inter-token latency (or 1 / single-user tokens per second);
-- prefill: one request of n prompt tokens, `StepShape(n, 1, 0, 0, n(n+1)/2, n)`, against a published
+- prefill: one request of n prompt tokens, `StepLoad(n, 1, 0, 0, n(n+1)/2, n)`, against a published
   time to first token at concurrency 1.
 
 Every published number below was read from the source named beside it; a cell with no source says
@@ -24,7 +24,8 @@ from rich.console import Console
 from rich.table import Table
 
 from sloserve.sim.catalog import get_model
-from sloserve.sim.cost import Efficiency, RooflineCostModel, StepShape
+from sloserve.sched.costs import StepLoad
+from sloserve.sim.cost import Efficiency, RooflineCostModel
 from sloserve.sim.hardware import get_hardware
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -90,11 +91,11 @@ ROWS = [
 ]
 
 
-def shape(row: Row) -> StepShape:
+def shape(row: Row) -> StepLoad:
     if row.phase == "decode":
-        return StepShape.decode_only(1, row.tokens)
+        return StepLoad.decodes(1, row.tokens)
     n = row.tokens
-    return StepShape(n, 1, 0, 0, n * (n + 1) / 2, n)
+    return StepLoad(n, 1, 0, 0, n * (n + 1) / 2, n)
 
 
 def roofline_ms(row: Row, eff: Efficiency) -> float:
@@ -130,8 +131,8 @@ def markdown(results: list[dict], eff: Efficiency) -> str:
         "`Efficiency`: "
         f"compute {eff.compute}, attention {eff.attention}, memory {eff.memory}, "
         f"step overhead {eff.step_overhead_s * 1e3:g} ms) prices Llama-3.1-8B single-request steps at "
-        "exactly the settings a cited source measured: decode as `StepShape.decode_only(1, ctx)`, "
-        "prefill as `StepShape(n, 1, 0, 0, n(n+1)/2, n)`.", "",
+        "exactly the settings a cited source measured: decode as `StepLoad.decodes(1, ctx)`, "
+        "prefill as `StepLoad(n, 1, 0, 0, n(n+1)/2, n)`.", "",
         "| hardware | setting | roofline ms | published ms | roofline / published | source |",
         "|---|---|---:|---:|---:|---|",
     ]

@@ -9,8 +9,8 @@ import pytest
 from sloserve.cluster.routers import make_router
 from sloserve.config import SchedulerConfig
 from sloserve.sim.catalog import get_model
-from sloserve.sim.cost import (Profile, ProfiledCostModel, RooflineCostModel, StepShape, choose_knots, features,
-                               fit_nonnegative)
+from sloserve.sched.costs import StepLoad
+from sloserve.sim.cost import Profile, ProfiledCostModel, RooflineCostModel, choose_knots, features, fit_nonnegative
 from sloserve.sim.hardware import get_hardware
 from sloserve.sim.instance import SimInstance, kv_blocks_for
 from sloserve.sim.simulator import Simulator
@@ -69,12 +69,12 @@ def test_kv_pool_is_sized_from_device_memory():
 def test_roofline_is_memory_bound_at_decode_and_compute_bound_at_prefill():
     model, hw = get_model("llama-3.1-8b"), get_hardware("h100-80g")
     cost = RooflineCostModel(hw, model)
-    one = cost.step_time(StepShape.decode_only(1, 512))
-    many = cost.step_time(StepShape.decode_only(64, 64 * 512))
+    one = cost.step_time(StepLoad.decodes(1, 512))
+    many = cost.step_time(StepLoad.decodes(64, 64 * 512))
     assert many < 2.5 * one  # batching decodes is nearly free while weights dominate
-    prefill = cost.step_time(StepShape(4096, 1, 0, 0, 4096 * 2048.5, 4096))
+    prefill = cost.step_time(StepLoad(4096, 1, 0, 0, 4096 * 2048.5, 4096))
     assert prefill > 8 * one
-    tp2 = RooflineCostModel(hw, model, tp=2).step_time(StepShape(4096, 1, 0, 0, 4096 * 2048.5, 4096))
+    tp2 = RooflineCostModel(hw, model, tp=2).step_time(StepLoad(4096, 1, 0, 0, 4096 * 2048.5, 4096))
     assert 0.5 * prefill < tp2 < prefill
     moe = get_model("mixtral-8x7b")
     assert moe.num_active_params < moe.num_params / 3
@@ -90,7 +90,7 @@ def test_profile_fit_recovers_a_known_piecewise_linear_cost(tmp_path):
     for tokens in knots_truth:
         for _ in range(6):
             d = rng.randint(0, tokens)
-            shapes.append(StepShape(tokens, max(1, d), d, d * rng.randint(10, 900), rng.uniform(0, 1e5), 0))
+            shapes.append(StepLoad(tokens, max(1, d), d, d * rng.randint(10, 900), rng.uniform(0, 1e5), 0))
     knots = choose_knots([s.num_tokens for s in shapes])
     assert knots == [1, 8, 64, 512]
     truth = list(knots_truth.values()) + per_unit
@@ -100,7 +100,7 @@ def test_profile_fit_recovers_a_known_piecewise_linear_cost(tmp_path):
     model = ProfiledCostModel(Profile.load(tmp_path / "p.json"))
     for s, t in zip(shapes, times):
         assert model.step_time(s) == pytest.approx(t, rel=0.02)
-    between = StepShape(36, 1, 0, 0, 0.0, 0)  # halfway between the 8- and 64-token knots
+    between = StepLoad(36, 1, 0, 0, 0.0, 0)  # halfway between the 8- and 64-token knots
     assert model.step_time(between) == pytest.approx(0.175 + 1e-3, rel=0.02)
     (tmp_path / "bad.json").write_text("{}")
     with pytest.raises(ValueError):

@@ -7,7 +7,8 @@ import pytest
 from sloserve import LLM
 from sloserve.config import CacheConfig, SchedulerConfig
 from sloserve.engine.profiler import QUICK_GRID, profile_engine
-from sloserve.sim.cost import ProfiledCostModel, RooflineCostModel, StepShape
+from sloserve.sched.costs import StepLoad
+from sloserve.sim.cost import ProfiledCostModel, RooflineCostModel
 from sloserve.sim.hardware import get_hardware
 from sloserve.sim.instance import SimInstance
 from sloserve.sim.simulator import Simulator
@@ -56,7 +57,7 @@ def test_profile_of_the_real_engine_fits_its_step_times(llm):
     assert len(profile.samples) >= 20 and profile.fit_error is not None and profile.fit_error >= 0
     assert profile.knots == sorted(profile.knots) and len(profile.coefficients) == len(profile.knots) + 3
     model = ProfiledCostModel(profile)
-    small = model.step_time(StepShape.decode_only(1, 64))
-    big = model.step_time(StepShape(128 + 16, 17, 16, 16 * 256, 128 * 64.5, 128))
+    small = model.step_time(StepLoad.decodes(1, 64))
+    big = model.step_time(StepLoad(128 + 16, 17, 16, 16 * 256, 128 * 64.5, 128))
     assert 0 < small < big
     assert llm.engine.kv.pool.num_used == 0 and not llm.engine.has_unfinished_requests()

@@ -16,7 +16,7 @@ from sloserve.sched.plan import StepPlan, StepResult
 from sloserve.sched.preemption import choose_preemption
 from sloserve.sched.scheduler import Scheduler
 from sloserve.sim.catalog import get_model
-from sloserve.sim.cost import RooflineCostModel, StepShape
+from sloserve.sim.cost import RooflineCostModel
 from sloserve.sim.hardware import get_hardware
 from sloserve.types import Request, RequestStatus, SamplingParams
 
@@ -231,12 +231,12 @@ def test_roofline_prices_swaps_from_host_link_bandwidth():
     cost = RooflineCostModel(hw, model, block_size=16)
     block_bytes = 16 * model.kv_bytes_per_token(2)  # 2 MiB per 16-token block of Llama-3.1-8B
     assert cost.swap_time(100) == pytest.approx(100 * block_bytes / (hw.host_link_bandwidth * 0.8))
-    base = StepShape(64, 64, 64, 64 * 1000, 0.0, 0)
-    with_swap = StepShape(64, 64, 64, 64 * 1000, 0.0, 0, swap_blocks=100)
+    base = StepLoad(64, 64, 64, 64 * 1000, 0.0, 0)
+    with_swap = StepLoad(64, 64, 64, 64 * 1000, 0.0, 0, swap_blocks=100)
     assert cost.step_time(with_swap) == pytest.approx(cost.step_time(base) + cost.swap_time(100))
     assert RooflineCostModel(hw, model, tp=2).swap_time(100) == pytest.approx(cost.swap_time(100) / 2)
     # The cost model is also the scheduler's estimator.
-    assert cost.estimate(StepLoad.prefill(512)) == pytest.approx(cost.step_time(StepShape(512, 1, 0, 0, 512 * 256.5, 512)))
+    assert cost.estimate(StepLoad.prefill(512)) == pytest.approx(cost.step_time(StepLoad(512, 1, 0, 0, 512 * 256.5, 512)))
 
 
 def test_simulated_instance_swaps_and_counts_it():

@@ -19,7 +19,8 @@ from typing import Callable, Iterable, Optional
 from sloserve.engine.llm_engine import LLMEngine
 from sloserve.kv.manager import KVCacheManager
 from sloserve.sched.plan import ScheduledRequest, StepPlan
-from sloserve.sim.cost import Profile, StepShape, choose_knots, features, fit_nonnegative
+from sloserve.sched.costs import StepLoad
+from sloserve.sim.cost import Profile, choose_knots, features, fit_nonnegative
 from sloserve.types import Request, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -85,11 +86,11 @@ def profile_engine(engine: LLMEngine, grid: Iterable[tuple[int, int, int, int]] 
         for req in requests:
             kv.free(req)
             engine.runner.release(req.request_id)
-        shape = StepShape.from_plan(plan)
+        shape = StepLoad.of_plan(plan)
         samples.append({**asdict(shape), "seconds": statistics.median(times)})
         if on_point is not None:
             on_point(index + 1, len(points))
-    shapes = [StepShape(**{k: v for k, v in s.items() if k != "seconds"}) for s in samples]
+    shapes = [StepLoad(**{k: v for k, v in s.items() if k != "seconds"}) for s in samples]
     knots = choose_knots([sh.num_tokens for sh in shapes])
     rows = [features(sh, knots) for sh in shapes]
     targets = [s["seconds"] for s in samples]

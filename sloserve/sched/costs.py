@@ -16,14 +16,16 @@ from sloserve.sched.plan import StepPlan
 
 @dataclass(frozen=True)
 class StepLoad:
-    """The few numbers that decide a step's cost (mirrors the simulator's StepShape)."""
+    """The few numbers that decide a step's cost: what the scheduler's estimators price, what
+    the simulator's cost models price, what the engine's step trace records."""
 
     num_tokens: int = 0  # new tokens computed (prefill chunks + decodes)
     num_sampled: int = 0  # rows that go through the LM head
     num_decodes: int = 0
     decode_context: int = 0  # sum over decodes of the tokens each attends to
-    prefill_attention: float = 0.0  # sum over chunks of n * (start + (n + 1) / 2)
-    prefill_context: int = 0  # sum over chunks of start + n
+    prefill_attention: float = 0.0  # sum over chunks of n * (start + (n + 1) / 2): attended (query, key) pairs
+    prefill_context: int = 0  # sum over chunks of start + n: KV the chunks read
+    swap_blocks: int = 0  # KV blocks copied between device and host before the step (either way)
 
     @staticmethod
     def prefill(num_tokens: int, start: int = 0, samples: bool = True) -> "StepLoad":
@@ -37,11 +39,16 @@ class StepLoad:
     def decode(context_len: int) -> "StepLoad":
         return StepLoad(1, 1, 1, context_len, 0.0, 0)
 
+    @staticmethod
+    def decodes(num_decodes: int, decode_context: int) -> "StepLoad":
+        """A pure-decode step of `num_decodes` requests attending to `decode_context` tokens in all."""
+        return StepLoad(num_decodes, num_decodes, num_decodes, decode_context, 0.0, 0)
+
     def __add__(self, other: "StepLoad") -> "StepLoad":
         return StepLoad(self.num_tokens + other.num_tokens, self.num_sampled + other.num_sampled,
                         self.num_decodes + other.num_decodes, self.decode_context + other.decode_context,
                         self.prefill_attention + other.prefill_attention,
-                        self.prefill_context + other.prefill_context)
+                        self.prefill_context + other.prefill_context, self.swap_blocks + other.swap_blocks)
 
     @staticmethod
     def of_plan(plan: StepPlan) -> "StepLoad":
@@ -57,7 +64,7 @@ class StepLoad:
             else:
                 pattn += n * (s.start + (n + 1) / 2)
                 pctx += s.start + n
-        return StepLoad(tokens, sampled, decodes, dctx, pattn, pctx)
+        return StepLoad(tokens, sampled, decodes, dctx, pattn, pctx, len(plan.swap_out) + len(plan.swap_in))
 
 
 @runtime_checkable

@@ -1,6 +1,6 @@
 """Step-time models: how long would the real engine take to execute a StepPlan?
 
-Both models see a step only through its StepShape (the few numbers that decide its cost), so
+Both models see a step only through its StepLoad (the few numbers that decide its cost), so
 a simulated instance can also price steps it never materialises as plans (fast-forwarded
 decode runs).
 """
@@ -19,34 +19,13 @@ from sloserve.sched.plan import StepPlan
 from sloserve.sim.hardware import HardwareSpec
 
 
-@dataclass(frozen=True)
-class StepShape:
-    num_tokens: int  # new tokens computed (prefill chunks + decodes)
-    num_sampled: int  # rows that go through the LM head
-    num_decodes: int
-    decode_context: int  # sum over decodes of the tokens each attends to
-    prefill_attention: float  # sum over prefill chunks of n * (start + (n + 1) / 2): attended (query, key) pairs
-    prefill_context: int  # sum over prefill chunks of start + n: KV the chunks read
-    swap_blocks: int = 0  # KV blocks copied between device and host before the step (either way)
-
-    @staticmethod
-    def from_plan(plan: StepPlan) -> "StepShape":
-        load = StepLoad.of_plan(plan)  # the scheduler's own summary of the step's work
-        return StepShape(load.num_tokens, load.num_sampled, load.num_decodes, load.decode_context,
-                         load.prefill_attention, load.prefill_context, len(plan.swap_out) + len(plan.swap_in))
-
-    @staticmethod
-    def decode_only(num_decodes: int, decode_context: int) -> "StepShape":
-        return StepShape(num_decodes, num_decodes, num_decodes, decode_context, 0.0, 0)
-
-
 class CostModel(ABC):
     """Prices steps for the simulator, and is also what a simulated instance's scheduler gets
     as its step-cost and swap-cost estimator (`estimate`, `swap_time`): in simulation the
     scheduler's estimates are exact, as a well-profiled engine's would be."""
 
     @abstractmethod
-    def step_time(self, shape: StepShape) -> float:
+    def step_time(self, shape: StepLoad) -> float:
         """Seconds the step takes (swap copies included)."""
 
     def swap_time(self, num_blocks: int) -> float:
@@ -54,19 +33,18 @@ class CostModel(ABC):
         return 0.0
 
     def plan_time(self, plan: StepPlan) -> float:
-        return self.step_time(StepShape.from_plan(plan))
+        return self.step_time(StepLoad.of_plan(plan))
 
     def decode_run(self, num_decodes: int, context: int, steps: int) -> list[float]:
         """Durations of `steps` pure-decode steps of `num_decodes` requests whose computed
         tokens sum to `context` before the first; each step adds one token to each. Models
         override this with a closed form: it prices the simulator's fast-forwarded runs."""
         n = num_decodes
-        return [self.step_time(StepShape.decode_only(n, context + i * n)) for i in range(1, steps + 1)]
+        return [self.step_time(StepLoad.decodes(n, context + i * n)) for i in range(1, steps + 1)]
 
     def estimate(self, load: StepLoad) -> float:
         """The scheduler's StepCostEstimator interface."""
-        return self.step_time(StepShape(load.num_tokens, load.num_sampled, load.num_decodes, load.decode_context,
-                                        load.prefill_attention, load.prefill_context))
+        return self.step_time(load)
 
 
 @dataclass(frozen=True)
@@ -148,7 +126,7 @@ class RooflineCostModel(CostModel):
             t_comm = 2 * m.num_layers * per
         return t_linear, t_comm
 
-    def step_time(self, shape: StepShape) -> float:
+    def step_time(self, shape: StepLoad) -> float:
         if shape.num_tokens == 0:
             return self.swap_time(shape.swap_blocks)
         t_linear, t_comm = self._linear_and_comm(shape.num_tokens, shape.num_sampled)
@@ -174,7 +152,7 @@ def choose_knots(token_counts: list[int], spacing: float = 1.25) -> list[int]:
     return knots
 
 
-def features(shape: StepShape, knots: list[int]) -> list[float]:
+def features(shape: StepLoad, knots: list[int]) -> list[float]:
     """Hat-function weights of the token count over `knots` (linear interpolation, linear
     extrapolation past the ends), then the attention and LM-head terms."""
     t = shape.num_tokens
@@ -236,7 +214,7 @@ class ProfiledCostModel(CostModel):
     def swap_time(self, num_blocks: int) -> float:
         return num_blocks * self.swap_s_per_block
 
-    def step_time(self, shape: StepShape) -> float:
+    def step_time(self, shape: StepLoad) -> float:
         if shape.num_tokens == 0:
             return self.swap_time(shape.swap_blocks)
         t = sum(c * f for c, f in zip(self.coefficients, features(shape, self.knots)))

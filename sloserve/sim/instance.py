@@ -16,7 +16,7 @@ from sloserve.kv.manager import KVCacheManager
 from sloserve.sched.plan import StepPlan, StepResult
 from sloserve.sched.scheduler import LiveInstanceState, Scheduler
 from sloserve.sched.state import InstanceState
-from sloserve.sim.cost import CostModel, StepShape
+from sloserve.sim.cost import CostModel
 from sloserve.types import Request
 
 logger = logging.getLogger(__name__)
