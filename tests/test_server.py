@@ -154,6 +154,15 @@ def test_logprobs_formats(client, model_name, llm):
     assert tokens == [t.token for t in content]
 
 
+def test_streamed_completion_logprobs_carry_offsets_across_chunks(client, model_name):
+    chunks = list(client.completions.create(model=model_name, prompt=PROMPTS[0], max_tokens=6, temperature=0,
+                                            logprobs=1, stream=True, extra_body={"ignore_eos": True}))
+    tokens = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    offsets = [o for c in chunks if c.choices and c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset]
+    assert len(tokens) == len(offsets) == 6
+    assert offsets == [sum(len(t) for t in tokens[:i]) for i in range(6)]
+
+
 def test_tokenize_and_detokenize(http, llm):
     ids = http.post("/tokenize", json={"prompt": "Hello world"}).json()["tokens"]
     assert ids == llm.tokenizer.encode("Hello world")

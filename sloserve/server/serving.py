@@ -105,7 +105,8 @@ class OpenAIServing:
         choices = self._choices(ctx, prompt_ids, params, body.num_choices)
         streams = self._submit(ctx, choices)
         if body.stream:
-            return self._sse(self._completion_events(ctx, choices, streams, body.include_usage), ctx, streams)
+            fmt = _CompletionStream(self.strings, len(choices))
+            return self._sse(self._events(ctx, choices, streams, body.include_usage, fmt), ctx, streams)
         finals = await self._collect(request, ctx, streams)
         out = []
         for c, final in zip(choices, finals):
@@ -128,7 +129,8 @@ class OpenAIServing:
         choices = self._choices(ctx, [ids], params, body.num_choices)
         streams = self._submit(ctx, choices)
         if body.stream:
-            return self._sse(self._chat_events(ctx, choices, streams, body.include_usage), ctx, streams)
+            fmt = _ChatStream(self.strings)
+            return self._sse(self._events(ctx, choices, streams, body.include_usage, fmt), ctx, streams)
         finals = await self._collect(request, ctx, streams)
         out = []
         for c, final in zip(choices, finals):
@@ -299,35 +301,34 @@ class OpenAIServing:
         return SSEResponse(events, cleanup, headers={"Cache-Control": "no-cache", "X-Request-Id": ctx.request_id,
                                                      "X-Accel-Buffering": "no"})
 
-    async def _completion_events(self, ctx: CallContext, choices: list[Choice], streams: list["TrackedStream"],
-                                 include_usage: bool) -> AsyncIterator[str]:
+    async def _events(self, ctx: CallContext, choices: list[Choice], streams: list["TrackedStream"],
+                      include_usage: bool, fmt: "_CompletionStream | _ChatStream") -> AsyncIterator[str]:
+        """The SSE events of one call: a chunk per generated token of any choice (its text may be
+        empty), then the usage chunk when asked for, then [DONE]; `fmt` shapes the chunks."""
         finals: dict[int, RequestOutput] = {}
-        offsets = [0] * len(choices)
         sent_lp = [0] * len(choices)
 
-        def chunk(choice_list: list[CompletionChoice], usage: Optional[Usage] = None) -> str:
-            c = CompletionChunk(id=ctx.request_id, object="text_completion", created=ctx.created, model=ctx.model,
-                                choices=choice_list)
+        def chunk(choice_list: list, usage: Optional[Usage] = None) -> str:
+            c = fmt.chunk(ctx, choice_list)
             if include_usage:
                 c.usage = usage
             return _event(c.model_dump_json(exclude_unset=True))
 
+        for opening in fmt.opening(choices):
+            yield chunk(opening)
         try:
             async with contextlib.aclosing(_merge(streams)) as merged:
                 async for i, out in merged:
                     c = choices[i]
                     lp = None
                     if c.params.logprobs is not None and out.logprobs is not None and len(out.logprobs) > sent_lp[i]:
-                        lp = completion_logprobs(out.logprobs[sent_lp[i]:], self.strings, offsets[i])
+                        lp = fmt.logprobs(i, out.logprobs[sent_lp[i]:])
                         sent_lp[i] = len(out.logprobs)
-                        offsets[i] += sum(len(t) for t in lp.tokens)
                     if not out.delta_token_ids and not out.finished and lp is None:
                         continue  # a chunk per new token, even one whose text is held back (as vLLM)
                     if out.finished:
                         finals[i] = out
-                    yield chunk([CompletionChoice(index=c.index, text=out.delta_text, logprobs=lp,
-                                                  finish_reason=out.finish_reason if out.finished else None,
-                                                  stop_reason=out.stop_reason if out.finished else None)])
+                    yield chunk([fmt.choice(c, out, lp)])
         except EngineDeadError as exc:
             yield _stream_error(ctx, exc)
         else:
@@ -335,43 +336,53 @@ class OpenAIServing:
                 yield chunk([], _usage(choices, [finals[i] for i in range(len(choices))]))
         yield _event("[DONE]")
 
-    async def _chat_events(self, ctx: CallContext, choices: list[Choice], streams: list["TrackedStream"],
-                           include_usage: bool) -> AsyncIterator[str]:
-        finals: dict[int, RequestOutput] = {}
-        sent_lp = [0] * len(choices)
 
-        def chunk(choice_list: list[ChatChunkChoice], usage: Optional[Usage] = None) -> str:
-            c = ChatCompletionChunk(id=ctx.request_id, object="chat.completion.chunk", created=ctx.created,
-                                    model=ctx.model, choices=choice_list)
-            if include_usage:
-                c.usage = usage
-            return _event(c.model_dump_json(exclude_unset=True))
+class _CompletionStream:
+    """Chunks of /v1/completions: `text` deltas; logprobs carry text offsets across chunks."""
 
-        for c in choices:  # the role first, as OpenAI does, before any token exists
-            yield chunk([ChatChunkChoice(index=c.index, delta=DeltaMessage(role="assistant", content=""),
-                                         logprobs=None, finish_reason=None)])
-        try:
-            async with contextlib.aclosing(_merge(streams)) as merged:
-                async for i, out in merged:
-                    c = choices[i]
-                    lp = None
-                    if c.params.logprobs is not None and out.logprobs is not None and len(out.logprobs) > sent_lp[i]:
-                        lp = chat_logprobs(out.logprobs[sent_lp[i]:], self.strings)
-                        sent_lp[i] = len(out.logprobs)
-                    if not out.delta_token_ids and not out.finished and lp is None:
-                        continue  # a chunk per new token, even one whose text is held back (as vLLM)
-                    if out.finished:
-                        finals[i] = out
-                    delta = DeltaMessage(content=out.delta_text)
-                    yield chunk([ChatChunkChoice(index=c.index, delta=delta, logprobs=lp,
-                                                 finish_reason=out.finish_reason if out.finished else None,
-                                                 stop_reason=out.stop_reason if out.finished else None)])
-        except EngineDeadError as exc:
-            yield _stream_error(ctx, exc)
-        else:
-            if include_usage and len(finals) == len(choices):
-                yield chunk([], _usage(choices, [finals[i] for i in range(len(choices))]))
-        yield _event("[DONE]")
+    def __init__(self, strings: TokenStrings, num_choices: int) -> None:
+        self.strings = strings
+        self.offsets = [0] * num_choices
+
+    def chunk(self, ctx: CallContext, choices: list) -> CompletionChunk:
+        return CompletionChunk(id=ctx.request_id, object="text_completion", created=ctx.created, model=ctx.model,
+                               choices=choices)
+
+    def opening(self, choices: list[Choice]) -> list[list]:
+        return []
+
+    def logprobs(self, i: int, new):
+        lp = completion_logprobs(new, self.strings, self.offsets[i])
+        self.offsets[i] += sum(len(t) for t in lp.tokens)
+        return lp
+
+    def choice(self, c: Choice, out: RequestOutput, lp) -> CompletionChoice:
+        return CompletionChoice(index=c.index, text=out.delta_text, logprobs=lp,
+                                finish_reason=out.finish_reason if out.finished else None,
+                                stop_reason=out.stop_reason if out.finished else None)
+
+
+class _ChatStream:
+    """Chunks of /v1/chat/completions: the role first (as OpenAI, before any token), then content deltas."""
+
+    def __init__(self, strings: TokenStrings) -> None:
+        self.strings = strings
+
+    def chunk(self, ctx: CallContext, choices: list) -> ChatCompletionChunk:
+        return ChatCompletionChunk(id=ctx.request_id, object="chat.completion.chunk", created=ctx.created,
+                                   model=ctx.model, choices=choices)
+
+    def opening(self, choices: list[Choice]) -> list[list]:
+        return [[ChatChunkChoice(index=c.index, delta=DeltaMessage(role="assistant", content=""), logprobs=None,
+                                 finish_reason=None)] for c in choices]
+
+    def logprobs(self, i: int, new):
+        return chat_logprobs(new, self.strings)
+
+    def choice(self, c: Choice, out: RequestOutput, lp) -> ChatChunkChoice:
+        return ChatChunkChoice(index=c.index, delta=DeltaMessage(content=out.delta_text), logprobs=lp,
+                               finish_reason=out.finish_reason if out.finished else None,
+                               stop_reason=out.stop_reason if out.finished else None)
 
 
 class TrackedStream:
