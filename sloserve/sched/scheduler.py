@@ -71,6 +71,25 @@ class _StepBuild:
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
 
+    def take(self, item: ScheduledRequest, ops: list[CopyOp], is_prefill: bool) -> None:
+        """Plan `item` with its copy-on-write ops, charging the budget (and the prefill cap)."""
+        rid = item.request.request_id
+        self.planned[rid] = item
+        self.copies[rid] = ops
+        self.budget -= item.num_new_tokens
+        if is_prefill:
+            self.prefill_left -= item.num_new_tokens
+            self.prefill_ids.add(rid)
+
+    def give_back(self, request_id: str) -> None:
+        """Undo `take` for a request preempted later in the same step."""
+        self.copies.pop(request_id, None)
+        item = self.planned.pop(request_id, None)
+        if item is not None:
+            self.budget += item.num_new_tokens
+            if request_id in self.prefill_ids:
+                self.prefill_left += item.num_new_tokens
+
 
 class Scheduler:
     def __init__(
@@ -243,12 +262,7 @@ class Scheduler:
             self._preempt(victim, step)
             if victim is request:
                 return
-        step.planned[request.request_id] = self._scheduled(request, n)
-        step.copies[request.request_id] = ops
-        step.budget -= n
-        if pending > 1:
-            step.prefill_left -= n
-            step.prefill_ids.add(request.request_id)
+        step.take(self._scheduled(request, n), ops, is_prefill=pending > 1)
 
     def _admit(self, request: Request, step: _StepBuild) -> bool:
         """Admit a waiting (or swapped-out) request with its first chunk. When it finds no seat
@@ -302,12 +316,7 @@ class Scheduler:
         if request.first_scheduled_time is None:
             request.first_scheduled_time = step.now
         self._insert_sorted(self.running, request, step.now)
-        step.planned[request.request_id] = self._scheduled(request, n)
-        step.copies[request.request_id] = ops
-        step.budget -= n
-        if remaining > 1:
-            step.prefill_left -= n
-            step.prefill_ids.add(request.request_id)
+        step.take(self._scheduled(request, n), ops, is_prefill=remaining > 1)
         return True
 
     def _prefill_cap(self, step: _StepBuild, prefills: list[Request]) -> int:
@@ -488,12 +497,7 @@ class Scheduler:
                      victim.num_tokens)
         self._enqueue_waiting(victim, step.now)
         step.preempted.append(rid)
-        step.copies.pop(rid, None)
-        item = step.planned.pop(rid, None)
-        if item is not None:
-            step.budget += item.num_new_tokens
-            if rid in step.prefill_ids:
-                step.prefill_left += item.num_new_tokens
+        step.give_back(rid)
 
     def _stop_reason(self, request: Request, token: int) -> Optional[FinishReason]:
         params = request.sampling_params
@@ -616,8 +620,8 @@ class LiveInstanceState(_LoadMeasures):
         return total
 
     @property
-    def prefix_cache_hit_rate(self) -> float:
-        return self._current().kv.stats.hit_rate
+    def prefix_cache_hit_rate(self) -> float:  # counted at admissions, which a decode run has none of
+        return self._s.kv.stats.hit_rate
 
     @functools.cached_property
     def min_ttft_slack_s(self) -> float:

@@ -139,8 +139,8 @@ class Simulator:
 
 
 class _LazyStates(Sequence):
-    """Instance snapshots taken only when the router looks: round-robin looks at none, and a
-    fleet of 64 instances need not be brought up to date 64 times for every arrival."""
+    """Instance states made only when the router looks (round-robin looks at none), each
+    computing only the fields the router reads."""
 
     def __init__(self, instances: Sequence[SimInstance], now: float):
         self._instances = instances
