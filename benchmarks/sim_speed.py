@@ -11,6 +11,7 @@ Both run the real scheduler and KV manager per instance; fast-forwarded decode r
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import time
 from datetime import datetime, timezone
@@ -31,6 +32,7 @@ def run_case(name: str, spec: WorkloadSpec, fleet: FleetConfig, progress: Progre
     t0 = time.perf_counter()
     stream = build_stream(spec)
     build_s = time.perf_counter() - t0
+    gc.freeze()  # as `sloserve simulate` does: the workload is only read from here on
     task = progress.add_task(name, total=len(stream), sim_time=0.0)
     sim = build_fleet(fleet)
     t1 = time.perf_counter()

@@ -108,13 +108,17 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
-@dataclass
+@dataclass(slots=True)
 class Request:
     """One generation request as the schedulers see it.
 
     `num_computed_tokens` counts tokens whose KV is in the cache; the next step computes
     from there. After a preemption by recompute it drops to zero and the request recomputes
     its prompt *and* its output so far (all_token_ids), so greedy output is unchanged.
+
+    The prompt is fixed once the request is made: its length is counted once, because the
+    schedulers read it for every request in every step (and a simulated prompt is a lazy
+    sequence whose len() is a Python call).
     """
 
     request_id: str
@@ -136,8 +140,10 @@ class Request:
     first_token_time: Optional[float] = None
     last_token_time: Optional[float] = None
     finished_time: Optional[float] = None
+    num_prompt_tokens: int = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
+        self.num_prompt_tokens = len(self.prompt_token_ids)
         if self.max_output_tokens is None:
             self.max_output_tokens = self.sampling_params.max_tokens
 
@@ -146,16 +152,12 @@ class Request:
         return self.qos.priority if self.priority is None else self.priority
 
     @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
-
-    @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return self.num_prompt_tokens + len(self.output_token_ids)
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -163,7 +165,7 @@ class Request:
 
     def token_slice(self, start: int, end: int) -> list[int]:
         """Token ids in [start, end) of prompt + output, without building the whole list."""
-        p = len(self.prompt_token_ids)
+        p = self.num_prompt_tokens
         if end <= p:
             return self.prompt_token_ids[start:end]
         if start >= p:

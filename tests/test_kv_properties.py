@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import itertools
 
-from hypothesis import settings, strategies as st
+from hypothesis import given, settings, strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, initialize, invariant, rule
 
 from kv_helpers import assert_cached_blocks_unchanged, assert_tables_read_back
+from sloserve.kv.hashing import hash_block, hash_full_blocks
 from sloserve.kv.manager import KVCacheManager
 from sloserve.types import Request, SamplingParams
 
@@ -120,3 +121,19 @@ class KVMachine(RuleBasedStateMachine):
 
 TestKVMachine = KVMachine.TestCase
 TestKVMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+@given(tokens=st.lists(st.integers(0, (1 << 62) - 1), max_size=40), block_size=st.integers(1, 8),
+       salt=st.sampled_from(["", "tenant-a"]), split=st.integers(0, 5))
+def test_bulk_block_keys_equal_chained_keys(tokens: list[int], block_size: int, salt: str, split: int) -> None:
+    """hash_full_blocks packs the tokens once; its keys must be exactly hash_block's chain, also
+    when resumed from a parent (the KV manager hashes a request's new blocks as they fill)."""
+    chained, parent = [], None
+    for b in range(len(tokens) // block_size):
+        parent = hash_block(parent, tokens[b * block_size:(b + 1) * block_size], salt)
+        chained.append(parent)
+    assert hash_full_blocks(tokens, block_size, salt) == chained
+    head = hash_full_blocks(tokens[:split * block_size], block_size, salt)
+    rest = hash_full_blocks(tokens[split * block_size:], block_size, salt, head[-1] if head else None)
+    assert head + rest == chained
+    assert len(set(chained)) == len(chained)  # chaining makes every prefix's key distinct

@@ -5,7 +5,7 @@ import pytest
 
 from sched_helpers import EOS, ContextHashExecutor, make_request, make_scheduler, run_to_completion
 from sloserve.sched.plan import StepResult
-from sloserve.types import FinishReason, QoSClass, RequestStatus
+from sloserve.types import FinishReason, QoSClass, Request, RequestStatus, SamplingParams
 
 
 def test_continuous_batching_finishes_everything_within_budget():
@@ -96,8 +96,7 @@ def test_prefix_cache_hit_skips_computed_blocks():
     first = make_request("a", 70, max_tokens=3)
     sched.add_request(first)
     run_to_completion(sched)
-    second = make_request("a2", 70, max_tokens=3)
-    second.prompt_token_ids = list(first.prompt_token_ids)
+    second = Request("a2", list(first.prompt_token_ids), SamplingParams(max_tokens=3, temperature=0.0))
     sched.add_request(second)
     plan = sched.schedule(1.0)
     assert plan.scheduled[0].start == 64  # four full 16-token blocks reused

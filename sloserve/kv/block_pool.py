@@ -15,7 +15,7 @@ from typing import Iterable, Optional
 from sloserve.kv.hashing import BlockHash
 
 
-@dataclass
+@dataclass(slots=True)
 class Block:
     block_id: int
     ref_count: int = 0
@@ -57,7 +57,8 @@ class BlockPool:
         for _ in range(n):
             block_id, _ = self.free_queue.popitem(last=False)
             block = self.blocks[block_id]
-            self._uncache(block)
+            if block.block_hash is not None:
+                self._uncache(block)
             block.ref_count = 1
             out.append(block)
         return out

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from sloserve.kv.block_pool import Block, BlockPool
-from sloserve.kv.hashing import BlockHash, hash_block
+from sloserve.kv.hashing import BlockHash, hash_full_blocks
 from sloserve.kv.host_pool import HostBlockPool
 from sloserve.types import Request
 
@@ -91,12 +91,11 @@ class KVCacheManager:
         """Keys of every full block of the request's tokens, computed incrementally."""
         hashes = self._hashes.setdefault(request.request_id, [])
         n_full = request.num_tokens // self.block_size
-        if len(hashes) < n_full:
-            parent = hashes[-1] if hashes else None
+        done = len(hashes)
+        if done < n_full:
             bs = self.block_size
-            for b in range(len(hashes), n_full):
-                parent = hash_block(parent, request.token_slice(b * bs, (b + 1) * bs), request.tenant)
-                hashes.append(parent)
+            hashes.extend(hash_full_blocks(request.token_slice(done * bs, n_full * bs), bs, request.tenant,
+                                           hashes[-1] if hashes else None))
         return hashes
 
     # ---- allocation ----------------------------------------------------------------
@@ -141,10 +140,11 @@ class KVCacheManager:
         if table is None:
             table = []
         elif not computed_blocks and num_new_tokens > 0:
-            # Fast path of every decode step: the new tokens fit in blocks it already owns.
-            end = request.num_computed_tokens + num_new_tokens
-            if end <= len(table) * self.block_size and not self._needs_copy_on_write(
-                    table, request.num_computed_tokens, num_new_tokens):
+            # Fast path of every decode step: the new tokens fit in blocks it already owns,
+            # and the block written first is not a shared, partly filled one.
+            start, bs = request.num_computed_tokens, self.block_size
+            if start + num_new_tokens <= len(table) * bs and (
+                    start % bs == 0 or start // bs != len(table) - 1 or table[-1].ref_count <= 1):
                 return []
         num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
         needed_total = self.blocks_needed(num_computed + num_new_tokens)

@@ -13,7 +13,7 @@ from sloserve.kv.manager import CopyOp
 from sloserve.types import Request
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledRequest:
     request: Request
     start: int  # tokens already in the KV cache: this step computes [start, start + num_new_tokens)

@@ -182,8 +182,11 @@ class Scheduler:
             self._resort(now)
 
         # 1) running decodes first (one token each), then what is left goes to prefills.
-        decodes = [r for r in self.running if self._pending(r) == 1]
-        prefills = [r for r in self.running if self._pending(r) > 1]
+        decodes: list[Request] = []
+        prefills: list[Request] = []
+        for r in self.running:
+            (decodes if r.num_prompt_tokens + len(r.output_token_ids) - r.num_computed_tokens == 1
+             else prefills).append(r)
         for request in decodes:
             if step.budget <= 0:
                 break
@@ -248,10 +251,11 @@ class Scheduler:
     def _plan_running(self, request: Request, step: _StepBuild) -> None:
         """Plan the next chunk (or decode token) of a running request, preempting the
         lowest-ranked running requests while its blocks do not fit."""
-        pending = self._pending(request)
-        n = min(pending, step.budget, self._chunk_cap())
-        if pending > 1:
-            n = int(min(n, step.prefill_left))
+        pending = request.num_tokens - request.num_computed_tokens
+        if pending == 1:  # a decode: the common case, planned for every running request every step
+            n = 1 if step.budget > 0 else 0
+        else:
+            n = int(min(pending, step.budget, self._chunk_cap(), step.prefill_left))
         if n <= 0:
             return
         while True:
@@ -262,7 +266,7 @@ class Scheduler:
             self._preempt(victim, step)
             if victim is request:
                 return
-        step.take(self._scheduled(request, n), ops, is_prefill=pending > 1)
+        step.take(self._scheduled(request, n, samples=n == pending), ops, is_prefill=pending > 1)
 
     def _admit(self, request: Request, step: _StepBuild) -> bool:
         """Admit a waiting (or swapped-out) request with its first chunk. When it finds no seat
@@ -316,7 +320,8 @@ class Scheduler:
         if request.first_scheduled_time is None:
             request.first_scheduled_time = step.now
         self._insert_sorted(self.running, request, step.now)
-        step.take(self._scheduled(request, n), ops, is_prefill=remaining > 1)
+        step.take(self._scheduled(request, n, samples=num_cached + n == request.num_tokens), ops,
+                  is_prefill=remaining > 1)
         return True
 
     def _prefill_cap(self, step: _StepBuild, prefills: list[Request]) -> int:
@@ -339,10 +344,11 @@ class Scheduler:
         """
         produced: list[Request] = []
         bs = self.kv.block_size
+        requests = self.requests
         for item in plan.scheduled:
             request = item.request
-            if request.is_finished or self.requests.get(request.request_id) is not request:
-                continue  # aborted while the step ran
+            if requests.get(request.request_id) is not request:
+                continue  # aborted (or ended by a stop string) while the step ran
             request.num_computed_tokens = end = item.start + item.num_new_tokens
             if end // bs > item.start // bs:  # a block filled up: register it
                 self.kv.cache_blocks(request)
@@ -381,14 +387,17 @@ class Scheduler:
             if any(w.effective_priority < lowest for w in self.waiting):
                 return 0  # a higher class waiting might take a lower one's seat at any step
         k = max_steps
+        tables = []  # (computed tokens, blocks held) of each running request
+        num_blocks_of = self.kv.num_blocks_of
         for r in running:
-            if r.num_tokens - r.num_computed_tokens != 1 or r.sampling_params.stop_token_ids:
+            num_output = len(r.output_token_ids)
+            if r.num_prompt_tokens + num_output - r.num_computed_tokens != 1 or r.sampling_params.stop_token_ids:
                 return 0
-            k = min(k, r.max_output_tokens - r.num_output_tokens)
+            k = min(k, r.max_output_tokens - num_output)
+            tables.append((r.num_computed_tokens, num_blocks_of(r.request_id)))
         if k < 1:
             return 0
         bs, free = self.kv.block_size, self.kv.num_free_blocks
-        tables = [(r.num_computed_tokens, self.kv.num_blocks_of(r.request_id)) for r in running]
 
         def blocks_needed(steps: int) -> int:
             return sum(max(0, -(-(c + steps) // bs) - have) for c, have in tables)
@@ -410,18 +419,19 @@ class Scheduler:
             return []
         finished = []
         kv, bs = self.kv, self.kv.block_size
+        tokens = [token] * num_steps
         for request in list(self.running):
             before = request.num_computed_tokens
             if kv.allocate_slots(request, num_steps) is None:
                 raise RuntimeError("decode run outgrew the KV pool; decode_run_length was not respected")
             request.num_computed_tokens = before + num_steps
-            request.output_token_ids.extend([token] * num_steps)
+            request.output_token_ids.extend(tokens)
             if (before + num_steps) // bs > before // bs:  # a block filled up: register it
                 kv.cache_blocks(request)
             if request.first_token_time is None:
                 request.first_token_time = first_end
             request.last_token_time = end_time
-            if request.num_output_tokens >= request.max_output_tokens:
+            if len(request.output_token_ids) >= request.max_output_tokens:
                 self._finish(request, FinishReason.LENGTH, end_time)
                 finished.append(request)
         n = len(self.running) + len(finished)
@@ -449,22 +459,14 @@ class Scheduler:
         return LiveInstanceState(self, now, catch_up)
 
     # ---- internals ----------------------------------------------------------------
-    @staticmethod
-    def _pending(request: Request) -> int:
-        return request.num_tokens - request.num_computed_tokens
-
     def _chunk_cap(self) -> int:
         cap = self.config.long_prefill_token_threshold
         return cap if cap > 0 else self.config.max_num_batched_tokens
 
-    def _scheduled(self, request: Request, n: int) -> ScheduledRequest:
-        return ScheduledRequest(
-            request=request,
-            start=request.num_computed_tokens,
-            num_new_tokens=n,
-            block_table=self.kv.block_table(request.request_id),
-            samples=request.num_computed_tokens + n == request.num_tokens,
-        )
+    def _scheduled(self, request: Request, n: int, samples: bool) -> ScheduledRequest:
+        """`samples`: the step computes the request's last pending token, so it samples one."""
+        return ScheduledRequest(request, request.num_computed_tokens, n, self.kv.block_table(request.request_id),
+                                samples)
 
     def _pick_victim(self) -> Request:
         return self.running[-1]  # the lowest-ranked running request
@@ -501,14 +503,15 @@ class Scheduler:
 
     def _stop_reason(self, request: Request, token: int) -> Optional[FinishReason]:
         params = request.sampling_params
-        if request.num_output_tokens >= params.min_tokens:
+        num_output = len(request.output_token_ids)
+        if num_output >= params.min_tokens:
             if token in params.stop_token_ids:
                 return FinishReason.STOP
             if not params.ignore_eos and token in self.eos_token_ids:
                 return FinishReason.STOP
-        if request.max_output_tokens is not None and request.num_output_tokens >= request.max_output_tokens:
+        if request.max_output_tokens is not None and num_output >= request.max_output_tokens:
             return FinishReason.LENGTH
-        if request.num_tokens >= self.max_model_len:
+        if request.num_prompt_tokens + num_output >= self.max_model_len:
             return FinishReason.LENGTH
         return None
 

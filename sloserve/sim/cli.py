@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -94,6 +95,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         for rate in rates:
             run_spec = spec if rate is None else replace(spec, rate=rate, replay=False)
             stream = build_stream(run_spec)
+            gc.freeze()  # the workload is only read from here on: spare the collector re-walking it
             desc = f"rate {fmt_rate(rate)}" if rate is not None else ("replay" if run_spec.replay else "burst")
             task = progress.add_task(desc, total=len(stream), sim_time=0.0)
             predictions = make_predictions(fleet)

@@ -7,6 +7,7 @@ what the trace says happened.
 from __future__ import annotations
 
 import bisect
+import functools
 import logging
 from dataclasses import dataclass, field
 from typing import Optional
@@ -55,6 +56,7 @@ class DecodeRun:
 
     ends: list[float]  # end time of each step
     applied: int = 0  # steps already applied to the scheduler
+    reserved: bool = False  # the blocks of the step in flight are allocated (done only for a reader)
 
     @property
     def end(self) -> float:
@@ -125,14 +127,12 @@ class SimInstance:
             t += duration
             ends.append(t)
         self.busy_time += t - now
-        self.scheduler.reserve_decode_step()
         self.run = DecodeRun(ends)
         self.busy_until = t
         return t
 
     def sync(self, now: float) -> None:
-        """Apply the run's steps that ended before `now`, so a snapshot sees what stepping
-        one at a time would show: completed steps applied, the step in flight reserved."""
+        """Apply the run's steps that ended before `now`."""
         run = self.run
         if run is None:
             return
@@ -141,7 +141,18 @@ class SimInstance:
             self.scheduler.advance_decodes(done - run.applied, run.ends[run.applied], run.ends[done - 1],
                                            PLACEHOLDER_TOKEN)
             run.applied = done
+            run.reserved = False
+
+    def catch_up(self, now: float) -> None:
+        """Make the scheduler show what stepping one at a time would at `now`: completed steps
+        applied, the blocks of the step in flight allocated (as schedule() does at its start).
+        Only a reader of the state needs the allocation, so only a reader pays for it; it
+        happens before any other allocation of this instance either way."""
+        self.sync(now)
+        run = self.run
+        if run is not None and not run.reserved:
             self.scheduler.reserve_decode_step()
+            run.reserved = True
 
     def interrupt(self, now: float) -> Optional[float]:
         """Something may change the schedule at `now`: end the run with the step in flight.
@@ -168,14 +179,14 @@ class SimInstance:
         plan, self.current, self.busy_until = self.current, None, None
         if plan is None:
             return []
-        tokens = {s.request_id: PLACEHOLDER_TOKEN for s in plan.scheduled if s.samples}
+        tokens = {s.request.request_id: PLACEHOLDER_TOKEN for s in plan.scheduled if s.samples}
         produced = self.scheduler.update(plan, StepResult(tokens), now)
         return [r for r in produced if r.is_finished]
 
     def snapshot(self, now: float) -> InstanceState:
-        return self.scheduler.snapshot(now)
+        return self.live_state(now).freeze()
 
     def live_state(self, now: float) -> LiveInstanceState:
         """What the router reads, computed as read; the decode run in progress is synced to
         `now` only if a field that depends on it is read."""
-        return self.scheduler.live_state(now, lambda: self.sync(now))
+        return LiveInstanceState(self.scheduler, now, None if self.run is None else functools.partial(self.catch_up, now))

@@ -13,4 +13,5 @@ class LeastRequestsRouter(Router):
     name = "least-requests"
 
     def route(self, request: Request, states: Sequence[InstanceState]) -> int:
-        return min(range(len(states)), key=lambda i: (states[i].num_requests, i))
+        counts = [states[i].num_requests for i in range(len(states))]
+        return counts.index(min(counts))  # the first of the least loaded
