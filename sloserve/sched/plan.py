@@ -75,6 +75,16 @@ class StepPlan:
         return tuple((s.request_id, s.start, s.num_new_tokens) for s in self.scheduled)
 
 
+@dataclass(frozen=True)
+class DecodeRunPlan:
+    """A run of identical pure-decode steps the scheduler can vouch for (see
+    Scheduler.plan_decode_run): its length and what prices it."""
+
+    steps: int
+    num_decodes: int
+    context: int  # computed tokens of the running requests, summed, before the first step
+
+
 @dataclass
 class StepResult:
     # One new token per scheduled request whose `samples` is true.

@@ -30,7 +30,7 @@ from sloserve.config import SchedulerConfig
 from sloserve.kv.manager import CopyOp, KVCacheManager
 from sloserve.sched.chunking import prefill_token_cap, tbt_slack
 from sloserve.sched.costs import StepCostEstimator, StepLoad, SwapCostEstimator
-from sloserve.sched.plan import ScheduledRequest, StepPlan, StepResult
+from sloserve.sched.plan import DecodeRunPlan, ScheduledRequest, StepPlan, StepResult
 from sloserve.sched.policies import SchedulingPolicy, make_policy
 from sloserve.sched.preemption import SWAP, PreemptionChoice, choose_preemption
 from sloserve.sched.state import InstanceState, KeySetIndex, PrefixIndex, _LoadMeasures
@@ -366,52 +366,57 @@ class Scheduler:
         return produced
 
     # ---- steady-state decode runs (simulation) ----------------------------------------
-    def decode_run_length(self, max_steps: int) -> int:
-        """How many upcoming steps are certain to be the same pure-decode step of the same
-        running set: nothing can be admitted, nobody finishes before the last of them, and
-        the free blocks cover every block the run will need. 0 when the next step needs the
-        full scheduler.
+    def plan_decode_run(self, max_steps: int) -> Optional[DecodeRunPlan]:
+        """Up to `max_steps` upcoming steps that are certain to be the same pure-decode step of
+        the same running set: nothing can be admitted, nobody finishes before the last of them,
+        and the free blocks cover every block the run will need. None when the next step
+        needs the full scheduler (or a run would be a single step).
 
         Valid only when sampled tokens cannot stop a request early (no EOS or stop token
         ids), which holds in simulation, where requests end at their recorded lengths.
         """
         running = self.running
-        if not running or max_steps < 1 or self.eos_token_ids:
-            return 0
+        if len(running) < 1 or max_steps < 2 or self.eos_token_ids:
+            return None
         if len(running) > self.config.max_num_batched_tokens:
-            return 0
+            return None
         if self.waiting and len(running) < self.config.max_num_seqs:
-            return 0  # a waiting request might be admitted at any step
+            return None  # a waiting request might be admitted at any step
         if self.waiting and self.policy.preempts_for_admission:
             lowest = max(r.effective_priority for r in running)
             if any(w.effective_priority < lowest for w in self.waiting):
-                return 0  # a higher class waiting might take a lower one's seat at any step
+                return None  # a higher class waiting might take a lower one's seat at any step
         k = max_steps
-        tables = []  # (computed tokens, blocks held) of each running request
+        bs = self.kv.block_size
         num_blocks_of = self.kv.num_blocks_of
+        tables = []  # (computed tokens, blocks held) of each running request
+        context = need_at_most = 0  # blocks a run of max_steps would need (k <= max_steps needs no more)
         for r in running:
             num_output = len(r.output_token_ids)
-            if r.num_prompt_tokens + num_output - r.num_computed_tokens != 1 or r.sampling_params.stop_token_ids:
-                return 0
+            computed = r.num_computed_tokens
+            if r.num_prompt_tokens + num_output - computed != 1 or r.sampling_params.stop_token_ids:
+                return None
             k = min(k, r.max_output_tokens - num_output)
-            tables.append((r.num_computed_tokens, num_blocks_of(r.request_id)))
-        if k < 1:
-            return 0
-        bs, free = self.kv.block_size, self.kv.num_free_blocks
+            have = num_blocks_of(r.request_id)
+            tables.append((computed, have))
+            context += computed
+            need_at_most += max(0, -(-(computed + max_steps) // bs) - have)
+        free = self.kv.num_free_blocks
+        if k >= 2 and need_at_most > free:
 
-        def blocks_needed(steps: int) -> int:
-            return sum(max(0, -(-(c + steps) // bs) - have) for c, have in tables)
+            def blocks_needed(steps: int) -> int:
+                return sum(max(0, -(-(c + steps) // bs) - have) for c, have in tables)
 
-        if blocks_needed(k) > free:
-            lo, hi = 0, k  # largest run whose blocks fit
-            while lo < hi:
-                mid = (lo + hi + 1) // 2
-                lo, hi = (mid, hi) if blocks_needed(mid) <= free else (lo, mid - 1)
-            k = lo
-        return k
+            if blocks_needed(k) > free:
+                lo, hi = 0, k  # largest run whose blocks fit
+                while lo < hi:
+                    mid = (lo + hi + 1) // 2
+                    lo, hi = (mid, hi) if blocks_needed(mid) <= free else (lo, mid - 1)
+                k = lo
+        return DecodeRunPlan(k, len(running), context) if k >= 2 else None
 
     def advance_decodes(self, num_steps: int, first_end: float, end_time: float, token: int) -> list[Request]:
-        """Apply `num_steps` pure-decode steps at once (after decode_run_length said they are
+        """Apply `num_steps` pure-decode steps at once (after plan_decode_run said they are
         certain); every request gets `token` per step. `first_end` is when the first of them ended:
         a request whose last prompt token was still pending gets its first token there. Returns
         the requests that finished."""
@@ -423,7 +428,7 @@ class Scheduler:
         for request in list(self.running):
             before = request.num_computed_tokens
             if kv.allocate_slots(request, num_steps) is None:
-                raise RuntimeError("decode run outgrew the KV pool; decode_run_length was not respected")
+                raise RuntimeError("decode run outgrew the KV pool; plan_decode_run was not respected")
             request.num_computed_tokens = before + num_steps
             request.output_token_ids.extend(tokens)
             if (before + num_steps) // bs > before // bs:  # a block filled up: register it
@@ -452,7 +457,7 @@ class Scheduler:
         """Every field, computed now (a worker ships this to its router)."""
         return self.live_state(now).freeze()
 
-    def live_state(self, now: float, catch_up: Optional[Callable[[], None]] = None) -> "LiveInstanceState":
+    def live_state(self, now: float, catch_up: Optional[Callable[[float], None]] = None) -> "LiveInstanceState":
         """The same fields, each computed when first read: in one process (the simulator) a
         router that reads two counters of 64 instances pays for 128 counters, not for 64 walks
         over every queue. Valid while the scheduler does not change (one routing decision)."""
@@ -553,11 +558,11 @@ class Scheduler:
 class LiveInstanceState(_LoadMeasures):
     """A scheduler's InstanceState at one moment, fields computed on first read.
 
-    `catch_up` (the simulator's: apply the steps of a fast-forwarded decode run that ended
+    `catch_up(now)` (the simulator's: apply the steps of a fast-forwarded decode run that ended
     before now) runs once, before the first field that steps change is read. The request
     counts do not need it: a run keeps its running set until its last step."""
 
-    def __init__(self, scheduler: Scheduler, now: float, catch_up: Optional[Callable[[], None]] = None) -> None:
+    def __init__(self, scheduler: Scheduler, now: float, catch_up: Optional[Callable[[float], None]] = None) -> None:
         self._s = scheduler
         self._now = now
         self._catch_up = catch_up
@@ -586,7 +591,7 @@ class LiveInstanceState(_LoadMeasures):
     def _current(self) -> Scheduler:
         if self._catch_up is not None:
             catch_up, self._catch_up = self._catch_up, None
-            catch_up()
+            catch_up(self._now)
         return self._s
 
     @functools.cached_property
