@@ -192,6 +192,36 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     plt.close(fig)
 
 
+def plot_engine(rows: list[dict], path: Path, title: str) -> None:
+    """Interactive attainment per policy: one bar per run (runs interleaved in time) and the mean."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    policies = [p for p in POLICIES if any(r["policy"] == p for r in rows)]
+    repeats = sorted({r.get("repeat", 0) for r in rows})
+    fig, ax = plt.subplots(figsize=(8, 4.2))
+    width = 0.8 / (len(repeats) + 1)
+    for j, rep in enumerate(repeats):
+        vals = [100 * next((r["interactive_attainment"] for r in rows
+                            if r["policy"] == p and r.get("repeat", 0) == rep), math.nan) for p in policies]
+        ax.bar([i + j * width for i in range(len(policies))], vals, width, label=f"run {rep + 1}", alpha=0.55)
+    means = [100 * sum(r["interactive_attainment"] for r in rows if r["policy"] == p)
+             / sum(1 for r in rows if r["policy"] == p) for p in policies]
+    ax.bar([i + len(repeats) * width for i in range(len(policies))], means, width, label="mean", color="black")
+    ax.set_xticks([i + len(repeats) * width / 2 for i in range(len(policies))], policies)
+    ax.set_ylabel("interactive SLO attainment (%)")
+    ax.set_ylim(0, 102)
+    ax.axhline(100 * TARGET, color="grey", ls=":", lw=1)
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize=8)
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 # ---- the real engine (small) -------------------------------------------------------------
 def engine_run(policy: str, stream: list[WorkloadRequest], mix: Mix, num_threads: int, budget: int) -> Summary:
     """Replay `stream` in real time on the embedded model; records as the bench client would."""
@@ -292,7 +322,8 @@ def main() -> int:
         out = RESULTS / f"qos-engine-{stamp}"
         out.with_suffix(".json").write_text(json.dumps({"args": vars(args), "rows": rows, "means": means}, indent=1))
         out.with_suffix(".md").write_text("\n".join(md) + "\n")
-        console.print(f"wrote {out}.json/.md")
+        plot_engine(rows, out.with_suffix(".png"), title)
+        console.print(f"wrote {out}.json/.md/.png")
         return 0
 
     mix = make_mix(args.inter_ttft, args.inter_tbt, args.batch_ttft, args.batch_tbt, args.inter_share)
