@@ -241,9 +241,10 @@ def chunk_taken(policy: str, est, tbt: float, **cfg) -> int:
 
 def test_each_policy_chooses_its_chunk():
     est = LinearCost(0.01, 1e-4)
-    # slo sizes the chunk from the decodes' TBT slack: 0.01 + 1e-4 * (2 + n) <= tbt.
-    assert chunk_taken("slo", est, tbt=0.10005) == 898
-    assert chunk_taken("slo", est, tbt=0.05005) == 398
+    # slo sizes the chunk so the step ends by the decodes' next deadline, TBT_PACE_HEADROOM (0.9) of a target
+    # after their last token: 0.01 + 1e-4 * (2 + n) <= 0.9 * tbt.
+    assert chunk_taken("slo", est, tbt=0.10005) == 798
+    assert chunk_taken("slo", est, tbt=0.05005) == 348
     assert chunk_taken("slo", est, tbt=1.0) == 2046  # slack to spare: all the budget the decodes leave
     assert chunk_taken("slo", est, tbt=0.001) == 32  # the floor
     # fcfs, priority and edf keep the static chunk: the budget the decodes leave (or the threshold).
@@ -251,7 +252,7 @@ def test_each_policy_chooses_its_chunk():
         assert chunk_taken(policy, est, tbt=0.1) == 2046
         assert chunk_taken(policy, est, tbt=0.1, long_prefill_token_threshold=512) == 512
     # The config can switch dynamic chunking on (or off) whatever the policy.
-    assert chunk_taken("fcfs", est, tbt=0.10005, dynamic_chunking=True) == 898
+    assert chunk_taken("fcfs", est, tbt=0.10005, dynamic_chunking=True) == 798
     assert chunk_taken("slo", est, tbt=0.10005, dynamic_chunking=False) == 2046
     assert chunk_taken("slo", None, tbt=0.1) == 2046  # no estimator, no dynamic chunking
 
@@ -261,7 +262,8 @@ def test_tbt_slack_is_the_earliest_next_token_deadline():
     b = make_request("b", 5, qos=QoSClass("y", 1.0, 0.05))
     a.first_token_time = b.first_token_time = 0.0
     a.last_token_time, b.last_token_time = 1.0, 1.1
-    assert tbt_slack([a, b], 1.12) == pytest.approx(0.03)
+    # b's deadline (its last token + 0.9 of its 50 ms target) comes first.
+    assert tbt_slack([a, b], 1.12) == pytest.approx(1.1 + 0.9 * 0.05 - 1.12)
     assert tbt_slack([], 1.0) == math.inf
 
 
@@ -275,10 +277,11 @@ def test_tbt_deadline_follows_the_pace_since_the_first_token():
     pace = 10.0 + 5 * 0.1 * TBT_PACE_HEADROOM
     r.last_token_time = 10.2  # ahead of pace: the banked time extends this gap
     assert tbt_deadline(r) == pytest.approx(pace) and pace > 10.3
-    r.last_token_time = pace - 0.05  # nearly on pace: still one full target from the last token
-    assert tbt_deadline(r) == pytest.approx(pace + 0.05)
-    r.last_token_time = 11.0  # behind pace: one target from the last token, never in the past
-    assert tbt_deadline(r) == pytest.approx(11.1)
+    floor = 0.1 * TBT_PACE_HEADROOM  # from the last token, at least: the pace's share of a target
+    r.last_token_time = pace - 0.05  # nearly on pace: still the floor from the last token
+    assert tbt_deadline(r) == pytest.approx(pace - 0.05 + floor)
+    r.last_token_time = 11.0  # behind pace: the floor from the last token, never in the past, and shorter than
+    assert tbt_deadline(r) == pytest.approx(11.0 + floor) and floor < 0.1  # a target, so it can catch up
     r.output_token_ids = [1] * 50  # far ahead: the bank is capped
     r.last_token_time = 10.5
     assert tbt_deadline(r) == pytest.approx(10.5 + TBT_BANK * 0.1)
