@@ -367,7 +367,7 @@ def main() -> int:
     md += cap_lines + [""]
     if extra_rows:
         md += print_table(console, "overload points", extra_rows)
-    path = RESULTS / f"qos-{stamp}"
+    path = RESULTS / f"qos-{stamp}-share{round(100 * args.inter_share)}"  # two shares may run side by side
     plot(rows, path.with_suffix(".png"), title)
     path.with_suffix(".json").write_text(json.dumps(
         {"args": vars(args), "rows": rows, "capacity": caps, "overload": extra_rows, "checks": checks}, indent=1))
