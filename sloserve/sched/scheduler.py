@@ -185,8 +185,7 @@ class Scheduler:
         decodes: list[Request] = []
         prefills: list[Request] = []
         for r in self.running:
-            (decodes if r.num_prompt_tokens + len(r.output_token_ids) - r.num_computed_tokens == 1
-             else prefills).append(r)
+            (decodes if r.num_tokens - r.num_computed_tokens == 1 else prefills).append(r)
         for request in decodes:
             if step.budget <= 0:
                 break
@@ -376,7 +375,7 @@ class Scheduler:
         ids), which holds in simulation, where requests end at their recorded lengths.
         """
         running = self.running
-        if len(running) < 1 or max_steps < 2 or self.eos_token_ids:
+        if not running or max_steps < 2 or self.eos_token_ids:
             return None
         if len(running) > self.config.max_num_batched_tokens:
             return None
@@ -390,7 +389,8 @@ class Scheduler:
         bs = self.kv.block_size
         num_blocks_of = self.kv.num_blocks_of
         tables = []  # (computed tokens, blocks held) of each running request
-        context = need_at_most = 0  # blocks a run of max_steps would need (k <= max_steps needs no more)
+        context = 0
+        need_at_most = 0  # blocks a run of max_steps would need; a shorter run needs no more
         for r in running:
             num_output = len(r.output_token_ids)
             computed = r.num_computed_tokens
