@@ -36,10 +36,6 @@ class StepLoad:
                         start + num_tokens)
 
     @staticmethod
-    def decode(context_len: int) -> "StepLoad":
-        return StepLoad(1, 1, 1, context_len, 0.0, 0)
-
-    @staticmethod
     def decodes(num_decodes: int, decode_context: int) -> "StepLoad":
         """A pure-decode step of `num_decodes` requests attending to `decode_context` tokens in all."""
         return StepLoad(num_decodes, num_decodes, num_decodes, decode_context, 0.0, 0)
