@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 
 from sched_helpers import EOS, ContextHashExecutor, make_request, make_scheduler, run_to_completion
+from sloserve.sched.live_state import LiveInstanceState, Moment
 from sloserve.sched.plan import StepResult
 from sloserve.types import FinishReason, QoSClass, Request, RequestStatus, SamplingParams
 
@@ -151,6 +152,21 @@ def test_bad_requests_are_rejected_before_any_work():
     with pytest.raises(ValueError):
         sched.add_request(make_request("ok", 10))
     assert list(sched.requests) == ["ok"] and sched.kv.num_free_blocks == sched.kv.num_blocks
+
+
+def test_live_view_recomputes_queue_fields_at_each_moment():
+    """One view lives for a whole simulation: counters are always current, fields that walk a
+    queue are kept within a moment and recomputed once the moment advances."""
+    sched = make_scheduler(num_blocks=100, budget=32)
+    moment = Moment(0.0)
+    view = LiveInstanceState(sched, moment)
+    sched.add_request(make_request("a", 50, max_tokens=10))
+    assert view.num_requests == 1 and view.kv_blocks_waiting == 4 and view.kv_blocks_used == 0
+    sched.schedule(0.0)  # admits "a" with a 32-token chunk: 2 blocks
+    assert view.num_running == 1 and view.num_waiting == 0  # counters: current at once
+    assert view.kv_blocks_used == 0 and view.kv_blocks_waiting == 4  # kept for this moment
+    moment.advance(0.0)
+    assert view.kv_blocks_used == 2 and view.kv_blocks_waiting == 0
 
 
 def test_snapshot_reports_load():

@@ -41,7 +41,10 @@ def simulate(fast_forward: bool, router: str, num_blocks: int, n: int = 400):
     return timings, stats, result
 
 
-@pytest.mark.parametrize("router, num_blocks", [("round-robin", 5000), ("least-requests", 120)])
+# least-kv and predicted-load read fields a decode run changes (blocks, remaining tokens) at every
+# arrival: the run must be caught up to each routing moment, and nothing kept from an earlier one.
+@pytest.mark.parametrize("router, num_blocks", [("round-robin", 5000), ("least-requests", 120), ("least-kv", 120),
+                                                ("predicted-load", 120)])
 def test_fast_forward_changes_no_decision(router, num_blocks):
     slow, slow_stats, slow_res = simulate(False, router, num_blocks)
     fast, fast_stats, fast_res = simulate(True, router, num_blocks)

@@ -18,22 +18,21 @@ SLO-aware decisions need come from an injected estimator (sched/costs.py).
 from __future__ import annotations
 
 import bisect
-import functools
 import heapq
-import itertools
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Optional
 
 from sloserve.config import SchedulerConfig
 from sloserve.kv.manager import CopyOp, KVCacheManager
 from sloserve.sched.chunking import prefill_token_cap, tbt_slack
 from sloserve.sched.costs import StepCostEstimator, StepLoad, SwapCostEstimator
+from sloserve.sched.live_state import LiveInstanceState, Moment
 from sloserve.sched.plan import DecodeRunPlan, ScheduledRequest, StepPlan, StepResult
 from sloserve.sched.policies import SchedulingPolicy, make_policy
 from sloserve.sched.preemption import SWAP, PreemptionChoice, choose_preemption
-from sloserve.sched.state import InstanceState, KeySetIndex, PrefixIndex, _LoadMeasures
+from sloserve.sched.state import InstanceState
 from sloserve.types import FinishReason, Request, RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -457,11 +456,9 @@ class Scheduler:
         """Every field, computed now (a worker ships this to its router)."""
         return self.live_state(now).freeze()
 
-    def live_state(self, now: float, catch_up: Optional[Callable[[float], None]] = None) -> "LiveInstanceState":
-        """The same fields, each computed when first read: in one process (the simulator) a
-        router that reads two counters of 64 instances pays for 128 counters, not for 64 walks
-        over every queue. Valid while the scheduler does not change (one routing decision)."""
-        return LiveInstanceState(self, now, catch_up)
+    def live_state(self, now: float) -> LiveInstanceState:
+        """The same fields, each computed when first read (see `LiveInstanceState`)."""
+        return LiveInstanceState(self, Moment(now))
 
     # ---- internals ----------------------------------------------------------------
     def _chunk_cap(self) -> int:
@@ -553,94 +550,3 @@ class Scheduler:
     def _resort(self, now: float) -> None:
         for queue in (self.waiting, self.running):
             queue.sort(key=lambda r: self.policy.key(r, self._seq[r.request_id], now))
-
-
-class LiveInstanceState(_LoadMeasures):
-    """A scheduler's InstanceState at one moment, fields computed on first read.
-
-    `catch_up(now)` (the simulator's: apply the steps of a fast-forwarded decode run that ended
-    before now) runs once, before the first field that steps change is read. The request
-    counts do not need it: a run keeps its running set until its last step."""
-
-    def __init__(self, scheduler: Scheduler, now: float, catch_up: Optional[Callable[[float], None]] = None) -> None:
-        self._s = scheduler
-        self._now = now
-        self._catch_up = catch_up
-
-    @property
-    def num_running(self) -> int:  # type: ignore[override]
-        return len(self._s.running)
-
-    @property
-    def num_waiting(self) -> int:  # type: ignore[override]
-        return len(self._s.waiting)
-
-    @property
-    def num_requests(self) -> int:  # the one field least-requests reads, read 64 times an arrival
-        s = self._s
-        return len(s.running) + len(s.waiting)
-
-    @property
-    def kv_blocks_total(self) -> int:  # type: ignore[override]
-        return self._s.kv.num_blocks
-
-    @property
-    def block_size(self) -> int:
-        return self._s.kv.block_size
-
-    def _current(self) -> Scheduler:
-        if self._catch_up is not None:
-            catch_up, self._catch_up = self._catch_up, None
-            catch_up(self._now)
-        return self._s
-
-    @functools.cached_property
-    def kv_blocks_used(self) -> int:  # type: ignore[override]
-        return self._current().kv.pool.num_used
-
-    @functools.cached_property
-    def kv_blocks_free(self) -> int:
-        return self._current().kv.num_free_blocks
-
-    @functools.cached_property
-    def prefix_index(self) -> Optional[PrefixIndex]:  # type: ignore[override]
-        kv = self._current().kv
-        return KeySetIndex(kv.pool.cached) if kv.enable_prefix_caching else None
-
-    @functools.cached_property
-    def queued_prefill_tokens(self) -> int:
-        s = self._current()
-        return (sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in s.running)
-                + sum(r.num_tokens for r in s.waiting))
-
-    @functools.cached_property
-    def kv_blocks_waiting(self) -> int:  # type: ignore[override]
-        bs = self.block_size
-        return sum(-(-r.num_tokens // bs) for r in self._s.waiting)
-
-    @functools.cached_property
-    def predicted_remaining_decode_tokens(self) -> int:
-        total = 0
-        s = self._current()
-        for r in itertools.chain(s.running, s.waiting):
-            expected = r.predicted_output_len if r.predicted_output_len is not None else r.max_output_tokens
-            total += max(0, (expected or 0) - r.num_output_tokens)
-        return total
-
-    @property
-    def prefix_cache_hit_rate(self) -> float:  # counted at admissions, which a decode run has none of
-        return self._s.kv.stats.hit_rate
-
-    @functools.cached_property
-    def min_ttft_slack_s(self) -> float:
-        now = self._now
-        return min((r.ttft_deadline - now for r in self._s.waiting if r.first_token_time is None), default=math.inf)
-
-    def freeze(self) -> InstanceState:
-        return InstanceState(
-            num_running=self.num_running, num_waiting=self.num_waiting,
-            queued_prefill_tokens=self.queued_prefill_tokens, kv_blocks_used=self.kv_blocks_used,
-            kv_blocks_free=self.kv_blocks_free, kv_blocks_total=self.kv_blocks_total,
-            predicted_remaining_decode_tokens=self.predicted_remaining_decode_tokens,
-            prefix_cache_hit_rate=self.prefix_cache_hit_rate, min_ttft_slack_s=self.min_ttft_slack_s,
-            block_size=self.block_size, kv_blocks_waiting=self.kv_blocks_waiting, prefix_index=self.prefix_index)

@@ -14,7 +14,8 @@ from typing import Optional
 from sloserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from sloserve.kv.manager import KVCacheManager
 from sloserve.sched.plan import DecodeRunPlan, StepPlan, StepResult
-from sloserve.sched.scheduler import LiveInstanceState, Scheduler
+from sloserve.sched.live_state import LiveInstanceState, Moment
+from sloserve.sched.scheduler import Scheduler
 from sloserve.sched.state import InstanceState
 from sloserve.sim.cost import CostModel
 from sloserve.types import Request
@@ -88,7 +89,6 @@ class SimInstance:
         self.busy_until: Optional[float] = None
         self.busy_time = 0.0
         self.traces: Optional[list[StepTrace]] = [] if trace else None
-        self._catch_up = self.catch_up
 
     @property
     def is_busy(self) -> bool:
@@ -181,10 +181,9 @@ class SimInstance:
         return [r for r in produced if r.is_finished]
 
     def snapshot(self, now: float) -> InstanceState:
-        return self.live_state(now).freeze()
+        return self.live_view(Moment(now)).freeze()
 
-    def live_state(self, now: float) -> LiveInstanceState:
-        """What the router reads, computed as read; the decode run in progress is synced to
-        `now` only if a field that depends on it is read."""
-        # Read 64 times an arrival in a large fleet: the bound method is made once, in __init__.
-        return LiveInstanceState(self.scheduler, now, None if self.run is None else self._catch_up)
+    def live_view(self, moment: Moment) -> LiveInstanceState:
+        """What the router reads, computed as read at `moment`; the decode run in progress is
+        synced to the moment only if a field that depends on it is read."""
+        return LiveInstanceState(self.scheduler, moment, self.catch_up)

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import Callable, Iterable, Iterator, Optional
 
 from sloserve.cluster.routers.base import Router
-from sloserve.sched.scheduler import LiveInstanceState
+from sloserve.sched.live_state import Moment
 from sloserve.sim.instance import SimInstance
 from sloserve.types import Request
 
@@ -50,6 +50,9 @@ class Simulator:
         self._seq = itertools.count()
         self._waking: set[int] = set()
         self.now = 0.0
+        # One live view per instance for the whole run, read at the moment of each arrival.
+        self._moment = Moment()
+        self._states = [instance.live_view(self._moment) for instance in self.instances]
 
     def _push(self, time: float, kind: int, payload: object) -> None:
         heapq.heappush(self._heap, (time, kind, next(self._seq), payload))
@@ -116,7 +119,8 @@ class Simulator:
 
     def _arrive(self, request: Request) -> Optional[str]:
         """Route and queue an arrival; returns why it was rejected, if it was."""
-        choice = self.router.route(request, _LazyStates(self.instances, self.now))
+        self._moment.advance(self.now)
+        choice = self.router.route(request, self._states)
         instance = self.instances[choice]
         try:
             instance.add_request(request)
@@ -136,24 +140,3 @@ class Simulator:
         end = instance.start_step(self.now)
         if end is not None:
             self._push(end, STEP_END, (instance, end))
-
-
-class _LazyStates(Sequence):
-    """Instance states made only when the router looks (round-robin looks at none), each
-    computing only the fields the router reads."""
-
-    def __init__(self, instances: Sequence[SimInstance], now: float):
-        self._instances = instances
-        self._now = now
-        self._cache: dict[int, LiveInstanceState] = {}
-
-    def __len__(self) -> int:
-        return len(self._instances)
-
-    def __getitem__(self, i):
-        if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(len(self)))]
-        state = self._cache.get(i)
-        if state is None:
-            state = self._cache[i] = self._instances[i].live_state(self._now)
-        return state
