@@ -3,8 +3,10 @@ change a single decision, and a simulated instance must plan the same steps as t
 from __future__ import annotations
 
 import random
+from array import array
 
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from sloserve.cluster.routers import make_router
 from sloserve.config import SchedulerConfig
@@ -13,6 +15,9 @@ from sloserve.sched.costs import StepLoad
 from sloserve.sim.cost import Profile, ProfiledCostModel, RooflineCostModel, choose_knots, features, fit_nonnegative
 from sloserve.sim.hardware import get_hardware
 from sloserve.sim.instance import SimInstance, kv_blocks_for
+from sloserve.kv.hashing import hash_full_blocks
+from sloserve.kv.manager import KVCacheManager
+from sloserve.sim.prompts import SyntheticPrompt
 from sloserve.sim.simulator import Simulator
 from sloserve.types import Request, SamplingParams
 
@@ -129,3 +134,32 @@ def test_simulate_cli_writes_the_bench_report(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "sloserve.cli", "simulate", "--hardware", "tpu-v9", "--num-requests",
                           "5", "--out", str(tmp_path / "bad")], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "unknown hardware" in bad.stderr
+
+
+@settings(max_examples=200, deadline=None)
+@given(length=st.integers(1, 300), uid=st.integers(0, 10**6),
+       hash_ids=st.lists(st.integers(0, 10**9), max_size=4), hash_block=st.sampled_from([16, 48, 512]),
+       a=st.integers(0, 320), b=st.integers(0, 320))
+def test_synthetic_prompt_packs_and_slices_like_its_ids(length, uid, hash_ids, hash_block, a, b):
+    """The lazy prompt's fast paths (ranges, packed int64) agree with reading it id by id."""
+    prompt = SyntheticPrompt(length, uid, tuple(hash_ids), hash_block)
+    ids = [prompt[i] for i in range(length)]
+    start, stop = min(a, b), max(a, b)
+    assert prompt[start:stop] == ids[start:stop]
+    assert prompt.packed(start, stop) == array("q", ids[start:stop]).tobytes()
+
+
+@settings(max_examples=50, deadline=None)
+@given(length=st.integers(1, 200), hash_ids=st.lists(st.integers(0, 50), max_size=3),
+       outputs=st.lists(st.integers(0, 40), min_size=1, max_size=3), tenant=st.sampled_from(["", "t1"]))
+def test_block_keys_of_a_synthetic_prompt_match_its_ids(length, hash_ids, outputs, tenant):
+    """The KV manager hashes a synthetic prompt from its packed bytes, and prompt + output in
+    increments: the keys must be those of the plain token list."""
+    kv = KVCacheManager(64, block_size=16)
+    prompt = SyntheticPrompt(length, 7, tuple(hash_ids), 32)
+    request = Request("r", prompt, SamplingParams(max_tokens=200), tenant=tenant)
+    for n in outputs:  # the keys grow as tokens are appended
+        kv.request_hashes(request)
+        request.output_token_ids.extend([5] * n)
+    tokens = [prompt[i] for i in range(length)] + request.output_token_ids
+    assert kv.request_hashes(request) == hash_full_blocks(tokens, 16, tenant)

@@ -27,6 +27,15 @@ def _key(parent: Optional[BlockHash], token_bytes: bytes, salt: bytes) -> BlockH
     return int.from_bytes(hashlib.blake2b(data, digest_size=_KEY_BYTES).digest(), "little")
 
 
+def pack_tokens(token_ids: Sequence[int], start: int, stop: int) -> bytes:
+    """Ids [start, stop) as the int64 bytes block keys hash. A sequence with its own
+    `packed(start, stop)` (the simulator's synthetic prompts) packs without making Python ints."""
+    packed = getattr(token_ids, "packed", None)
+    if packed is not None:
+        return packed(start, stop)
+    return array("q", token_ids[start:stop]).tobytes()
+
+
 def hash_full_blocks(
     token_ids: Sequence[int],
     block_size: int,
@@ -39,12 +48,20 @@ def hash_full_blocks(
     end_block = len(token_ids) // block_size
     if end_block <= start_block:
         return []
-    packed = memoryview(array("q", token_ids[start_block * block_size:end_block * block_size]).tobytes())
+    packed = pack_tokens(token_ids, start_block * block_size, end_block * block_size)
+    return hash_packed_blocks(packed, block_size, salt, start_parent)
+
+
+def hash_packed_blocks(packed: bytes, block_size: int, salt: str = "",
+                       parent: Optional[BlockHash] = None) -> list[BlockHash]:
+    """Keys of the whole blocks in `packed` (from `pack_tokens`), chained on from `parent`."""
     salt_bytes = salt.encode() if salt else b""
     step = block_size * _TOKEN_BYTES
+    blake2b, from_bytes = hashlib.blake2b, int.from_bytes
+    # The loop carries the parent's digest as bytes: the key is the digest read as an integer.
+    digest = (parent or 0).to_bytes(_KEY_BYTES, "little")
     keys: list[BlockHash] = []
-    parent = start_parent
-    for offset in range(0, len(packed), step):
-        parent = _key(parent, packed[offset:offset + step], salt_bytes)
-        keys.append(parent)
+    for offset in range(0, len(packed) - step + 1, step):
+        digest = blake2b(digest + packed[offset:offset + step] + salt_bytes, digest_size=_KEY_BYTES).digest()
+        keys.append(from_bytes(digest, "little"))
     return keys

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from sloserve.kv.block_pool import Block, BlockPool
-from sloserve.kv.hashing import BlockHash, hash_full_blocks
+from sloserve.kv.hashing import BlockHash, hash_packed_blocks, pack_tokens
 from sloserve.kv.host_pool import HostBlockPool
 from sloserve.types import Request
 
@@ -93,9 +93,11 @@ class KVCacheManager:
         n_full = request.num_tokens // self.block_size
         done = len(hashes)
         if done < n_full:
-            bs = self.block_size
-            hashes.extend(hash_full_blocks(request.token_slice(done * bs, n_full * bs), bs, request.tenant,
-                                           hashes[-1] if hashes else None))
+            start, end, p = done * self.block_size, n_full * self.block_size, request.num_prompt_tokens
+            packed = pack_tokens(request.prompt_token_ids, start, min(end, p)) if start < p else b""
+            if end > p:
+                packed += pack_tokens(request.output_token_ids, max(0, start - p), end - p)
+            hashes.extend(hash_packed_blocks(packed, self.block_size, request.tenant, hashes[-1] if hashes else None))
         return hashes
 
     # ---- allocation ----------------------------------------------------------------

@@ -7,8 +7,10 @@ need tens of GB as Python lists; these sequences compute each id on demand inste
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Optional, Union, overload
+
+import numpy as np
 
 _REQUEST_SPACE = 1 << 40  # unique-token namespace per request
 _HASH_SPACE = 1 << 62  # shared-prefix namespace per hash id, far from every request's
@@ -54,18 +56,28 @@ class SyntheticPrompt(Sequence):
     def _span(self, start: int, stop: int) -> list[int]:
         """Ids of [start, stop) built from ranges (the KV manager hashes prompts block by block)."""
         out: list[int] = []
+        for first, count in self._runs(start, stop):
+            out.extend(range(first, first + count))
+        return out
+
+    def packed(self, start: int, stop: int) -> bytes:
+        """Ids of [start, stop) as int64 bytes, what `sloserve.kv.hashing.pack_tokens` makes of
+        a list, built without a Python int per token (block keys of a million prompts)."""
+        start, stop, _ = slice(start, stop).indices(self.length)
+        return b"".join(np.arange(first, first + count, dtype=np.int64).tobytes()
+                        for first, count in self._runs(start, stop))
+
+    def _runs(self, start: int, stop: int) -> Iterator[tuple[int, int]]:
+        """[start, stop) as runs of consecutive ids: (first id, count)."""
         shared_end = min(stop, len(self.hash_ids) * self.hash_block)
         pos = start
         while pos < shared_end:
             b, off = divmod(pos, self.hash_block)
             end = min(shared_end, (b + 1) * self.hash_block)
-            base = _HASH_SPACE + self.hash_ids[b] * self.hash_block
-            out.extend(range(base + off, base + off + (end - pos)))
+            yield _HASH_SPACE + self.hash_ids[b] * self.hash_block + off, end - pos
             pos = end
         if pos < stop:
-            base = (self.uid + 1) * _REQUEST_SPACE
-            out.extend(range(base + pos, base + stop))
-        return out
+            yield (self.uid + 1) * _REQUEST_SPACE + pos, stop - pos
 
     def __add__(self, other):  # Request.all_token_ids (only the real executor needs it)
         return self[:] + list(other)
