@@ -51,12 +51,12 @@ class BlockPool:
 
     def allocate(self, n: int) -> list[Block]:
         """Take n free blocks, evicting the least recently freed cached ones first."""
-        if n > len(self.free_queue):
-            raise MemoryError(f"asked for {n} KV blocks, {len(self.free_queue)} free")
-        out = []
+        free_queue = self.free_queue
+        if n > len(free_queue):
+            raise MemoryError(f"asked for {n} KV blocks, {len(free_queue)} free")
+        blocks, out = self.blocks, []
         for _ in range(n):
-            block_id, _ = self.free_queue.popitem(last=False)
-            block = self.blocks[block_id]
+            block = blocks[free_queue.popitem(last=False)[0]]
             if block.block_hash is not None:
                 self._uncache(block)
             block.ref_count = 1
@@ -73,14 +73,15 @@ class BlockPool:
     def free(self, blocks: Iterable[Block]) -> None:
         """Drop one reference each. Pass blocks tail-first: the tail of a prefix is the
         least likely to be shared, so it should be evicted before the head."""
+        free_queue, caching = self.free_queue, self.enable_caching
         for block in blocks:
             if block.ref_count <= 0:
                 raise RuntimeError(f"double free of {block}")
             block.ref_count -= 1
             if block.ref_count == 0:
-                if not self.enable_caching:
+                if not caching:
                     self._uncache(block)
-                self.free_queue[block.block_id] = None
+                free_queue[block.block_id] = None
 
     def cache(self, block: Block, block_hash: BlockHash) -> None:
         """Register a full block under its content key. If an equal block is already

@@ -74,7 +74,8 @@ class _StepBuild:
         """Plan `item` with its copy-on-write ops, charging the budget (and the prefill cap)."""
         rid = item.request.request_id
         self.planned[rid] = item
-        self.copies[rid] = ops
+        if ops:  # rare (copy-on-write of a shared tail): only requests with copies have an entry
+            self.copies[rid] = ops
         self.budget -= item.num_new_tokens
         if is_prefill:
             self.prefill_left -= item.num_new_tokens
@@ -183,8 +184,9 @@ class Scheduler:
         # 1) running decodes first (one token each), then what is left goes to prefills.
         decodes: list[Request] = []
         prefills: list[Request] = []
-        for r in self.running:
-            (decodes if r.num_tokens - r.num_computed_tokens == 1 else prefills).append(r)
+        for r in self.running:  # (num_tokens spelled out: this runs for every request every step)
+            (decodes if r.num_prompt_tokens + len(r.output_token_ids) - r.num_computed_tokens == 1
+             else prefills).append(r)
         for request in decodes:
             if step.budget <= 0:
                 break
@@ -218,7 +220,7 @@ class Scheduler:
             step_id=self._step_id,
             now=now,
             scheduled=scheduled,
-            copies=[op for s in scheduled for op in step.copies[s.request_id]],
+            copies=[op for s in scheduled for op in step.copies.get(s.request_id, ())] if step.copies else [],
             preempted=step.preempted,
             swap_out=step.swap_out,
             swap_in=step.swap_in,
@@ -385,23 +387,22 @@ class Scheduler:
             if any(w.effective_priority < lowest for w in self.waiting):
                 return None  # a higher class waiting might take a lower one's seat at any step
         k = max_steps
-        bs = self.kv.block_size
-        num_blocks_of = self.kv.num_blocks_of
-        tables = []  # (computed tokens, blocks held) of each running request
         context = 0
-        need_at_most = 0  # blocks a run of max_steps would need; a shorter run needs no more
         for r in running:
             num_output = len(r.output_token_ids)
             computed = r.num_computed_tokens
             if r.num_prompt_tokens + num_output - computed != 1 or r.sampling_params.stop_token_ids:
                 return None
             k = min(k, r.max_output_tokens - num_output)
-            have = num_blocks_of(r.request_id)
-            tables.append((computed, have))
             context += computed
-            need_at_most += max(0, -(-(computed + max_steps) // bs) - have)
-        free = self.kv.num_free_blocks
-        if k >= 2 and need_at_most > free:
+        if k < 2:
+            return None
+        # A request holds the blocks of its computed tokens, so k more tokens need at most
+        # ceil(k / bs) new blocks each; count exactly only when the pool might fall short.
+        bs, free = self.kv.block_size, self.kv.num_free_blocks
+        if len(running) * -(-k // bs) > free:
+            num_blocks_of = self.kv.num_blocks_of
+            tables = [(r.num_computed_tokens, num_blocks_of(r.request_id)) for r in running]
 
             def blocks_needed(steps: int) -> int:
                 return sum(max(0, -(-(c + steps) // bs) - have) for c, have in tables)
@@ -423,14 +424,15 @@ class Scheduler:
             return []
         finished = []
         kv, bs = self.kv, self.kv.block_size
+        allocate_slots = kv.allocate_slots
         tokens = [token] * num_steps
         for request in list(self.running):
             before = request.num_computed_tokens
-            if kv.allocate_slots(request, num_steps) is None:
+            if allocate_slots(request, num_steps) is None:
                 raise RuntimeError("decode run outgrew the KV pool; plan_decode_run was not respected")
-            request.num_computed_tokens = before + num_steps
+            request.num_computed_tokens = after = before + num_steps
             request.output_token_ids.extend(tokens)
-            if (before + num_steps) // bs > before // bs:  # a block filled up: register it
+            if after // bs > before // bs:  # a block filled up: register it
                 kv.cache_blocks(request)
             if request.first_token_time is None:
                 request.first_token_time = first_end
