@@ -455,12 +455,9 @@ class Scheduler:
 
     # ---- snapshot for the cluster layer ------------------------------------------------
     def snapshot(self, now: float) -> InstanceState:
-        """Every field, computed now (a worker ships this to its router)."""
-        return self.live_state(now).freeze()
-
-    def live_state(self, now: float) -> LiveInstanceState:
-        """The same fields, each computed when first read (see `LiveInstanceState`)."""
-        return LiveInstanceState(self, Moment(now))
+        """Every field, computed now (a worker ships this to its router; in one process the
+        simulator's routers read a `LiveInstanceState` instead, field by field)."""
+        return LiveInstanceState(self, Moment(now)).freeze()
 
     # ---- internals ----------------------------------------------------------------
     def _chunk_cap(self) -> int:
