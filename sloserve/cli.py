@@ -66,7 +66,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     sys.stdout.write("\n")
     if final is not None:
         logging.getLogger("sloserve").info(
-            "%d prompt + %d output tokens, finish_reason=%s", len(final.prompt_token_ids), len(final.token_ids),
+            "%d prompt + %d output tokens, finish_reason=%s", len(final.prompt_token_ids), final.num_output_tokens,
             final.finish_reason,
         )
     return 0
@@ -107,6 +107,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_queue=args.max_queue,
         max_body_bytes=args.max_body_bytes,
         grace_period_s=args.grace_period,
+        header_timeout_s=args.header_timeout,
+        body_timeout_s=args.body_timeout,
+        max_connections=args.max_connections,
+        keep_alive_s=args.keep_alive,
+        shed_unattainable=not args.no_shed_unattainable,
+        stall_timeout_s=args.client_stall_timeout,
     )
     settings.validate()
     if args.instances > 1 or args.backend != "process":
@@ -132,6 +138,17 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--grace-period", type=float, default=30.0, metavar="S",
                    help="on SIGTERM/SIGINT, seconds in-flight requests get to finish before they are aborted")
     g.add_argument("--max-body-bytes", type=int, default=4 * 2**20, help="larger request bodies get 413")
+    g.add_argument("--header-timeout", type=float, default=10.0, metavar="S",
+                   help="a request line + headers not received within S seconds: 408 and close (slowloris)")
+    g.add_argument("--body-timeout", type=float, default=30.0, metavar="S",
+                   help="longest wait for each chunk of a request body: then 408 and close")
+    g.add_argument("--max-connections", type=int, default=1024, metavar="N",
+                   help="open connections; beyond that a new one gets 503 too_many_connections and is closed")
+    g.add_argument("--keep-alive", type=float, default=5.0, metavar="S", help="idle keep-alive connections close after S")
+    g.add_argument("--client-stall-timeout", type=float, default=60.0, metavar="S",
+                   help="end a stream (and abort its requests) whose client accepts no data for S seconds")
+    g.add_argument("--no-shed-unattainable", action="store_true",
+                   help="queue requests whose predicted TTFT already misses their class target (default: 429 slo_unattainable)")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     m = p.add_argument_group("multi-instance")
     m.add_argument("--instances", type=int, default=1, help="engine workers behind one router (threads split evenly)")

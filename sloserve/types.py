@@ -44,6 +44,23 @@ class QoSClass:
 
 DEFAULT_QOS = QoSClass()
 
+# Limits on SamplingParams: what the engine can take without overflowing a torch integer or
+# letting one request's stop list slow the whole batch. The server reports a breach as a 400.
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # int64; torch seeds take [-2**63, 2**64 - 1], so seed + j (n) fits
+INT32_MAX = 2**31 - 1  # top_k, max_tokens, min_tokens and token ids become int32/int64 tensors
+MAX_LOGPROBS = 20  # top logprobs per token, as OpenAI
+MAX_STOP_STRINGS = 32
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
+
+
+def _show(value: object) -> str:
+    """A value for an error message; a huge int has no printable repr (Python caps it at 4300 digits)."""
+    if isinstance(value, int) and value.bit_length() > 128:
+        return f"an integer of {value.bit_length()} bits"
+    text = repr(value)
+    return text if len(text) <= 64 else text[:61] + "..."
+
 
 @dataclass
 class SamplingParams:
@@ -72,6 +89,7 @@ class SamplingParams:
         self.validate()
 
     def validate(self) -> None:
+        """Every field against the range the engine can take; messages start with the field name."""
         def check(ok: bool, msg: str) -> None:
             if not ok:
                 raise ValueError(msg)
@@ -80,28 +98,44 @@ class SamplingParams:
             return isinstance(x, int) and not isinstance(x, bool)
 
         def is_num(x: object) -> bool:
-            return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+            if isinstance(x, bool) or not isinstance(x, (int, float)):
+                return False
+            try:
+                return math.isfinite(x)
+            except OverflowError:  # an int too large for a float
+                return False
 
-        check(self.max_tokens is None or (is_int(self.max_tokens) and self.max_tokens >= 1),
-              f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        def int_in(x: object, lo: int, hi: int) -> bool:
+            return is_int(x) and lo <= x <= hi  # type: ignore[operator]
+
+        check(self.max_tokens is None or int_in(self.max_tokens, 1, INT32_MAX),
+              f"max_tokens must be an integer in [1, {INT32_MAX}], got {_show(self.max_tokens)}")
         check(is_num(self.temperature) and self.temperature >= 0,
-              f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        check(is_num(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}")
-        check(is_int(self.top_k) and self.top_k >= -1, f"top_k must be -1, 0 or a positive integer, got {self.top_k!r}")
-        check(is_num(self.min_p) and 0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p!r}")
+              f"temperature must be a finite number >= 0, got {_show(self.temperature)}")
+        check(is_num(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {_show(self.top_p)}")
+        check(int_in(self.top_k, -1, INT32_MAX),
+              f"top_k must be -1, 0 or a positive integer up to {INT32_MAX}, got {_show(self.top_k)}")
+        check(is_num(self.min_p) and 0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {_show(self.min_p)}")
         check(is_num(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
-              f"presence_penalty must be in [-2, 2], got {self.presence_penalty!r}")
+              f"presence_penalty must be in [-2, 2], got {_show(self.presence_penalty)}")
         check(is_num(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
-              f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty!r}")
+              f"frequency_penalty must be in [-2, 2], got {_show(self.frequency_penalty)}")
         check(is_num(self.repetition_penalty) and self.repetition_penalty > 0,
-              f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
-        check(self.seed is None or is_int(self.seed), f"seed must be an integer, got {self.seed!r}")
-        check(all(isinstance(s, str) and s for s in self.stop), "stop must be a list of non-empty strings")
-        check(all(is_int(t) and t >= 0 for t in self.stop_token_ids),
-              "stop_token_ids must be a list of non-negative integers")
-        check(is_int(self.min_tokens) and self.min_tokens >= 0, f"min_tokens must be >= 0, got {self.min_tokens!r}")
-        check(self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= 20),
-              f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
+              f"repetition_penalty must be a finite number > 0, got {_show(self.repetition_penalty)}")
+        check(self.seed is None or int_in(self.seed, SEED_MIN, SEED_MAX),
+              f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}], got {_show(self.seed)}")
+        check(isinstance(self.stop, (list, tuple)) and len(self.stop) <= MAX_STOP_STRINGS,
+              f"stop must be a list of at most {MAX_STOP_STRINGS} strings")
+        check(all(isinstance(s, str) and 1 <= len(s) <= MAX_STOP_STRING_CHARS for s in self.stop),
+              f"stop must hold strings of 1 to {MAX_STOP_STRING_CHARS} characters")
+        check(isinstance(self.stop_token_ids, (list, tuple)) and len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS,
+              f"stop_token_ids must be a list of at most {MAX_STOP_TOKEN_IDS} token ids")
+        check(all(int_in(t, 0, INT32_MAX) for t in self.stop_token_ids),
+              f"stop_token_ids must be integers in [0, {INT32_MAX}]")
+        check(int_in(self.min_tokens, 0, INT32_MAX),
+              f"min_tokens must be an integer in [0, {INT32_MAX}], got {_show(self.min_tokens)}")
+        check(self.logprobs is None or int_in(self.logprobs, 0, MAX_LOGPROBS),
+              f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {_show(self.logprobs)}")
 
     @property
     def greedy(self) -> bool:

@@ -130,7 +130,7 @@ def test_token_chunks_include_empty_text_but_not_the_chat_role_chunk():
     assert _is_token_chunk({"index": 0, "text": ""}, "completions")
     assert _is_token_chunk({"index": 0, "text": "Hi", "finish_reason": None}, "completions")
     assert not _is_token_chunk({"index": 0}, "completions")
-    # chat: the opening role chunk comes before any token (sloserve sends it before the prefill)
+    # chat: an opening role chunk carries no token (sloserve sends it in the first token's write)
     assert not _is_token_chunk({"index": 0, "delta": {"role": "assistant", "content": ""}}, "chat")
     assert _is_token_chunk({"index": 0, "delta": {"role": "assistant", "content": "Hi"}}, "chat")
     assert _is_token_chunk({"index": 0, "delta": {"content": ""}}, "chat")

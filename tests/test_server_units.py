@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -130,6 +131,33 @@ def test_admission_bound_is_all_or_none_and_drain_aborts_leftovers():
     asyncio.run(main())
 
 
+def test_admission_never_fits_is_400_not_now_is_429():
+    adm = Admission(max_running=2, max_queue=1)
+    with pytest.raises(APIError) as never:
+        adm.check_room(4)
+    assert never.value.status == 400 and never.value.code == "exceeds_capacity" and never.value.param == "n"
+    adm.admit(["a", "b"])
+    with pytest.raises(APIError) as later:
+        adm.check_room(2)
+    assert later.value.status == 429 and later.value.code == "queue_full"
+    adm.check_room(1)
+    slot = adm.take_slot("tokenize")
+    assert adm.num_in_flight == 3
+    with pytest.raises(APIError) as full:
+        adm.take_slot("tokenize")
+    assert full.value.status == 429
+    adm.release(slot)
+    assert adm.num_in_flight == 2
+
+
+def test_connection_settings_are_validated():
+    for bad in (dict(header_timeout_s=0), dict(body_timeout_s=float("inf")), dict(max_connections=0)):
+        with pytest.raises(ValueError):
+            ServerSettings(**bad).validate()
+    limits = ServerSettings(header_timeout_s=3, max_connections=7).connection_limits()
+    assert limits.header_timeout_s == 3 and limits.max_connections == 7 and limits.body_timeout_s == 30
+
+
 # ------------------------------------------------------------------ metrics
 
 
@@ -199,7 +227,8 @@ def edge_client():
     core = SimpleNamespace(
         tokenizer=SimpleNamespace(token_bytes=lambda i: b"x", encode=lambda t: [1, 2], decode=lambda ids: "ab"),
         model_name="fake", max_model_len=128, model_config=SimpleNamespace(vocab_size=100),
-        config=SimpleNamespace(scheduler=SimpleNamespace(max_num_seqs=4)),
+        config=SimpleNamespace(scheduler=SimpleNamespace(max_num_seqs=4, max_num_batched_tokens=512, policy="fcfs")),
+        clock=time.monotonic,
         scheduler=SimpleNamespace(num_running=0, num_waiting=0, stats=stats),
         kv=SimpleNamespace(usage=0.0, stats=SimpleNamespace(queries=0, hits=0)),
     )

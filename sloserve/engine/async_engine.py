@@ -2,8 +2,9 @@
 requests, iterate their outputs as they are produced, and abort them.
 
 All engine state is touched by the loop thread only. Callers talk to it through an inbox
-(adds and aborts) and receive outputs through a per-request asyncio queue, so the HTTP
-event loop never blocks on a model step.
+(adds and aborts) and receive outputs through a per-request stream, so the HTTP event loop
+never blocks on a model step and the engine thread never blocks on a slow reader: outputs
+the reader has not taken yet are merged into one (their deltas appended).
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from collections import deque
 from typing import AsyncIterator, Optional
 
 from sloserve.engine.llm_engine import LLMEngine, Prompt
-from sloserve.engine.outputs import RequestOutput
+from sloserve.engine.outputs import OutputAccumulator, RequestOutput
 from sloserve.types import Request, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -24,21 +25,52 @@ class EngineDeadError(RuntimeError):
     """The engine loop failed while this request was in flight."""
 
 
+class RequestFailedError(EngineDeadError):
+    """The engine failed this request alone (its batch neighbours went on)."""
+
+
 class RequestStream:
-    """Async iterator over one request's outputs. Leaving it early aborts the request."""
+    """Async iterator over one request's outputs. Leaving it early aborts the request.
+
+    Each item is everything new since the previous item: when the reader falls behind, the
+    outputs it has not taken are merged, so what a stream holds is bounded by the request's
+    output, never by the number of engine steps.
+    """
 
     def __init__(self, engine: "AsyncLLMEngine", request_id: str, loop: asyncio.AbstractEventLoop):
         self.request_id = request_id
         self._engine = engine
         self._loop = loop
-        self._queue: asyncio.Queue = asyncio.Queue()
+        self._lock = threading.Lock()  # the engine thread puts, the event loop takes
+        self._pending = OutputAccumulator()
+        self._error: Optional[BaseException] = None
+        self._wake_scheduled = False
+        self._ready = asyncio.Event()
         self.finished = False
 
-    def _put(self, item: object) -> None:  # called from the engine thread
+    def _put(self, item: "RequestOutput | BaseException") -> None:  # called from the engine thread
+        with self._lock:
+            if isinstance(item, BaseException):
+                self._error = item
+            else:
+                self._pending.add(item)
+            if self._wake_scheduled:
+                return  # the reader has a wake-up coming; it will take this too
+            self._wake_scheduled = True
         try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+            self._loop.call_soon_threadsafe(self._wake)
         except RuntimeError:  # the caller's event loop is gone: nobody is listening
             self._engine.abort(self.request_id)
+
+    def _wake(self) -> None:  # on the event loop
+        with self._lock:
+            self._wake_scheduled = False
+        self._ready.set()
+
+    def _take(self) -> "RequestOutput | BaseException | None":
+        with self._lock:
+            out = self._pending.take()
+            return out if out is not None else self._error
 
     def __aiter__(self) -> "RequestStream":
         return self
@@ -46,11 +78,16 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if self.finished:
             raise StopAsyncIteration
-        try:
-            item = await self._queue.get()
-        except BaseException:  # cancelled: the client went away
-            self.abort()
-            raise
+        while True:
+            self._ready.clear()
+            item = self._take()
+            if item is not None:
+                break
+            try:
+                await self._ready.wait()
+            except BaseException:  # cancelled: the client went away
+                self.abort()
+                raise
         if isinstance(item, BaseException):
             self.finished = True
             raise item
@@ -166,6 +203,10 @@ class AsyncLLMEngine:
         if out.finished:
             with self._cond:
                 self._streams.pop(out.request_id, None)
+        if out.error is not None:  # the engine failed this request alone: its stream raises
+            logger.warning("request %s failed in the engine: %s", out.request_id, out.error)
+            stream._put(RequestFailedError(f"the engine failed request {out.request_id}: {out.error}"))
+            return
         stream._put(out)
 
     def _close(self, request_id: str, error: BaseException) -> None:

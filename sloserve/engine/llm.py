@@ -6,7 +6,7 @@ from typing import Optional, Sequence, Union
 
 from sloserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from sloserve.engine.llm_engine import LLMEngine, Prompt
-from sloserve.engine.outputs import RequestOutput
+from sloserve.engine.outputs import CompletedOutput, OutputAccumulator
 from sloserve.types import SamplingParams
 
 Messages = list[dict]
@@ -57,8 +57,10 @@ class LLM:
         prompts: Union[Prompt, Sequence[Prompt]],
         params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
         progress: bool = False,
-    ) -> list[RequestOutput]:
-        """One finished output per prompt, in order. Every prompt is validated before any runs."""
+    ) -> list[CompletedOutput]:
+        """One finished output per prompt, in order. Every prompt is validated before any runs.
+
+        A request the engine failed alone ends with `finish_reason` "abort" and its `error` set."""
         prompt_list = _as_prompt_list(prompts)
         if params is None or isinstance(params, SamplingParams):
             param_list = [params or SamplingParams()] * len(prompt_list)
@@ -74,7 +76,7 @@ class LLM:
         messages: Union[Messages, Sequence[Messages]],
         params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
         progress: bool = False,
-    ) -> list[RequestOutput]:
+    ) -> list[CompletedOutput]:
         """Apply the model's chat template and generate; one output per conversation."""
         if not isinstance(messages, (list, tuple)) or not messages:
             raise ValueError("messages must be a non-empty list")
@@ -82,19 +84,21 @@ class LLM:
         prompts = [self.tokenizer.encode_chat(list(c)) for c in conversations]
         return self.generate(prompts, params, progress)
 
-    def _run(self, requests, progress: bool) -> list[RequestOutput]:
+    def _run(self, requests, progress: bool) -> list[CompletedOutput]:
         for request in requests:
             self.engine.add(request)
         order = {r.request_id: i for i, r in enumerate(requests)}
-        results: list[Optional[RequestOutput]] = [None] * len(requests)
+        folds = [OutputAccumulator() for _ in requests]
         bar = _progress(len(requests)) if progress else None
         try:
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step():
-                    if out.finished and out.request_id in order:
-                        results[order[out.request_id]] = out
-                        if bar:
-                            bar[0].advance(bar[1])
+                    i = order.get(out.request_id)
+                    if i is None:
+                        continue
+                    folds[i].add(out)
+                    if out.finished and bar:
+                        bar[0].advance(bar[1])
         except BaseException:
             for request in requests:  # leave no request (and no KV block) behind
                 self.engine.abort_request(request.request_id)
@@ -102,7 +106,7 @@ class LLM:
         finally:
             if bar:
                 bar[0].stop()
-        return results  # type: ignore[return-value]
+        return [f.completed() for f in folds]
 
 
 def _as_prompt_list(prompts) -> list[Prompt]:

@@ -18,13 +18,15 @@ from sloserve.config import EngineConfig, ModelConfig
 from sloserve.engine.kernels import load_paged_decode_attention
 from sloserve.engine.model import KVCache, LlamaModel
 from sloserve.engine.outputs import RequestMetrics, RequestOutput, TokenLogprob
-from sloserve.engine.runner import ModelRunner
+from sloserve.engine.runner import KVTransferError, ModelRunner
 from sloserve.engine.step_trace import StepRecord, StepTraceWriter
+from sloserve.engine.stop_strings import StopMatcher
 from sloserve.engine.swap import HostKVPool, measure_link_bandwidth
 from sloserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from sloserve.engine.weights import load_model
 from sloserve.kv.manager import KVCacheManager
 from sloserve.sched.costs import LinkSwapCost, OnlineStepEstimator, StepCostEstimator, StepLoad
+from sloserve.sched.plan import ScheduledRequest, StepPlan, StepResult
 from sloserve.sched.scheduler import Scheduler
 from sloserve.types import DEFAULT_QOS, FinishReason, QoSClass, Request, SamplingParams
 
@@ -70,6 +72,7 @@ class _Tracked:
     sent_token_len: int = 0
     stop_reason: Optional[Union[str, int]] = None
     final_text: Optional[str] = None
+    stop_matcher: Optional[StopMatcher] = None  # None when the request has no stop strings
 
 
 class LLMEngine:
@@ -187,12 +190,15 @@ class LLMEngine:
         """Queue a request built by make_request (on the thread that runs step())."""
         if request.request_id in self._tracked:
             raise ValueError(f"duplicate request id {request.request_id!r}")
+        params = request.sampling_params
+        # Built once here, so each step costs O(new characters) whatever the number of stop strings.
+        matcher = StopMatcher(params.stop) if params.stop else None
         self.scheduler.add_request(request)
-        want_logprobs = request.sampling_params.logprobs is not None
-        detok = IncrementalDetokenizer(
-            self.tokenizer, request.prompt_token_ids, skip_special_tokens=request.sampling_params.skip_special_tokens
-        )
-        self._tracked[request.request_id] = _Tracked(request, detok, [] if want_logprobs else None)
+        want_logprobs = params.logprobs is not None
+        detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids,
+                                       skip_special_tokens=params.skip_special_tokens)
+        self._tracked[request.request_id] = _Tracked(request, detok, [] if want_logprobs else None,
+                                                     stop_matcher=matcher)
 
     def add_request(self, prompt: Prompt, params: Optional[SamplingParams] = None, **kwargs) -> str:
         request = self.make_request(prompt, params, **kwargs)
@@ -221,11 +227,22 @@ class LLMEngine:
         if plan.is_empty and not plan.has_kv_ops:
             return []
         scheduled = self.clock()
-        result = self.runner.execute(plan)
-        now = self.clock()
-        self._learn_costs(plan, result.duration_s)
-        produced = self.scheduler.update(plan, result, now)
+        failed: dict[str, str] = {}
+        try:
+            result = self.runner.execute(plan)
+        except KVTransferError:
+            raise  # the KV pool itself is in doubt: an engine fault
+        except Exception as exc:
+            plan, result, failed = self._isolate_failures(plan, exc)
+            now = self.clock()
+        else:
+            now = self.clock()
+            self._learn_costs(plan, result.duration_s)
         outputs = []
+        for request_id, error in failed.items():  # abort first: frees their blocks, update skips them
+            self.scheduler.abort_request(request_id, now)
+            outputs.append(self._emit(self._tracked[request_id], error=error))
+        produced = self.scheduler.update(plan, result, now)
         for request in produced:
             tracked = self._tracked[request.request_id]
             token = request.output_token_ids[-1]
@@ -250,6 +267,33 @@ class LLMEngine:
             self._trace.close()
             self._trace = None
 
+    def _isolate_failures(self, plan: StepPlan, exc: Exception) -> tuple[StepPlan, StepResult, dict[str, str]]:
+        """The step's compute failed: re-run each scheduled request alone, so one request's bad
+        input never fails its neighbours. The plan's KV operations already ran and are not
+        repeated. Returns the plan and result of the requests that ran, and an error per request
+        that failed alone; if every one of several failed, re-raises `exc` (an engine fault: the
+        caller fails everything in flight), while a step of one request fails that request only. The re-runs'
+        durations are not a batch's cost, so they teach the estimators nothing."""
+        logger.warning("step %d failed (%r); re-running its %d requests one at a time", plan.step_id, exc,
+                       len(plan.scheduled))
+        kept: list[ScheduledRequest] = []
+        result = StepResult({})
+        failed: dict[str, str] = {}
+        for item in plan.scheduled:
+            try:
+                alone = self.runner.execute(StepPlan(plan.step_id, plan.now, [item]))
+            except Exception as err:  # noqa: BLE001 - whatever it is, it is this request's alone
+                logger.error("request %s failed in the engine: %r", item.request_id, err, exc_info=err)
+                failed[item.request_id] = f"{type(err).__name__}: {err}"
+                continue
+            kept.append(item)
+            result.sampled_token_ids.update(alone.sampled_token_ids)
+            result.extras.update(alone.extras)
+            result.duration_s += alone.duration_s
+        if not kept and len(plan.scheduled) > 1:
+            raise exc  # several requests that each fail alone: the engine, not their input
+        return StepPlan(plan.step_id, plan.now, kept, preempted=plan.preempted), result, failed
+
     def _learn_costs(self, plan, duration_s: float) -> None:
         """Feed measured times back to the estimators the scheduler prices decisions with."""
         swap_s, swap_blocks = self.runner.last_swap_s, self.runner.last_swap_blocks
@@ -260,51 +304,51 @@ class LLMEngine:
             observe(StepLoad.of_plan(plan), duration_s - swap_s)
 
     def _check_stop_strings(self, tracked: _Tracked, now: float) -> None:
-        stops = tracked.request.sampling_params.stop
-        if not stops:
+        """Feed the matcher the text added since the last step (the detokenizer's text only grows)."""
+        matcher = tracked.stop_matcher
+        if matcher is None:
             return
         text = tracked.detok.text
-        window_start = max(0, tracked.sent_text_len - max(map(len, stops)))
-        best: Optional[tuple[int, str]] = None
-        for stop in stops:
-            i = text.find(stop, window_start)
-            if i >= 0 and (best is None or i < best[0]):
-                best = (i, stop)
-        if best is None:
+        match = matcher.feed(text[matcher.consumed:])
+        if match is None:
             return
-        i, stop = best
         include = tracked.request.sampling_params.include_stop_str_in_output
-        tracked.final_text = text[: i + len(stop)] if include else text[:i]
-        tracked.stop_reason = stop
+        end = match.start + len(match.stop) if include else match.start
+        tracked.final_text = text[:end]
+        tracked.stop_reason = match.stop
         self.scheduler.finish_request(tracked.request.request_id, FinishReason.STOP, now)
 
     def _visible_text(self, tracked: _Tracked) -> str:
         if tracked.final_text is not None:
             return tracked.final_text
         text = tracked.detok.text
-        stops = tracked.request.sampling_params.stop
-        if stops and not tracked.request.is_finished:
-            # Hold back what could still become a stop string, so a stream never shows it.
-            hold = max(map(len, stops)) - 1
+        matcher = tracked.stop_matcher
+        if matcher is not None and not tracked.request.is_finished:
+            # Hold back exactly the tail that could still grow into a stop string (and anything
+            # not yet matched), so a stream never shows a stop string or a part of one.
+            hold = matcher.pending + (len(text) - matcher.consumed)
             text = text[: max(tracked.sent_text_len, len(text) - hold)]
         return text
 
-    def _emit(self, tracked: _Tracked) -> RequestOutput:
+    def _emit(self, tracked: _Tracked, error: Optional[str] = None) -> RequestOutput:
+        """What is new since the request's previous output: O(new tokens), never a copy of it all."""
         request = tracked.request
         if request.is_finished:
             tracked.detok.flush()  # a generation may end inside a multi-byte character
         text = self._visible_text(tracked)
         tokens = request.output_token_ids
+        new_logprobs = tracked.logprobs
+        if new_logprobs is not None:
+            tracked.logprobs = []  # handed over: the engine keeps only what it has not emitted
         out = RequestOutput(
             request_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,
-            text=text,
-            token_ids=list(tokens),
             delta_text=text[tracked.sent_text_len:],
             delta_token_ids=tokens[tracked.sent_token_len:],
+            delta_logprobs=new_logprobs,
+            num_output_tokens=len(tokens),
             finished=request.is_finished,
             finish_reason=request.finish_reason.value if request.finish_reason else None,
-            logprobs=list(tracked.logprobs) if tracked.logprobs is not None else None,
             num_cached_tokens=request.num_cached_tokens,
             metrics=RequestMetrics(
                 arrival_time=request.arrival_time,
@@ -314,6 +358,7 @@ class LLMEngine:
                 num_preemptions=request.num_preemptions,
             ),
             stop_reason=tracked.stop_reason,
+            error=error,
         )
         tracked.sent_text_len = len(text)
         tracked.sent_token_len = len(tokens)

@@ -11,6 +11,13 @@ from sloserve.engine.sampler import Sampler, SamplingRow
 from sloserve.engine.swap import HostKVPool
 from sloserve.sched.plan import ScheduledRequest, StepPlan, StepResult
 
+_SEED_MODULUS = 2**64  # torch generators take seeds in [0, 2**64); they reduce negatives the same way
+
+
+class KVTransferError(RuntimeError):
+    """The step failed while moving KV blocks (swap or copy-on-write), before any request
+    computed: the pool's contents are unknown, so this is an engine fault, not a request's."""
+
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, kv_cache: KVCache, eos_token_ids: tuple[int, ...], seed: int = 0,
@@ -29,15 +36,36 @@ class ModelRunner:
         self._generators: dict[str, torch.Generator] = {}
 
     def execute(self, plan: StepPlan) -> StepResult:
+        """Run the plan's KV operations, then its forward pass and sampling.
+
+        Raises KVTransferError when the KV operations fail. When the compute fails, the seeded
+        requests' generators are as before the call, so the engine can re-run any subset of
+        the plan's requests (without its KV operations) and draw the same tokens."""
         t0 = time.perf_counter()
         self.last_swap_s, self.last_swap_blocks = 0.0, 0
-        if plan.swap_out or plan.swap_in:
-            self._swap(plan)
-            self.last_swap_s = time.perf_counter() - t0
-        if plan.copies:
-            self.kv_cache.copy_blocks([(op.src, op.dst) for op in plan.copies])
+        try:
+            if plan.swap_out or plan.swap_in:
+                self._swap(plan)
+                self.last_swap_s = time.perf_counter() - t0
+            if plan.copies:
+                self.kv_cache.copy_blocks([(op.src, op.dst) for op in plan.copies])
+        except Exception as exc:
+            raise KVTransferError(f"KV block transfer failed: {exc!r}") from exc
         if plan.is_empty:
             return StepResult({}, time.perf_counter() - t0)
+        saved = [(gen, gen.get_state()) for s in plan.scheduled
+                 if (gen := self._generators.get(s.request_id)) is not None]
+        created = [s.request_id for s in plan.scheduled if s.request_id not in self._generators]
+        try:
+            return self._compute(plan, t0)
+        except BaseException:
+            for gen, state in saved:
+                gen.set_state(state)
+            for request_id in created:
+                self._generators.pop(request_id, None)
+            raise
+
+    def _compute(self, plan: StepPlan, t0: float) -> StepResult:
         decodes = [s for s in plan.scheduled if s.num_new_tokens == 1]
         prefills = [s for s in plan.scheduled if s.num_new_tokens > 1]
         ordered = decodes + prefills
@@ -76,7 +104,8 @@ class ModelRunner:
             gen = self._generators.get(req.request_id)
             if gen is None:
                 gen = torch.Generator(device=self.device)
-                gen.manual_seed(params.seed)
+                # Seeds are validated to 64 bits signed, but choice j of n uses seed + j.
+                gen.manual_seed(params.seed % _SEED_MODULUS)
                 self._generators[req.request_id] = gen
         return SamplingRow(params, req.output_token_ids, req.prompt_token_ids, gen, self.eos_token_ids)
 

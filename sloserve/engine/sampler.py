@@ -177,10 +177,11 @@ class Sampler:
         # and min-p becomes a plain threshold on log(min_p).
         x = (logits - logits.max(dim=-1, keepdim=True).values) / temp.unsqueeze(1)
 
-        top_k = [r.params.top_k if r.params.top_k > 0 else vocab for r in rows]
+        # Clamped here, not in the tensor: a top_k past int64 would overflow building it.
+        top_k = [min(r.params.top_k, vocab) if r.params.top_k > 0 else vocab for r in rows]
         top_p = [r.params.top_p for r in rows]
         if any(k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
-            x = _apply_top_k_top_p(logits, x, torch.tensor(top_k, device=dev).clamp_(max=vocab),
+            x = _apply_top_k_top_p(logits, x, torch.tensor(top_k, device=dev),
                                    torch.tensor(top_p, device=dev, dtype=dtype))
         min_p = [r.params.min_p for r in rows]
         if any(p > 0.0 for p in min_p):

@@ -105,6 +105,23 @@ def validate_messages(messages: Any) -> None:
             raise ValueError(f"messages[{i}].role must be one of {sorted(CHAT_ROLES)}, got {role!r}")
         if not isinstance(message.get("content"), str):
             raise ValueError(f"messages[{i}].content must be a string")
+        for key, value in message.items():
+            if isinstance(value, str):
+                check_unicode(value, f"messages[{i}].{key}")
+
+
+def check_unicode(text: str, what: str = "prompt") -> None:
+    """Refuse text that has no UTF-8 encoding before it reaches `tokenizers`.
+
+    A JSON string may escape a lone surrogate ("\\ud800"); Python keeps it, and the Rust
+    tokenizer then fails with a TypeError that looks like a bug instead of a bad request.
+    """
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"{what} contains invalid Unicode (a lone surrogate at character {exc.start})") from None
 
 
 class Tokenizer:
@@ -241,8 +258,13 @@ class Tokenizer:
     # ------------------------------------------------------------------ encode / decode
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        """Token ids of `text`; special tokens written in the text (`<|im_start|>`) become their ids."""
-        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        """Token ids of `text`; special tokens written in the text (`<|im_start|>`) become their ids.
+
+        Raises ValueError for text that is not valid Unicode (a lone surrogate)."""
+        check_unicode(text)
+        # encode_batch releases the GIL while the Rust side works (encode holds it for the whole
+        # call: seconds for a multi-MB prompt), so a server can tokenize off its event loop.
+        return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -451,7 +473,10 @@ class IncrementalDetokenizer:
 
     @property
     def text(self) -> str:
-        """All text emitted so far (held-back bytes excluded)."""
+        """All text emitted so far (held-back bytes excluded).
+
+        Append-only: a later value always starts with an earlier one, since deltas are only
+        ever appended. Stop-string matching relies on it to feed just the new characters."""
         return "".join(self._pieces)
 
     @property

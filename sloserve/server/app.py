@@ -6,6 +6,8 @@ registry, so several apps can coexist in one process.
 """
 from __future__ import annotations
 
+import asyncio
+import json
 import logging
 import uuid
 from dataclasses import dataclass
@@ -22,6 +24,7 @@ from starlette.requests import ClientDisconnect
 import sloserve
 from sloserve.engine.async_engine import AsyncLLMEngine
 from sloserve.server.admission import Admission
+from sloserve.server.connections import BodyTimeout
 from sloserve.server.errors import APIError, bad_request, error_response, install_error_handlers
 from sloserve.server.metrics import EngineGauges, ServerMetrics
 from sloserve.server.middleware import EdgeMiddleware
@@ -35,6 +38,7 @@ from sloserve.server.protocol import (
 )
 from sloserve.server.serving import STATUS_CLIENT_GONE, OpenAIServing
 from sloserve.server.settings import ServerSettings
+from sloserve.server.shedding import Shedder
 
 logger = logging.getLogger(__name__)
 
@@ -86,18 +90,25 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
     settings.validate()
     core = engine.engine
     names = settings.served_model_names or [core.model_name]
-    admission = Admission(core.config.scheduler.max_num_seqs, settings.max_queue, settings.retry_after_s)
+    shedder = Shedder(core, settings.retry_after_s) if settings.shed_unattainable else None
+    admission = Admission(core.config.scheduler.max_num_seqs, settings.max_queue, settings.retry_after_s, shedder)
     metrics = ServerMetrics(EngineGauges.of(core, lambda: admission.num_in_flight), names[0])
-    serving = OpenAIServing(engine, names, settings.registry, admission, metrics)
+    serving = OpenAIServing(engine, names, settings.registry, admission, metrics,
+                            stall_timeout_s=settings.stall_timeout_s)
     state = ServerState(engine, settings, admission, metrics, serving)
 
     app = FastAPI(title="sloserve", version=sloserve.__version__, docs_url="/docs", redoc_url=None)
     app.router.route_class = _Route
     app.state.sloserve = state
     install_error_handlers(app)
+
+    @app.exception_handler(BodyTimeout)
+    async def _body_timeout(request: Request, exc: BodyTimeout) -> Response:
+        return error_response(APIError(408, str(exc.detail), code="request_timeout", headers={"Connection": "close"}))
+
     app.add_middleware(EdgeMiddleware, admission=admission, registry=settings.registry,
                        max_body_bytes=settings.max_body_bytes, observe_http=metrics.observe_http,
-                       on_rejected=metrics.observe_rejected)
+                       on_rejected=metrics.observe_rejected, body_timeout_s=settings.body_timeout_s)
     _add_routes(app, state)
     return app
 
@@ -135,11 +146,17 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await serving.chat(body, request)
 
-    @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest) -> dict:
-        serving.check_model(body.model)
-        if (body.prompt is None) == (body.messages is None):
-            raise bad_request("give exactly one of prompt or messages", "prompt")
+    def take_slot(prefix: str) -> str:
+        """An admission slot for the tokenizer endpoints, refusals counted like generation's."""
+        try:
+            return state.admission.take_slot(prefix)
+        except APIError as err:
+            if err.code in ("queue_full", "draining"):
+                state.metrics.observe_rejected(err.code)
+            raise
+
+    def encode(body: TokenizeRequest) -> bytes:
+        """The whole answer, serialized here: a million ids take FastAPI's encoder a second."""
         try:
             if body.messages is not None:
                 conversation = [m.plain(i) for i, m in enumerate(body.messages)]
@@ -148,12 +165,34 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
                 ids = core.tokenizer.encode(body.prompt or "")
         except ValueError as exc:
             raise bad_request(str(exc), "messages" if body.messages is not None else "prompt") from None
-        return {"tokens": ids, "count": len(ids), "max_model_len": core.max_model_len}
+        return json.dumps({"tokens": ids, "count": len(ids), "max_model_len": core.max_model_len}).encode()
+
+    def decode(tokens: list[int]) -> str:
+        vocab = core.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in tokens):
+            raise bad_request(f"tokens must be integers in [0, {vocab})", "tokens")
+        return core.tokenizer.decode(tokens)
+
+    # Both cost CPU in proportion to the body: they hold an admission slot (a flood gets 429
+    # like generation) and run in a worker thread, so /health and streams never wait on them.
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> Response:
+        serving.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise bad_request("give exactly one of prompt or messages", "prompt")
+        slot = take_slot("tokenize")
+        try:
+            content = await asyncio.to_thread(encode, body)
+        finally:
+            state.admission.release(slot)
+        return Response(content, media_type="application/json")
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict:
         serving.check_model(body.model)
-        vocab = core.model_config.vocab_size
-        if any(not 0 <= t < vocab for t in body.tokens):
-            raise bad_request(f"tokens must be integers in [0, {vocab})", "tokens")
-        return {"prompt": core.tokenizer.decode(body.tokens)}
+        slot = take_slot("detokenize")
+        try:
+            text = await asyncio.to_thread(decode, body.tokens)
+        finally:
+            state.admission.release(slot)
+        return {"prompt": text}

@@ -17,6 +17,7 @@ import uvicorn
 
 from sloserve.config import EngineConfig
 from sloserve.server.app import ServerState, build_app
+from sloserve.server.connections import uvicorn_config
 from sloserve.server.settings import ServerSettings
 
 logger = logging.getLogger(__name__)
@@ -73,8 +74,7 @@ def run_server(engine_config: EngineConfig, settings: ServerSettings, host: str 
     engine = AsyncLLMEngine(LLMEngine(engine_config))
     try:
         app = build_app(engine, settings)
-        config = uvicorn.Config(app, host=host, port=port, lifespan="off", access_log=False, log_config=None,
-                                timeout_graceful_shutdown=5, timeout_keep_alive=5)
+        config = uvicorn_config(app, host=host, port=port, limits=settings.connection_limits())
         server = DrainingServer(config, app.state.sloserve, settings.grace_period_s)
         names = settings.served_model_names or [engine.engine.model_name]
         logger.info("serving %s on http://%s:%d (max in flight %d)", names[0], host, port,

@@ -52,6 +52,7 @@ VLLM_NAMES: dict[str, Optional[str]] = {
     "sloserve:engine_max_batch_size": None,
     "sloserve:requests_rejected_total": None,
     "sloserve:http_requests_total": None,
+    "sloserve:client_stalled_total": None,
     "sloserve:slo_requests_total": None,
     "sloserve:slo_attained_requests_total": None,
     "sloserve:slo_attainment_ratio": None,
@@ -197,6 +198,9 @@ class ServerMetrics:
                                 m + ["reason"], registry=r)
         self.http_requests = Counter(PREFIX + "http_requests", "HTTP responses by route and status code.",
                                      m + ["route", "status"], registry=r)
+        self.client_stalled = Counter(PREFIX + "client_stalled", "Streams ended because the client stopped reading.",
+                                      m, registry=r)
+        self.client_stalled.labels(model_name)  # exposed (as 0) before the first one
         self._slo_totals: dict[str, list[int]] = {}
         r.register(_EngineCollector(gauges, model_name, self))
 
@@ -232,6 +236,9 @@ class ServerMetrics:
 
     def observe_rejected(self, reason: str) -> None:
         self.rejected.labels(self.model_name, reason).inc()
+
+    def observe_stalled(self) -> None:
+        self.client_stalled.labels(self.model_name).inc()
 
     def observe_http(self, route: str, status: int) -> None:
         self.http_requests.labels(self.model_name, route, str(status)).inc()

@@ -2,9 +2,9 @@
 and hides client disconnects).
 
 In order: count every response by route and status; refuse oversized bodies (413) before
-reading them; for API routes refuse new work while draining (503) and check the API key
-(401) before the body is even parsed, so a bad key never reveals how the body would have
-been judged.
+reading them, and bound the wait for each body chunk (408, connections.timed_receive); for
+API routes refuse new work while draining (503) and check the API key (401) before the body
+is even parsed, so a bad key never reveals how the body would have been judged.
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from sloserve.server.admission import Admission
+from sloserve.server.connections import timed_receive
 from sloserve.server.errors import APIError
 from sloserve.server.qos import QoSRegistry
 
@@ -49,6 +50,7 @@ class EdgeMiddleware:
         max_body_bytes: int,
         observe_http: Callable[[str, int], None],
         on_rejected: Callable[[str], None],
+        body_timeout_s: float = 30.0,
     ) -> None:
         self.app = app
         self.admission = admission
@@ -56,6 +58,7 @@ class EdgeMiddleware:
         self.max_body_bytes = max_body_bytes
         self.observe_http = observe_http
         self.on_rejected = on_rejected
+        self.body_timeout_s = body_timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -103,13 +106,15 @@ class EdgeMiddleware:
         return None
 
     def _limited(self, receive: Receive) -> Receive:
-        """Count body bytes as they arrive: chunked uploads have no Content-Length to check."""
+        """Count body bytes as they arrive (chunked uploads have no Content-Length to check), and
+        give up on a client that stalls mid-body (BodyTimeout: 408)."""
         seen = 0
         limit = self.max_body_bytes
+        timed = timed_receive(receive, self.body_timeout_s)
 
         async def wrapped() -> Message:
             nonlocal seen
-            message = await receive()
+            message = await timed()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > limit:

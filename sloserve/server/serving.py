@@ -2,8 +2,11 @@
 
 One HTTP request becomes one engine request per choice (`n` x prompts). Each engine
 request is wrapped in a tracking stream that measures TTFT/ITL as the server sees them and,
-however it ends (finished, aborted, client gone, engine failure), releases its admission
-slot, feeds the metrics and writes one access-log line, exactly once.
+however it ends (finished, aborted, client gone, client stalled, engine failure), releases
+its admission slot, feeds the metrics and writes one access-log line, exactly once.
+
+Tokenization and chat templates run in a small worker pool, never on the event loop: a
+multi-megabyte prompt must not stall `/health` or other requests' streams.
 """
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ import logging
 import re
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import AsyncIterator, Optional, Sequence, Union
 
@@ -21,7 +25,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from sloserve.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
-from sloserve.engine.outputs import RequestOutput
+from sloserve.engine.outputs import CompletedOutput, OutputAccumulator, RequestOutput
 from sloserve.server.admission import Admission
 from sloserve.server.errors import APIError, bad_request, error_body
 from sloserve.server.logprobs import TokenStrings, chat_logprobs, completion_logprobs
@@ -51,6 +55,10 @@ access_log = logging.getLogger("sloserve.access")
 
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 STATUS_CLIENT_GONE = 499  # nginx's convention for "client closed the request"
+DEFAULT_STALL_TIMEOUT_S = 60.0
+_SEED_SPAN = 2**64  # seeds are 64-bit; choice j of n uses seed + j, wrapped to stay a valid seed
+# What a tokenizer may raise on bad input (UnicodeError is a ValueError): a 400, never a 500.
+_TOKENIZER_ERRORS = (ValueError, TypeError)
 
 
 @dataclass
@@ -84,14 +92,23 @@ class OpenAIServing:
         registry: QoSRegistry,
         admission: Admission,
         metrics: ServerMetrics,
+        stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
+        tokenizer_threads: int = 2,
     ) -> None:
+        """`stall_timeout_s`: a stream whose client takes longer than this to accept one write
+        is ended and its engine requests aborted. `tokenizer_threads` bounds how many prompts
+        are tokenized at once (beyond that they queue, off the event loop)."""
+        if not stall_timeout_s > 0:
+            raise ValueError(f"stall_timeout_s must be > 0, got {stall_timeout_s!r}")
         self.engine = engine
         self.served_models = list(served_models)
         self.registry = registry
         self.admission = admission
         self.metrics = metrics
+        self.stall_timeout_s = stall_timeout_s
         self.tokenizer = engine.engine.tokenizer
         self.strings = TokenStrings(self.tokenizer)
+        self._tokenize_pool = ThreadPoolExecutor(max_workers=tokenizer_threads, thread_name_prefix="sloserve-tokenize")
 
     # ------------------------------------------------------------------ endpoints
 
@@ -101,7 +118,7 @@ class OpenAIServing:
         prompts = body.prompts()
         # Refuse under overload before spending CPU on tokenization.
         self._counting_rejections(self.admission.check_room, len(prompts) * body.num_choices)
-        prompt_ids = [self._tokenize(p, "prompt") for p in prompts]
+        prompt_ids = await self._off_loop(lambda: [self._tokenize(p) for p in prompts], "prompt")
         choices = self._choices(ctx, prompt_ids, params, body.num_choices)
         streams = self._submit(ctx, choices)
         if body.stream:
@@ -122,10 +139,7 @@ class OpenAIServing:
         params = body.sampling_params()
         conversation = body.conversation()
         self._counting_rejections(self.admission.check_room, body.num_choices)
-        try:
-            ids = self.tokenizer.encode_chat(conversation)
-        except ValueError as exc:
-            raise bad_request(str(exc), "messages") from None
+        ids = await self._off_loop(lambda: self._check_length(self.tokenizer.encode_chat(conversation)), "messages")
         choices = self._choices(ctx, [ids], params, body.num_choices)
         streams = self._submit(ctx, choices)
         if body.stream:
@@ -171,11 +185,25 @@ class OpenAIServing:
             priority = int(raw)
         return CallContext(request_id, model, principal, qos, priority)
 
-    def _tokenize(self, prompt: Union[str, list[int]], param: str) -> list[int]:
+    async def _off_loop(self, work, param: str):
+        """Run tokenizer work in the pool; its bad-input errors become a 400 on `param`."""
+        loop = asyncio.get_running_loop()
         try:
-            return self.engine.engine.tokenize_prompt(prompt)
-        except ValueError as exc:
-            raise bad_request(str(exc), param) from None
+            return await loop.run_in_executor(self._tokenize_pool, work)
+        except _TOKENIZER_ERRORS as exc:
+            if isinstance(exc, _TooLong):
+                raise bad_request(str(exc), param, "context_length_exceeded") from None
+            raise bad_request(str(exc) or f"the {param} could not be tokenized", param) from None
+
+    def _tokenize(self, prompt: Union[str, list[int]]) -> list[int]:
+        return self._check_length(self.engine.engine.tokenize_prompt(prompt))
+
+    def _check_length(self, ids: list[int]) -> list[int]:
+        """Refuse an over-long prompt in the worker, so its ids never reach the event loop."""
+        limit = self.engine.engine.max_model_len
+        if len(ids) >= limit:
+            raise _TooLong(f"prompt has {len(ids)} tokens; the context window is {limit}")
+        return ids
 
     def _choices(self, ctx: CallContext, prompt_ids: list[list[int]], params: SamplingParams, n: int) -> list[Choice]:
         total = len(prompt_ids) * n
@@ -188,20 +216,27 @@ class OpenAIServing:
                 index = p * n + j
                 engine_id = ctx.request_id if total == 1 else f"{ctx.request_id}-{index}"
                 # n samples of one prompt must differ even with a seed: offset it per choice.
-                choice_params = replace(params, seed=params.seed + j) if params.seed is not None and j else params
+                choice_params = replace(params, seed=_offset_seed(params.seed, j)) if params.seed is not None and j \
+                    else params
                 choices.append(Choice(index, engine_id, ids, choice_params, p))
         return choices
 
-    def _counting_rejections(self, gate, arg) -> None:
+    def _counting_rejections(self, gate, *args, **kwargs) -> None:
         try:
-            gate(arg)
+            gate(*args, **kwargs)
         except APIError as err:
-            if err.code in ("queue_full", "draining"):
+            if err.code in ("queue_full", "draining", "slo_unattainable"):
                 self.metrics.observe_rejected(err.code)
             raise
 
     def _submit(self, ctx: CallContext, choices: list[Choice]) -> list["TrackedStream"]:
-        """Admit and queue every choice, or none: a failure undoes what was queued."""
+        """Admit and queue every choice, or none: a failure undoes what was queued.
+
+        First the deadline check (can these requests still meet their class's TTFT target on
+        this instance's load?), then the slots; no await in between, so the shedder's record of
+        the work it let through matches the ids `admit` takes."""
+        self._counting_rejections(self.admission.check_deadline, sum(len(c.prompt_ids) for c in choices), ctx.qos,
+                                  ctx.priority, count=len(choices), max_tokens=choices[0].params.max_tokens)
         self._counting_rejections(self.admission.admit, [c.engine_id for c in choices])
         streams: list[RequestStream] = []
         try:
@@ -235,7 +270,7 @@ class OpenAIServing:
             tenant=ctx.principal.tenant,
             qos=ctx.qos,
             num_prompt_tokens=len(choice.prompt_ids),
-            num_output_tokens=len(last.token_ids) if last is not None else 0,
+            num_output_tokens=last.num_output_tokens if last is not None else 0,
             num_cached_tokens=last.num_cached_tokens if last is not None else 0,
             finish_reason=finish or "abort",
             ttft=m.ttft if m is not None else None,
@@ -256,18 +291,19 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------ non-streaming
 
-    async def _collect(self, request: Request, ctx: CallContext, streams: list["TrackedStream"]) -> list[RequestOutput]:
+    async def _collect(self, request: Request, ctx: CallContext,
+                       streams: list["TrackedStream"]) -> list[CompletedOutput]:
         """Run every choice to its end; a client that disconnects meanwhile aborts them all."""
 
-        async def last_of(stream: TrackedStream) -> RequestOutput:
-            final = None
+        async def whole(stream: TrackedStream) -> CompletedOutput:
+            fold = OutputAccumulator()
             async for out in stream:
-                final = out
-            if final is None or not final.finished:
+                fold.add(out)
+            if fold.empty or not fold.latest.finished:
                 raise EngineDeadError("the request ended without a final output")
-            return final
+            return fold.completed()
 
-        work = asyncio.ensure_future(asyncio.gather(*(last_of(s) for s in streams)))
+        work = asyncio.ensure_future(asyncio.gather(*(whole(s) for s in streams)))
         gone = asyncio.ensure_future(_wait_for_disconnect(request))
         try:
             await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -298,15 +334,24 @@ class OpenAIServing:
             for stream in streams:
                 stream.close()
 
+        def stalled() -> None:
+            logger.info("request %s: the client accepted no data for %.1fs; ending its stream", ctx.request_id,
+                        self.stall_timeout_s)
+            self.metrics.observe_stalled()
+
         return SSEResponse(events, cleanup, headers={"Cache-Control": "no-cache", "X-Request-Id": ctx.request_id,
-                                                     "X-Accel-Buffering": "no"})
+                                                     "X-Accel-Buffering": "no"},
+                           stall_timeout_s=self.stall_timeout_s, on_stall=stalled)
 
     async def _events(self, ctx: CallContext, choices: list[Choice], streams: list["TrackedStream"],
                       include_usage: bool, fmt: "_CompletionStream | _ChatStream") -> AsyncIterator[str]:
-        """The SSE events of one call: a chunk per generated token of any choice (its text may be
-        empty), then the usage chunk when asked for, then [DONE]; `fmt` shapes the chunks."""
+        """The SSE events of one call: a chunk per engine output of any choice that has new tokens
+        (one per token unless the client lags, then merged; its text may be empty), then the
+        usage chunk when asked for, then [DONE]; `fmt` shapes the chunks.
+
+        The openings (chat's role) go in the same write as the first generated chunk: until
+        then nothing is on the wire, so a front may still retry the request elsewhere."""
         finals: dict[int, RequestOutput] = {}
-        sent_lp = [0] * len(choices)
 
         def chunk(choice_list: list, usage: Optional[Usage] = None) -> str:
             c = fmt.chunk(ctx, choice_list)
@@ -314,21 +359,20 @@ class OpenAIServing:
                 c.usage = usage
             return _event(c.model_dump_json(exclude_unset=True))
 
-        for opening in fmt.opening(choices):
-            yield chunk(opening)
+        opening = "".join(chunk(o) for o in fmt.opening(choices))
         try:
             async with contextlib.aclosing(_merge(streams)) as merged:
                 async for i, out in merged:
                     c = choices[i]
                     lp = None
-                    if c.params.logprobs is not None and out.logprobs is not None and len(out.logprobs) > sent_lp[i]:
-                        lp = fmt.logprobs(i, out.logprobs[sent_lp[i]:])
-                        sent_lp[i] = len(out.logprobs)
+                    if c.params.logprobs is not None and out.delta_logprobs:
+                        lp = fmt.logprobs(i, out.delta_logprobs)
                     if not out.delta_token_ids and not out.finished and lp is None:
                         continue  # a chunk per new token, even one whose text is held back (as vLLM)
                     if out.finished:
                         finals[i] = out
-                    yield chunk([fmt.choice(c, out, lp)])
+                    yield opening + chunk([fmt.choice(c, out, lp)])
+                    opening = ""
         except EngineDeadError as exc:
             yield _stream_error(ctx, exc)
         else:
@@ -363,7 +407,8 @@ class _CompletionStream:
 
 
 class _ChatStream:
-    """Chunks of /v1/chat/completions: the role first (as OpenAI, before any token), then content deltas."""
+    """Chunks of /v1/chat/completions: the role first (as OpenAI, in the first token's write), then content
+    deltas."""
 
     def __init__(self, strings: TokenStrings) -> None:
         self.strings = strings
@@ -443,24 +488,54 @@ class TrackedStream:
         self._serving.account(self._ctx, self.choice, self._last, self._itls, self._status)
 
 
+class _ClientStalled(Exception):
+    """One write to the client did not complete within the stall timeout."""
+
+
 class SSEResponse(StreamingResponse):
     """A text/event-stream response that always runs its cleanup, even when the client is gone
-    before the first byte (then Starlette never starts the body iterator)."""
+    before the first byte (then Starlette never starts the body iterator).
+
+    A client that stops reading fills the socket's buffers, and the server's `send` then waits
+    for it forever, holding the engine requests. So every write gets `stall_timeout_s`: past
+    it the response ends (the server closes the connection) and the cleanup aborts them."""
 
     media_type = "text/event-stream"
 
-    def __init__(self, content: AsyncIterator[str], cleanup, headers: dict[str, str]) -> None:
+    def __init__(self, content: AsyncIterator[str], cleanup, headers: dict[str, str],
+                 stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S, on_stall=None) -> None:
         super().__init__(content, headers=headers, media_type=self.media_type)
         self._cleanup = cleanup
+        self._stall_timeout_s = stall_timeout_s
+        self._on_stall = on_stall
 
     async def __call__(self, scope, receive, send) -> None:  # type: ignore[override]
+        async def send_or_stall(message) -> None:
+            try:
+                async with asyncio.timeout(self._stall_timeout_s):  # a timer, not a task per write
+                    await send(message)
+            except TimeoutError:
+                raise _ClientStalled() from None
+
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, send_or_stall)
+        except _ClientStalled:
+            if self._on_stall is not None:
+                self._on_stall()
         finally:
             await self._cleanup()
 
 
 # ---------------------------------------------------------------------- helpers
+
+
+class _TooLong(ValueError):
+    """The prompt alone fills the context window."""
+
+
+def _offset_seed(seed: int, j: int) -> int:
+    """seed + j, wrapped into the signed 64-bit range: the same generator seed mod 2**64."""
+    return (seed + j + _SEED_SPAN // 2) % _SEED_SPAN - _SEED_SPAN // 2
 
 
 async def _merge(streams: list[TrackedStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -511,12 +586,12 @@ async def _wait_for_disconnect(request: Request) -> None:
             return
 
 
-def _usage(choices: list[Choice], finals: Sequence[RequestOutput]) -> Usage:
+def _usage(choices: list[Choice], finals: Sequence[Union[RequestOutput, CompletedOutput]]) -> Usage:
     prompts: dict[int, tuple[int, int]] = {}
     completion = 0
     for c, final in zip(choices, finals):
         prompts.setdefault(c.prompt_index, (len(c.prompt_ids), final.num_cached_tokens))
-        completion += len(final.token_ids)
+        completion += final.num_output_tokens
     prompt = sum(p for p, _ in prompts.values())
     cached = sum(k for _, k in prompts.values())
     return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from sloserve.server.connections import ConnectionLimits
 from sloserve.server.qos import QoSRegistry
 
 
@@ -16,6 +17,22 @@ class ServerSettings:
     max_body_bytes: int = 4 * 2**20
     grace_period_s: float = 30.0
     retry_after_s: int = 1
+    # Connection hygiene (see connections.py): head and body read timeouts, open-socket cap.
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    max_connections: int = 1024
+    keep_alive_s: float = 5.0
+    # Refuse (429 slo_unattainable) a request whose predicted TTFT already misses its class's
+    # target, instead of queueing it behind work it cannot overtake (see shedding.py).
+    shed_unattainable: bool = True
+    # A stream whose client does not accept one write within this many seconds is ended and its
+    # engine requests aborted (a client that stopped reading must not hold a batch slot forever).
+    stall_timeout_s: float = 60.0
+
+    def connection_limits(self) -> ConnectionLimits:
+        return ConnectionLimits(header_timeout_s=self.header_timeout_s, body_timeout_s=self.body_timeout_s,
+                                max_connections=self.max_connections, keep_alive_s=self.keep_alive_s,
+                                retry_after_s=self.retry_after_s)
 
     def validate(self) -> None:
         if self.max_queue < 0:
@@ -26,3 +43,6 @@ class ServerSettings:
             raise ValueError(f"grace_period must be >= 0, got {self.grace_period_s}")
         if any(not n for n in self.served_model_names):
             raise ValueError("served model names must be non-empty")
+        if not self.stall_timeout_s > 0:
+            raise ValueError(f"client stall timeout must be > 0, got {self.stall_timeout_s}")
+        self.connection_limits().validate()
