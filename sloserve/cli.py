@@ -21,7 +21,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=512, help="per-step token budget")
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--no-chunked-prefill", action="store_true")
-    g.add_argument("--scheduling-policy", default="fcfs", help="fcfs, priority, edf or slo")
+    g.add_argument("--scheduling-policy", default="fcfs", help="fcfs, priority, edf, slo or vtc")
     g.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap", "auto"],
                    help="preempt by recompute, by swap to host memory, or per victim by cost (auto)")
     g.add_argument("--swap-space", type=float, default=4.0, metavar="GIB", help="host memory for swapped-out KV")
@@ -98,6 +98,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     level = logging.DEBUG if args.verbose else getattr(logging, args.log_level.upper())
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
     registry = load_qos_config(args.qos_config) if args.qos_config else QoSRegistry()
+    if args.cache_isolation:
+        registry = registry.with_cache_isolation(args.cache_isolation)
     keys = list(args.api_key or [])
     if os.environ.get("SLOSERVE_API_KEY"):
         keys.append(os.environ["SLOSERVE_API_KEY"])
@@ -113,6 +115,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         keep_alive_s=args.keep_alive,
         shed_unattainable=not args.no_shed_unattainable,
         stall_timeout_s=args.client_stall_timeout,
+        cache_salt_secret=args.cache_salt_secret,
     )
     settings.validate()
     if args.instances > 1 or args.backend != "process":
@@ -132,7 +135,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="name clients use in `model` (repeatable; the first is reported; default: the model's name)")
     g.add_argument("--api-key", action="append", metavar="KEY",
                    help="accepted API key (repeatable; also $SLOSERVE_API_KEY); none = no authentication")
-    g.add_argument("--qos-config", metavar="FILE", help="YAML/JSON file with QoS classes and API key -> tenant")
+    g.add_argument("--qos-config", metavar="FILE",
+                   help="YAML/JSON file: QoS classes, API keys -> tenants, what each key may use, per-tenant limits")
+    g.add_argument("--cache-isolation", choices=["tenant", "key", "shared"],
+                   help="who shares cached prefixes (default: the QoS config's cache_isolation, else tenant)")
+    g.add_argument("--cache-salt-secret", metavar="SECRET",
+                   help="keys the prefix cache's per-namespace salts (also $SLOSERVE_CACHE_SECRET; default random)")
     g.add_argument("--max-queue", type=int, default=256,
                    help="requests that may wait beyond one full batch (max-num-seqs); more get 429 (default 256)")
     g.add_argument("--grace-period", type=float, default=30.0, metavar="S",

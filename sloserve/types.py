@@ -161,6 +161,10 @@ class Request:
     arrival_time: float = 0.0
     qos: QoSClass = DEFAULT_QOS
     tenant: str = ""
+    # Salts the prefix cache's block keys: requests with different salts never share cached KV.
+    # None = the tenant (the simulator's default); the server passes a keyed hash of the
+    # request's cache namespace (tenant, API key or shared), so the salt reveals nothing.
+    cache_salt: Optional[str] = None
     priority: Optional[int] = None  # overrides qos.priority when set
     predicted_output_len: Optional[int] = None
     max_output_tokens: Optional[int] = None  # max_tokens clipped to the context window
@@ -178,6 +182,8 @@ class Request:
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.prompt_token_ids)
+        if self.cache_salt is None:
+            self.cache_salt = self.tenant
         if self.max_output_tokens is None:
             self.max_output_tokens = self.sampling_params.max_tokens
 

@@ -162,8 +162,10 @@ class LLMEngine:
         tenant: str = "",
         priority: Optional[int] = None,
         arrival_time: Optional[float] = None,
+        cache_salt: Optional[str] = None,
     ) -> Request:
-        """Validate and build a Request without touching engine state (safe from any thread)."""
+        """Validate and build a Request without touching engine state (safe from any thread).
+        `cache_salt` partitions the prefix cache (None: by tenant)."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError("params must be a SamplingParams")
@@ -183,6 +185,7 @@ class LLMEngine:
             arrival_time=self.clock() if arrival_time is None else arrival_time,
             qos=qos,
             tenant=tenant,
+            cache_salt=cache_salt,
             priority=priority,
         )
 

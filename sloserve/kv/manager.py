@@ -97,7 +97,7 @@ class KVCacheManager:
             packed = pack_tokens(request.prompt_token_ids, start, min(end, p)) if start < p else b""
             if end > p:
                 packed += pack_tokens(request.output_token_ids, max(0, start - p), end - p)
-            hashes.extend(hash_packed_blocks(packed, self.block_size, request.tenant, hashes[-1] if hashes else None))
+            hashes.extend(hash_packed_blocks(packed, self.block_size, request.cache_salt, hashes[-1] if hashes else None))
         return hashes
 
     # ---- allocation ----------------------------------------------------------------

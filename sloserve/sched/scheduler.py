@@ -115,6 +115,8 @@ class Scheduler:
         self.estimator = estimator
         self.swap_cost = swap_cost
         self.policy.bind(estimator, self._chunk_cap())
+        # The policy, when it wants service reports (fair sharing); None keeps every hot loop free of them.
+        self._tracker: Optional[SchedulingPolicy] = self.policy if self.policy.tracks_service else None
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []  # in policy order (preempted and swapped-out ones too)
         self.running: list[Request] = []  # in policy order
@@ -147,6 +149,8 @@ class Scheduler:
         self.requests[request.request_id] = request
         self._seq[request.request_id] = self._next_seq
         self._next_seq += 1
+        if self._tracker is not None:
+            self._tracker.on_arrival(request)
         self._enqueue_waiting(request, now=request.arrival_time)
 
     def abort_request(self, request_id: str, now: float = 0.0) -> bool:
@@ -342,6 +346,8 @@ class Scheduler:
 
         Returns the requests that produced a token in this step (finished ones included).
         """
+        if self._tracker is not None:
+            self._report_service(plan)
         produced: list[Request] = []
         bs = self.kv.block_size
         requests = self.requests
@@ -364,6 +370,16 @@ class Scheduler:
             if reason is not None:
                 self._finish(request, reason, now)
         return produced
+
+    def _report_service(self, plan: StepPlan) -> None:
+        """Tell the policy what each request of a finished step received, before the step is
+        applied (so before any of them departs). Requests gone while it ran are skipped."""
+        on_service, requests = self._tracker.on_service, self.requests  # type: ignore[union-attr]
+        for item in plan.scheduled:
+            request = item.request
+            if requests.get(request.request_id) is request:
+                prompt = min(item.start + item.num_new_tokens, request.num_prompt_tokens) - item.start
+                on_service(request, max(0, prompt), 1 if item.samples else 0)
 
     # ---- steady-state decode runs (simulation) ----------------------------------------
     def plan_decode_run(self, max_steps: int) -> Optional[DecodeRunPlan]:
@@ -426,6 +442,11 @@ class Scheduler:
         kv, bs = self.kv, self.kv.block_size
         allocate_slots = kv.allocate_slots
         tokens = [token] * num_steps
+        if self._tracker is not None:
+            for request in self.running:  # (before any of them finishes and departs)
+                # A request whose last prompt token was pending computes it in the run's first step.
+                self._tracker.on_service(request, int(request.num_computed_tokens < request.num_prompt_tokens),
+                                         num_steps)
         for request in list(self.running):
             before = request.num_computed_tokens
             if allocate_slots(request, num_steps) is None:
@@ -531,6 +552,8 @@ class Scheduler:
             self.stats.num_finished += 1
         del self.requests[request.request_id]
         del self._seq[request.request_id]
+        if self._tracker is not None:
+            self._tracker.on_departure(request)
 
     def _remove_waiting(self, request: Request) -> None:
         """By identity (usually the head): Request's dataclass equality compares every field."""

@@ -18,6 +18,7 @@ from typing import Callable, Iterable, Optional
 
 from sloserve.server.errors import APIError
 from sloserve.server.shedding import Shedder
+from sloserve.server.tenants import client_request_id
 from sloserve.types import QoSClass
 
 
@@ -83,7 +84,8 @@ class Admission:
         self.check_room(len(ids))
         duplicate = self._in_flight.intersection(ids)
         if duplicate:
-            raise APIError(400, f"request id {sorted(duplicate)[0]!r} is already in flight", param="X-Request-Id")
+            raise APIError(400, f"request id {client_request_id(sorted(duplicate)[0])!r} is already in flight",
+                           param="X-Request-Id")
         self._in_flight.update(ids)
         self._idle.clear()
         if self.shedder is not None:

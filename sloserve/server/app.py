@@ -38,7 +38,9 @@ from sloserve.server.protocol import (
 )
 from sloserve.server.serving import STATUS_CLIENT_GONE, OpenAIServing
 from sloserve.server.settings import ServerSettings
+from sloserve.server.qos import CacheSalter, cache_secret
 from sloserve.server.shedding import Shedder
+from sloserve.server.tenants import TenantLimiter
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +96,9 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
     admission = Admission(core.config.scheduler.max_num_seqs, settings.max_queue, settings.retry_after_s, shedder)
     metrics = ServerMetrics(EngineGauges.of(core, lambda: admission.num_in_flight), names[0])
     serving = OpenAIServing(engine, names, settings.registry, admission, metrics,
-                            stall_timeout_s=settings.stall_timeout_s)
+                            stall_timeout_s=settings.stall_timeout_s,
+                            salter=CacheSalter(cache_secret(settings.cache_salt_secret)),
+                            tenants=TenantLimiter(settings.registry.limits_for))
     state = ServerState(engine, settings, admission, metrics, serving)
 
     app = FastAPI(title="sloserve", version=sloserve.__version__, docs_url="/docs", redoc_url=None)

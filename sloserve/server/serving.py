@@ -47,13 +47,15 @@ from sloserve.server.protocol import (
     Usage,
     SamplingFields,
 )
-from sloserve.server.qos import ANONYMOUS, Principal, QoSRegistry
+from sloserve.server.qos import ANONYMOUS, CacheSalter, Principal, QoSRegistry, cache_secret
+from sloserve.server.tenants import TenantLimiter, client_request_id, scope_request_id
 from sloserve.types import QoSClass, SamplingParams
 
 logger = logging.getLogger(__name__)
 access_log = logging.getLogger("sloserve.access")
 
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+_COUNTED_REJECTIONS = ("queue_full", "draining", "slo_unattainable", "tenant_concurrency_limit", "tenant_token_limit")
 STATUS_CLIENT_GONE = 499  # nginx's convention for "client closed the request"
 DEFAULT_STALL_TIMEOUT_S = 60.0
 _SEED_SPAN = 2**64  # seeds are 64-bit; choice j of n uses seed + j, wrapped to stay a valid seed
@@ -94,10 +96,14 @@ class OpenAIServing:
         metrics: ServerMetrics,
         stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
         tokenizer_threads: int = 2,
+        salter: Optional[CacheSalter] = None,
+        tenants: Optional[TenantLimiter] = None,
     ) -> None:
         """`stall_timeout_s`: a stream whose client takes longer than this to accept one write
         is ended and its engine requests aborted. `tokenizer_threads` bounds how many prompts
-        are tokenized at once (beyond that they queue, off the event loop)."""
+        are tokenized at once (beyond that they queue, off the event loop). `salter` gives each
+        request its prefix-cache salt (a keyed hash of its cache namespace); `tenants` enforces
+        the per-tenant limits of the QoS config."""
         if not stall_timeout_s > 0:
             raise ValueError(f"stall_timeout_s must be > 0, got {stall_timeout_s!r}")
         self.engine = engine
@@ -106,6 +112,8 @@ class OpenAIServing:
         self.admission = admission
         self.metrics = metrics
         self.stall_timeout_s = stall_timeout_s
+        self.salter = salter or CacheSalter(cache_secret())
+        self.tenants = tenants or TenantLimiter(registry.limits_for)
         self.tokenizer = engine.engine.tokenizer
         self.strings = TokenStrings(self.tokenizer)
         self._tokenize_pool = ThreadPoolExecutor(max_workers=tokenizer_threads, thread_name_prefix="sloserve-tokenize")
@@ -172,17 +180,14 @@ class OpenAIServing:
         request.state.request_id = request_id
         principal: Principal = getattr(request.state, "principal", ANONYMOUS)
         class_name = body.qos_class if body.qos_class is not None else request.headers.get("x-qos-class")
-        try:
-            qos = self.registry.resolve(class_name, principal)
-        except KeyError:
-            raise bad_request(f"unknown qos_class {class_name!r}; known: {sorted(self.registry.classes)}",
-                              "qos_class") from None
         priority = body.priority
         if priority is None and "x-priority" in request.headers:
             raw = request.headers["x-priority"].strip()
             if not re.fullmatch(r"-?\d{1,9}", raw):
                 raise bad_request("X-Priority must be an integer", "X-Priority")
             priority = int(raw)
+        # The classes and priorities a key may use come from the QoS config: 403 beyond them.
+        qos, priority = self.registry.authorize(class_name, principal, priority)
         return CallContext(request_id, model, principal, qos, priority)
 
     async def _off_loop(self, work, param: str):
@@ -211,10 +216,13 @@ class OpenAIServing:
             raise bad_request(f"{len(prompt_ids)} prompts x n={n} = {total} choices; the limit is {MAX_CHOICES}",
                               "n")
         choices = []
+        # Engine ids are scoped per tenant: a client's X-Request-Id never collides with (and so
+        # never reveals) another tenant's; responses echo the client's own id.
+        base = scope_request_id(ctx.principal.tenant, ctx.request_id)
         for p, ids in enumerate(prompt_ids):
             for j in range(n):
                 index = p * n + j
-                engine_id = ctx.request_id if total == 1 else f"{ctx.request_id}-{index}"
+                engine_id = base if total == 1 else f"{base}-{index}"
                 # n samples of one prompt must differ even with a seed: offset it per choice.
                 choice_params = replace(params, seed=_offset_seed(params.seed, j)) if params.seed is not None and j \
                     else params
@@ -225,7 +233,7 @@ class OpenAIServing:
         try:
             gate(*args, **kwargs)
         except APIError as err:
-            if err.code in ("queue_full", "draining", "slo_unattainable"):
+            if err.code in _COUNTED_REJECTIONS:
                 self.metrics.observe_rejected(err.code)
             raise
 
@@ -237,17 +245,27 @@ class OpenAIServing:
         the work it let through matches the ids `admit` takes."""
         self._counting_rejections(self.admission.check_deadline, sum(len(c.prompt_ids) for c in choices), ctx.qos,
                                   ctx.priority, count=len(choices), max_tokens=choices[0].params.max_tokens)
-        self._counting_rejections(self.admission.admit, [c.engine_id for c in choices])
+        ids = [c.engine_id for c in choices]
+        self._counting_rejections(self.admission.admit, ids)
+        tenant = ctx.principal.tenant
+        try:
+            self._counting_rejections(self.tenants.try_acquire, tenant, ids, sum(len(c.prompt_ids) for c in choices))
+        except APIError:
+            for request_id in ids:
+                self.admission.release(request_id)
+            raise
+        salt = self.salter.salt(ctx.principal)
         streams: list[RequestStream] = []
         try:
             for c in choices:
                 streams.append(self.engine.add_request(c.prompt_ids, c.params, request_id=c.engine_id, qos=ctx.qos,
-                                                       tenant=ctx.principal.tenant, priority=ctx.priority))
+                                                       tenant=tenant, priority=ctx.priority, cache_salt=salt))
         except (ValueError, EngineDeadError) as exc:
             for stream in streams:
                 stream.abort()
             for c in choices:
                 self.admission.release(c.engine_id)
+                self.tenants.release(tenant, c.engine_id)
             if isinstance(exc, EngineDeadError):
                 raise APIError(503, "the engine is not running", code="engine_unavailable") from None
             message = str(exc)
@@ -266,7 +284,7 @@ class OpenAIServing:
         if m is not None:
             e2e = m.e2e if m.e2e is not None else time.monotonic() - m.arrival_time
         rec = FinishedRequest(
-            request_id=choice.engine_id,
+            request_id=client_request_id(choice.engine_id),  # as the client knows it (the tenant is logged beside)
             tenant=ctx.principal.tenant,
             qos=ctx.qos,
             num_prompt_tokens=len(choice.prompt_ids),
@@ -470,6 +488,7 @@ class TrackedStream:
         now = time.monotonic()
         k = len(out.delta_token_ids)
         if k:
+            self._serving.tenants.record(self._ctx.principal.tenant, k)
             if self._prev_t is not None:
                 self._itls.extend([(now - self._prev_t) / k] * k)
             self._prev_t = now
@@ -485,6 +504,7 @@ class TrackedStream:
         self._closed = True
         self._stream.abort()
         self._serving.admission.release(self.choice.engine_id)
+        self._serving.tenants.release(self._ctx.principal.tenant, self.choice.engine_id)
         self._serving.account(self._ctx, self.choice, self._last, self._itls, self._status)
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 from sloserve.server.connections import ConnectionLimits
 from sloserve.server.qos import QoSRegistry
@@ -28,6 +29,9 @@ class ServerSettings:
     # A stream whose client does not accept one write within this many seconds is ended and its
     # engine requests aborted (a client that stopped reading must not hold a batch slot forever).
     stall_timeout_s: float = 60.0
+    # Keys the prefix cache's salts (HMAC of each request's cache namespace); None = the
+    # environment's SLOSERVE_CACHE_SECRET, else random per process.
+    cache_salt_secret: Optional[str] = field(default=None, repr=False)
 
     def connection_limits(self) -> ConnectionLimits:
         return ConnectionLimits(header_timeout_s=self.header_timeout_s, body_timeout_s=self.body_timeout_s,

@@ -33,7 +33,7 @@ def prefix_matches(request: Request, states: Sequence[InstanceState], max_blocks
     depth = min(max_blocks, (len(prompt) - 1) // bs)
     parent = None
     for b in range(depth):
-        key = hash_block(parent, prompt[b * bs:(b + 1) * bs], request.tenant)
+        key = hash_block(parent, prompt[b * bs:(b + 1) * bs], request.cache_salt)
         alive = [i for i in alive if key in states[i].prefix_index]  # type: ignore[operator]
         if not alive:
             break

@@ -6,8 +6,10 @@ from sloserve.sched.policies.edf import EDFPolicy
 from sloserve.sched.policies.fcfs import FCFSPolicy
 from sloserve.sched.policies.priority import PriorityPolicy
 from sloserve.sched.policies.slo import SLOPolicy
+from sloserve.sched.policies.vtc import VTCPolicy
 
-POLICIES: dict[str, type[SchedulingPolicy]] = {p.name: p for p in (FCFSPolicy, PriorityPolicy, EDFPolicy, SLOPolicy)}
+POLICIES: dict[str, type[SchedulingPolicy]] = {p.name: p for p in (FCFSPolicy, PriorityPolicy, EDFPolicy, SLOPolicy,
+                                                                     VTCPolicy)}
 
 
 def make_policy(name: str) -> SchedulingPolicy:
@@ -17,4 +19,5 @@ def make_policy(name: str) -> SchedulingPolicy:
         raise ValueError(f"unknown scheduling policy {name!r}; choose from {sorted(POLICIES)}") from None
 
 
-__all__ = ["SchedulingPolicy", "EDFPolicy", "FCFSPolicy", "PriorityPolicy", "SLOPolicy", "POLICIES", "make_policy"]
+__all__ = ["SchedulingPolicy", "EDFPolicy", "FCFSPolicy", "PriorityPolicy", "SLOPolicy", "VTCPolicy", "POLICIES",
+           "make_policy"]

@@ -23,6 +23,9 @@ class SchedulingPolicy(ABC):
       the lowest-ranked running request when `may_preempt` allows it.
     - `dynamic_chunking`: the step's prefill tokens are sized from the TBT slack of the
       running decodes (needs a step-cost estimator; the config can override).
+    - `tracks_service`: the scheduler reports arrivals, the work done for each request and
+      departures (`on_arrival`, `on_service`, `on_departure`), for policies whose order depends
+      on what a tenant has received (fair sharing). Off, the scheduler makes no such calls.
     """
 
     name: ClassVar[str]
@@ -30,6 +33,7 @@ class SchedulingPolicy(ABC):
     interleave_prefills: ClassVar[bool] = False
     preempts_for_admission: ClassVar[bool] = False
     dynamic_chunking: ClassVar[bool] = False
+    tracks_service: ClassVar[bool] = False
 
     def bind(self, estimator: Optional[StepCostEstimator], max_chunk: int) -> None:
         """Called once by the scheduler: the step-cost estimator (or None) and the largest
@@ -44,3 +48,16 @@ class SchedulingPolicy(ABC):
         `preempts_for_admission`). Strictly higher classes only, so requests of one class
         never preempt each other back and forth."""
         return candidate.effective_priority < victim.effective_priority
+
+    # ---- service hooks (called only when `tracks_service`) --------------------------------
+    def on_arrival(self, request: Request) -> None:
+        """A request joined this instance (before it is queued, so its key can use what this
+        call sets)."""
+
+    def on_service(self, request: Request, prompt_tokens: int, output_tokens: int) -> None:
+        """A step (or a fast-forwarded run of decode steps) computed `prompt_tokens` tokens of
+        the request's prompt (recomputation after a preemption included) and sampled
+        `output_tokens` tokens for it."""
+
+    def on_departure(self, request: Request) -> None:
+        """The request left this instance (finished or aborted)."""
