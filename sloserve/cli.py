@@ -116,6 +116,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         shed_unattainable=not args.no_shed_unattainable,
         stall_timeout_s=args.client_stall_timeout,
         cache_salt_secret=args.cache_salt_secret,
+        admin_keys=list(args.admin_key or []),
     )
     settings.validate()
     if args.instances > 1 or args.backend != "process":
@@ -123,7 +124,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         return run_multi(engine_config_from_args(args), settings, instances=args.instances, router=args.router,
                          backend=args.backend, host=args.host, port=args.port, qos_config=args.qos_config,
-                         api_keys=keys, ray_address=args.ray_address)
+                         api_keys=keys, ray_address=args.ray_address, admin_keys=settings.admin_keys,
+                         max_in_flight=args.front_max_in_flight, hang_timeout_s=args.hang_timeout)
     return run_server(engine_config_from_args(args), settings, host=args.host, port=args.port)
 
 
@@ -135,6 +137,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="name clients use in `model` (repeatable; the first is reported; default: the model's name)")
     g.add_argument("--api-key", action="append", metavar="KEY",
                    help="accepted API key (repeatable; also $SLOSERVE_API_KEY); none = no authentication")
+    g.add_argument("--admin-key", action="append", metavar="KEY",
+                   help="repeatable; when set, /metrics (and /v1/instances on a multi-instance front) need one")
     g.add_argument("--qos-config", metavar="FILE",
                    help="YAML/JSON file: QoS classes, API keys -> tenants, what each key may use, per-tenant limits")
     g.add_argument("--cache-isolation", choices=["tenant", "key", "shared"],
@@ -162,6 +166,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     m.add_argument("--instances", type=int, default=1, help="engine workers behind one router (threads split evenly)")
     m.add_argument("--router", default="least-requests", help="routing policy across instances (see README)")
     m.add_argument("--backend", default="process", choices=["process", "ray"], help="workers as local processes or Ray actors")
+    m.add_argument("--front-max-in-flight", type=int, default=None, metavar="N",
+                   help="requests the front proxies at once; more get 429 (default: the workers' combined capacity)")
+    m.add_argument("--hang-timeout", type=float, default=60.0, metavar="S",
+                   help="a live worker that answers no health poll for S seconds is killed and replaced "
+                        "(one that misses 3 polls only leaves routing until it answers)")
     m.add_argument("--ray-address", help="join this Ray cluster (e.g. auto, ray://head:10001) instead of starting one")
 
 

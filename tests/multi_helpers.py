@@ -1,7 +1,12 @@
 """A stand-in engine worker for front tests: the worker's HTTP surface (state, tokenize,
-completions streamed or not) without a model, as a real process that a test can SIGKILL.
+completions and chat, streamed or not) without a model, as a real process that a test can
+SIGKILL or SIGSTOP. Like the real worker it answers `/internal/*` only with the fleet secret
+(from the environment), refuses work beyond `--capacity` with 429 + Retry-After, and stops
+generating (counting `aborted`) when the front closes a non-streamed request's connection.
+`--die-on-chat` makes it send a chat stream's role chunk and then die before the first token;
+`--crash` makes it exit at once (a crash-looping worker).
 
-Run: python tests/multi_helpers.py --port P [--tokens N] [--delay S]
+Run: python tests/multi_helpers.py --port P [--tokens N] [--delay S] [--capacity C]
 """
 from __future__ import annotations
 
@@ -15,24 +20,44 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+import signal
+
 from fastapi import FastAPI, Request  # module level: FastAPI resolves the handlers' annotations here
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 ROOT = Path(__file__).resolve().parents[1]
+FAKE_SECRET = "fake-fleet-secret"  # what test fronts (Fleet(fleet_secret=...)) and fake workers share
 
 
-def build_fake_worker(tokens: int, delay: float):
+RETRY_AFTER = "7"  # what a full fake worker tells its clients
+
+
+def build_fake_worker(tokens: int, delay: float, capacity: int = 1000, die_on_chat: bool = False,
+                      secret: Optional[str] = None):
     app = FastAPI()
-    active = {"running": 0, "served": 0}
+    active = {"running": 0, "served": 0, "aborted": 0}
+
+    def full(request: Request) -> Optional[Response]:
+        if active["running"] < capacity:
+            return None
+        return JSONResponse({"error": {"message": "full", "type": "rate_limit_error", "param": None,
+                                       "code": "queue_full"}}, status_code=429,
+                            headers={"Retry-After": RETRY_AFTER, "X-Request-Id": rid(request)})
+
+    def rid(request: Request) -> str:
+        return request.headers.get("x-request-id") or f"fake-{os.getpid()}-{active['served']}"
 
     @app.get("/health")
     async def health():
         return {"status": "ok"}
 
     @app.get("/internal/state")
-    async def state():
+    async def state(request: Request):
+        if secret is None or request.headers.get("x-sloserve-fleet-secret") != secret:
+            return JSONResponse({"error": {"message": "no", "type": "authentication_error", "param": None,
+                                           "code": "invalid_fleet_secret"}}, status_code=401)
         n = active["running"]
-        return {"state": {"num_running": n, "num_waiting": 0, "queued_prefill_tokens": 0, "kv_blocks_used": n,
+        return {"aborted": active["aborted"], "state": {"num_running": n, "num_waiting": 0, "queued_prefill_tokens": 0, "kv_blocks_used": n,
                           "kv_blocks_free": 100 - n, "kv_blocks_total": 100,
                           "predicted_remaining_decode_tokens": 10 * n, "prefix_cache_hit_rate": 0.0,
                           "min_ttft_slack_s": None, "block_size": 16, "kv_blocks_waiting": 0},
@@ -45,19 +70,59 @@ def build_fake_worker(tokens: int, delay: float):
         ids = list(range(1, len(text.split()) + 1)) or [1]
         return {"tokens": ids, "count": len(ids), "max_model_len": 4096}
 
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        body = await request.json()
+        n = int(body.get("max_tokens") or tokens)
+        refused = full(request)
+        if refused is not None:
+            return refused
+        active["running"] += 1
+        active["served"] += 1
+
+        async def events():
+            try:
+                role = {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                     "finish_reason": None}], "pid": os.getpid()}
+                yield f"data: {json.dumps(role)}\n\n"
+                if die_on_chat:  # queued here: the role is out, no token yet, and the worker dies
+                    await asyncio.sleep(0.3)
+                    os.kill(os.getpid(), signal.SIGKILL)
+                for i in range(n):
+                    await asyncio.sleep(delay)
+                    tok = {"choices": [{"index": 0, "delta": {"content": "y"},
+                                        "finish_reason": "length" if i == n - 1 else None}], "pid": os.getpid()}
+                    yield f"data: {json.dumps(tok)}\n\n"
+                yield "data: [DONE]\n\n"
+            finally:
+                active["running"] -= 1
+
+        return StreamingResponse(events(), media_type="text/event-stream", headers={"X-Request-Id": rid(request)})
+
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = await request.json()
         n = int(body.get("max_tokens") or tokens)
+        refused = full(request)
+        if refused is not None:
+            return refused
         active["running"] += 1
+        active["served"] += 1
         if not body.get("stream"):
             try:
-                await asyncio.sleep(delay * n)
+                work = asyncio.ensure_future(asyncio.sleep(delay * n))
+                while not work.done():  # as the real worker: a client that leaves aborts the request
+                    if await request.is_disconnected():
+                        work.cancel()
+                        active["aborted"] += 1
+                        return Response(status_code=499)
+                    await asyncio.wait([work], timeout=0.05)
             finally:
                 active["running"] -= 1
             return JSONResponse({"id": "x", "object": "text_completion", "pid": os.getpid(),
                                  "choices": [{"index": 0, "text": "x" * n, "finish_reason": "length"}],
-                                 "usage": {"prompt_tokens": 1, "completion_tokens": n, "total_tokens": n + 1}})
+                                 "usage": {"prompt_tokens": 1, "completion_tokens": n, "total_tokens": n + 1}},
+                                headers={"X-Request-Id": rid(request)})
 
         async def events():
             try:
@@ -69,7 +134,7 @@ def build_fake_worker(tokens: int, delay: float):
             finally:
                 active["running"] -= 1
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+        return StreamingResponse(events(), media_type="text/event-stream", headers={"X-Request-Id": rid(request)})
 
     return app
 
@@ -79,13 +144,19 @@ class FakeWorker:
 
     kind = "fake"
 
-    def __init__(self, tokens: int = 20, delay: float = 0.05, startup_delay: float = 0.0):
+    def __init__(self, tokens: int = 20, delay: float = 0.05, startup_delay: float = 0.0, *, capacity: int = 1000,
+                 die_on_chat: bool = False, crash: bool = False, secret: Optional[str] = FAKE_SECRET):
         from sloserve.server.instances import free_port
+        from sloserve.server.worker import FLEET_SECRET_ENV
 
         self.port = free_port()
-        self.proc = subprocess.Popen([sys.executable, str(Path(__file__)), "--port", str(self.port), "--tokens",
-                                      str(tokens), "--delay", str(delay), "--startup-delay", str(startup_delay)],
-                                     cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        cmd = [sys.executable, str(Path(__file__)), "--port", str(self.port), "--tokens", str(tokens), "--delay",
+               str(delay), "--startup-delay", str(startup_delay), "--capacity", str(capacity)]
+        cmd += ["--die-on-chat"] * die_on_chat + ["--crash"] * crash
+        env = {k: v for k, v in os.environ.items() if k != FLEET_SECRET_ENV}
+        if secret:
+            env[FLEET_SECRET_ENV] = secret
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     @property
     def url(self) -> Optional[str]:
@@ -122,8 +193,13 @@ if __name__ == "__main__":
     p.add_argument("--tokens", type=int, default=20)
     p.add_argument("--delay", type=float, default=0.05)
     p.add_argument("--startup-delay", type=float, default=0.0)
+    p.add_argument("--capacity", type=int, default=1000)
+    p.add_argument("--die-on-chat", action="store_true")
+    p.add_argument("--crash", action="store_true")
     a = p.parse_args()
+    if a.crash:
+        raise SystemExit(1)
     if a.startup_delay > 0 and not math.isnan(a.startup_delay):
         time.sleep(a.startup_delay)
-    uvicorn.run(build_fake_worker(a.tokens, a.delay), host="127.0.0.1", port=a.port, log_level="warning",
-                lifespan="off")
+    app = build_fake_worker(a.tokens, a.delay, a.capacity, a.die_on_chat, os.environ.get("SLOSERVE_FLEET_SECRET"))
+    uvicorn.run(app, host="127.0.0.1", port=a.port, log_level="warning", lifespan="off")

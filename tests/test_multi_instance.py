@@ -42,8 +42,10 @@ def test_two_workers_spread_survive_a_kill_and_replace_it(tmp_path):
     server = ServerProcess(ARGS, tmp_path / "front.log", startup_timeout=300)
     base = server.base_url
     try:
+        # the front serves once one worker is healthy; the other joins when it answers
+        wait_for(lambda: [d["status"] for d in instances(base)["data"]] == ["healthy", "healthy"], 240,
+                 interval=0.5, what="both workers healthy")
         info = instances(base)
-        assert [d["status"] for d in info["data"]] == ["healthy", "healthy"]
         assert all(d["kind"] == "process" and d["pid"] for d in info["data"])
         for i in range(4):
             r = httpx.post(base + "/v1/completions", timeout=60,
@@ -80,5 +82,40 @@ def test_two_workers_spread_survive_a_kill_and_replace_it(tmp_path):
             assert r.status_code == 200
         assert instances(base)["data"][0]["routed"] == before + 1  # the new worker takes its turn
         assert 'sloserve:front_replacements_total 1.0' in httpx.get(base + "/metrics", timeout=10).text
+    finally:
+        server.kill()
+
+
+def test_prefix_affinity_finds_a_tenants_prefix_on_the_worker_that_cached_it(tmp_path):
+    """The workers salt block keys with an HMAC under one fleet-wide secret, and the front's
+    router computes the same keys for the same tenant: the holder of a prefix is found even
+    when it is the busier instance (a mismatch would send the request to the idle one)."""
+    key = "sk-affinity-test"
+    server = ServerProcess(["--instances", "2", "--router", "prefix-affinity", "--max-num-seqs", "4",
+                            "--kv-cache-gib", "0.1", "--log-level", "warning", "--api-key", key],
+                           tmp_path / "front.log", startup_timeout=300)
+    base, auth = server.base_url, {"Authorization": f"Bearer {key}"}
+    prompt = "Alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi. " * 5
+
+    def fleet() -> list:
+        return httpx.get(base + "/v1/instances", headers=auth, timeout=10).json()["data"]
+
+    def cached_tokens() -> int:
+        r = httpx.post(base + "/v1/completions", headers=auth, timeout=60,
+                       json={"prompt": prompt, "max_tokens": 1, "temperature": 0})
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    try:
+        wait_for(lambda: [d["status"] for d in fleet()] == ["healthy", "healthy"], 240, interval=0.5,
+                 what="both workers healthy")
+        assert cached_tokens() == 0  # both idle, nothing cached: instance 0 takes it
+        wait_for(lambda: fleet()[0]["load"]["cached_prefix_blocks"] >= 4, 30, what="instance 0's prefix keys")
+        body = {"prompt": "Write a long story.", "max_tokens": 400, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", base + "/v1/completions", headers=auth, json=body, timeout=120) as busy:
+            lines = busy.iter_lines()  # kept referenced: a collected line iterator closes the stream
+            next(line for line in lines if line.startswith("data:"))
+            assert [d["in_flight"] for d in fleet()] == [1, 0]  # no match anywhere: the lowest index took it
+            assert cached_tokens() >= 64  # routed to its prefix's holder, the busier instance
     finally:
         server.kill()

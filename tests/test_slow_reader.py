@@ -25,6 +25,7 @@ from sloserve.engine.async_engine import AsyncLLMEngine, RequestStream
 from sloserve.engine.outputs import OutputAccumulator, RequestMetrics, RequestOutput, TokenLogprob
 from sloserve.server.app import ServerState, build_app
 from sloserve.server.settings import ServerSettings
+from sloserve.server.tenants import client_request_id
 
 from server_helpers import metric, scrape, wait_for
 
@@ -66,7 +67,7 @@ def serve(llm, stall_timeout_s: float = 60.0, sndbuf: Optional[int] = None) -> I
 def _engine_tokens(engine, prefix: str) -> int:
     """Output tokens of the engine's live requests whose id starts with `prefix`."""
     return sum(len(r.output_token_ids) for rid, r in list(engine.scheduler.requests.items())
-               if rid.startswith(prefix))
+               if client_request_id(rid).startswith(prefix))  # engine ids are scoped per tenant
 
 
 def test_a_client_that_stops_reading_is_cut_off_and_its_requests_aborted(llm):
@@ -104,7 +105,7 @@ def test_a_client_that_stops_reading_is_cut_off_and_its_requests_aborted(llm):
         # with a copy of it per step: compare the second half of the stall with the first.
         window = [s for s in samples if s[2] > 0]
         mid = len(window) // 2
-        (t0, m0, k0), (t1, m1, k1), (t2, m2, k2) = window[0], window[mid], window[-1]
+        (_, m0, k0), (_, m1, k1), (_, m2, k2) = window[0], window[mid], window[-1]
         per_token_first = (m1 - m0) / max(1, k1 - k0)
         per_token_second = (m2 - m1) / max(1, k2 - k1)
         print(f"stalled {ended:.1f}s, {generated} tokens; bytes/token {per_token_first:.0f} then "

@@ -13,6 +13,7 @@ from server_helpers import ServerProcess, assert_error_schema, wait_for
 pytestmark = pytest.mark.slow
 
 ALICE, BOB, CAROL = "sk-alice-123", "sk-bob-456", "sk-carol-789"
+ADMIN = "sk-admin-000"
 CONFIG = {
     "default_class": "standard",
     "classes": {
@@ -36,7 +37,7 @@ def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("tenants")
     cfg = tmp / "qos.json"
     cfg.write_text(json.dumps(CONFIG))
-    srv = ServerProcess(["--qos-config", str(cfg)], tmp / "server.log")
+    srv = ServerProcess(["--qos-config", str(cfg), "--admin-key", ADMIN], tmp / "server.log")
     yield srv
     srv.kill()
 
@@ -92,3 +93,12 @@ def test_prefix_cache_is_partitioned_by_tenant(server):
     assert cached(ALICE) >= 64  # her own prefix is cached
     assert cached(BOB) == 0  # the same prefix from another tenant is not served from alice's cache
     assert cached(BOB) >= 64
+
+
+def test_metrics_need_an_admin_key_when_one_is_configured(server):
+    url = server.base_url + "/metrics"
+    assert assert_error_schema(httpx.get(url, timeout=10), 401)["code"] == "invalid_api_key"
+    assert assert_error_schema(httpx.get(url, headers={"Authorization": f"Bearer {ALICE}"}, timeout=10), 403)
+    ok = httpx.get(url, headers={"Authorization": f"Bearer {ADMIN}"}, timeout=10)
+    assert ok.status_code == 200 and "sloserve:num_requests_running" in ok.text
+    assert httpx.get(server.base_url + "/health", timeout=10).status_code == 200  # health stays open

@@ -9,23 +9,17 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import uuid
 from dataclasses import dataclass
-from typing import Any, Callable, Coroutine
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from starlette.exceptions import HTTPException
-from starlette.requests import ClientDisconnect
 
 import sloserve
 from sloserve.engine.async_engine import AsyncLLMEngine
 from sloserve.server.admission import Admission
 from sloserve.server.connections import BodyTimeout
-from sloserve.server.errors import APIError, bad_request, error_response, install_error_handlers
+from sloserve.server.errors import APIError, GuardedRoute, bad_request, error_response, install_error_handlers
 from sloserve.server.metrics import EngineGauges, ServerMetrics
 from sloserve.server.middleware import EdgeMiddleware
 from sloserve.server.protocol import (
@@ -36,7 +30,7 @@ from sloserve.server.protocol import (
     ModelList,
     TokenizeRequest,
 )
-from sloserve.server.serving import STATUS_CLIENT_GONE, OpenAIServing
+from sloserve.server.serving import OpenAIServing
 from sloserve.server.settings import ServerSettings
 from sloserve.server.qos import CacheSalter, cache_secret
 from sloserve.server.shedding import Shedder
@@ -64,30 +58,6 @@ class ServerState:
         return aborted
 
 
-class _Route(APIRoute):
-    """Answers an unexpected exception with a logged 500 in the OpenAI schema, naming the
-    request id, instead of letting it escape to the server's default error page."""
-
-    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
-        handler = super().get_route_handler()
-
-        async def guarded(request: Request) -> Response:
-            try:
-                return await handler(request)
-            except (APIError, HTTPException, RequestValidationError):
-                raise
-            except ClientDisconnect:
-                return Response(status_code=STATUS_CLIENT_GONE)
-            except Exception:
-                request_id = getattr(request.state, "request_id", None) or f"req-{uuid.uuid4().hex[:12]}"
-                logger.exception("unexpected error in %s %s (request %s)", request.method, request.url.path,
-                                 request_id)
-                return error_response(APIError(500, f"internal server error (request {request_id})",
-                                               code="internal_error"))
-
-        return guarded
-
-
 def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
     settings.validate()
     core = engine.engine
@@ -102,7 +72,7 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
     state = ServerState(engine, settings, admission, metrics, serving)
 
     app = FastAPI(title="sloserve", version=sloserve.__version__, docs_url="/docs", redoc_url=None)
-    app.router.route_class = _Route
+    app.router.route_class = GuardedRoute
     app.state.sloserve = state
     install_error_handlers(app)
 
@@ -112,7 +82,8 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
 
     app.add_middleware(EdgeMiddleware, admission=admission, registry=settings.registry,
                        max_body_bytes=settings.max_body_bytes, observe_http=metrics.observe_http,
-                       on_rejected=metrics.observe_rejected, body_timeout_s=settings.body_timeout_s)
+                       on_rejected=metrics.observe_rejected, body_timeout_s=settings.body_timeout_s,
+                       admin_keys=settings.admin_keys)
     _add_routes(app, state)
     return app
 

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import logging
 import uuid
-from typing import Any, Optional
+from typing import Any, Callable, Coroutine, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
+from starlette.requests import ClientDisconnect
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 logger = logging.getLogger(__name__)
@@ -129,3 +131,31 @@ def install_error_handlers(app: FastAPI) -> None:
         request_id = getattr(request.state, "request_id", None) or f"err-{uuid.uuid4().hex[:12]}"
         logger.exception("unexpected error in %s %s (request %s)", request.method, request.url.path, request_id)
         return error_response(APIError(500, f"internal server error (request {request_id})", code="internal_error"))
+
+
+STATUS_CLIENT_GONE = 499  # nginx's convention for "client closed the request" (logged; nobody reads it)
+
+
+class GuardedRoute(APIRoute):
+    """Answers an unexpected exception with a logged 500 in the OpenAI schema, naming the
+    request id, instead of letting it escape to the server's default error page; a client
+    that left while its body was being read is a 499, not an error."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def guarded(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except (APIError, StarletteHTTPException, RequestValidationError):
+                raise
+            except ClientDisconnect:
+                return Response(status_code=STATUS_CLIENT_GONE)
+            except Exception:
+                request_id = getattr(request.state, "request_id", None) or f"req-{uuid.uuid4().hex[:12]}"
+                logger.exception("unexpected error in %s %s (request %s)", request.method, request.url.path,
+                                 request_id)
+                return error_response(APIError(500, f"internal server error (request {request_id})",
+                                               code="internal_error"))
+
+        return guarded

@@ -1,34 +1,33 @@
-"""The front of a multi-instance server: the router and the API, in front of N workers.
+"""The front of a multi-instance server: the API in front of N workers (fleet.py has their
+health and the routing decision; front_edge.py the auth, body limit, admission and draining).
 
 Each generation request is tokenized (by a worker's `/tokenize`, so the ids are the served
-model's), given a predicted output length, routed by the configured policy over the
-workers' latest `InstanceState`s, and proxied: the worker's response streams through
-unchanged.
+model's), given a predicted output length, routed by the configured policy over the workers'
+latest `InstanceState`s, and proxied. The worker's status, body and `Retry-After` /
+`X-Request-Id` headers pass through; a 429 or 503 from one worker is tried on another, and
+when every worker was full the client gets the last one's 429 with its Retry-After.
 
-Health: every worker is polled (`/internal/state`, which doubles as the load report). A
-worker whose process exited, or that fails `fail_after` polls in a row, is taken out of
-routing, killed (so its open connections break at once instead of hanging) and replaced by
-a fresh one that rejoins when it answers. Requests it held:
-- nothing streamed to the client yet (queued there, or still prefilling; or any non-streamed
-  request): retried on another instance, so they are not lost;
-- already streaming: end with an SSE error event (`code: instance_failed`) and `[DONE]`.
-Nothing hangs: every path ends the client's response.
+Streams and failures. A stream has *started* once the front forwarded an event that carries
+generated output (`front_stream.carries_output`: for completions any chunk with choices, for
+chat any chunk other than the opening role chunk, and [DONE], usage or error events). Until
+then the front buffers what the worker sent, so the client has received nothing and the
+request is retried on another instance if its worker fails. A started stream whose worker
+fails ends with an SSE event `{"error": {"code": "instance_failed"}}` and `data: [DONE]`.
+Non-streamed requests are retried whenever their worker fails before answering.
 
-Between polls the front adds what it routed to each worker's last snapshot (counts, prompt
-tokens, predicted decode), so a burst does not all land on the instance that looked idle.
+Nothing outlives its client: while the front waits on a worker (connecting, the buffered
+start of a stream, a non-streamed answer) it also watches for the client's disconnect, and
+closes the upstream connection when it comes, which makes the worker abort the request.
+When the drain's grace period is over, requests still in flight are ended the same way
+(503 `draining`, or an SSE error event for a started stream).
 """
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import dataclasses
 import json
 import logging
 import re
-import time
 import uuid
-from dataclasses import dataclass, field
-from typing import AsyncIterator, Callable, Optional
+from typing import AsyncIterator, Awaitable, Callable, Optional
 
 import httpx
 from fastapi import FastAPI, Request as HTTPRequest
@@ -36,242 +35,35 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from sloserve.cluster.routers import RouterOptions, make_router
-from sloserve.sched.state import InstanceState, KeySetIndex
+from sloserve.server.connections import BodyTimeout
+from sloserve.server.errors import (
+    STATUS_CLIENT_GONE,
+    APIError,
+    GuardedRoute,
+    error_body,
+    error_response,
+    install_error_handlers,
+)
+from sloserve.server.fleet import DEAD, HEALTHY, STARTING, UNRESPONSIVE, Fleet, FrontConfig, Instance
+from sloserve.server.front_edge import FrontEdge, FrontGate, Ticket
+from sloserve.server.front_stream import Interrupted, SSESplitter, Stop, carries_output
 from sloserve.server.instances import WorkerHandle
-from sloserve.server.middleware import bearer_token
-from sloserve.server.qos import QoSRegistry
+from sloserve.server.qos import CacheSalter, QoSRegistry, cache_secret
 from sloserve.types import Request, SamplingParams
+
+__all__ = ["DEAD", "HEALTHY", "STARTING", "UNRESPONSIVE", "Fleet", "Front", "FrontConfig", "Instance"]
 
 logger = logging.getLogger(__name__)
 
-STARTING, HEALTHY, DEAD = "starting", "healthy", "dead"
 _TRANSPORT_ERRORS = (httpx.TransportError,)  # connect, read, write, protocol, timeouts
 _COMPLETION_TOKENS = re.compile(rb'"completion_tokens":\s*(\d+)')
 _PASS_HEADERS = ("authorization", "x-api-key", "x-qos-class", "x-priority", "x-request-id", "content-type")
+_PASS_BACK = ("retry-after", "x-request-id", "cache-control", "x-accel-buffering")
+_RETRY_STATUSES = (429, 503)  # full or draining: another worker may take it
 
 
-@dataclass
-class Instance:
-    slot: int
-    handle: WorkerHandle
-    status: str = STARTING
-    generation: int = 0  # how many times this slot's worker was replaced
-    state: Optional[InstanceState] = None
-    prefix_keys: frozenset = frozenset()
-    polled_at: float = 0.0
-    failures: int = 0
-    routed: int = 0
-    in_flight: int = 0
-    pending: list = field(default_factory=list)  # (routed at, prompt tokens, predicted tokens) not yet polled
-    started_at: float = 0.0
-    last_error: Optional[str] = None
-    failed_starts: int = 0  # workers in a row that died before ever answering (crash loop: back off)
-    respawn_at: Optional[float] = None  # when a dead slot gets its replacement
-
-    def routing_state(self, block_size: int) -> InstanceState:
-        """The last snapshot plus what was routed here since it was taken."""
-        base = self.state or InstanceState(0, 0, 0, 0, 1, 1, 0, 0.0, float("inf"), block_size)
-        if not self.pending:
-            return dataclasses.replace(base, prefix_index=KeySetIndex(self.prefix_keys))
-        prompt = sum(p for _, p, _ in self.pending)
-        decode = sum(d for _, _, d in self.pending)
-        bs = base.block_size
-        return dataclasses.replace(
-            base, num_waiting=base.num_waiting + len(self.pending), queued_prefill_tokens=base.queued_prefill_tokens
-            + prompt, kv_blocks_waiting=base.kv_blocks_waiting + sum(-(-p // bs) for _, p, _ in self.pending),
-            predicted_remaining_decode_tokens=base.predicted_remaining_decode_tokens + decode,
-            prefix_index=KeySetIndex(self.prefix_keys))
-
-    def describe(self) -> dict:
-        s = self.state
-        return {
-            "instance": self.slot, "status": self.status, "generation": self.generation, **self.handle.describe(),
-            "routed": self.routed, "in_flight": self.in_flight, "pending": len(self.pending),
-            "consecutive_poll_failures": self.failures, "failed_starts": self.failed_starts,
-            "last_error": self.last_error,
-            "load": None if s is None else {
-                "num_running": s.num_running, "num_waiting": s.num_waiting,
-                "queued_prefill_tokens": s.queued_prefill_tokens, "kv_usage": round(s.kv_usage, 4),
-                "kv_blocks_used": s.kv_blocks_used, "kv_blocks_total": s.kv_blocks_total,
-                "predicted_remaining_decode_tokens": s.predicted_remaining_decode_tokens,
-                "prefix_cache_hit_rate": round(s.prefix_cache_hit_rate, 4), "cached_prefix_blocks": len(self.prefix_keys)},
-        }
-
-
-@dataclass
-class FrontConfig:
-    router: str = "least-requests"
-    poll_interval_s: float = 0.25
-    fail_after: int = 3  # polls in a row without an answer before a live process counts as hung
-    poll_timeout_s: float = 2.0
-    start_timeout_s: float = 600.0  # a replacement that is not up by then is replaced again
-    max_attempts: int = 3  # instances one request may be tried on before it fails
-    replace_dead: bool = True
-    max_backoff_s: float = 30.0  # a slot whose workers keep dying while starting waits 1, 2, 4, ... s up to this
-    predictor: Optional[str] = "default"  # output-length predictor for the router; None = off
-    seed: int = 0
-
-
-class Fleet:
-    """The workers, their health and their load, and the routing decision."""
-
-    def __init__(self, spawn: Callable[[int], WorkerHandle], num_instances: int, config: FrontConfig,
-                 clock: Callable[[], float] = time.monotonic):
-        self.spawn = spawn
-        self.config = config
-        self.clock = clock
-        self.instances = [Instance(i, spawn(i), started_at=clock()) for i in range(num_instances)]
-        self.predictions = None
-        if config.predictor:
-            from sloserve.cluster.predict import PredictionBook, load_predictor
-
-            self.predictions = PredictionBook(load_predictor(config.predictor))  # type: ignore[arg-type]
-        self.router = make_router(config.router, RouterOptions(
-            seed=config.seed, predictions=self.predictions.lookup if self.predictions else None))
-        self.block_size = 16
-        self.counters = {"retries": 0, "failed_midstream": 0, "replacements": 0, "no_instance": 0}
-        self._client: Optional[httpx.AsyncClient] = None
-        self._monitor: Optional[asyncio.Task] = None
-
-    # ---- lifecycle -------------------------------------------------------------------
-    async def start(self, wait_ready_s: Optional[float] = None) -> None:
-        self._client = httpx.AsyncClient(timeout=httpx.Timeout(connect=5.0, read=None, write=30.0, pool=30.0),
-                                         limits=httpx.Limits(max_connections=2048, max_keepalive_connections=256))
-        self._monitor = asyncio.create_task(self._watch())
-        if wait_ready_s is not None:
-            await self.wait_ready(wait_ready_s)
-
-    async def wait_ready(self, timeout_s: float, count: Optional[int] = None) -> None:
-        want = len(self.instances) if count is None else count
-        deadline = self.clock() + timeout_s
-        while sum(i.status == HEALTHY for i in self.instances) < want:
-            if self.clock() > deadline:
-                raise TimeoutError(f"only {sum(i.status == HEALTHY for i in self.instances)} of {want} workers "
-                                   f"became healthy in {timeout_s:.0f} s")
-            await asyncio.sleep(0.1)
-
-    async def close(self) -> None:
-        if self._monitor is not None:
-            self._monitor.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._monitor
-        for inst in self.instances:
-            inst.handle.kill()
-        if self._client is not None:
-            await self._client.aclose()
-
-    @property
-    def client(self) -> httpx.AsyncClient:
-        assert self._client is not None, "fleet not started"
-        return self._client
-
-    # ---- health and load ---------------------------------------------------------------
-    async def _watch(self) -> None:
-        while True:
-            await asyncio.gather(*(self._poll(inst) for inst in self.instances), return_exceptions=True)
-            await asyncio.sleep(self.config.poll_interval_s)
-
-    async def _poll(self, inst: Instance) -> None:
-        if inst.status == DEAD:
-            if inst.respawn_at is not None and self.clock() >= inst.respawn_at:
-                self._respawn(inst)
-            return
-        handle = inst.handle
-        if not handle.is_running():
-            self.mark_dead(inst, "worker process exited")
-            return
-        url = handle.url
-        if url is None:  # still starting (a Ray actor that has not reported its port)
-            self._check_start_timeout(inst)
-            return
-        sent = self.clock()
-        try:
-            resp = await self.client.get(url + "/internal/state", timeout=self.config.poll_timeout_s)
-            resp.raise_for_status()
-            payload = resp.json()
-        except Exception as e:  # noqa: BLE001 - any failure to answer counts the same
-            if inst.status == STARTING:
-                self._check_start_timeout(inst)
-                return
-            inst.failures += 1
-            inst.last_error = f"poll failed: {type(e).__name__}: {e}"
-            if inst.failures >= self.config.fail_after:
-                self.mark_dead(inst, f"no answer to {inst.failures} polls in a row")
-            return
-        if handle is not inst.handle:  # replaced while the poll was in flight
-            return
-        fields = payload["state"]
-        if fields.get("min_ttft_slack_s") is None:
-            fields["min_ttft_slack_s"] = float("inf")
-        inst.state = InstanceState(**fields)
-        self.block_size = inst.state.block_size
-        inst.prefix_keys = frozenset(int(k, 16) for k in payload.get("prefix_keys", ()))
-        inst.pending = [p for p in inst.pending if p[0] > sent]
-        inst.polled_at = sent
-        inst.failures = 0
-        if inst.status == STARTING:
-            inst.status, inst.failed_starts = HEALTHY, 0
-            logger.info("instance %d (generation %d) is healthy at %s", inst.slot, inst.generation, url)
-
-    def _check_start_timeout(self, inst: Instance) -> None:
-        if self.clock() - inst.started_at > self.config.start_timeout_s:
-            self.mark_dead(inst, f"not healthy after {self.config.start_timeout_s:.0f} s")
-
-    def mark_dead(self, inst: Instance, reason: str) -> None:
-        """Out of routing, killed, and (by default) replaced by a fresh worker in the same slot."""
-        if inst.status == DEAD:
-            return
-        logger.warning("instance %d (generation %d) is out: %s", inst.slot, inst.generation, reason)
-        never_answered = inst.status == STARTING
-        inst.status, inst.last_error = DEAD, reason
-        inst.state, inst.prefix_keys, inst.pending = None, frozenset(), []
-        inst.handle.kill()
-        if not self.config.replace_dead:
-            return
-        inst.failed_starts = inst.failed_starts + 1 if never_answered else 0
-        if inst.failed_starts == 0:
-            self._respawn(inst)
-        else:
-            delay = min(self.config.max_backoff_s, 2.0 ** (inst.failed_starts - 1))
-            logger.warning("instance %d: %d worker(s) in a row died while starting; next try in %.0f s",
-                           inst.slot, inst.failed_starts, delay)
-            inst.respawn_at = self.clock() + delay
-
-    def _respawn(self, inst: Instance) -> None:
-        inst.handle = self.spawn(inst.slot)
-        inst.generation += 1
-        inst.status, inst.respawn_at = STARTING, None
-        inst.failures, inst.started_at = 0, self.clock()
-        self.counters["replacements"] += 1
-
-    def suspect(self, inst: Instance, handle: WorkerHandle, error: BaseException) -> None:
-        """A proxied call to `handle` broke: if its process is gone, take it out now rather
-        than at the next poll."""
-        if inst.handle is handle and not handle.is_running():
-            self.mark_dead(inst, f"worker process exited ({type(error).__name__})")
-
-    # ---- routing ---------------------------------------------------------------------
-    def healthy(self) -> list[Instance]:
-        return [i for i in self.instances if i.status == HEALTHY]
-
-    def pick(self, request: Request, exclude: set) -> Optional[Instance]:
-        candidates = [i for i in self.healthy() if (i.slot, i.generation) not in exclude]
-        if not candidates:
-            return None
-        states = [i.routing_state(self.block_size) for i in candidates]
-        chosen = candidates[self.router.route(request, states)]
-        chosen.pending.append((self.clock(), request.num_prompt_tokens, request.predicted_output_len or 0))
-        chosen.routed += 1
-        return chosen
-
-
-# ---------------------------------------------------------------------------------- the app
-
-
-def _error(status: int, message: str, code: str, err_type: str = "server_error") -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": err_type, "code": code, "param": None}},
-                        status_code=status)
+def _error(status: int, message: str, code: str, param: Optional[str] = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param=param, code=code), status_code=status)
 
 
 def _sse_error(message: str, code: str) -> bytes:
@@ -279,16 +71,45 @@ def _sse_error(message: str, code: str) -> bytes:
     return f"data: {body}\n\ndata: [DONE]\n\n".encode()
 
 
+def _headers_back(upstream: httpx.Response) -> dict:
+    return {k: v for k, v in upstream.headers.items() if k.lower() in _PASS_BACK}
+
+
+def _token_ids(value: object) -> Optional[list[int]]:
+    """`value` if it is a non-empty list of ints (not bools), else None."""
+    if isinstance(value, list) and value and all(type(t) is int for t in value):
+        return list(value)
+    return None
+
+
+def _check_prompt(body: dict, chat: bool) -> None:
+    """The shapes the front reads itself; anything else is a 400 here rather than a 500
+    (the worker judges everything else about the body)."""
+    if chat:
+        messages = body.get("messages")
+        if messages is not None and not (isinstance(messages, list) and all(isinstance(m, dict) for m in messages)):
+            raise APIError(400, "messages must be a list of message objects", param="messages")
+        return
+    prompt = body.get("prompt")
+    if prompt is None or isinstance(prompt, str) or _token_ids(prompt) is not None:
+        return
+    if isinstance(prompt, list) and prompt and (all(isinstance(p, str) for p in prompt)
+                                                or all(_token_ids(p) is not None for p in prompt)):
+        return
+    raise APIError(400, "prompt must be a string, a list of strings, a list of token ids or a list of lists of "
+                        "token ids (non-empty)", param="prompt")
+
+
 def _prompt_text(body: dict, chat: bool) -> Optional[str]:
     """The text the length predictor reads: the prompt, or the conversation's messages."""
     if chat:
-        parts = []
+        parts: list[str] = []
         for m in body.get("messages") or []:
             c = m.get("content") if isinstance(m, dict) else None
             if isinstance(c, str):
                 parts.append(c)
             elif isinstance(c, list):
-                parts += [p.get("text", "") for p in c if isinstance(p, dict)]
+                parts += [p["text"] for p in c if isinstance(p, dict) and isinstance(p.get("text"), str)]
         return "\n".join(parts) or None
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
@@ -296,18 +117,56 @@ def _prompt_text(body: dict, chat: bool) -> Optional[str]:
     return prompt if isinstance(prompt, str) else None
 
 
+class _RelayResponse(StreamingResponse):
+    """A relayed stream that releases its upstream however the response ends."""
+
+    def __init__(self, relay: AsyncIterator[bytes], release: Callable[[], Awaitable[None]], **kwargs) -> None:
+        super().__init__(relay, **kwargs)
+        self._relay = relay
+        self._release = release
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._relay.aclose()  # type: ignore[attr-defined]
+            await self._release()
+
+
 class Front:
-    def __init__(self, fleet: Fleet, registry: Optional[QoSRegistry] = None):
+    def __init__(self, fleet: Fleet, registry: Optional[QoSRegistry] = None, salter: Optional[CacheSalter] = None):
+        """`salter` must use the secret the workers got, so the prefix keys the router computes
+        for a request are the ones the workers publish for the same tenant's prefix."""
         self.fleet = fleet
         self.registry = registry or QoSRegistry()
+        self.salter = salter or CacheSalter(cache_secret())
+        cfg = fleet.config
+        self.gate = FrontGate(cfg.max_in_flight, cfg.retry_after_s)
+
+    async def drain(self, grace_s: float) -> int:
+        """Stop admitting (503), let proxied requests finish within `grace_s`, end the rest."""
+        return await self.gate.drain(grace_s)
 
     def build_app(self) -> FastAPI:
-        app = FastAPI(title="sloserve (multi-instance front)", docs_url=None, redoc_url=None)
+        app = FastAPI(title="sloserve (multi-instance front)", docs_url=None, redoc_url=None, openapi_url=None)
         fleet = self.fleet
         app.state.front = self
+        app.router.route_class = GuardedRoute  # a client gone mid-body is a 499, never a logged 500
+        install_error_handlers(app)
+
+        @app.exception_handler(BodyTimeout)
+        async def _body_timeout(request: HTTPRequest, exc: BodyTimeout) -> Response:
+            return error_response(APIError(408, str(exc.detail), code="request_timeout",
+                                           headers={"Connection": "close"}))
+
+        cfg = fleet.config
+        app.add_middleware(FrontEdge, gate=self.gate, registry=self.registry, max_body_bytes=cfg.max_body_bytes,
+                           body_timeout_s=cfg.body_timeout_s, admin_keys=cfg.admin_keys)
 
         @app.get("/health")
         async def health() -> Response:
+            if self.gate.draining:
+                return _error(503, "server is shutting down", "draining")
             n = len(fleet.healthy())
             if n == 0:
                 return _error(503, "no healthy instance", "no_instance")
@@ -316,6 +175,7 @@ class Front:
         @app.get("/v1/instances")
         async def instances() -> JSONResponse:
             return JSONResponse({"router": fleet.config.router, "counters": fleet.counters,
+                                 "in_flight": self.gate.num_in_flight, "max_in_flight": self.gate.capacity,
                                  "data": [i.describe() for i in fleet.instances]})
 
         @app.get("/metrics")
@@ -358,24 +218,30 @@ class Front:
             except _TRANSPORT_ERRORS as e:
                 self.fleet.suspect(inst, inst.handle, e)
                 continue
-            return Response(resp.content, status_code=resp.status_code,
+            return Response(resp.content, status_code=resp.status_code, headers=_headers_back(resp),
                             media_type=resp.headers.get("content-type"))
         return _error(503, "no healthy instance", "no_instance")
 
     async def _prompt_ids(self, body: dict, chat: bool, headers: dict) -> tuple[Optional[list[int]], Optional[Response]]:
-        """Token ids of the (first) prompt, from a worker; or the worker's 4xx to pass back."""
+        """Token ids of the (first) prompt, from a worker; or the worker's 4xx to pass back.
+        None ids (and no error): a shape the worker will judge, or no worker could tokenize it
+        now; routed without prefix hints."""
         if chat:
+            if body.get("messages") is None:
+                return None, None
             payload = {"messages": body.get("messages"), "add_generation_prompt": True}
         else:
             prompt = body.get("prompt")
-            if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
-                return [int(t) for t in prompt], None  # already token ids
-            if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
-                return [int(t) for t in prompt[0]], None
-            if isinstance(prompt, list) and prompt:
+            ids = _token_ids(prompt)
+            if ids is None and isinstance(prompt, list) and prompt:
+                ids = _token_ids(prompt[0])
                 prompt = prompt[0]
-            payload = {"prompt": prompt if isinstance(prompt, str) else ""}
-        if body.get("model"):
+            if ids is not None:
+                return ids, None  # already token ids
+            if not isinstance(prompt, str):
+                return None, None
+            payload = {"prompt": prompt}
+        if isinstance(body.get("model"), str):
             payload["model"] = body["model"]
         for inst in self.fleet.healthy():
             try:
@@ -384,37 +250,58 @@ class Front:
             except _TRANSPORT_ERRORS as e:
                 self.fleet.suspect(inst, inst.handle, e)
                 continue
+            if resp.status_code in _RETRY_STATUSES:  # that worker is full: ask another, else route blind
+                continue
             if resp.status_code != 200:
-                return None, Response(resp.content, status_code=resp.status_code,
+                return None, Response(resp.content, status_code=resp.status_code, headers=_headers_back(resp),
                                       media_type=resp.headers.get("content-type"))
-            return list(resp.json()["tokens"]), None
-        return None, _error(503, "no healthy instance", "no_instance")
+            try:
+                return _token_ids(resp.json().get("tokens")) or [0], None
+            except ValueError:
+                return None, None
+        # every worker was full or unreachable: the ids are only a routing hint, the proxy decides
+        return None, None
 
     # ---- generation ----------------------------------------------------------------------
     async def generate(self, request: HTTPRequest, path: str, chat: bool) -> Response:
         raw = await request.body()
         try:
             body = json.loads(raw)
-            if not isinstance(body, dict):
-                raise ValueError("body must be a JSON object")
-        except ValueError as e:
-            return _error(400, f"invalid JSON body: {e}", "invalid_json", "invalid_request_error")
+        except (ValueError, RecursionError) as e:
+            return _error(400, f"invalid JSON body: {type(e).__name__}: {str(e)[:200]}", "invalid_json")
+        if not isinstance(body, dict):
+            return _error(400, "request body must be a JSON object", "invalid_json")
+        _check_prompt(body, chat)
+        principal = getattr(request.state, "principal", None) or self.registry.authenticate(None)
+        if principal is None:  # the edge checks keys first; this is a backstop
+            return _error(401, "missing or invalid API key", "invalid_api_key")
         headers = self._headers(request)
-        principal = self.registry.authenticate(bearer_token(request.headers))
-        if principal is None:
-            return _error(401, "missing or invalid API key (send 'Authorization: Bearer <key>')", "invalid_api_key",
-                          "invalid_request_error")
-        ids, err = await self._prompt_ids(body, chat, headers)
-        if err is not None:
-            return err
-        rid = request.headers.get("x-request-id") or f"front-{uuid.uuid4().hex[:16]}"
-        routed = Request(rid, ids or [0], SamplingParams(max_tokens=None, temperature=0.0), tenant=principal.tenant)
-        text = _prompt_text(body, chat)
-        if self.fleet.predictions is not None:
-            self.fleet.predictions.annotate(routed, text)
-        stream = bool(body.get("stream"))
+        ticket: Optional[Ticket] = getattr(request.state, "ticket", None)
+        stop = Stop(request.receive, ticket.abort if ticket is not None else None)
+        try:
+            ids, err = await stop.run(self._prompt_ids(body, chat, headers))
+            if err is not None:
+                return err
+            rid = request.headers.get("x-request-id") or f"front-{uuid.uuid4().hex[:16]}"
+            routed = Request(rid, ids or [0], SamplingParams(max_tokens=None, temperature=0.0),
+                             tenant=principal.tenant, cache_salt=self.salter.salt(principal))
+            if self.fleet.predictions is not None:
+                self.fleet.predictions.annotate(routed, _prompt_text(body, chat))
+            return await self._proxy(routed, path, raw, headers, body.get("stream") is True, chat, stop, ticket)
+        except Interrupted as e:
+            if e.client_gone:
+                logger.info("client left before its answer (%s): upstream closed", path)
+                return Response(status_code=STATUS_CLIENT_GONE)
+            return _error(503, "server is shutting down; the request was not completed", "draining")
+        finally:
+            stop.close()
+
+    async def _proxy(self, routed: Request, path: str, raw: bytes, headers: dict, stream: bool, chat: bool,
+                     stop: Stop, ticket: Optional[Ticket]) -> Response:
+        """Try instances until one answers; the first that starts a stream owns it."""
         tried: set = set()
         last_error = "no healthy instance"
+        refused: Optional[Response] = None  # the last worker's 429/503, returned if nobody else takes it
         handed_off = False  # a streaming body took over the request (and its prediction)
         try:
             for attempt in range(self.fleet.config.max_attempts):
@@ -426,76 +313,107 @@ class Front:
                 if attempt:
                     self.fleet.counters["retries"] += 1
                 inst.in_flight += 1
-                release = True
+                upstream: Optional[httpx.Response] = None
                 try:
-                    upstream = await self.fleet.client.send(
-                        self.fleet.client.build_request("POST", handle.url + path, content=raw, headers=headers),
-                        stream=True)
-                except _TRANSPORT_ERRORS as e:
-                    last_error = f"instance {inst.slot} unreachable: {type(e).__name__}"
-                    self.fleet.suspect(inst, handle, e)
-                    inst.in_flight -= 1
-                    continue
-                try:
-                    if upstream.status_code == 429 and attempt + 1 < self.fleet.config.max_attempts:
-                        last_error = f"instance {inst.slot} is full (429)"
-                        continue  # another instance may have room
-                    if not stream or upstream.status_code != 200:
-                        try:
-                            content = await upstream.aread()
-                        except _TRANSPORT_ERRORS as e:  # died before answering: nothing sent yet, retry
-                            last_error = f"instance {inst.slot} failed before answering: {type(e).__name__}"
-                            self.fleet.suspect(inst, handle, e)
-                            continue
-                        self._learn(routed, content)
-                        return Response(content, status_code=upstream.status_code,
-                                        media_type=upstream.headers.get("content-type"))
-                    chunks = upstream.aiter_raw()
                     try:
-                        first = await chunks.__anext__()
-                    except StopAsyncIteration:
-                        first = b""
-                    except _TRANSPORT_ERRORS as e:  # died before the first token: nothing streamed, retry
-                        last_error = f"instance {inst.slot} failed before its first token: {type(e).__name__}"
+                        upstream = await stop.run(self.fleet.client.send(
+                            self.fleet.client.build_request("POST", handle.url + path, content=raw, headers=headers),
+                            stream=True))
+                        if not stream or upstream.status_code != 200:
+                            content = await stop.run(upstream.aread())
+                        else:
+                            chunks = upstream.aiter_raw()
+                            head, done = await stop.run(self._until_started(chunks, chat))
+                    except _TRANSPORT_ERRORS as e:  # nothing reached the client yet: try another instance
+                        last_error = f"instance {inst.slot} failed before answering: {type(e).__name__}"
                         self.fleet.suspect(inst, handle, e)
                         continue
-                    release = False  # the streaming body owns the upstream from here
+                    back = _headers_back(upstream)
+                    media = upstream.headers.get("content-type")
+                    if upstream.status_code in _RETRY_STATUSES:
+                        last_error = f"instance {inst.slot} answered {upstream.status_code}"
+                        refused = Response(content, status_code=upstream.status_code, headers=back, media_type=media)
+                        continue
+                    if not stream or upstream.status_code != 200:
+                        self._learn(routed, content)
+                        return Response(content, status_code=upstream.status_code, headers=back, media_type=media)
+                    if done:  # the whole stream came before anything counted as started
+                        self._learn(routed, head)
+                        return Response(head, status_code=200, headers=back, media_type=media)
+                    release = self._releaser(inst, upstream, routed)
+                    relay = self._relay(inst, handle, chunks, head, routed, ticket, release)
                     handed_off = True
-                    return StreamingResponse(self._relay(inst, handle, upstream, chunks, first, routed),
-                                             status_code=200, media_type=upstream.headers.get("content-type"))
+                    return _RelayResponse(relay, release, status_code=200, headers=back, media_type=media)
                 finally:
-                    if release:
+                    if not handed_off:
                         inst.in_flight -= 1
-                        await upstream.aclose()
+                        if upstream is not None:
+                            await upstream.aclose()
+            if refused is not None:
+                return refused
             self.fleet.counters["no_instance"] += 1
             return _error(503, f"request could not be served: {last_error}", "no_instance")
         finally:
             if self.fleet.predictions is not None and not handed_off:
                 self.fleet.predictions.observe(routed, completed=False)  # forget it (_learn already learned)
 
-    async def _relay(self, inst: Instance, handle: WorkerHandle, upstream: httpx.Response,
-                     chunks: AsyncIterator[bytes], first: bytes, routed: Request) -> AsyncIterator[bytes]:
-        tail = first[-512:]
-        try:
-            if first:
-                yield first
-            try:
-                async for chunk in chunks:
-                    tail = (tail + chunk)[-512:]
-                    yield chunk
-            except _TRANSPORT_ERRORS as e:
-                self.fleet.counters["failed_midstream"] += 1
-                self.fleet.suspect(inst, handle, e)
-                logger.warning("instance %d failed while streaming request %s: %s", inst.slot, routed.request_id, e)
-                yield _sse_error(f"instance {inst.slot} failed while generating this response; the output is "
-                                 f"incomplete", "instance_failed")
+    @staticmethod
+    async def _until_started(chunks: AsyncIterator[bytes], chat: bool) -> tuple[bytes, bool]:
+        """Read (and keep) events until one carries output: (what came, whether the stream ended)."""
+        splitter = SSESplitter()
+        head = b""
+        async for chunk in chunks:
+            head += chunk
+            if any(carries_output(e, chat) for e in splitter.feed(chunk)):
+                return head, False
+        return head, True
+
+    def _releaser(self, inst: Instance, upstream: httpx.Response, routed: Request) -> Callable[[], Awaitable[None]]:
+        """What ends a handed-off stream's claims, once: whichever of the relay or the response
+        gets there first (a client gone before the relay started never runs the relay)."""
+        released = False
+
+        async def release() -> None:
+            nonlocal released
+            if released:
                 return
-            self._learn(routed, tail)
-        finally:
+            released = True
             inst.in_flight -= 1
             await upstream.aclose()
             if self.fleet.predictions is not None:
                 self.fleet.predictions.observe(routed, completed=False)
+
+        return release
+
+    async def _relay(self, inst: Instance, handle: WorkerHandle, chunks: AsyncIterator[bytes], head: bytes,
+                     routed: Request, ticket: Optional[Ticket],
+                     release: Callable[[], Awaitable[None]]) -> AsyncIterator[bytes]:
+        tail = head[-512:]
+        stop = Stop(abort=ticket.abort if ticket is not None else None)
+        try:
+            yield head
+            while True:
+                try:
+                    chunk = await stop.run(chunks.__anext__())
+                except StopAsyncIteration:
+                    break
+                except Interrupted:
+                    yield _sse_error("the server is shutting down; the output is incomplete", "draining")
+                    return
+                except _TRANSPORT_ERRORS as e:
+                    self.fleet.counters["failed_midstream"] += 1
+                    self.fleet.suspect(inst, handle, e)
+                    logger.warning("instance %d failed while streaming request %s: %s", inst.slot,
+                                   routed.request_id, e)
+                    yield _sse_error(f"instance {inst.slot} failed while generating this response; the output is "
+                                     f"incomplete", "instance_failed")
+                    return
+                tail = (tail + chunk)[-512:]
+                yield chunk
+            self._learn(routed, tail)
+        finally:
+            stop.close()
+            await release()
 
     def _learn(self, routed: Request, content: bytes) -> None:
         """Feed the served model's actual output length back to the predictor."""

@@ -10,6 +10,7 @@ Both speak HTTP to the front, which is what keeps the front identical for both.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import socket
@@ -20,7 +21,8 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from sloserve.config import EngineConfig
-from sloserve.server.worker import API_KEYS_ENV, config_to_json
+from sloserve.server.qos import CACHE_SECRET_ENV
+from sloserve.server.worker import API_KEYS_ENV, FLEET_SECRET_ENV, config_to_json
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +54,15 @@ class WorkerSpec:
     served_model_names: list[str] = field(default_factory=list)
     max_queue: int = 256
     log_level: str = "warning"
+    fleet_secret: Optional[str] = None  # authenticates the front on the workers' /internal/* routes
+    # One prefix-cache salt secret for the whole fleet, so every worker (and the front's
+    # prefix-affinity router) computes the same block keys for the same tenant's prefix.
+    cache_secret: Optional[str] = None
+    # Per-worker server options beyond the above (see worker.WORKER_OPTIONS), as plain JSON data.
+    options: dict = field(default_factory=dict)
+
+    def __repr__(self) -> str:  # never print the keys or the secret in a log line
+        return f"WorkerSpec(engine={self.engine!r}, max_queue={self.max_queue}, api_keys=<{len(self.api_keys)}>)"
 
 
 class WorkerHandle(ABC):
@@ -68,7 +79,8 @@ class WorkerHandle(ABC):
 
     @abstractmethod
     def kill(self) -> None:
-        """Stop it now (a hung worker, or shutdown)."""
+        """Stop it now (a hung worker, or shutdown). May block while it reaps the process: the
+        front calls it in a thread."""
 
     def describe(self) -> dict:
         return {"kind": self.kind, "url": self.url}
@@ -82,7 +94,7 @@ class ProcessWorker(WorkerHandle):
         self.port = port or free_port(host)
         cmd = [sys.executable, "-m", "sloserve.server.worker", "--config", config_to_json(spec.engine),
                "--host", host, "--port", str(self.port), "--max-queue", str(spec.max_queue),
-               "--log-level", spec.log_level]
+               "--log-level", spec.log_level, "--options", json.dumps(spec.options)]
         if spec.qos_config:
             cmd += ["--qos-config", spec.qos_config]
         for name in spec.served_model_names:
@@ -90,6 +102,11 @@ class ProcessWorker(WorkerHandle):
         env = dict(os.environ)
         if spec.api_keys:  # through the environment, not the command line where `ps` shows it
             env[API_KEYS_ENV] = "\n".join(spec.api_keys)
+        env.pop(FLEET_SECRET_ENV, None)
+        if spec.fleet_secret:
+            env[FLEET_SECRET_ENV] = spec.fleet_secret
+        if spec.cache_secret:
+            env[CACHE_SECRET_ENV] = spec.cache_secret
         self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
         logger.info("started worker pid %d on port %d", self.proc.pid, self.port)
 
@@ -131,15 +148,17 @@ def _actor_class():
         """Runs one worker app (engine + HTTP) inside a Ray actor process."""
 
         def __init__(self, config_json: str, qos_config: Optional[str], api_keys: list[str],
-                     served_model_names: list[str], max_queue: int):
+                     served_model_names: list[str], max_queue: int, fleet_secret: Optional[str] = None,
+                     cache_secret: Optional[str] = None, options: Optional[dict] = None):
             import threading
 
             import uvicorn
 
             from sloserve.server.worker import build_worker_app, config_from_json, settings_from_args
 
-            settings = settings_from_args(qos_config, api_keys, served_model_names, max_queue)
-            self.engine, app = build_worker_app(config_from_json(config_json), settings)
+            settings = settings_from_args(qos_config, api_keys, served_model_names, max_queue, options or {},
+                                          cache_secret)
+            self.engine, app = build_worker_app(config_from_json(config_json), settings, fleet_secret)
             self.host = ray.util.get_node_ip_address()
             self.port = free_port(self.host)
             config = uvicorn.Config(app, host=self.host, port=self.port, lifespan="off", access_log=False,
@@ -167,7 +186,8 @@ class RayWorker(WorkerHandle):
 
         cls = _actor_class().options(num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=0)
         self.actor = cls.remote(config_to_json(spec.engine), spec.qos_config, list(spec.api_keys),
-                                list(spec.served_model_names), spec.max_queue)
+                                list(spec.served_model_names), spec.max_queue, spec.fleet_secret,
+                                spec.cache_secret, dict(spec.options))
         self._ray = ray
         self._url: Optional[str] = None
         self._dead = False

@@ -8,8 +8,9 @@ is even parsed, so a bad key never reveals how the body would have been judged.
 """
 from __future__ import annotations
 
+import hmac
 import json
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
@@ -21,6 +22,7 @@ from sloserve.server.errors import APIError
 from sloserve.server.qos import QoSRegistry
 
 API_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+ADMIN_ROUTES = frozenset({"/metrics"})  # what `--admin-key` restricts on a single instance
 KNOWN_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics",
                           "/tokenize", "/detokenize", "/version"})
 
@@ -31,6 +33,18 @@ async def send_error(send: Send, err: APIError) -> None:
     headers += [(k.lower().encode(), v.encode()) for k, v in err.headers.items()]
     await send({"type": "http.response.start", "status": err.status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
+
+
+def admin_refusal(token: Optional[str], admin_keys: Sequence[bytes]) -> Optional[APIError]:
+    """Why `token` may not use an admin route (401 none, 403 not an admin key), or None.
+    Constant-time comparison, so response timing says nothing about a key's prefix."""
+    if not token:
+        return APIError(401, "this route needs an admin key (send 'Authorization: Bearer <key>')",
+                        code="invalid_api_key")
+    given = token.encode()
+    if not any(hmac.compare_digest(given, key) for key in admin_keys):
+        return APIError(403, "this key may not use this route", code="forbidden")
+    return None
 
 
 def bearer_token(headers: Headers) -> Optional[str]:
@@ -51,8 +65,11 @@ class EdgeMiddleware:
         observe_http: Callable[[str, int], None],
         on_rejected: Callable[[str], None],
         body_timeout_s: float = 30.0,
+        admin_keys: Sequence[str] = (),
     ) -> None:
+        """With `admin_keys`, the routes in ADMIN_ROUTES (`/metrics`) need one of them."""
         self.app = app
+        self.admin_keys = [k.encode() for k in admin_keys if k]
         self.admission = admission
         self.registry = registry
         self.max_body_bytes = max_body_bytes
@@ -85,6 +102,8 @@ class EdgeMiddleware:
 
     def _refuse(self, scope: Scope) -> Optional[APIError]:
         headers = Headers(scope=scope)
+        if self.admin_keys and scope.get("path", "") in ADMIN_ROUTES:
+            return admin_refusal(bearer_token(headers), self.admin_keys)
         length = headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
             return APIError(413, f"request body of {length} bytes exceeds the limit of {self.max_body_bytes}",

@@ -4,6 +4,9 @@ The front process holds no model: it routes, proxies and watches. Workers are lo
 processes (`--backend process`, the default) or Ray actors (`--backend ray`, on a local Ray
 instance or an existing cluster via `--ray-address`). CPU threads are split evenly between
 the workers unless `--num-threads` says otherwise (then each worker gets that share).
+
+The front serves as soon as one worker is healthy, drains on SIGTERM like a single instance
+(launcher.py), and makes a random fleet secret per run that only it and its workers know.
 """
 from __future__ import annotations
 
@@ -11,7 +14,12 @@ import asyncio
 import dataclasses
 import logging
 import os
+import secrets
+import signal
+from types import FrameType
 from typing import Optional, Sequence
+
+import uvicorn
 
 from sloserve.config import EngineConfig
 
@@ -46,15 +54,82 @@ def make_spawner(spec, backend: str, threads_per_worker: int, ray_address: Optio
     raise ValueError(f"unknown backend {backend!r}; use process or ray")
 
 
+class DrainingFront(uvicorn.Server):
+    """uvicorn for the front, with sloserve's shutdown: on SIGTERM/SIGINT stop admitting (503
+    `draining`), let proxied requests finish within the grace period, end the rest, then exit
+    (status 0). A second signal exits at once."""
+
+    def __init__(self, config: uvicorn.Config, front, grace_s: float) -> None:
+        super().__init__(config)
+        self._front = front
+        self._grace_s = grace_s
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._signalled = False
+        self._drain: Optional[asyncio.Future] = None
+
+    async def serve(self, sockets=None) -> None:  # type: ignore[override]
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: Optional[FrameType]) -> None:
+        # Not recorded in _captured_signals: uvicorn would re-raise it at exit and the process
+        # would die by the signal instead of exiting 0 after a clean drain.
+        if self._signalled or self._loop is None or not self.started:
+            self._front.gate.draining = True
+            self.should_exit = True
+            self.force_exit = self._signalled
+            self._signalled = True
+            return
+        self._signalled = True
+        logger.info("%s: draining the front (grace period %.1fs)", signal.Signals(sig).name, self._grace_s)
+        self._loop.call_soon_threadsafe(self._begin_drain)
+
+    def _begin_drain(self) -> None:
+        self._drain = asyncio.ensure_future(self._drain_then_exit())
+
+    async def _drain_then_exit(self) -> None:
+        try:
+            await self._front.drain(self._grace_s)
+        except Exception:
+            logger.exception("drain failed; exiting anyway")
+        finally:
+            self.should_exit = True
+
+
+async def serve_front(fleet, front, config: uvicorn.Config, grace_s: float, start_timeout_s: float,
+                      server_cls=DrainingFront) -> None:
+    """Start the workers, serve as soon as one is healthy (the others join when they answer),
+    drain on a signal, and stop the workers."""
+    await fleet.start()
+    try:
+        await fleet.wait_ready(start_timeout_s, count=1)
+        server = server_cls(config, front, grace_s)
+        logger.info("serving %d instances behind %s routing on http://%s:%d", len(fleet.instances),
+                    fleet.config.router, config.host, config.port)
+        await server.serve()
+    finally:
+        await fleet.close()
+
+
+def front_capacity(engine_config: EngineConfig, max_queue: int, instances: int) -> int:
+    """The front's default bound on requests in flight: what all workers together admit."""
+    return instances * (engine_config.scheduler.max_num_seqs + max_queue)
+
+
 def run_multi(engine_config: EngineConfig, settings, *, instances: int, router: str, backend: str = "process",
               host: str = "127.0.0.1", port: int = 8000, qos_config: Optional[str] = None,
               api_keys: Sequence[str] = (), ray_address: Optional[str] = None,
-              predictor: Optional[str] = "default", log_level: str = "warning") -> int:
-    import uvicorn
-
+              predictor: Optional[str] = "default", log_level: str = "warning",
+              admin_keys: Sequence[str] = (), max_in_flight: Optional[int] = None,
+              hang_timeout_s: float = 60.0) -> int:
+    """`settings` (ServerSettings) gives the edge: max_body_bytes, body and header timeouts,
+    connection cap, retry_after_s, grace_period_s; max_queue applies to each worker."""
     from sloserve.cluster.routers import ROUTERS
+    from sloserve.server.connections import uvicorn_config
     from sloserve.server.front import Fleet, Front, FrontConfig
     from sloserve.server.instances import WorkerSpec
+    from sloserve.server.qos import CACHE_SECRET_ENV, CacheSalter, cache_secret
+    from sloserve.server.worker import worker_options
 
     if instances < 1:
         raise ValueError("--instances must be >= 1")
@@ -62,25 +137,30 @@ def run_multi(engine_config: EngineConfig, settings, *, instances: int, router: 
         raise ValueError("--step-trace needs a single instance (each worker would write the same file)")
     if router not in ROUTERS:
         raise ValueError(f"unknown router {router!r}; choose from {sorted(ROUTERS)}")
+    if max_in_flight is not None and max_in_flight < 1:
+        raise ValueError(f"max in flight must be >= 1, got {max_in_flight}")
+    if not hang_timeout_s > 0:
+        raise ValueError(f"hang timeout must be > 0 s, got {hang_timeout_s}")
+    settings.validate()
     total = engine_config.num_threads or cores()
     per_worker = max(1, total // instances)
+    fleet_secret = secrets.token_urlsafe(32)  # per run: authenticates the front on the workers' /internal/*
+    # One cache-salt secret for the front and all its workers (else each draws its own, and the
+    # router's prefix keys would never match what the workers publish).
+    salt_secret = settings.cache_salt_secret or os.environ.get(CACHE_SECRET_ENV) or secrets.token_urlsafe(32)
     spec = WorkerSpec(dataclasses.replace(engine_config, num_threads=per_worker), qos_config, list(api_keys),
-                      list(settings.served_model_names), settings.max_queue, log_level)
+                      list(settings.served_model_names), settings.max_queue, log_level, fleet_secret,
+                      cache_secret=salt_secret, options=worker_options(settings))
     spawn = make_spawner(spec, backend, per_worker, ray_address)
-    fleet = Fleet(spawn, instances, FrontConfig(router=router, predictor=predictor))
-    app = Front(fleet, settings.registry).build_app()
-
-    async def serve() -> None:
-        await fleet.start()
-        try:
-            logger.info("waiting for %d %s workers (%d threads each)", instances, backend, per_worker)
-            await fleet.wait_ready(FrontConfig.start_timeout_s)
-            config = uvicorn.Config(app, host=host, port=port, lifespan="off", access_log=False, log_config=None,
-                                    timeout_keep_alive=5)
-            logger.info("serving %d instances behind %s routing on http://%s:%d", instances, router, host, port)
-            await uvicorn.Server(config).serve()
-        finally:
-            await fleet.close()
-
-    asyncio.run(serve())
+    config = FrontConfig(
+        router=router, predictor=predictor, hang_timeout_s=hang_timeout_s,
+        max_in_flight=max_in_flight or front_capacity(engine_config, settings.max_queue, instances),
+        max_body_bytes=settings.max_body_bytes, body_timeout_s=settings.body_timeout_s,
+        retry_after_s=settings.retry_after_s, admin_keys=tuple(admin_keys))
+    fleet = Fleet(spawn, instances, config, fleet_secret=fleet_secret)
+    front = Front(fleet, settings.registry, CacheSalter(cache_secret(salt_secret)))
+    uv_config = uvicorn_config(front.build_app(), host=host, port=port, limits=settings.connection_limits())
+    logger.info("starting %d %s workers (%d threads each); serving once one is healthy", instances, backend,
+                per_worker)
+    asyncio.run(serve_front(fleet, front, uv_config, settings.grace_period_s, config.start_timeout_s))
     return 0

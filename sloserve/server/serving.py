@@ -27,7 +27,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from sloserve.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
 from sloserve.engine.outputs import CompletedOutput, OutputAccumulator, RequestOutput
 from sloserve.server.admission import Admission
-from sloserve.server.errors import APIError, bad_request, error_body
+from sloserve.server.errors import STATUS_CLIENT_GONE, APIError, bad_request, error_body
 from sloserve.server.logprobs import TokenStrings, chat_logprobs, completion_logprobs
 from sloserve.server.metrics import FinishedRequest, ServerMetrics
 from sloserve.server.protocol import (
@@ -56,7 +56,6 @@ access_log = logging.getLogger("sloserve.access")
 
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 _COUNTED_REJECTIONS = ("queue_full", "draining", "slo_unattainable", "tenant_concurrency_limit", "tenant_token_limit")
-STATUS_CLIENT_GONE = 499  # nginx's convention for "client closed the request"
 DEFAULT_STALL_TIMEOUT_S = 60.0
 _SEED_SPAN = 2**64  # seeds are 64-bit; choice j of n uses seed + j, wrapped to stay a valid seed
 # What a tokenizer may raise on bad input (UnicodeError is a ValueError): a 400, never a 500.

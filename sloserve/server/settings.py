@@ -32,6 +32,8 @@ class ServerSettings:
     # Keys the prefix cache's salts (HMAC of each request's cache namespace); None = the
     # environment's SLOSERVE_CACHE_SECRET, else random per process.
     cache_salt_secret: Optional[str] = field(default=None, repr=False)
+    # With admin keys, /metrics (and on a multi-instance front /v1/instances) needs one of them.
+    admin_keys: list[str] = field(default_factory=list, repr=False)
 
     def connection_limits(self) -> ConnectionLimits:
         return ConnectionLimits(header_timeout_s=self.header_timeout_s, body_timeout_s=self.body_timeout_s,

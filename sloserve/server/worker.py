@@ -5,24 +5,37 @@ QoS and metrics) plus one internal route, `GET /internal/state`, that publishes 
 front's router needs: the scheduler's `InstanceState` and the keys of the prefix blocks it
 has cached. The same worker runs as a local process (`python -m sloserve.server.worker`) or
 inside a Ray actor (`sloserve.server.instances.RayWorker`); the front talks HTTP to both.
+
+`/internal/*` publishes cached block keys (derived from tenants' prompts), so it answers only
+a caller that sends the fleet's secret in `X-Sloserve-Fleet-Secret`: a random value the front
+makes per run and hands its workers (environment for processes, an argument for Ray actors).
+A worker without a secret serves no internal route at all.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import hmac
 import json
 import logging
 import math
+import os
 from typing import Any, Optional
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from sloserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from sloserve.server.qos import CACHE_SECRET_ENV
 
 logger = logging.getLogger(__name__)
 
 API_KEYS_ENV = "SLOSERVE_WORKER_API_KEYS"  # newline-separated keys the front hands its workers
+FLEET_SECRET_ENV = "SLOSERVE_FLEET_SECRET"  # the front's per-run secret for /internal/*
+FLEET_SECRET_HEADER = "X-Sloserve-Fleet-Secret"
+INTERNAL_PREFIX = "/internal/"
 MAX_PUBLISHED_KEYS = 8192  # most recently cached blocks; enough to find every live conversation
 
 
@@ -58,13 +71,40 @@ def state_payload(core: Any, max_keys: int = MAX_PUBLISHED_KEYS) -> dict:
     return {"state": fields, "prefix_keys": [format(k, "x") for k in keys], "num_cached_blocks": len(keys)}
 
 
-def add_worker_routes(app: FastAPI, core: Any) -> None:
+class InternalGuard:
+    """ASGI: `/internal/*` needs the fleet secret (401 in the error schema otherwise), checked
+    before routing so even an unknown internal path reveals nothing."""
+
+    def __init__(self, app: ASGIApp, secret: Optional[str]) -> None:
+        self.app = app
+        self.secret = secret.encode() if secret else None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope.get("path", "").startswith(INTERNAL_PREFIX) and not self._allowed(scope):
+            from sloserve.server.errors import APIError
+            from sloserve.server.middleware import send_error
+
+            await send_error(send, APIError(401, "internal endpoints need the fleet secret",
+                                            code="invalid_fleet_secret"))
+            return
+        await self.app(scope, receive, send)
+
+    def _allowed(self, scope: Scope) -> bool:
+        given = Headers(scope=scope).get(FLEET_SECRET_HEADER)
+        if self.secret is None or given is None:
+            return False
+        return hmac.compare_digest(given.encode(), self.secret)
+
+
+def add_worker_routes(app: FastAPI, core: Any, fleet_secret: Optional[str]) -> None:
+    app.add_middleware(InternalGuard, secret=fleet_secret)
+
     @app.get("/internal/state")
     async def internal_state() -> JSONResponse:
         return JSONResponse(state_payload(core))
 
 
-def build_worker_app(engine_config: EngineConfig, settings):
+def build_worker_app(engine_config: EngineConfig, settings, fleet_secret: Optional[str] = None):
     """Engine + app of one worker (the caller runs it and shuts the engine down)."""
     from sloserve.engine.async_engine import AsyncLLMEngine
     from sloserve.engine.llm_engine import LLMEngine
@@ -72,18 +112,37 @@ def build_worker_app(engine_config: EngineConfig, settings):
 
     engine = AsyncLLMEngine(LLMEngine(engine_config))
     app = build_app(engine, settings)
-    add_worker_routes(app, engine.engine)
+    add_worker_routes(app, engine.engine, fleet_secret)
     return engine, app
 
 
+# The ServerSettings a front hands on to its workers unchanged (the edge options, such as
+# timeouts and connection caps, belong to the front, which is what clients reach).
+WORKER_OPTIONS = ("stall_timeout_s", "shed_unattainable")
+
+
+def worker_options(settings) -> dict:
+    """What `settings_from_args` needs of a front's settings, as plain JSON data."""
+    options = {name: getattr(settings, name) for name in WORKER_OPTIONS}
+    options["cache_isolation"] = settings.registry.cache_isolation
+    return options
+
+
 def settings_from_args(qos_config: Optional[str], api_keys: list[str], served_model_names: list[str],
-                       max_queue: int):
+                       max_queue: int, options: Optional[dict] = None, cache_secret: Optional[str] = None):
     from sloserve.server.qos import QoSRegistry, load_qos_config
     from sloserve.server.settings import ServerSettings
 
+    options = dict(options or {})
     registry = load_qos_config(qos_config) if qos_config else QoSRegistry()
+    isolation = options.pop("cache_isolation", None)
+    if isolation:
+        registry = registry.with_cache_isolation(isolation)
+    unknown = set(options) - set(WORKER_OPTIONS)
+    if unknown:
+        raise ValueError(f"unknown worker options {sorted(unknown)}")
     return ServerSettings(served_model_names=list(served_model_names), registry=registry.with_keys(api_keys),
-                          max_queue=max_queue, grace_period_s=0.0)
+                          max_queue=max_queue, grace_period_s=0.0, cache_salt_secret=cache_secret, **options)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -97,14 +156,18 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--served-model-name", action="append", default=[])
     p.add_argument("--max-queue", type=int, default=256)
     p.add_argument("--log-level", default="warning")
+    p.add_argument("--options", default="{}", help="server options from the front (JSON; see WORKER_OPTIONS)")
     args = p.parse_args(argv)
     logging.basicConfig(level=getattr(logging, args.log_level.upper()),
                         format="%(asctime)s %(levelname)s worker:%(name)s: %(message)s")
-    import os
-
     keys = [k for k in os.environ.get(API_KEYS_ENV, "").split("\n") if k]
-    settings = settings_from_args(args.qos_config, keys, args.served_model_name, args.max_queue)
-    engine, app = build_worker_app(config_from_json(args.config), settings)
+    secret = os.environ.pop(FLEET_SECRET_ENV, None) or None
+    if secret is None:
+        logger.warning("no %s in the environment: /internal/* is closed", FLEET_SECRET_ENV)
+    cache_secret = os.environ.pop(CACHE_SECRET_ENV, None) or None
+    settings = settings_from_args(args.qos_config, keys, args.served_model_name, args.max_queue,
+                                  json.loads(args.options), cache_secret)
+    engine, app = build_worker_app(config_from_json(args.config), settings, secret)
     try:
         uvicorn.run(app, host=args.host, port=args.port, lifespan="off", access_log=False, log_config=None,
                     timeout_keep_alive=30)

@@ -1,0 +1,295 @@
+"""The workers behind a multi-instance front: their health, their load, and the routing decision.
+
+Health: each slot has its own poll loop on `/internal/state` (which doubles as the load
+report), over an httpx client of its own: the proxy's pool can be full of long streams
+without a poll ever waiting for a connection. Statuses:
+- `starting`: spawned, has not answered yet (replaced after `start_timeout_s`);
+- `healthy`: answers; takes requests;
+- `unresponsive`: a live process that missed `fail_after` polls in a row. It is only taken
+  out of routing: a worker busy enough to miss polls (or paused) keeps its streams, and it
+  rejoins at its next answer. Only after `hang_timeout_s` without an answer is it killed;
+- `dead`: its process exited, or it hung: killed (in a thread, so the event loop never waits
+  for the reaping) and replaced in the same slot (`generation` + 1), with back-off for a slot
+  whose workers keep dying before they ever answer.
+
+Between polls the fleet adds what it routed to each worker's last snapshot (counts, prompt
+tokens, predicted decode), so a burst does not all land on the instance that looked idle.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import httpx
+
+from sloserve.cluster.routers import RouterOptions, make_router
+from sloserve.sched.state import InstanceState, KeySetIndex
+from sloserve.server.instances import WorkerHandle
+from sloserve.server.worker import FLEET_SECRET_HEADER
+from sloserve.types import Request
+
+logger = logging.getLogger(__name__)
+
+STARTING, HEALTHY, UNRESPONSIVE, DEAD = "starting", "healthy", "unresponsive", "dead"
+
+
+@dataclass
+class FrontConfig:
+    router: str = "least-requests"
+    poll_interval_s: float = 0.25
+    fail_after: int = 3  # polls in a row without an answer before a live worker leaves routing
+    poll_timeout_s: float = 2.0
+    hang_timeout_s: float = 60.0  # a live worker silent this long is killed and replaced
+    start_timeout_s: float = 600.0  # a replacement that is not up by then is replaced again
+    max_attempts: int = 3  # instances one request may be tried on before it fails
+    replace_dead: bool = True
+    max_backoff_s: float = 30.0  # a slot whose workers keep dying while starting waits 1, 2, 4, ... s up to this
+    predictor: Optional[str] = "default"  # output-length predictor for the router; None = off
+    seed: int = 0
+    # The front's edge (front_edge.py)
+    max_in_flight: Optional[int] = None  # requests proxied at once; beyond: 429 at the front. None = no bound
+    max_body_bytes: int = 4 * 2**20
+    body_timeout_s: float = 30.0
+    retry_after_s: int = 1
+    admin_keys: tuple[str, ...] = ()  # when set, /v1/instances and /metrics need one of them
+
+
+@dataclass
+class Instance:
+    slot: int
+    handle: WorkerHandle
+    status: str = STARTING
+    generation: int = 0  # how many times this slot's worker was replaced
+    state: Optional[InstanceState] = None
+    prefix_keys: frozenset = frozenset()
+    polled_at: float = 0.0
+    answered_at: Optional[float] = None  # last poll this worker answered (None: never, this generation)
+    failures: int = 0
+    routed: int = 0
+    in_flight: int = 0
+    pending: list = field(default_factory=list)  # (routed at, prompt tokens, predicted tokens) not yet polled
+    started_at: float = 0.0
+    last_error: Optional[str] = None
+    failed_starts: int = 0  # workers in a row that died before ever answering (crash loop: back off)
+    respawn_at: Optional[float] = None  # when a dead slot gets its replacement
+
+    def routing_state(self, block_size: int) -> InstanceState:
+        """The last snapshot plus what was routed here since it was taken."""
+        base = self.state or InstanceState(0, 0, 0, 0, 1, 1, 0, 0.0, float("inf"), block_size)
+        if not self.pending:
+            return dataclasses.replace(base, prefix_index=KeySetIndex(self.prefix_keys))
+        prompt = sum(p for _, p, _ in self.pending)
+        decode = sum(d for _, _, d in self.pending)
+        bs = base.block_size
+        return dataclasses.replace(
+            base, num_waiting=base.num_waiting + len(self.pending), queued_prefill_tokens=base.queued_prefill_tokens
+            + prompt, kv_blocks_waiting=base.kv_blocks_waiting + sum(-(-p // bs) for _, p, _ in self.pending),
+            predicted_remaining_decode_tokens=base.predicted_remaining_decode_tokens + decode,
+            prefix_index=KeySetIndex(self.prefix_keys))
+
+    def describe(self) -> dict:
+        s = self.state
+        return {
+            "instance": self.slot, "status": self.status, "generation": self.generation, **self.handle.describe(),
+            "routed": self.routed, "in_flight": self.in_flight, "pending": len(self.pending),
+            "consecutive_poll_failures": self.failures, "failed_starts": self.failed_starts,
+            "last_error": self.last_error,
+            "load": None if s is None else {
+                "num_running": s.num_running, "num_waiting": s.num_waiting,
+                "queued_prefill_tokens": s.queued_prefill_tokens, "kv_usage": round(s.kv_usage, 4),
+                "kv_blocks_used": s.kv_blocks_used, "kv_blocks_total": s.kv_blocks_total,
+                "predicted_remaining_decode_tokens": s.predicted_remaining_decode_tokens,
+                "prefix_cache_hit_rate": round(s.prefix_cache_hit_rate, 4), "cached_prefix_blocks": len(self.prefix_keys)},
+        }
+
+
+class Fleet:
+    """The workers, their health and their load, and the routing decision."""
+
+    def __init__(self, spawn: Callable[[int], WorkerHandle], num_instances: int, config: FrontConfig,
+                 clock: Callable[[], float] = time.monotonic, fleet_secret: Optional[str] = None):
+        self.spawn = spawn
+        self.config = config
+        self.clock = clock
+        self.fleet_secret = fleet_secret
+        self.instances = [Instance(i, spawn(i), started_at=clock()) for i in range(num_instances)]
+        self.predictions = None
+        if config.predictor:
+            from sloserve.cluster.predict import PredictionBook, load_predictor
+
+            self.predictions = PredictionBook(load_predictor(config.predictor))  # type: ignore[arg-type]
+        self.router = make_router(config.router, RouterOptions(
+            seed=config.seed, predictions=self.predictions.lookup if self.predictions else None))
+        self.block_size = 16
+        self.counters = {"retries": 0, "failed_midstream": 0, "replacements": 0, "no_instance": 0}
+        self._client: Optional[httpx.AsyncClient] = None
+        self._health: Optional[httpx.AsyncClient] = None
+        self._monitors: list[asyncio.Task] = []
+        self._kills: set[asyncio.Task] = set()
+
+    # ---- lifecycle -------------------------------------------------------------------
+    async def start(self, wait_ready_s: Optional[float] = None) -> None:
+        self._client = httpx.AsyncClient(timeout=httpx.Timeout(connect=5.0, read=None, write=30.0, pool=30.0),
+                                         limits=httpx.Limits(max_connections=2048, max_keepalive_connections=256))
+        n = len(self.instances)
+        headers = {FLEET_SECRET_HEADER: self.fleet_secret} if self.fleet_secret else {}
+        self._health = httpx.AsyncClient(timeout=httpx.Timeout(self.config.poll_timeout_s), headers=headers,
+                                         limits=httpx.Limits(max_connections=2 * n, max_keepalive_connections=n))
+        self._monitors = [asyncio.create_task(self._watch(inst)) for inst in self.instances]
+        if wait_ready_s is not None:
+            await self.wait_ready(wait_ready_s)
+
+    async def wait_ready(self, timeout_s: float, count: Optional[int] = None) -> None:
+        """Until `count` workers (default: all) are healthy; TimeoutError after `timeout_s`."""
+        want = len(self.instances) if count is None else count
+        deadline = self.clock() + timeout_s
+        while sum(i.status == HEALTHY for i in self.instances) < want:
+            if self.clock() > deadline:
+                raise TimeoutError(f"only {sum(i.status == HEALTHY for i in self.instances)} of {want} workers "
+                                   f"became healthy in {timeout_s:.0f} s")
+            await asyncio.sleep(0.1)
+
+    async def close(self) -> None:
+        for task in self._monitors:
+            task.cancel()
+        for task in self._monitors:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await asyncio.gather(*(asyncio.to_thread(i.handle.kill) for i in self.instances), *self._kills,
+                             return_exceptions=True)
+        for client in (self._client, self._health):
+            if client is not None:
+                await client.aclose()
+
+    @property
+    def client(self) -> httpx.AsyncClient:
+        """The proxy's client (requests to workers); health polls never use it."""
+        assert self._client is not None, "fleet not started"
+        return self._client
+
+    # ---- health and load ---------------------------------------------------------------
+    async def _watch(self, inst: Instance) -> None:
+        while True:
+            try:
+                await self._poll(inst)
+            except Exception:  # noqa: BLE001 - a bug in one poll must not stop watching the slot
+                logger.exception("polling instance %d failed", inst.slot)
+            await asyncio.sleep(self.config.poll_interval_s)
+
+    async def _poll(self, inst: Instance) -> None:
+        if inst.status == DEAD:
+            if inst.respawn_at is not None and self.clock() >= inst.respawn_at:
+                self._respawn(inst)
+            return
+        handle = inst.handle
+        if not handle.is_running():
+            self.mark_dead(inst, "worker process exited")
+            return
+        url = handle.url
+        if url is None:  # still starting (a Ray actor that has not reported its port)
+            self._check_start_timeout(inst)
+            return
+        assert self._health is not None, "fleet not started"
+        sent = self.clock()
+        try:
+            resp = await self._health.get(url + "/internal/state")
+            resp.raise_for_status()
+            payload = resp.json()
+            fields = dict(payload["state"])
+            if fields.get("min_ttft_slack_s") is None:
+                fields["min_ttft_slack_s"] = float("inf")
+            state = InstanceState(**fields)
+            keys = frozenset(int(k, 16) for k in payload.get("prefix_keys", ()))
+        except Exception as e:  # noqa: BLE001 - any failure to answer counts the same
+            if handle is inst.handle:
+                self._missed(inst, e)
+            return
+        if handle is not inst.handle or inst.status == DEAD:  # replaced while the poll was in flight
+            return
+        inst.state, inst.prefix_keys = state, keys
+        self.block_size = state.block_size
+        inst.pending = [p for p in inst.pending if p[0] > sent]
+        inst.polled_at = inst.answered_at = sent
+        inst.failures = 0
+        if inst.status == STARTING:
+            inst.status, inst.failed_starts = HEALTHY, 0
+            logger.info("instance %d (generation %d) is healthy at %s", inst.slot, inst.generation, url)
+        elif inst.status == UNRESPONSIVE:
+            inst.status = HEALTHY
+            logger.warning("instance %d (generation %d) answers again: back in routing", inst.slot, inst.generation)
+
+    def _missed(self, inst: Instance, error: BaseException) -> None:
+        if inst.status == STARTING:
+            self._check_start_timeout(inst)
+            return
+        inst.failures += 1
+        inst.last_error = f"poll failed: {type(error).__name__}: {error}"
+        silent_s = self.clock() - (inst.answered_at if inst.answered_at is not None else inst.started_at)
+        if silent_s > self.config.hang_timeout_s:
+            self.mark_dead(inst, f"no answer for {silent_s:.0f} s ({inst.failures} polls)")
+        elif inst.status == HEALTHY and inst.failures >= self.config.fail_after:
+            inst.status = UNRESPONSIVE
+            logger.warning("instance %d (generation %d) missed %d polls: out of routing until it answers",
+                           inst.slot, inst.generation, inst.failures)
+
+    def _check_start_timeout(self, inst: Instance) -> None:
+        if self.clock() - inst.started_at > self.config.start_timeout_s:
+            self.mark_dead(inst, f"not healthy after {self.config.start_timeout_s:.0f} s")
+
+    def mark_dead(self, inst: Instance, reason: str) -> None:
+        """Out of routing, killed, and (by default) replaced by a fresh worker in the same slot."""
+        if inst.status == DEAD:
+            return
+        logger.warning("instance %d (generation %d) is out: %s", inst.slot, inst.generation, reason)
+        never_answered = inst.status == STARTING
+        inst.status, inst.last_error = DEAD, reason
+        inst.state, inst.prefix_keys, inst.pending = None, frozenset(), []
+        self._kill(inst.handle)
+        if not self.config.replace_dead:
+            return
+        inst.failed_starts = inst.failed_starts + 1 if never_answered else 0
+        if inst.failed_starts == 0:
+            self._respawn(inst)
+        else:
+            delay = min(self.config.max_backoff_s, 2.0 ** (inst.failed_starts - 1))
+            logger.warning("instance %d: %d worker(s) in a row died while starting; next try in %.0f s",
+                           inst.slot, inst.failed_starts, delay)
+            inst.respawn_at = self.clock() + delay
+
+    def _kill(self, handle: WorkerHandle) -> None:
+        """Kill and reap in a thread: `kill` may wait for the process (seconds), the loop must not."""
+        task = asyncio.get_running_loop().create_task(asyncio.to_thread(handle.kill))
+        self._kills.add(task)
+        task.add_done_callback(self._kills.discard)
+
+    def _respawn(self, inst: Instance) -> None:
+        inst.handle = self.spawn(inst.slot)
+        inst.generation += 1
+        inst.status, inst.respawn_at = STARTING, None
+        inst.failures, inst.started_at, inst.answered_at = 0, self.clock(), None
+        self.counters["replacements"] += 1
+
+    def suspect(self, inst: Instance, handle: WorkerHandle, error: BaseException) -> None:
+        """A proxied call to `handle` broke: if its process is gone, take it out now rather
+        than at the next poll."""
+        if inst.handle is handle and not handle.is_running():
+            self.mark_dead(inst, f"worker process exited ({type(error).__name__})")
+
+    # ---- routing ---------------------------------------------------------------------
+    def healthy(self) -> list[Instance]:
+        return [i for i in self.instances if i.status == HEALTHY]
+
+    def pick(self, request: Request, exclude: set) -> Optional[Instance]:
+        candidates = [i for i in self.healthy() if (i.slot, i.generation) not in exclude]
+        if not candidates:
+            return None
+        states = [i.routing_state(self.block_size) for i in candidates]
+        chosen = candidates[self.router.route(request, states)]
+        chosen.pending.append((self.clock(), request.num_prompt_tokens, request.predicted_output_len or 0))
+        chosen.routed += 1
+        return chosen
