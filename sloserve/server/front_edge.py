@@ -20,12 +20,10 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from starlette.datastructures import Headers
-from starlette.exceptions import HTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
-from sloserve.server.connections import timed_receive
 from sloserve.server.errors import APIError
-from sloserve.server.middleware import admin_refusal, bearer_token, send_error
+from sloserve.server.middleware import admin_refusal, bearer_token, limited_receive, send_error
 from sloserve.server.qos import QoSRegistry
 
 logger = logging.getLogger(__name__)
@@ -157,19 +155,4 @@ class FrontEdge:
             raise err
 
     def _limited(self, receive: Receive) -> Receive:
-        """Count body bytes as they arrive (chunked uploads declare no length), and give up on a
-        client that stalls mid-body (408)."""
-        seen = 0
-        limit = self.max_body_bytes
-        timed = timed_receive(receive, self.body_timeout_s)
-
-        async def wrapped() -> Message:
-            nonlocal seen
-            message = await timed()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > limit:
-                    raise HTTPException(413, f"request body exceeds the limit of {limit} bytes")
-            return message
-
-        return wrapped
+        return limited_receive(receive, self.max_body_bytes, self.body_timeout_s)

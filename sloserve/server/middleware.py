@@ -125,19 +125,22 @@ class EdgeMiddleware:
         return None
 
     def _limited(self, receive: Receive) -> Receive:
-        """Count body bytes as they arrive (chunked uploads have no Content-Length to check), and
-        give up on a client that stalls mid-body (BodyTimeout: 408)."""
-        seen = 0
-        limit = self.max_body_bytes
-        timed = timed_receive(receive, self.body_timeout_s)
+        return limited_receive(receive, self.max_body_bytes, self.body_timeout_s)
 
-        async def wrapped() -> Message:
-            nonlocal seen
-            message = await timed()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > limit:
-                    raise HTTPException(413, f"request body exceeds the limit of {limit} bytes")
-            return message
 
-        return wrapped
+def limited_receive(receive: Receive, max_body_bytes: int, body_timeout_s: float) -> Receive:
+    """Count body bytes as they arrive (chunked uploads have no Content-Length to check: 413
+    past the limit), and give up on a client that stalls mid-body (BodyTimeout: 408)."""
+    seen = 0
+    timed = timed_receive(receive, body_timeout_s)
+
+    async def wrapped() -> Message:
+        nonlocal seen
+        message = await timed()
+        if message["type"] == "http.request":
+            seen += len(message.get("body", b""))
+            if seen > max_body_bytes:
+                raise HTTPException(413, f"request body exceeds the limit of {max_body_bytes} bytes")
+        return message
+
+    return wrapped
