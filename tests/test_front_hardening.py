@@ -410,3 +410,29 @@ def test_clients_that_leave_mid_body_are_no_server_errors(caplog):
     with caplog.at_level("ERROR"):
         asyncio.run(main())
     assert not [r for r in caplog.records if r.levelname == "ERROR"], [r.getMessage() for r in caplog.records]
+
+
+def test_a_request_queued_on_a_worker_that_freezes_moves_to_another():
+    """Found by benchmarks/chaos.py: a request that was waiting on a worker when it was
+    SIGSTOPped waited out the whole freeze (TTFT p99 29.8 s for a 30 s freeze). Nothing had
+    reached its client, so once the worker stops answering its polls it moves."""
+
+    async def main():
+        async with front(lambda slot: FakeWorker(tokens=40, delay=0.05), fail_after=2,
+                         poll_timeout_s=0.3) as (fleet, client, port):
+            frozen = fleet.instances[0]
+            pid, other = frozen.handle.proc.pid, fleet.instances[1].handle.proc.pid
+            t0 = time.monotonic()
+            waiting = asyncio.ensure_future(client.post("/v1/completions", json={"prompt": "a", "max_tokens": 40}))
+            await asyncio.sleep(0.3)  # routed to instance 0 (round-robin) and generating there, not done
+            assert frozen.in_flight == 1
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                r = await asyncio.wait_for(waiting, 8)  # the freeze would last as long as the test
+                assert r.status_code == 200 and r.json()["pid"] == other
+                assert time.monotonic() - t0 < 8
+                assert fleet.counters["moved_unstarted"] == 1 and frozen.handle.is_running()
+            finally:
+                os.kill(pid, signal.SIGCONT)
+
+    asyncio.run(main())

@@ -77,6 +77,9 @@ class Instance:
     last_error: Optional[str] = None
     failed_starts: int = 0  # workers in a row that died before ever answering (crash loop: back off)
     respawn_at: Optional[float] = None  # when a dead slot gets its replacement
+    # Set when this worker stops answering (unresponsive or dead): requests waiting on it that
+    # have sent the client nothing yet move to another instance instead of waiting it out.
+    stalled: asyncio.Event = field(default_factory=asyncio.Event)
 
     def routing_state(self, block_size: int) -> InstanceState:
         """The last snapshot plus what was routed here since it was taken."""
@@ -126,7 +129,8 @@ class Fleet:
         self.router = make_router(config.router, RouterOptions(
             seed=config.seed, predictions=self.predictions.lookup if self.predictions else None))
         self.block_size = 16
-        self.counters = {"retries": 0, "failed_midstream": 0, "replacements": 0, "no_instance": 0}
+        self.counters = {"retries": 0, "failed_midstream": 0, "replacements": 0, "no_instance": 0,
+                         "moved_unstarted": 0}
         self._client: Optional[httpx.AsyncClient] = None
         self._health: Optional[httpx.AsyncClient] = None
         self._monitors: list[asyncio.Task] = []
@@ -221,6 +225,7 @@ class Fleet:
             logger.info("instance %d (generation %d) is healthy at %s", inst.slot, inst.generation, url)
         elif inst.status == UNRESPONSIVE:
             inst.status = HEALTHY
+            inst.stalled = asyncio.Event()
             logger.warning("instance %d (generation %d) answers again: back in routing", inst.slot, inst.generation)
 
     def _missed(self, inst: Instance, error: BaseException) -> None:
@@ -234,6 +239,7 @@ class Fleet:
             self.mark_dead(inst, f"no answer for {silent_s:.0f} s ({inst.failures} polls)")
         elif inst.status == HEALTHY and inst.failures >= self.config.fail_after:
             inst.status = UNRESPONSIVE
+            inst.stalled.set()
             logger.warning("instance %d (generation %d) missed %d polls: out of routing until it answers",
                            inst.slot, inst.generation, inst.failures)
 
@@ -248,6 +254,7 @@ class Fleet:
         logger.warning("instance %d (generation %d) is out: %s", inst.slot, inst.generation, reason)
         never_answered = inst.status == STARTING
         inst.status, inst.last_error = DEAD, reason
+        inst.stalled.set()
         inst.state, inst.prefix_keys, inst.pending = None, frozenset(), []
         self._kill(inst.handle)
         if not self.config.replace_dead:
@@ -271,6 +278,7 @@ class Fleet:
         inst.handle = self.spawn(inst.slot)
         inst.generation += 1
         inst.status, inst.respawn_at = STARTING, None
+        inst.stalled = asyncio.Event()
         inst.failures, inst.started_at, inst.answered_at = 0, self.clock(), None
         self.counters["replacements"] += 1
 
@@ -283,6 +291,10 @@ class Fleet:
     # ---- routing ---------------------------------------------------------------------
     def healthy(self) -> list[Instance]:
         return [i for i in self.instances if i.status == HEALTHY]
+
+    def has_alternative(self, exclude: set) -> bool:
+        """Whether a healthy instance outside `exclude` ((slot, generation) pairs) could take a request."""
+        return any((i.slot, i.generation) not in exclude for i in self.healthy())
 
     def pick(self, request: Request, exclude: set) -> Optional[Instance]:
         candidates = [i for i in self.healthy() if (i.slot, i.generation) not in exclude]

@@ -23,11 +23,13 @@ When the drain's grace period is over, requests still in flight are ended the sa
 """
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
 import re
 import uuid
-from typing import AsyncIterator, Awaitable, Callable, Optional
+from typing import AsyncIterator, Awaitable, Callable, Optional, TypeVar
 
 import httpx
 from fastapi import FastAPI, Request as HTTPRequest
@@ -56,6 +58,12 @@ __all__ = ["DEAD", "HEALTHY", "STARTING", "UNRESPONSIVE", "Fleet", "Front", "Fro
 logger = logging.getLogger(__name__)
 
 _TRANSPORT_ERRORS = (httpx.TransportError,)  # connect, read, write, protocol, timeouts
+T = TypeVar("T")
+
+
+class _WorkerStalled(Exception):
+    """The worker stopped answering its health polls before this request sent the client anything."""
+
 _COMPLETION_TOKENS = re.compile(rb'"completion_tokens":\s*(\d+)')
 _PASS_HEADERS = ("authorization", "x-api-key", "x-qos-class", "x-priority", "x-request-id", "content-type")
 _PASS_BACK = ("retry-after", "x-request-id", "cache-control", "x-accel-buffering")
@@ -316,17 +324,22 @@ class Front:
                 upstream: Optional[httpx.Response] = None
                 try:
                     try:
-                        upstream = await stop.run(self.fleet.client.send(
+                        upstream = await self._before_start(stop, inst, tried, self.fleet.client.send(
                             self.fleet.client.build_request("POST", handle.url + path, content=raw, headers=headers),
                             stream=True))
                         if not stream or upstream.status_code != 200:
-                            content = await stop.run(upstream.aread())
+                            content = await self._before_start(stop, inst, tried, upstream.aread())
                         else:
                             chunks = upstream.aiter_raw()
-                            head, done = await stop.run(self._until_started(chunks, chat))
+                            head, done = await self._before_start(stop, inst, tried,
+                                                                  self._until_started(chunks, chat))
                     except _TRANSPORT_ERRORS as e:  # nothing reached the client yet: try another instance
                         last_error = f"instance {inst.slot} failed before answering: {type(e).__name__}"
                         self.fleet.suspect(inst, handle, e)
+                        continue
+                    except _WorkerStalled:  # same: closing the upstream makes the worker drop it when it wakes
+                        last_error = f"instance {inst.slot} stopped answering before this request started"
+                        self.fleet.counters["moved_unstarted"] += 1
                         continue
                     back = _headers_back(upstream)
                     media = upstream.headers.get("content-type")
@@ -356,6 +369,29 @@ class Front:
         finally:
             if self.fleet.predictions is not None and not handed_off:
                 self.fleet.predictions.observe(routed, completed=False)  # forget it (_learn already learned)
+
+    async def _before_start(self, stop: Stop, inst: Instance, tried: set, work: Awaitable[T]) -> T:
+        """`work` (upstream I/O before anything reached the client), raced against the client's
+        disconnect (Interrupted) and against `inst` ceasing to answer its health polls: then, if
+        another instance could take the request, _WorkerStalled, so a request queued on a frozen
+        or hung worker moves instead of waiting it out; with no alternative it keeps waiting."""
+        task = asyncio.ensure_future(work)
+        try:
+            stalled = asyncio.ensure_future(inst.stalled.wait())
+            try:
+                await stop.run(asyncio.wait([task, stalled], return_when=asyncio.FIRST_COMPLETED))
+            finally:
+                stalled.cancel()
+            if not task.done():
+                if self.fleet.has_alternative(tried):
+                    raise _WorkerStalled()
+                await stop.run(asyncio.shield(task))
+            return task.result()
+        finally:
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
 
     @staticmethod
     async def _until_started(chunks: AsyncIterator[bytes], chat: bool) -> tuple[bytes, bool]:
