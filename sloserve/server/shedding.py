@@ -175,7 +175,13 @@ class Shedder:
     """
 
     def __init__(self, core: Any, retry_after_min_s: int = 1,
-                 clock: Optional[Callable[[], float]] = None) -> None:
+                 clock: Optional[Callable[[], float]] = None, headroom: float = 0.9) -> None:
+        """`headroom`: admit only while the predicted TTFT is within this share of the target.
+        The prediction is a mean; with none, admissions pile up right at the target and the
+        model's error puts about half of them over it (the same 10% the TBT pacing keeps)."""
+        if not 0 < headroom <= 1:
+            raise ValueError(f"headroom must be in (0, 1], got {headroom}")
+        self.headroom = headroom
         self.core = core
         self.clock = clock or core.clock
         self.retry_after_min_s = retry_after_min_s
@@ -251,7 +257,7 @@ class Shedder:
         rank = self._rank(qos, priority, self.clock())
         if math.isfinite(qos.ttft_target_s):
             predicted = predict_ttft(self.load(rank), per_request, self.shape, self.core.step_estimator, count)
-            if predicted > qos.ttft_target_s:
+            if predicted > self.headroom * qos.ttft_target_s:
                 self.num_shed += 1
                 self._reserved = None
                 retry = max(self.retry_after_min_s, math.ceil(predicted - qos.ttft_target_s))
