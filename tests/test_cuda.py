@@ -97,3 +97,30 @@ def test_seeded_sampling_is_reproducible_on_cuda(tiny_llama):
     again = [o.token_ids for o in llm.generate(_prompts(), params)]
     assert first == again
     assert len({tuple(t) for t in first}) > 1  # different seeds and prompts give different samples
+
+
+def test_a_request_failing_on_cuda_fails_alone(tiny_llama):
+    """The isolation re-run (one request at a time, KV ops not repeated, seeded generators
+    restored) on the device: the neighbours keep their exact greedy tokens."""
+    from sloserve import LLM, SamplingParams
+    from sloserve.engine.outputs import OutputAccumulator
+
+    directory, model = tiny_llama
+    llm = LLM(model=str(directory), device="cuda", dtype="float32", max_num_batched_tokens=64, num_blocks=128,
+              block_size=4)
+    engine = llm.engine
+    greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    good = [engine.make_request(p, greedy, request_id=f"good-{i}") for i, p in enumerate(_prompts())]
+    bad = engine.make_request(_prompts()[0], SamplingParams(max_tokens=4, temperature=0.7, seed=1), request_id="bad")
+    bad.sampling_params.seed = "not a seed"  # validated, then corrupted: fails for real in the runner
+    for request in [*good, bad]:
+        engine.add(request)
+    folds: dict[str, OutputAccumulator] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            folds.setdefault(out.request_id, OutputAccumulator()).add(out)
+    for request, prompt in zip(good, _prompts()):
+        assert folds[request.request_id].completed().token_ids == _reference(model, prompt)
+    failed = folds["bad"].completed()
+    assert failed.finish_reason == "abort" and failed.error and failed.token_ids == []
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
