@@ -277,3 +277,22 @@ def test_qos_config_file_yaml_and_json(tmp_path):
     broken.write_text("classes: [unclosed\n")
     with pytest.raises(ValueError, match="broken.yaml"):
         load_qos_config(broken)
+
+
+def test_json_nested_past_the_decoder_is_an_invalid_json_400():
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from sloserve.server.errors import install_error_handlers
+    from sloserve.server.protocol import CompletionRequest
+
+    app = FastAPI()
+    install_error_handlers(app)
+
+    @app.post("/echo")
+    async def echo(body: CompletionRequest) -> dict:
+        return {}
+
+    r = TestClient(app).post("/echo", content=b"[" * 200_000, headers={"Content-Type": "application/json"})
+    assert r.status_code == 400
+    assert r.json()["error"]["code"] == "invalid_json" and "nested too deeply" in r.json()["error"]["message"]

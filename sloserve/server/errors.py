@@ -33,6 +33,9 @@ _TYPES = {
 }
 
 
+_FASTAPI_BODY_PARSE_ERROR = "There was an error parsing the body"
+
+
 class APIError(Exception):
     """An error answered to the client as-is (status, message, param, code)."""
 
@@ -122,6 +125,9 @@ def install_error_handlers(app: FastAPI) -> None:
             message, code = f"no route {request.method} {request.url.path}", "not_found"
         elif exc.status_code == 405:
             message, code = f"method {request.method} not allowed on {request.url.path}", "method_not_allowed"
+        elif exc.status_code == 400 and exc.detail == _FASTAPI_BODY_PARSE_ERROR:
+            # FastAPI's answer when the JSON decoder itself fails (e.g. nesting past its recursion limit)
+            message, code = "request body is not valid JSON (malformed, or nested too deeply)", "invalid_json"
         else:
             message, code = str(exc.detail), None
         return error_response(APIError(exc.status_code, message, code=code, headers=dict(exc.headers or {})))
