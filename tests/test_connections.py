@@ -217,7 +217,7 @@ def test_tokenize_takes_an_admission_slot(server):
 
 def test_a_big_tokenize_does_not_block_the_event_loop(server):
     url, _ = server
-    prompt = "hello world, this is a test. " * 50_000  # 1.45 MB: seconds of tokenizer work
+    prompt = "hello world, this is a test. " * 100_000  # 2.9 MB: about a second or more of tokenizer work
     result = {}
 
     def big() -> None:
@@ -235,9 +235,10 @@ def test_a_big_tokenize_does_not_block_the_event_loop(server):
         worst = max(worst, time.monotonic() - start)
         time.sleep(0.05)
     thread.join()
-    assert result["resp"].status_code == 200 and result["resp"].json()["count"] > 100_000
-    assert result["s"] > 1.0, "the prompt is too small to show anything"
-    assert worst < 0.5, f"/health took {worst:.2f}s while /tokenize ran for {result['s']:.1f}s"
+    assert result["resp"].status_code == 200 and result["resp"].json()["count"] > 200_000
+    assert result["s"] > 0.6, "the prompt is too small to show anything"
+    # on the event loop, /health would wait the whole tokenization out
+    assert worst < min(0.5, result["s"] / 2), f"/health took {worst:.2f}s while /tokenize ran for {result['s']:.1f}s"
 
 
 def test_more_sequences_than_capacity_is_400_not_429(server):
