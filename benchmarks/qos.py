@@ -33,7 +33,7 @@ from rich.console import Console
 from rich.table import Table
 
 from sloserve.bench.metrics import Summary, summarize
-from sloserve.bench.records import RequestRecord
+from sloserve.records import RequestRecord
 from sloserve.bench.runner import class_slos
 from sloserve.config import CacheConfig, SchedulerConfig
 from sloserve.sim.fleet import FleetConfig, build_fleet, sim_requests, simulate

@@ -76,7 +76,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from rich.progress import Progress
 
     from sloserve.engine.llm_engine import LLMEngine
-    from sloserve.engine.profiler import FULL_GRID, QUICK_GRID, profile_engine
+    from sloserve.profiler import FULL_GRID, QUICK_GRID, profile_engine
 
     engine = LLMEngine(engine_config_from_args(args))
     with Progress(transient=True) as bar:
@@ -209,7 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
     from sloserve.bench.cli import add_bench_parser  # `sloserve bench` and `sloserve bench compare`
 
     add_bench_parser(sub)
-    from sloserve.sim.cli import add_simulate_parser
+    from sloserve.sim_cli import add_simulate_parser
 
     add_simulate_parser(sub)
     from sloserve.cluster.train_cli import add_train_predictor_parser

@@ -6,7 +6,7 @@ import pytest
 
 from sloserve import LLM
 from sloserve.config import CacheConfig, SchedulerConfig
-from sloserve.engine.profiler import QUICK_GRID, profile_engine
+from sloserve.profiler import QUICK_GRID, profile_engine
 from sloserve.sched.costs import StepLoad
 from sloserve.sim.cost import ProfiledCostModel, RooflineCostModel
 from sloserve.sim.hardware import get_hardware

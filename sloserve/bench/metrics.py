@@ -14,7 +14,7 @@ import math
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
-from sloserve.bench.records import ERROR_KINDS, RequestRecord
+from sloserve.records import ERROR_KINDS, RequestRecord
 
 PERCENTILES = (50.0, 90.0, 99.0)
 METRICS = ("ttft", "tpot", "itl", "e2e", "normalized_e2e")

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
 from sloserve.bench.metrics import Summary, jsonable
-from sloserve.bench.records import RequestRecord
+from sloserve.records import RequestRecord
 
 FORMAT_VERSION = 1
 

@@ -9,12 +9,9 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import Any, Callable, Optional
 
 from sloserve.sched.state import InstanceState, KeySetIndex, PrefixIndex, _LoadMeasures
-
-if TYPE_CHECKING:
-    from sloserve.sched.scheduler import Scheduler
 
 
 class Moment:
@@ -54,7 +51,7 @@ class LiveInstanceState(_LoadMeasures):
     before now) runs once per moment, before the first field that steps change is read. The
     request counts do not need it: a run keeps its running set until its last step."""
 
-    def __init__(self, scheduler: "Scheduler", moment: Moment,
+    def __init__(self, scheduler: Any, moment: Moment,
                  catch_up: Optional[Callable[[float], None]] = None) -> None:
         self._s = scheduler
         self._moment = moment
@@ -69,7 +66,7 @@ class LiveInstanceState(_LoadMeasures):
         self._caught_up = False
         return self._memo
 
-    def _current(self) -> "Scheduler":
+    def _current(self) -> Any:  # a sched.scheduler.Scheduler (not imported here: it imports this module)
         """The scheduler, brought up to the moment (called from per-moment fields only)."""
         if not self._caught_up:
             self._caught_up = True

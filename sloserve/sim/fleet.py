@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Optional
 
-from sloserve.bench.records import RequestRecord, error_kind_for_status
+from sloserve.records import RequestRecord, error_kind_for_status
 from sloserve.cluster.routers import RouterOptions, make_router
 from sloserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from sloserve.sim.catalog import get_model

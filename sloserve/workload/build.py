@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator, Optional
 
-from sloserve.workload import servegen, traces
+import sloserve.workload.servegen as servegen
+import sloserve.workload.traces as traces
 from sloserve.workload.arrivals import make_process
 from sloserve.workload.mix import Mix, assign_mix
 from sloserve.workload.transforms import (clip_lengths, cut, scale_to_rate, spread_ties, time_scale, time_window,

@@ -6,7 +6,6 @@ import gc
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Optional
 
 
 def add_simulate_parser(sub: argparse._SubParsersAction) -> None:
