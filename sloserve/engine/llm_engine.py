@@ -75,6 +75,10 @@ class _Tracked:
     stop_matcher: Optional[StopMatcher] = None  # None when the request has no stop strings
 
 
+class ContextLengthError(ValueError):
+    """The prompt (with max_tokens) does not fit the context window."""
+
+
 class LLMEngine:
     def __init__(self, config: Optional[EngineConfig] = None, clock: Callable[[], float] = time.monotonic,
                  step_estimator: Optional[StepCostEstimator] = None):
@@ -153,6 +157,17 @@ class LLMEngine:
             raise ValueError("prompt is empty")
         return ids
 
+    def check_context(self, ids: list[int], max_tokens: Optional[int] = None) -> list[int]:
+        """`ids`, or ContextLengthError when they (and `max_tokens` more) do not fit the context."""
+        if len(ids) >= self.max_model_len:
+            raise ContextLengthError(f"prompt has {len(ids)} tokens; the context window is {self.max_model_len}")
+        if max_tokens is not None and len(ids) + max_tokens > self.max_model_len:
+            raise ContextLengthError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the context window "
+                f"({self.max_model_len})"
+            )
+        return ids
+
     def make_request(
         self,
         prompt: Prompt,
@@ -170,14 +185,7 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise ValueError("params must be a SamplingParams")
         params.validate()
-        ids = self.tokenize_prompt(prompt)
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(ids)} tokens; the context window is {self.max_model_len}")
-        if params.max_tokens is not None and len(ids) + params.max_tokens > self.max_model_len:
-            raise ValueError(
-                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context window "
-                f"({self.max_model_len})"
-            )
+        ids = self.check_context(self.tokenize_prompt(prompt), params.max_tokens)
         return Request(
             request_id=request_id if request_id is not None else f"req-{next(self._ids)}",
             prompt_token_ids=ids,

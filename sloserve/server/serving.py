@@ -25,6 +25,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from sloserve.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
+from sloserve.engine.llm_engine import ContextLengthError
 from sloserve.engine.outputs import CompletedOutput, OutputAccumulator, RequestOutput
 from sloserve.server.admission import Admission
 from sloserve.server.errors import STATUS_CLIENT_GONE, APIError, bad_request, error_body
@@ -195,7 +196,7 @@ class OpenAIServing:
         try:
             return await loop.run_in_executor(self._tokenize_pool, work)
         except _TOKENIZER_ERRORS as exc:
-            if isinstance(exc, _TooLong):
+            if isinstance(exc, ContextLengthError):
                 raise bad_request(str(exc), param, "context_length_exceeded") from None
             raise bad_request(str(exc) or f"the {param} could not be tokenized", param) from None
 
@@ -204,10 +205,7 @@ class OpenAIServing:
 
     def _check_length(self, ids: list[int]) -> list[int]:
         """Refuse an over-long prompt in the worker, so its ids never reach the event loop."""
-        limit = self.engine.engine.max_model_len
-        if len(ids) >= limit:
-            raise _TooLong(f"prompt has {len(ids)} tokens; the context window is {limit}")
-        return ids
+        return self.engine.engine.check_context(ids)
 
     def _choices(self, ctx: CallContext, prompt_ids: list[list[int]], params: SamplingParams, n: int) -> list[Choice]:
         total = len(prompt_ids) * n
@@ -270,7 +268,7 @@ class OpenAIServing:
             message = str(exc)
             param = "max_tokens" if "max_tokens" in message else ("messages" if ctx.request_id.startswith("chat")
                                                                   else "prompt")
-            code = "context_length_exceeded" if "context window" in message else None
+            code = "context_length_exceeded" if isinstance(exc, ContextLengthError) else None
             raise bad_request(message, param, code) from None
         return [TrackedStream(self, ctx, c, s) for c, s in zip(choices, streams)]
 
@@ -546,10 +544,6 @@ class SSEResponse(StreamingResponse):
 
 
 # ---------------------------------------------------------------------- helpers
-
-
-class _TooLong(ValueError):
-    """The prompt alone fills the context window."""
 
 
 def _offset_seed(seed: int, j: int) -> int:
