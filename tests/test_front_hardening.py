@@ -258,11 +258,12 @@ def test_killing_a_worker_does_not_block_the_event_loop():
 
 
 def test_the_front_serves_with_one_worker_up_and_drains_on_a_signal():
-    from sloserve.server.multi import DrainingFront, serve_front
+    from sloserve.server.connections import DrainingServer
+    from sloserve.server.multi import serve_front
 
     servers: list = []
 
-    class Recorded(DrainingFront):
+    class Recorded(DrainingServer):
         def __init__(self, *args, **kwargs) -> None:
             super().__init__(*args, **kwargs)
             servers.append(self)

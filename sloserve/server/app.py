@@ -57,6 +57,12 @@ class ServerState:
             logger.warning("grace period over: aborted %d requests", aborted)
         return aborted
 
+    def stop_now(self) -> None:
+        """A second signal: refuse new work and abort everything in flight, without waiting."""
+        self.admission.start_draining()
+        for request_id in self.admission.in_flight_ids():
+            self.engine.abort(request_id)
+
 
 def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
     settings.validate()

@@ -25,8 +25,10 @@ import functools
 import json
 import logging
 import math
+import signal
 from dataclasses import dataclass
-from typing import Any, Optional
+from types import FrameType
+from typing import Any, Awaitable, Callable, Optional
 
 import h11
 import uvicorn
@@ -204,3 +206,52 @@ def uvicorn_config(app: ASGIApp, *, host: str, port: int, limits: ConnectionLimi
         h11_max_incomplete_event_size=limits.max_header_bytes,
         timeout_graceful_shutdown=graceful_shutdown_s,  # type: ignore[arg-type]
     )
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn with sloserve's shutdown, for one instance and for a front alike.
+
+    uvicorn's own SIGTERM handling closes the listener at once and then waits for open
+    connections. A serving system wants a drain instead: keep answering (503 for new work, so
+    clients and load balancers retry elsewhere), let in-flight requests finish within a grace
+    period, end the rest, then exit with status 0. `drain(grace_s)` does that for the server it
+    wraps; a second signal calls `stop_now()` and exits without waiting."""
+
+    def __init__(self, config: uvicorn.Config, drain: Callable[[float], Awaitable[Any]],
+                 stop_now: Callable[[], None], grace_s: float) -> None:
+        super().__init__(config)
+        self._drain_fn = drain
+        self._stop_now = stop_now
+        self._grace_s = grace_s
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._drain: Optional[asyncio.Future] = None
+        self._signalled = False
+
+    async def serve(self, sockets=None) -> None:  # type: ignore[override]
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: Optional[FrameType]) -> None:
+        # Not recorded in _captured_signals: uvicorn would re-raise it at exit and the
+        # process would die by the signal instead of exiting 0 after a clean drain.
+        if self._signalled or self._loop is None or not self.started:
+            logger.warning("signal %s again: exiting without waiting", signal.Signals(sig).name)
+            self._stop_now()
+            self.should_exit = True
+            self.force_exit = self._signalled
+            self._signalled = True
+            return
+        self._signalled = True
+        logger.info("%s: draining (grace period %.1fs)", signal.Signals(sig).name, self._grace_s)
+        self._loop.call_soon_threadsafe(self._begin_drain)
+
+    def _begin_drain(self) -> None:
+        self._drain = asyncio.ensure_future(self._drain_then_exit())
+
+    async def _drain_then_exit(self) -> None:
+        try:
+            await self._drain_fn(self._grace_s)
+        except Exception:
+            logger.exception("drain failed; exiting anyway")
+        finally:
+            self.should_exit = True

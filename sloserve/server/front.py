@@ -155,6 +155,10 @@ class Front:
         """Stop admitting (503), let proxied requests finish within `grace_s`, end the rest."""
         return await self.gate.drain(grace_s)
 
+    def stop_now(self) -> None:
+        """A second signal: refuse new work; the process exits and its connections with it."""
+        self.gate.draining = True
+
     def build_app(self) -> FastAPI:
         app = FastAPI(title="sloserve (multi-instance front)", docs_url=None, redoc_url=None, openapi_url=None)
         fleet = self.fleet

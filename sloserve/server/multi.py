@@ -15,13 +15,12 @@ import dataclasses
 import logging
 import os
 import secrets
-import signal
-from types import FrameType
 from typing import Optional, Sequence
 
 import uvicorn
 
 from sloserve.config import EngineConfig
+from sloserve.server.connections import DrainingServer
 
 logger = logging.getLogger(__name__)
 
@@ -54,56 +53,14 @@ def make_spawner(spec, backend: str, threads_per_worker: int, ray_address: Optio
     raise ValueError(f"unknown backend {backend!r}; use process or ray")
 
 
-class DrainingFront(uvicorn.Server):
-    """uvicorn for the front, with sloserve's shutdown: on SIGTERM/SIGINT stop admitting (503
-    `draining`), let proxied requests finish within the grace period, end the rest, then exit
-    (status 0). A second signal exits at once."""
-
-    def __init__(self, config: uvicorn.Config, front, grace_s: float) -> None:
-        super().__init__(config)
-        self._front = front
-        self._grace_s = grace_s
-        self._loop: Optional[asyncio.AbstractEventLoop] = None
-        self._signalled = False
-        self._drain: Optional[asyncio.Future] = None
-
-    async def serve(self, sockets=None) -> None:  # type: ignore[override]
-        self._loop = asyncio.get_running_loop()
-        await super().serve(sockets)
-
-    def handle_exit(self, sig: int, frame: Optional[FrameType]) -> None:
-        # Not recorded in _captured_signals: uvicorn would re-raise it at exit and the process
-        # would die by the signal instead of exiting 0 after a clean drain.
-        if self._signalled or self._loop is None or not self.started:
-            self._front.gate.draining = True
-            self.should_exit = True
-            self.force_exit = self._signalled
-            self._signalled = True
-            return
-        self._signalled = True
-        logger.info("%s: draining the front (grace period %.1fs)", signal.Signals(sig).name, self._grace_s)
-        self._loop.call_soon_threadsafe(self._begin_drain)
-
-    def _begin_drain(self) -> None:
-        self._drain = asyncio.ensure_future(self._drain_then_exit())
-
-    async def _drain_then_exit(self) -> None:
-        try:
-            await self._front.drain(self._grace_s)
-        except Exception:
-            logger.exception("drain failed; exiting anyway")
-        finally:
-            self.should_exit = True
-
-
 async def serve_front(fleet, front, config: uvicorn.Config, grace_s: float, start_timeout_s: float,
-                      server_cls=DrainingFront) -> None:
+                      server_cls=DrainingServer) -> None:
     """Start the workers, serve as soon as one is healthy (the others join when they answer),
     drain on a signal, and stop the workers."""
     await fleet.start()
     try:
         await fleet.wait_ready(start_timeout_s, count=1)
-        server = server_cls(config, front, grace_s)
+        server = server_cls(config, front.drain, front.stop_now, grace_s)
         logger.info("serving %d instances behind %s routing on http://%s:%d", len(fleet.instances),
                     fleet.config.router, config.host, config.port)
         await server.serve()
