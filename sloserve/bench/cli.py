@@ -128,8 +128,6 @@ def _plan(args: argparse.Namespace):
     from sloserve.bench.client import ClientConfig
     from sloserve.bench.metrics import SLO
     from sloserve.bench.runner import BenchPlan
-    from sloserve.workload.build import WorkloadSpec
-    from sloserve.workload.mix import load_mix
 
     if not args.base_url:
         raise ValueError("--base-url is required")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import bisect
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 from sloserve.config import CacheConfig, ModelConfig, SchedulerConfig
