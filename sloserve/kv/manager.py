@@ -61,6 +61,9 @@ class KVCacheManager:
         # Host blocks read by a swap-in of the step being planned: freed only when the next
         # step is planned, so a swap-out in the same step cannot overwrite them before the read.
         self._host_to_release: list[int] = []
+        # Blocks referenced by no request but held for a migration: reserved on a target for KV
+        # in transit, or pinned on a source while its bytes are read. block id -> references held.
+        self._pinned: dict[int, int] = {}
 
     # ---- queries -------------------------------------------------------------------
     @property
@@ -221,6 +224,79 @@ class KVCacheManager:
         if host_ids:
             self.host.free(host_ids)
 
+    # ---- migration: blocks held outside any request ------------------------------------
+    @property
+    def num_pinned_blocks(self) -> int:
+        return sum(self._pinned.values())
+
+    def reserve(self, n: int, use_watermark: bool = True) -> Optional[list[int]]:
+        """Take `n` free blocks for KV arriving from another instance; None (changing nothing)
+        when they do not fit. They stay held until `adopt` gives them to a request or `unpin`."""
+        if n < 0 or not self.can_allocate(n, use_watermark):
+            return None
+        blocks = self.pool.allocate(n)
+        for b in blocks:
+            self._pinned[b.block_id] = self._pinned.get(b.block_id, 0) + 1
+        return [b.block_id for b in blocks]
+
+    def pin_cached(self, hashes: Sequence[BlockHash]) -> list[int]:
+        """Hold the cached blocks of the leading `hashes` this instance has (a migration's
+        target already holds that prefix: those blocks need not be sent). Returns their ids."""
+        found: list[Block] = []
+        if self.enable_prefix_caching:
+            for h in hashes:
+                block = self.pool.lookup(h)
+                if block is None:
+                    break
+                found.append(block)
+        return self._pin(found)
+
+    def pin_request(self, request_id: str, num_blocks: int) -> list[int]:
+        """Hold the first `num_blocks` blocks of a request while their bytes are read
+        elsewhere, so they survive the request finishing meanwhile. Returns their ids."""
+        return self._pin(self._tables.get(request_id, [])[:num_blocks])
+
+    def _pin(self, blocks: Sequence[Block]) -> list[int]:
+        self.pool.touch(blocks)
+        for b in blocks:
+            self._pinned[b.block_id] = self._pinned.get(b.block_id, 0) + 1
+        return [b.block_id for b in blocks]
+
+    def unpin(self, block_ids: Sequence[int]) -> None:
+        """Drop holds taken by reserve/pin_cached/pin_request (tail-first, like `free`)."""
+        for block_id in reversed(block_ids):
+            held = self._pinned.get(block_id, 0)
+            if held <= 0:
+                raise RuntimeError(f"block {block_id} is not pinned")
+            if held == 1:
+                del self._pinned[block_id]
+            else:
+                self._pinned[block_id] = held - 1
+            self.pool.free([self.pool.blocks[block_id]])
+
+    def adopt(self, request: Request, block_ids: Sequence[int]) -> None:
+        """Give held blocks (in table order) to a request that holds none: its KV arrived in
+        them. The holds become the request's references; its full computed blocks enter the
+        prefix cache as if computed here (`request.num_computed_tokens` must be set)."""
+        rid = request.request_id
+        if rid in self._tables or rid in self._swapped:
+            raise ValueError(f"{rid} already holds blocks")
+        if len(block_ids) < self.blocks_needed(request.num_computed_tokens):
+            raise ValueError(f"{len(block_ids)} blocks cannot hold {request.num_computed_tokens} tokens")
+        for block_id in block_ids:
+            held = self._pinned.get(block_id, 0)
+            if held <= 0:
+                raise ValueError(f"block {block_id} was not reserved or pinned")
+            if held == 1:
+                del self._pinned[block_id]
+            else:
+                self._pinned[block_id] = held - 1
+        table = [self.pool.blocks[i] for i in block_ids]
+        self._tables[rid] = table
+        self._ids[rid] = list(block_ids)
+        self._num_cached[rid] = 0
+        self.cache_blocks(request)
+
     # ---- swap to the host tier --------------------------------------------------------
     @property
     def num_free_host_blocks(self) -> int:
@@ -288,6 +364,9 @@ class KVCacheManager:
             assert self._ids[rid] == [b.block_id for b in table], rid
             for block in table:
                 refs[block.block_id] += 1
+        for block_id, held in self._pinned.items():
+            assert held > 0, block_id
+            refs[block_id] += held
         for block in self.pool.blocks:
             assert block.ref_count == refs[block.block_id], f"{block} held by {refs[block.block_id]} tables"
         held = [b for ids in self._swapped.values() for b in ids] + self._host_to_release

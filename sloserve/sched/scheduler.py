@@ -50,6 +50,8 @@ class SchedulerStats:
     num_swaps_out: int = 0  # preemptions that moved the KV to the host tier
     num_swaps_in: int = 0
     num_blocks_swapped: int = 0  # blocks copied either way
+    num_migrated_out: int = 0  # requests handed to another instance with their KV
+    num_migrated_in: int = 0
 
     @property
     def mean_batch_size(self) -> float:
@@ -120,6 +122,9 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []  # in policy order (preempted and swapped-out ones too)
         self.running: list[Request] = []  # in policy order
+        # Requests stopped for a migration's last copy: they keep their blocks, are not scheduled,
+        # and either go on here (`unsuspend`) or leave with their KV (`drop_suspended`).
+        self.suspended: dict[str, Request] = {}
         self._seq: dict[str, int] = {}
         self._next_seq = 0
         self._step_id = 0
@@ -169,6 +174,64 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
+
+    # ---- migration -----------------------------------------------------------------
+    def suspend(self, request_id: str) -> Optional[Request]:
+        """Take a running request out of scheduling with its blocks (the stop-and-copy of a
+        migration: its KV must not change while the last blocks are copied). None if the
+        request is unknown, not running, or has a prefill chunk left (it only moves between
+        steps, with all its tokens but the last computed)."""
+        request = self.requests.get(request_id)
+        if request is None or request.status is not RequestStatus.RUNNING:
+            return None
+        if request.num_tokens - request.num_computed_tokens != 1:
+            return None
+        self.running.remove(request)
+        request.status = RequestStatus.MIGRATING
+        self.suspended[request_id] = request
+        return request
+
+    def unsuspend(self, request_id: str, now: float) -> None:
+        """A migration failed: the suspended request goes on here, KV intact."""
+        request = self.suspended.pop(request_id, None)
+        if request is None:
+            return
+        request.status = RequestStatus.RUNNING
+        self._insert_sorted(self.running, request, now)
+
+    def drop_suspended(self, request_id: str, now: float) -> Optional[Request]:
+        """A migration completed: the request now lives elsewhere; free its blocks here."""
+        request = self.suspended.pop(request_id, None)
+        if request is None:
+            return None
+        self.kv.free(request)
+        del self.requests[request_id]
+        del self._seq[request_id]
+        self.stats.num_migrated_out += 1
+        if self._tracker is not None:
+            self._tracker.on_departure(request)
+        return request
+
+    def adopt(self, request: Request, block_ids: list[int], now: float) -> None:
+        """Take over a request that arrives with its KV in held blocks (`kv.reserve` or
+        `kv.pin_cached`, in table order): its `num_computed_tokens` tokens are computed, so it
+        runs from its next token, ahead of nothing it would not have overtaken by arrival."""
+        rid = request.request_id
+        if rid in self.requests:
+            raise ValueError(f"duplicate request id {rid!r}")
+        if request.num_tokens - request.num_computed_tokens != 1:
+            raise ValueError("only a request with every token but its last computed can be adopted")
+        room = self.max_model_len - request.num_prompt_tokens
+        request.max_output_tokens = room if request.max_output_tokens is None else min(request.max_output_tokens, room)
+        self.kv.adopt(request, block_ids)
+        request.status = RequestStatus.RUNNING
+        self.requests[rid] = request
+        self._seq[rid] = self._next_seq
+        self._next_seq += 1
+        if self._tracker is not None:
+            self._tracker.on_arrival(request)
+        self._insert_sorted(self.running, request, now)
+        self.stats.num_migrated_in += 1
 
     @property
     def num_running(self) -> int:
@@ -353,8 +416,8 @@ class Scheduler:
         requests = self.requests
         for item in plan.scheduled:
             request = item.request
-            if requests.get(request.request_id) is not request:
-                continue  # aborted (or ended by a stop string) while the step ran
+            if requests.get(request.request_id) is not request or request.status is RequestStatus.MIGRATING:
+                continue  # aborted, ended by a stop string, or suspended for a migration while the step ran
             request.num_computed_tokens = end = item.start + item.num_new_tokens
             if end // bs > item.start // bs:  # a block filled up: register it
                 self.kv.cache_blocks(request)
@@ -540,6 +603,8 @@ class Scheduler:
     def _finish(self, request: Request, reason: FinishReason, now: float) -> None:
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
+        elif request.status is RequestStatus.MIGRATING:
+            self.suspended.pop(request.request_id, None)
         elif request in self.waiting:
             self.waiting.remove(request)
         self.kv.free(request)
