@@ -9,12 +9,14 @@ the reader has not taken yet are merged into one (their deltas appended).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import threading
 from collections import deque
-from typing import AsyncIterator, Optional
+from typing import Any, AsyncIterator, Callable, Optional
 
 from sloserve.engine.llm_engine import LLMEngine, Prompt
+from sloserve.engine.migration import ResumeState
 from sloserve.engine.outputs import OutputAccumulator, RequestOutput
 from sloserve.types import Request, SamplingParams
 
@@ -27,6 +29,10 @@ class EngineDeadError(RuntimeError):
 
 class RequestFailedError(EngineDeadError):
     """The engine failed this request alone (its batch neighbours went on)."""
+
+
+class RequestMigratedError(Exception):
+    """The request moved to another instance, which continues its output: this stream ends here."""
 
 
 class RequestStream:
@@ -105,8 +111,9 @@ class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine):
         self.engine = engine
         self._cond = threading.Condition()
-        self._adds: deque[tuple[Request, RequestStream]] = deque()
+        self._adds: deque[tuple[Request, RequestStream, Optional[ResumeState]]] = deque()
         self._aborts: deque[str] = deque()
+        self._calls: deque[tuple[Callable[[LLMEngine], Any], concurrent.futures.Future]] = deque()
         self._streams: dict[str, RequestStream] = {}
         self._stopped = False
         self._thread = threading.Thread(target=self._loop, name="sloserve-engine", daemon=True)
@@ -117,9 +124,11 @@ class AsyncLLMEngine:
         return self.engine.tokenizer
 
     def add_request(
-        self, prompt: Prompt, params: Optional[SamplingParams] = None, request_id: Optional[str] = None, **kwargs
+        self, prompt: Prompt, params: Optional[SamplingParams] = None, request_id: Optional[str] = None,
+        resume: Optional[ResumeState] = None, **kwargs
     ) -> RequestStream:
-        """Validate now (ValueError on bad input, before any work) and queue the request."""
+        """Validate now (ValueError on bad input, before any work) and queue the request;
+        with `resume`, it continues a request begun on another instance."""
         if self._stopped:
             raise EngineDeadError("engine is shut down")
         request = self.engine.make_request(prompt, params, request_id=request_id, **kwargs)
@@ -128,9 +137,29 @@ class AsyncLLMEngine:
             if request.request_id in self._streams:
                 raise ValueError(f"duplicate request id {request.request_id!r}")
             self._streams[request.request_id] = stream
-            self._adds.append((request, stream))
+            self._adds.append((request, stream, resume))
             self._cond.notify()
         return stream
+
+    def call(self, fn: Callable[[LLMEngine], Any]) -> "asyncio.Future[Any]":
+        """Run `fn(engine)` on the engine thread between two steps (the scheduler and the KV
+        pool are the loop thread's alone); await the result."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cond:
+            if self._stopped:
+                raise EngineDeadError("engine is shut down")
+            self._calls.append((fn, future))
+            self._cond.notify()
+        return asyncio.wrap_future(future)
+
+    async def drop_migrated(self, request_id: str, pinned: list[int]) -> bool:
+        """The request lives on another instance now: free it here and end its stream."""
+        def drop(engine: LLMEngine) -> bool:
+            dropped = engine.drop_migrated(request_id, pinned)
+            self._close(request_id, RequestMigratedError(f"request {request_id} moved to another instance"))
+            return dropped
+
+        return await self.call(drop)
 
     async def generate(self, prompt: Prompt, params: Optional[SamplingParams] = None, **kwargs) -> AsyncIterator[RequestOutput]:
         stream = self.add_request(prompt, params, **kwargs)
@@ -167,15 +196,23 @@ class AsyncLLMEngine:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not self._stopped and not self._adds and not self._aborts and not self.engine.has_unfinished_requests():
+                while (not self._stopped and not self._adds and not self._aborts and not self._calls
+                       and not self.engine.has_unfinished_requests()):
                     self._cond.wait()
                 if self._stopped:
                     break
                 adds, self._adds = list(self._adds), deque()
                 aborts, self._aborts = list(self._aborts), deque()
-            for request, stream in adds:
+                calls, self._calls = list(self._calls), deque()
+            for fn, future in calls:
+                if future.set_running_or_notify_cancel():
+                    try:
+                        future.set_result(fn(self.engine))
+                    except Exception as e:  # noqa: BLE001 - the caller gets it
+                        future.set_exception(e)
+            for request, stream, resume in adds:
                 try:
-                    self.engine.add(request)
+                    self.engine.add(request, resume)
                 except ValueError as e:
                     self._close(request.request_id, e)
             for request_id in aborts:
@@ -195,6 +232,10 @@ class AsyncLLMEngine:
         for request_id in list(self._streams):
             self.engine.abort_request(request_id)
             self._close(request_id, EngineDeadError("engine shut down"))
+        with self._cond:
+            calls, self._calls = list(self._calls), deque()
+        for _, future in calls:
+            future.cancel()
 
     def _deliver(self, out: RequestOutput) -> None:
         stream = self._streams.get(out.request_id)

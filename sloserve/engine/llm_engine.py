@@ -16,6 +16,7 @@ import torch
 
 from sloserve.config import EngineConfig, ModelConfig
 from sloserve.engine.kernels import load_paged_decode_attention
+from sloserve.engine.migration import ResumeState
 from sloserve.engine.model import KVCache, LlamaModel
 from sloserve.engine.outputs import RequestMetrics, RequestOutput, TokenLogprob
 from sloserve.engine.runner import KVTransferError, ModelRunner
@@ -28,7 +29,7 @@ from sloserve.kv.manager import KVCacheManager
 from sloserve.sched.costs import LinkSwapCost, OnlineStepEstimator, StepCostEstimator, StepLoad
 from sloserve.sched.plan import ScheduledRequest, StepPlan, StepResult
 from sloserve.sched.scheduler import Scheduler
-from sloserve.types import DEFAULT_QOS, FinishReason, QoSClass, Request, SamplingParams
+from sloserve.types import DEFAULT_QOS, FinishReason, QoSClass, Request, RequestStatus, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -197,19 +198,116 @@ class LLMEngine:
             priority=priority,
         )
 
-    def add(self, request: Request) -> None:
-        """Queue a request built by make_request (on the thread that runs step())."""
+    def add(self, request: Request, resume: Optional[ResumeState] = None) -> None:
+        """Queue a request built by make_request (on the thread that runs step()). With
+        `resume`, the request continues one begun elsewhere (a migration or a failover)."""
         if request.request_id in self._tracked:
             raise ValueError(f"duplicate request id {request.request_id!r}")
         params = request.sampling_params
         # Built once here, so each step costs O(new characters) whatever the number of stop strings.
         matcher = StopMatcher(params.stop) if params.stop else None
-        self.scheduler.add_request(request)
+        if resume is None:
+            self.scheduler.add_request(request)
+        else:
+            try:
+                self._admit_resumed(request, resume)
+            except BaseException:
+                if resume.block_ids and request.request_id not in self.scheduler.requests:
+                    self.kv.unpin(resume.block_ids)  # the migrated KV's holds die with the request
+                raise
         want_logprobs = params.logprobs is not None
         detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids,
                                        skip_special_tokens=params.skip_special_tokens)
-        self._tracked[request.request_id] = _Tracked(request, detok, [] if want_logprobs else None,
-                                                     stop_matcher=matcher)
+        tracked = _Tracked(request, detok, [] if want_logprobs else None, stop_matcher=matcher)
+        if resume is not None:
+            for token in request.output_token_ids:  # one at a time, as they were detokenized there
+                detok.add([token])
+            if matcher is not None:
+                matcher.feed(detok.text)
+            tracked.sent_text_len = min(resume.sent_text_len, len(detok.text))
+            tracked.sent_token_len = len(request.output_token_ids)
+        self._tracked[request.request_id] = tracked
+
+    def _admit_resumed(self, request: Request, resume: ResumeState) -> None:
+        now = self.clock()
+        if not resume.output_token_ids:
+            raise ValueError("a resumed request needs the tokens it has produced")
+        request.output_token_ids = list(resume.output_token_ids)
+        if request.num_tokens >= self.max_model_len or (
+                request.max_output_tokens is not None and request.num_output_tokens >= request.max_output_tokens):
+            raise ValueError("the resumed request has nothing left to generate")
+        request.arrival_time = now - resume.age_s
+        request.first_scheduled_time = request.arrival_time  # it was scheduled where it began
+        if resume.first_token_age_s is not None:
+            request.first_token_time = request.last_token_time = now - resume.first_token_age_s
+        request.num_cached_tokens = resume.num_cached_tokens
+        request.num_preemptions = resume.num_preemptions
+        if resume.block_ids is None:
+            self.scheduler.add_request(request)  # recompute prompt + output (a prefix-cache hit helps)
+            return
+        request.num_computed_tokens = request.num_tokens - 1
+        needed = self.kv.blocks_needed(request.num_computed_tokens)
+        if len(resume.block_ids) < needed:
+            raise ValueError(f"the migrated KV has {len(resume.block_ids)} blocks; the request needs {needed}")
+        self.kv.unpin(resume.block_ids[needed:])
+        resume.block_ids = resume.block_ids[:needed]
+        self.scheduler.adopt(request, resume.block_ids, now)
+
+    # ---- migration (engine thread) ---------------------------------------------------
+    def pin_full_blocks(self, request_id: str, start: int) -> Optional[tuple[list[int], list[int]]]:
+        """A migration's pre-copy round: pin the request's full computed blocks from index
+        `start` on, so their bytes can be read off the engine thread while it keeps decoding.
+        Returns (block ids, their prefix keys from block 0), or None if the request is gone."""
+        request = self.scheduler.requests.get(request_id)
+        if request is None or request.status is RequestStatus.MIGRATING:
+            return None
+        full = min(request.num_computed_tokens // self.kv.block_size, self.kv.num_blocks_of(request_id))
+        hashes = [int(h) for h in self.kv.request_hashes(request)[:full]]
+        return self.kv.pin_request(request_id, full, start), hashes
+
+    def suspend(self, request_id: str) -> Optional[tuple[ResumeState, list[int]]]:
+        """The stop-and-copy: stop scheduling the request, keep (and pin) its blocks. Returns
+        what continues it elsewhere and all its block ids, or None when it cannot move now
+        (gone, finishing, still prefilling)."""
+        tracked = self._tracked.get(request_id)
+        if tracked is None or tracked.request.is_finished or tracked.final_text is not None:
+            return None
+        request = self.scheduler.suspend(request_id)
+        if request is None:
+            return None
+        now = self.clock()
+        ids = self.kv.pin_request(request_id, self.kv.blocks_needed(request.num_computed_tokens))
+        state = ResumeState(list(request.output_token_ids), tracked.sent_text_len, now - request.arrival_time,
+                            None if request.first_token_time is None else now - request.first_token_time,
+                            request.num_cached_tokens, request.num_preemptions)
+        return state, ids
+
+    def unsuspend(self, request_id: str, pinned: list[int]) -> None:
+        """The migration failed: the request goes on here."""
+        self.kv.unpin(pinned)
+        self.scheduler.unsuspend(request_id, self.clock())
+
+    def drop_migrated(self, request_id: str, pinned: list[int]) -> bool:
+        """The target took over: forget the request here and free its blocks."""
+        self.kv.unpin(pinned)
+        request = self.scheduler.drop_suspended(request_id, self.clock())
+        if request is None:
+            return False
+        self._tracked.pop(request_id, None)
+        self.runner.release(request_id)
+        return True
+
+    def reserve_for_migration(self, hashes: list[int], num_tokens: int) -> Optional[tuple[int, list[int]]]:
+        """A migration's target: hold the blocks for `num_tokens` tokens of KV, reusing the
+        leading blocks of `hashes` this instance has cached (those are not sent). Returns (how
+        many leading blocks are already here, every held block id in table order), or None
+        when they do not fit (the migration is refused, nothing changed)."""
+        have = self.kv.pin_cached(hashes)
+        extra = self.kv.reserve(max(0, self.kv.blocks_needed(num_tokens) - len(have)))
+        if extra is None:
+            self.kv.unpin(have)
+            return None
+        return len(have), have + extra
 
     def add_request(self, prompt: Prompt, params: Optional[SamplingParams] = None, **kwargs) -> str:
         request = self.make_request(prompt, params, **kwargs)
@@ -225,7 +323,8 @@ class LLMEngine:
         return self._emit(tracked)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._tracked)
+        """Whether a step has work (a request suspended for a migration has none here)."""
+        return len(self._tracked) > len(self.scheduler.suspended)
 
     @property
     def num_unfinished(self) -> int:

@@ -12,6 +12,22 @@ from sloserve.engine.swap import HostKVPool
 from sloserve.sched.plan import ScheduledRequest, StepPlan, StepResult
 
 _SEED_MODULUS = 2**64  # torch generators take seeds in [0, 2**64); they reduce negatives the same way
+_MASK = _SEED_MODULUS - 1
+
+
+def _splitmix64(z: int) -> int:
+    z = (z + 0x9E3779B97F4A7C15) & _MASK
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
+    return z ^ (z >> 31)
+
+
+def token_seed(seed: int, index: int) -> int:
+    """The generator seed for output token `index` of a request seeded with `seed`: the seed
+    and the index each pass through SplitMix64, so neighbouring seeds and indices give
+    unrelated streams. Stateless by design: a request's sampling state is (seed, tokens so
+    far), which a migration or a failover carries for free."""
+    return _splitmix64(_splitmix64(seed % _SEED_MODULUS) ^ index)
 
 
 class KVTransferError(RuntimeError):
@@ -38,9 +54,10 @@ class ModelRunner:
     def execute(self, plan: StepPlan) -> StepResult:
         """Run the plan's KV operations, then its forward pass and sampling.
 
-        Raises KVTransferError when the KV operations fail. When the compute fails, the seeded
-        requests' generators are as before the call, so the engine can re-run any subset of
-        the plan's requests (without its KV operations) and draw the same tokens."""
+        Raises KVTransferError when the KV operations fail. A seeded request's draw depends only
+        on its seed and its output length (`token_seed`), so after a failed compute the engine
+        can re-run any subset of the plan's requests (without its KV operations) and draw the
+        same tokens, and another instance continuing the request draws what this one would."""
         t0 = time.perf_counter()
         self.last_swap_s, self.last_swap_blocks = 0.0, 0
         try:
@@ -53,17 +70,7 @@ class ModelRunner:
             raise KVTransferError(f"KV block transfer failed: {exc!r}") from exc
         if plan.is_empty:
             return StepResult({}, time.perf_counter() - t0)
-        saved = [(gen, gen.get_state()) for s in plan.scheduled
-                 if (gen := self._generators.get(s.request_id)) is not None]
-        created = [s.request_id for s in plan.scheduled if s.request_id not in self._generators]
-        try:
-            return self._compute(plan, t0)
-        except BaseException:
-            for gen, state in saved:
-                gen.set_state(state)
-            for request_id in created:
-                self._generators.pop(request_id, None)
-            raise
+        return self._compute(plan, t0)
 
     def _compute(self, plan: StepPlan, t0: float) -> StepResult:
         decodes = [s for s in plan.scheduled if s.num_new_tokens == 1]
@@ -100,13 +107,11 @@ class ModelRunner:
         req = item.request
         params = req.sampling_params
         gen: Optional[torch.Generator] = None
-        if params.seed is not None:
+        if params.seed is not None and not params.greedy:
             gen = self._generators.get(req.request_id)
             if gen is None:
-                gen = torch.Generator(device=self.device)
-                # Seeds are validated to 64 bits signed, but choice j of n uses seed + j.
-                gen.manual_seed(params.seed % _SEED_MODULUS)
-                self._generators[req.request_id] = gen
+                gen = self._generators[req.request_id] = torch.Generator(device=self.device)
+            gen.manual_seed(token_seed(params.seed, len(req.output_token_ids)))
         return SamplingRow(params, req.output_token_ids, req.prompt_token_ids, gen, self.eos_token_ids)
 
     def _slots(self, block_table: list[int], start: int, end: int) -> torch.Tensor:

@@ -251,10 +251,10 @@ class KVCacheManager:
                 found.append(block)
         return self._pin(found)
 
-    def pin_request(self, request_id: str, num_blocks: int) -> list[int]:
-        """Hold the first `num_blocks` blocks of a request while their bytes are read
-        elsewhere, so they survive the request finishing meanwhile. Returns their ids."""
-        return self._pin(self._tables.get(request_id, [])[:num_blocks])
+    def pin_request(self, request_id: str, end: int, start: int = 0) -> list[int]:
+        """Hold blocks [start, end) of a request while their bytes are read elsewhere, so
+        they survive the request finishing meanwhile. Returns their ids."""
+        return self._pin(self._tables.get(request_id, [])[start:end])
 
     def _pin(self, blocks: Sequence[Block]) -> list[int]:
         self.pool.touch(blocks)

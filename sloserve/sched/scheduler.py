@@ -378,7 +378,7 @@ class Scheduler:
             if maybe_ops is None:
                 return None
             ops = maybe_ops
-            if request.num_preemptions == 0:
+            if request.first_scheduled_time is None:  # its first admission (not a preempted or resumed one)
                 request.num_cached_tokens = num_cached
                 self.kv.record_prefix_lookup(request.num_prompt_tokens, num_cached)
             request.num_computed_tokens = num_cached
