@@ -164,7 +164,7 @@ class Recorder:
 # ---------------------------------------------------------------------------- the fleet
 
 
-class Fleet:
+class FleetProbe:
     """The front's view of its workers (`GET /v1/instances`) and signals to their processes."""
 
     def __init__(self, base_url: str) -> None:
@@ -437,7 +437,7 @@ class Chaos:
     def __init__(self, server: LocalServer, plan: Plan, console: Console, rec: Recorder) -> None:
         self.server, self.plan, self.console, self.rec = server, plan, console, rec
         self.url = server.base_url + "/v1/completions"
-        self.fleet = Fleet(server.base_url)
+        self.fleet = FleetProbe(server.base_url)
         self.rng = random.Random(1)
         self.baseline_rps = 0.0
 

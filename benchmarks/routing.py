@@ -70,10 +70,12 @@ def at_rate(reqs: list[WorkloadRequest], rate: float) -> list[WorkloadRequest]:
     return [replace(r, arrival_s=r.arrival_s * f) for r in reqs]
 
 
-def run(reqs: list[WorkloadRequest], policy: str, slo: SLO, instances: int, seed: int = 0) -> dict:
-    fleet = FleetConfig(instances=instances, hardware="h100-80g", model="llama-3.1-8b", router=policy,
+def run(reqs: list[WorkloadRequest], policy: str, slo: SLO, instances: int, seed: int = 0, **fleet_options) -> dict:
+    """One simulated run; `fleet_options` override FleetConfig fields (hardware, model, migration, ...)."""
+    options = {"hardware": "h100-80g", "model": "llama-3.1-8b", **fleet_options}
+    fleet = FleetConfig(instances=instances, router=policy,
                         scheduler=SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=256),
-                        predictor="default", router_seed=seed)
+                        predictor="default", router_seed=seed, **options)
     predictions = make_predictions(fleet)
     sim = build_fleet(fleet, predictions)
     t0 = time.perf_counter()
@@ -94,7 +96,8 @@ def run(reqs: list[WorkloadRequest], policy: str, slo: SLO, instances: int, seed
     }
 
 
-def measure_capacity(reqs: list[WorkloadRequest], slo: SLO, instances: int, iters: int) -> tuple[float, list[dict]]:
+def measure_capacity(reqs: list[WorkloadRequest], slo: SLO, instances: int, iters: int,
+                     **fleet_options) -> tuple[float, list[dict]]:
     """Highest rate at which the capacity router keeps >= 90% attainment (bisection on rate).
 
     Bracketing starts from the burst throughput (every request at once: requests / makespan).
@@ -104,12 +107,12 @@ def measure_capacity(reqs: list[WorkloadRequest], slo: SLO, instances: int, iter
     probes = []
 
     def probe(rate: float) -> bool:
-        res = run(at_rate(reqs, rate), CAPACITY_ROUTER, slo, instances)
+        res = run(at_rate(reqs, rate), CAPACITY_ROUTER, slo, instances, **fleet_options)
         probes.append({"rate": rate, **res})
         logger.info("  capacity probe %.1f req/s: attainment %.1f%%", rate, 100 * res["slo_attainment"])
         return res["slo_attainment"] >= CAPACITY_ATTAINMENT
 
-    burst = run([replace(r, arrival_s=0.0) for r in reqs], CAPACITY_ROUTER, slo, instances)
+    burst = run([replace(r, arrival_s=0.0) for r in reqs], CAPACITY_ROUTER, slo, instances, **fleet_options)
     probes.append({"rate": None, "burst": True, **burst})
     start = len(reqs) / burst["sim_s"]
     if probe(start):

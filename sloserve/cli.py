@@ -125,7 +125,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return run_multi(engine_config_from_args(args), settings, instances=args.instances, router=args.router,
                          backend=args.backend, host=args.host, port=args.port, qos_config=args.qos_config,
                          api_keys=keys, ray_address=args.ray_address, admin_keys=settings.admin_keys,
-                         max_in_flight=args.front_max_in_flight, hang_timeout_s=args.hang_timeout)
+                         max_in_flight=args.front_max_in_flight, hang_timeout_s=args.hang_timeout,
+                         migration=args.migration, migration_interval_s=args.migration_interval)
     return run_server(engine_config_from_args(args), settings, host=args.host, port=args.port)
 
 
@@ -172,6 +173,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="a live worker that answers no health poll for S seconds is killed and replaced "
                         "(one that misses 3 polls only leaves routing until it answers)")
     m.add_argument("--ray-address", help="join this Ray cluster (e.g. auto, ray://head:10001) instead of starting one")
+    m.add_argument("--migration", default="none", metavar="POLICIES",
+                   help="live migration of running requests between instances: none, or a comma list of balance, "
+                        "defrag, priority, drain (drain via POST /v1/instances/{id}/drain always works)")
+    m.add_argument("--migration-interval", type=float, default=0.5, metavar="S",
+                   help="how often the fleet controller looks for requests to move")
 
 
 def build_parser() -> argparse.ArgumentParser:

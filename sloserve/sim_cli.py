@@ -10,10 +10,11 @@ from pathlib import Path
 
 def add_simulate_parser(sub: argparse._SubParsersAction) -> None:
     from sloserve.bench.cli import add_workload_args
+    from sloserve.cluster.migration import MIGRATION_POLICIES
     from sloserve.cluster.routers import ROUTERS
     from sloserve.sched.policies import POLICIES
     from sloserve.sim.catalog import MODELS
-    from sloserve.sim.hardware import HARDWARE
+    from sloserve.sim.hardware import DEFAULT_LINK, HARDWARE, LINKS
 
     p = sub.add_parser("simulate", help="simulate a fleet running the real schedulers on modelled hardware")
     f = p.add_argument_group("fleet")
@@ -28,6 +29,11 @@ def add_simulate_parser(sub: argparse._SubParsersAction) -> None:
     f.add_argument("--no-online-predictor", action="store_true", help="do not learn from completed requests")
     f.add_argument("--router-seed", type=int, default=0, help="seed of randomized routers (power-of-two)")
     f.add_argument("--router-epsilon", type=float, default=0.25, help="prefix-affinity load bound: (1+e) x mean")
+    f.add_argument("--migration", default="none", metavar="POLICY[,POLICY...]",
+                   help=f"live migration of running requests: one or more of {sorted(MIGRATION_POLICIES)}")
+    f.add_argument("--link", default=DEFAULT_LINK, help=f"link KV migrates over between instances: one of {sorted(LINKS)}")
+    f.add_argument("--migration-interval", type=float, default=0.1, metavar="S",
+                   help="seconds of simulated time between migration plans")
     f.add_argument("--scheduler", default="fcfs", help=f"instance scheduling policy: one of {sorted(POLICIES)}")
     f.add_argument("--profile", help="price steps with a `sloserve profile` file instead of the roofline model")
     f.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -62,7 +68,8 @@ def fleet_config_from_args(args: argparse.Namespace):
         predictor=(("default" if args.router == "predicted-load" else None) if args.predictor == "auto"
                    else args.predictor),
         online_predictor=not args.no_online_predictor, router_seed=args.router_seed,
-        router_epsilon=args.router_epsilon)
+        router_epsilon=args.router_epsilon, migration=args.migration, link=args.link,
+        migration_interval_s=args.migration_interval)
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
@@ -109,7 +116,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                 "simulated": True, "workload": run_spec.name, "rate": fmt_rate(rate), "replay": run_spec.replay,
                 "instances": fleet.instances, "hardware": fleet.hardware, "model": fleet.model, "tp": fleet.tp,
                 "router": fleet.router, "predictor": fleet.predictor, "scheduler": fleet.scheduler.policy,
-                "profile": fleet.profile,
+                "profile": fleet.profile, "migration": fleet.migration, "link": fleet.link,
+                "migrations": result.migration,
+                "preemptions": sum(i.scheduler.stats.num_preemptions for i in sim.instances),
                 "num_requests": len(stream), "completed": result.num_finished, "rejected": len(stream) - result.num_finished,
                 "sim_end_s": result.end_time, "wall_s": wall, "events": result.num_events,
                 "speedup_vs_real_time": result.end_time / wall if wall > 0 else None,
@@ -124,6 +133,12 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         out.print(Markdown(run_markdown(r)))
         c = r.config
         out.print(f"completed {c['completed']}/{c['num_requests']} requests; simulated {c['sim_end_s']:.1f} s "
-                  f"in {c['wall_s']:.1f} s of wall time ({c['speedup_vs_real_time'] or 0:.0f}x real time)")
+                  f"in {c['wall_s']:.1f} s of wall time ({c['speedup_vs_real_time'] or 0:.0f}x real time); "
+                  f"{c['preemptions']} preemptions")
+        m = c["migrations"]
+        if m:
+            out.print(f"migration ({c['migration']} over {c['link']}): {m['started']} started, {m['completed']} "
+                      f"completed, {m['aborted']} aborted; {m['bytes'] / 1e9:.2f} GB moved, "
+                      f"{1e3 * m['downtime_s']:.0f} ms of downtime in total")
     console.print("wrote " + ", ".join(str(p) for p in paths))
     return 0

@@ -26,7 +26,7 @@ from fastapi import FastAPI, Request  # module level: FastAPI resolves the handl
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 ROOT = Path(__file__).resolve().parents[1]
-FAKE_SECRET = "fake-fleet-secret"  # what test fronts (Fleet(fleet_secret=...)) and fake workers share
+FAKE_SECRET = "fake-fleet-secret"  # what test fronts (WorkerFleet(fleet_secret=...)) and fake workers share
 
 
 RETRY_AFTER = "7"  # what a full fake worker tells its clients

@@ -4,25 +4,33 @@ from __future__ import annotations
 
 import random
 from array import array
+from typing import Optional
 
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from sloserve.cluster.controller import FleetController
+from sloserve.cluster.migration import (BalancePolicy, CombinedPolicy, DefragPolicy, MigrationPolicy, MoveCosts,
+                                       PriorityPolicy)
 from sloserve.cluster.routers import make_router
 from sloserve.config import SchedulerConfig
 from sloserve.sim.catalog import get_model
 from sloserve.sched.costs import StepLoad
 from sloserve.sim.cost import Profile, ProfiledCostModel, RooflineCostModel, choose_knots, features, fit_nonnegative
-from sloserve.sim.hardware import get_hardware
+from sloserve.sim.hardware import get_hardware, get_link
 from sloserve.sim.instance import SimInstance, kv_blocks_for
 from sloserve.kv.hashing import hash_full_blocks
 from sloserve.kv.manager import KVCacheManager
 from sloserve.sim.prompts import SyntheticPrompt
 from sloserve.sim.simulator import Simulator
-from sloserve.types import Request, SamplingParams
+from sloserve.types import DEFAULT_QOS, QoSClass, Request, SamplingParams
 
 
-def workload(n: int, rate: float, seed: int = 0, shared_prefix: int = 64) -> list[Request]:
+INTERACTIVE = QoSClass("interactive", ttft_target_s=0.3, tbt_target_s=0.03, priority=0)
+BATCH = QoSClass("batch", priority=1)
+
+
+def workload(n: int, rate: float, seed: int = 0, shared_prefix: int = 64, two_classes: bool = False) -> list[Request]:
     rng = random.Random(seed)
     prefix = [rng.randrange(1000, 2000) for _ in range(shared_prefix)]
     t, out = 0.0, []
@@ -31,18 +39,24 @@ def workload(n: int, rate: float, seed: int = 0, shared_prefix: int = 64) -> lis
         body = [rng.randrange(2000, 30000) for _ in range(rng.randint(5, 400))]
         prompt = (prefix if rng.random() < 0.5 else []) + body
         params = SamplingParams(max_tokens=rng.randint(1, 300), ignore_eos=True, temperature=0)
-        out.append(Request(f"r{i}", prompt, params, arrival_time=t))
+        qos = (INTERACTIVE if i % 4 == 0 else BATCH) if two_classes else DEFAULT_QOS
+        out.append(Request(f"r{i}", prompt, params, arrival_time=t, qos=qos))
     return out
 
 
-def simulate(fast_forward: bool, router: str, num_blocks: int, n: int = 400):
-    cost = RooflineCostModel(get_hardware("a100-80g"), get_model("llama-3.1-8b"))
-    cfg = SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=32)
+def simulate(fast_forward: bool, router: str, num_blocks: int, n: int = 400,
+             migration: Optional[MigrationPolicy] = None, policy: str = "fcfs"):
+    model = get_model("llama-3.1-8b")
+    cost = RooflineCostModel(get_hardware("a100-80g"), model)
+    cfg = SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=32, policy=policy)
     instances = [SimInstance(i, cost, num_blocks, 4096, cfg, fast_forward=fast_forward) for i in range(3)]
-    result = Simulator(instances, make_router(router)).run(workload(n, rate=30.0))
+    controller = FleetController(make_router(router), migration, min_interval_s=0.5)
+    costs = MoveCosts.uniform(model.kv_bytes_per_token(2), get_link("infiniband-ndr"))
+    result = Simulator(instances, controller, costs).run(workload(n, rate=30.0, two_classes=migration is not None))
     timings = sorted((f.request.request_id, f.instance_id, f.request.first_token_time, f.request.finished_time,
                       f.request.num_preemptions, f.request.num_cached_tokens) for f in result.finished)
-    stats = [(i.scheduler.stats.num_steps, i.scheduler.stats.num_preemptions, i.kv.stats.hits) for i in instances]
+    stats = [(i.scheduler.stats.num_steps, i.scheduler.stats.num_preemptions, i.kv.stats.hits,
+              i.scheduler.stats.num_migrated_in, i.scheduler.stats.num_migrated_out) for i in instances]
     return timings, stats, result
 
 
@@ -60,6 +74,27 @@ def test_fast_forward_changes_no_decision(router, num_blocks):
     else:  # with room to spare, steady decoding dominates and fast-forward saves most events
         assert fast_res.num_events < slow_res.num_events / 2
     assert sum(s[2] for s in slow_stats) > 0  # and shared prefixes really hit the cache
+
+
+# Migration cuts decode runs at step boundaries (suspend), takes blocks on targets mid-run
+# (reserve) and frees them on sources (commit): every one of those must land on the same step
+# with fast-forward on as with one event per step.
+# Thresholds far below the defaults, so that a 400-request run migrates often.
+def eager_migration() -> MigrationPolicy:
+    return CombinedPolicy([BalancePolicy(min_gap=64, rel_gap=0.05, min_gain=0), DefragPolicy(),
+                           PriorityPolicy(ttft_slack_fraction=1.0, tbt_fraction=1.0)])
+
+
+@pytest.mark.parametrize("router, num_blocks, policy", [("round-robin", 120, "priority"), ("least-kv", 160, "fcfs"),
+                                                        ("predicted-load", 5000, "priority")])
+def test_fast_forward_changes_no_decision_with_migration(router, num_blocks, policy):
+    slow, slow_stats, slow_res = simulate(False, router, num_blocks, migration=eager_migration(), policy=policy)
+    fast, fast_stats, fast_res = simulate(True, router, num_blocks, migration=eager_migration(), policy=policy)
+    assert len(slow) == 400 and slow == fast
+    assert slow_stats == fast_stats
+    assert slow_res.migration == fast_res.migration
+    assert slow_res.migration["completed"] >= 10  # migrations really happened
+    assert fast_res.num_events < slow_res.num_events  # and runs were still fast-forwarded
 
 
 def test_kv_pool_is_sized_from_device_memory():

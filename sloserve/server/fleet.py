@@ -27,6 +27,8 @@ from typing import Callable, Optional
 
 import httpx
 
+from sloserve.cluster.controller import FleetController
+from sloserve.cluster.migration import make_migration_policy
 from sloserve.cluster.routers import RouterOptions, make_router
 from sloserve.sched.state import InstanceState, KeySetIndex
 from sloserve.server.instances import WorkerHandle
@@ -50,6 +52,8 @@ class FrontConfig:
     replace_dead: bool = True
     max_backoff_s: float = 30.0  # a slot whose workers keep dying while starting waits 1, 2, 4, ... s up to this
     predictor: Optional[str] = "default"  # output-length predictor for the router; None = off
+    migration: str = "none"  # migration policies, comma-separated (cluster/migration); drain always works
+    migration_interval_s: float = 0.5  # how often the controller looks for moves
     seed: int = 0
     # The front's edge (front_edge.py)
     max_in_flight: Optional[int] = None  # requests proxied at once; beyond: 429 at the front. None = no bound
@@ -76,6 +80,7 @@ class Instance:
     started_at: float = 0.0
     last_error: Optional[str] = None
     failed_starts: int = 0  # workers in a row that died before ever answering (crash loop: back off)
+    draining: bool = False  # an operator asked to empty it: out of routing, its requests move off
     respawn_at: Optional[float] = None  # when a dead slot gets its replacement
     # Set when this worker stops answering (unresponsive or dead): requests waiting on it that
     # have sent the client nothing yet move to another instance instead of waiting it out.
@@ -98,7 +103,8 @@ class Instance:
     def describe(self) -> dict:
         s = self.state
         return {
-            "instance": self.slot, "status": self.status, "generation": self.generation, **self.handle.describe(),
+            "instance": self.slot, "status": self.status, "generation": self.generation, "draining": self.draining,
+            **self.handle.describe(),
             "routed": self.routed, "in_flight": self.in_flight, "pending": len(self.pending),
             "consecutive_poll_failures": self.failures, "failed_starts": self.failed_starts,
             "last_error": self.last_error,
@@ -111,8 +117,8 @@ class Instance:
         }
 
 
-class Fleet:
-    """The workers, their health and their load, and the routing decision."""
+class WorkerFleet:
+    """The worker processes (or Ray actors): their health and their load; the controller decides."""
 
     def __init__(self, spawn: Callable[[int], WorkerHandle], num_instances: int, config: FrontConfig,
                  clock: Callable[[], float] = time.monotonic, fleet_secret: Optional[str] = None):
@@ -126,11 +132,15 @@ class Fleet:
             from sloserve.cluster.predict import PredictionBook, load_predictor
 
             self.predictions = PredictionBook(load_predictor(config.predictor))  # type: ignore[arg-type]
-        self.router = make_router(config.router, RouterOptions(
+        router = make_router(config.router, RouterOptions(
             seed=config.seed, predictions=self.predictions.lookup if self.predictions else None))
+        # Drain is an operator's request, honoured whatever the configured policies are.
+        names = [n for n in config.migration.split(",") if n and n != "none"]
+        policy = make_migration_policy(",".join(dict.fromkeys(["drain", *names])))
+        self.controller = FleetController(router, policy)
         self.block_size = 16
-        self.counters = {"retries": 0, "failed_midstream": 0, "replacements": 0, "no_instance": 0,
-                         "moved_unstarted": 0}
+        self.counters = {"retries": 0, "failed_midstream": 0, "resumed_midstream": 0, "replacements": 0,
+                         "no_instance": 0, "moved_unstarted": 0}
         self._client: Optional[httpx.AsyncClient] = None
         self._health: Optional[httpx.AsyncClient] = None
         self._monitors: list[asyncio.Task] = []
@@ -276,6 +286,7 @@ class Fleet:
 
     def _respawn(self, inst: Instance) -> None:
         inst.handle = self.spawn(inst.slot)
+        inst.draining = False
         inst.generation += 1
         inst.status, inst.respawn_at = STARTING, None
         inst.stalled = asyncio.Event()
@@ -292,16 +303,20 @@ class Fleet:
     def healthy(self) -> list[Instance]:
         return [i for i in self.instances if i.status == HEALTHY]
 
+    def routable(self) -> list[Instance]:
+        """Healthy and not draining: what new requests may go to."""
+        return [i for i in self.instances if i.status == HEALTHY and not i.draining]
+
     def has_alternative(self, exclude: set) -> bool:
         """Whether a healthy instance outside `exclude` ((slot, generation) pairs) could take a request."""
-        return any((i.slot, i.generation) not in exclude for i in self.healthy())
+        return any((i.slot, i.generation) not in exclude for i in self.routable())
 
     def pick(self, request: Request, exclude: set) -> Optional[Instance]:
-        candidates = [i for i in self.healthy() if (i.slot, i.generation) not in exclude]
+        candidates = [i for i in self.routable() if (i.slot, i.generation) not in exclude]
         if not candidates:
             return None
         states = [i.routing_state(self.block_size) for i in candidates]
-        chosen = candidates[self.router.route(request, states)]
+        chosen = candidates[self.controller.route(request, states)]
         chosen.pending.append((self.clock(), request.num_prompt_tokens, request.predicted_output_len or 0))
         chosen.routed += 1
         return chosen

@@ -46,14 +46,17 @@ from sloserve.server.errors import (
     error_response,
     install_error_handlers,
 )
-from sloserve.server.fleet import DEAD, HEALTHY, STARTING, UNRESPONSIVE, Fleet, FrontConfig, Instance
+from sloserve.server.fleet import DEAD, HEALTHY, STARTING, UNRESPONSIVE, FrontConfig, Instance, WorkerFleet
 from sloserve.server.front_edge import FrontEdge, FrontGate, Ticket
+from sloserve.server.front_migration import MigrationDriver
+from sloserve.server.front_relay import RelaySession, Upstream
 from sloserve.server.front_stream import Interrupted, SSESplitter, Stop, carries_output
 from sloserve.server.instances import WorkerHandle
 from sloserve.server.qos import CacheSalter, QoSRegistry, cache_secret
-from sloserve.types import Request, SamplingParams
+from sloserve.server.worker import FLEET_SECRET_HEADER
+from sloserve.types import DEFAULT_QOS, Request, SamplingParams
 
-__all__ = ["DEAD", "HEALTHY", "STARTING", "UNRESPONSIVE", "Fleet", "Front", "FrontConfig", "Instance"]
+__all__ = ["DEAD", "HEALTHY", "STARTING", "UNRESPONSIVE", "Front", "WorkerFleet", "FrontConfig", "Instance"]
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +71,13 @@ _COMPLETION_TOKENS = re.compile(rb'"completion_tokens":\s*(\d+)')
 _PASS_HEADERS = ("authorization", "x-api-key", "x-qos-class", "x-priority", "x-request-id", "content-type")
 _PASS_BACK = ("retry-after", "x-request-id", "cache-control", "x-accel-buffering")
 _RETRY_STATUSES = (429, 503)  # full or draining: another worker may take it
+MIGRATION_METRICS = {  # the fleet controller's counters: /metrics name, help
+    "started": ("migrations_started", "live migrations of running requests started"),
+    "completed": ("migrations_completed", "migrations whose target took the request over"),
+    "aborted": ("migrations_aborted", "migrations abandoned (the request went on at its source)"),
+    "bytes": ("migration_bytes", "KV bytes copied by completed migrations"),
+    "downtime_s": ("migration_downtime_seconds", "seconds requests were paused by completed migrations (sum)"),
+}
 
 
 def _error(status: int, message: str, code: str, param: Optional[str] = None) -> JSONResponse:
@@ -108,6 +118,17 @@ def _check_prompt(body: dict, chat: bool) -> None:
                         "token ids (non-empty)", param="prompt")
 
 
+def resumable(body: dict, chat: bool) -> bool:
+    """Whether another instance can continue this call's stream: one choice of one prompt
+    (n > 1 streams interleave choices; those fail over as a whole, not resumed)."""
+    if body.get("stream") is not True or body.get("n") not in (None, 1) or body.get("best_of") not in (None, 1):
+        return False
+    if chat:
+        return True
+    prompt = body.get("prompt")
+    return not (isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) and len(prompt) > 1)
+
+
 def _prompt_text(body: dict, chat: bool) -> Optional[str]:
     """The text the length predictor reads: the prompt, or the conversation's messages."""
     if chat:
@@ -142,7 +163,7 @@ class _RelayResponse(StreamingResponse):
 
 
 class Front:
-    def __init__(self, fleet: Fleet, registry: Optional[QoSRegistry] = None, salter: Optional[CacheSalter] = None):
+    def __init__(self, fleet: WorkerFleet, registry: Optional[QoSRegistry] = None, salter: Optional[CacheSalter] = None):
         """`salter` must use the secret the workers got, so the prefix keys the router computes
         for a request are the ones the workers publish for the same tenant's prefix."""
         self.fleet = fleet
@@ -150,6 +171,15 @@ class Front:
         self.salter = salter or CacheSalter(cache_secret())
         cfg = fleet.config
         self.gate = FrontGate(cfg.max_in_flight, cfg.retry_after_s)
+        self.sessions: set[RelaySession] = set()  # the streams being relayed now
+        self.migration = MigrationDriver(self, fleet.controller, cfg.migration_interval_s)
+
+    async def start(self) -> None:
+        """Run the controller's migration loop (the fleet is started by its owner)."""
+        self.migration.start()
+
+    async def close(self) -> None:
+        await self.migration.close()
 
     async def drain(self, grace_s: float) -> int:
         """Stop admitting (503), let proxied requests finish within `grace_s`, end the rest."""
@@ -186,9 +216,41 @@ class Front:
 
         @app.get("/v1/instances")
         async def instances() -> JSONResponse:
-            return JSONResponse({"router": fleet.config.router, "counters": fleet.counters,
+            return JSONResponse({"router": fleet.config.router, "migration": fleet.config.migration,
+                                 "counters": fleet.counters, "migrations": fleet.controller.counters,
                                  "in_flight": self.gate.num_in_flight, "max_in_flight": self.gate.capacity,
                                  "data": [i.describe() for i in fleet.instances]})
+
+        @app.post("/v1/instances/{slot}/drain")
+        async def drain_instance(slot: int) -> JSONResponse:
+            inst = next((i for i in fleet.instances if i.slot == slot), None)
+            if inst is None:
+                raise APIError(404, f"no instance {slot}", param="instance", code="instance_not_found")
+            inst.draining = True
+            moving = sum(s.upstream.inst is inst for s in self.sessions)
+            logger.warning("instance %d is draining: out of routing; %d relayed streams to move", slot, moving)
+            return JSONResponse({"instance": slot, "draining": True, "streams_to_move": moving})
+
+        @app.post("/v1/migrations")
+        async def migrate(request: HTTPRequest) -> JSONResponse:
+            try:
+                body = json.loads(await request.body())
+                request_id, slot = str(body["request_id"]), int(body["target"])
+            except (ValueError, KeyError, TypeError):
+                raise APIError(400, "give request_id (the response id or X-Request-Id) and target (an instance)",
+                               code="invalid_request") from None
+            session = self.migration.find(request_id)
+            if session is None:
+                raise APIError(404, f"no relayed stream {request_id!r} is in flight", param="request_id",
+                               code="request_not_found")
+            target = next((i for i in fleet.routable() if i.slot == slot), None)
+            if target is None or target is session.upstream.inst:
+                raise APIError(409, f"instance {slot} cannot take it (not healthy, draining, or its source)",
+                               param="target", code="bad_target")
+            outcome = await self.migration.carry_out(session, target)
+            return JSONResponse({"migrated": outcome.ok, "reason": outcome.reason, "kv_bytes": outcome.kv_bytes,
+                                 "downtime_s": outcome.downtime_s, "rounds": outcome.rounds,
+                                 "instance": session.upstream.inst.slot})
 
         @app.get("/metrics")
         async def metrics() -> Response:
@@ -296,10 +358,12 @@ class Front:
                 return err
             rid = request.headers.get("x-request-id") or f"front-{uuid.uuid4().hex[:16]}"
             routed = Request(rid, ids or [0], SamplingParams(max_tokens=None, temperature=0.0),
-                             tenant=principal.tenant, cache_salt=self.salter.salt(principal))
+                             arrival_time=self.fleet.clock(), tenant=principal.tenant,
+                             cache_salt=self.salter.salt(principal))
+            routed.qos, routed.priority = self._qos(body, request, principal)
             if self.fleet.predictions is not None:
                 self.fleet.predictions.annotate(routed, _prompt_text(body, chat))
-            return await self._proxy(routed, path, raw, headers, body.get("stream") is True, chat, stop, ticket)
+            return await self._proxy(routed, path, raw, body, headers, chat, stop, ticket)
         except Interrupted as e:
             if e.client_gone:
                 logger.info("client left before its answer (%s): upstream closed", path)
@@ -308,9 +372,24 @@ class Front:
         finally:
             stop.close()
 
-    async def _proxy(self, routed: Request, path: str, raw: bytes, headers: dict, stream: bool, chat: bool,
+    def _qos(self, body: dict, request: HTTPRequest, principal) -> tuple:
+        """The request's class and priority as its worker will resolve them (the controller's
+        priority migration reads them); anything the worker would refuse stays default here."""
+        name = body.get("qos_class") if isinstance(body.get("qos_class"), str) else request.headers.get("x-qos-class")
+        priority = body.get("priority") if type(body.get("priority")) is int else None
+        try:
+            return self.registry.authorize(name, principal, priority)
+        except APIError:
+            return DEFAULT_QOS, None
+
+    async def _proxy(self, routed: Request, path: str, raw: bytes, body: dict, headers: dict, chat: bool,
                      stop: Stop, ticket: Optional[Ticket]) -> Response:
-        """Try instances until one answers; the first that starts a stream owns it."""
+        """Try instances until one answers; the first that starts a stream owns it (and a
+        RelaySession relays it from then on, across failovers and migrations)."""
+        stream = body.get("stream") is True
+        upstream_headers = dict(headers)
+        if self.fleet.fleet_secret:  # the workers annotate the streams of their own front
+            upstream_headers[FLEET_SECRET_HEADER] = self.fleet.fleet_secret
         tried: set = set()
         last_error = "no healthy instance"
         refused: Optional[Response] = None  # the last worker's 429/503, returned if nobody else takes it
@@ -329,7 +408,8 @@ class Front:
                 try:
                     try:
                         upstream = await self._before_start(stop, inst, tried, self.fleet.client.send(
-                            self.fleet.client.build_request("POST", handle.url + path, content=raw, headers=headers),
+                            self.fleet.client.build_request("POST", handle.url + path, content=raw,
+                                                            headers=upstream_headers),
                             stream=True))
                         if not stream or upstream.status_code != 200:
                             content = await self._before_start(stop, inst, tried, upstream.aread())
@@ -352,15 +432,18 @@ class Front:
                         refused = Response(content, status_code=upstream.status_code, headers=back, media_type=media)
                         continue
                     if not stream or upstream.status_code != 200:
-                        self._learn(routed, content)
+                        self.learn(routed, content)
                         return Response(content, status_code=upstream.status_code, headers=back, media_type=media)
                     if done:  # the whole stream came before anything counted as started
-                        self._learn(routed, head)
+                        self.learn(routed, head)
                         return Response(head, status_code=200, headers=back, media_type=media)
-                    release = self._releaser(inst, upstream, routed)
-                    relay = self._relay(inst, handle, chunks, head, routed, ticket, release)
+                    session = RelaySession(self, routed, path, body, headers, chat, resumable(body, chat),
+                                           Upstream(inst, inst.generation, upstream, chunks),
+                                           ticket.abort if ticket is not None else None)
+                    self.sessions.add(session)
                     handed_off = True
-                    return _RelayResponse(relay, release, status_code=200, headers=back, media_type=media)
+                    return _RelayResponse(session.stream(head), session.release, status_code=200, headers=back,
+                                          media_type=media)
                 finally:
                     if not handed_off:
                         inst.in_flight -= 1
@@ -408,54 +491,13 @@ class Front:
                 return head, False
         return head, True
 
-    def _releaser(self, inst: Instance, upstream: httpx.Response, routed: Request) -> Callable[[], Awaitable[None]]:
-        """What ends a handed-off stream's claims, once: whichever of the relay or the response
-        gets there first (a client gone before the relay started never runs the relay)."""
-        released = False
+    def forget(self, session: RelaySession) -> None:
+        """A relayed stream ended (RelaySession.release)."""
+        self.sessions.discard(session)
+        if self.fleet.predictions is not None:
+            self.fleet.predictions.observe(session.routed, completed=False)
 
-        async def release() -> None:
-            nonlocal released
-            if released:
-                return
-            released = True
-            inst.in_flight -= 1
-            await upstream.aclose()
-            if self.fleet.predictions is not None:
-                self.fleet.predictions.observe(routed, completed=False)
-
-        return release
-
-    async def _relay(self, inst: Instance, handle: WorkerHandle, chunks: AsyncIterator[bytes], head: bytes,
-                     routed: Request, ticket: Optional[Ticket],
-                     release: Callable[[], Awaitable[None]]) -> AsyncIterator[bytes]:
-        tail = head[-512:]
-        stop = Stop(abort=ticket.abort if ticket is not None else None)
-        try:
-            yield head
-            while True:
-                try:
-                    chunk = await stop.run(chunks.__anext__())
-                except StopAsyncIteration:
-                    break
-                except Interrupted:
-                    yield _sse_error("the server is shutting down; the output is incomplete", "draining")
-                    return
-                except _TRANSPORT_ERRORS as e:
-                    self.fleet.counters["failed_midstream"] += 1
-                    self.fleet.suspect(inst, handle, e)
-                    logger.warning("instance %d failed while streaming request %s: %s", inst.slot,
-                                   routed.request_id, e)
-                    yield _sse_error(f"instance {inst.slot} failed while generating this response; the output is "
-                                     f"incomplete", "instance_failed")
-                    return
-                tail = (tail + chunk)[-512:]
-                yield chunk
-            self._learn(routed, tail)
-        finally:
-            stop.close()
-            await release()
-
-    def _learn(self, routed: Request, content: bytes) -> None:
+    def learn(self, routed: Request, content: bytes) -> None:
         """Feed the served model's actual output length back to the predictor."""
         book = self.fleet.predictions
         if book is None:
@@ -498,6 +540,11 @@ class Front:
                 for name, value in fleet.counters.items():
                     c = CounterMetricFamily(f"sloserve:front_{name}", f"front: {name.replace('_', ' ')}")
                     c.add_metric([], value)
+                    yield c
+                migrations = fleet.controller.counters
+                for key, (name, help_text) in MIGRATION_METRICS.items():
+                    c = CounterMetricFamily(f"sloserve:{name}", help_text)
+                    c.add_metric([], migrations[key])
                     yield c
 
         registry = CollectorRegistry()

@@ -30,6 +30,9 @@ logger = logging.getLogger(__name__)
 
 PROXIED_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"})
 ADMIN_ROUTES = frozenset({"/v1/instances", "/metrics"})
+# Routes that change what the fleet does (drain an instance, move a request): an admin key
+# only, and refused outright when the front has no admin key configured.
+ADMIN_ACTION_PREFIXES = ("/v1/instances/", "/v1/migrations")
 API_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
 
 
@@ -134,7 +137,11 @@ class FrontEdge:
     def _check(self, scope: Scope, path: str) -> None:
         headers = Headers(scope=scope)
         token = bearer_token(headers)
-        if path in ADMIN_ROUTES and self.admin_keys:
+        if path.startswith(ADMIN_ACTION_PREFIXES):
+            if not self.admin_keys:
+                raise APIError(403, "this route needs the front to run with --admin-key", code="forbidden")
+            self._check_admin(token)
+        elif path in ADMIN_ROUTES and self.admin_keys:
             self._check_admin(token)
         elif path.startswith(API_PREFIXES):
             principal = self.registry.authenticate(token)
@@ -146,7 +153,7 @@ class FrontEdge:
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
             raise APIError(413, f"request body of {length} bytes exceeds the limit of {self.max_body_bytes}",
                            code="request_too_large")
-        if path.startswith(API_PREFIXES) and path not in ADMIN_ROUTES:
+        if path.startswith(API_PREFIXES) and path not in ADMIN_ROUTES and not path.startswith(ADMIN_ACTION_PREFIXES):
             self.gate.check_open()
 
     def _check_admin(self, token: Optional[str]) -> None:

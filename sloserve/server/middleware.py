@@ -21,7 +21,10 @@ from sloserve.server.connections import timed_receive
 from sloserve.server.errors import APIError
 from sloserve.server.qos import QoSRegistry
 
-API_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+API_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/internal/resume/")
+# KV blocks in transit between a fleet's workers: large bodies, from the fleet itself (the
+# worker's InternalGuard checked the fleet secret before this middleware runs).
+UNLIMITED_BODY_PREFIX = "/internal/kv/"
 ADMIN_ROUTES = frozenset({"/metrics"})  # what `--admin-key` restricts on a single instance
 KNOWN_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics",
                           "/tokenize", "/detokenize", "/version"})
@@ -95,7 +98,8 @@ class EdgeMiddleware:
             if err is not None:
                 await send_error(counting_send, err)
                 return
-            await self.app(scope, self._limited(receive), counting_send)
+            unlimited = scope.get("path", "").startswith(UNLIMITED_BODY_PREFIX)
+            await self.app(scope, receive if unlimited else self._limited(receive), counting_send)
         finally:
             if status_seen:
                 self.observe_http(route, status_seen[0])
@@ -105,7 +109,8 @@ class EdgeMiddleware:
         if self.admin_keys and scope.get("path", "") in ADMIN_ROUTES:
             return admin_refusal(bearer_token(headers), self.admin_keys)
         length = headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
+        if length is not None and length.isdigit() and int(length) > self.max_body_bytes and not scope.get(
+                "path", "").startswith(UNLIMITED_BODY_PREFIX):
             return APIError(413, f"request body of {length} bytes exceeds the limit of {self.max_body_bytes}",
                             code="request_too_large")
         if not scope.get("path", "").startswith(API_PREFIXES):

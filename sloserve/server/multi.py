@@ -58,6 +58,7 @@ async def serve_front(fleet, front, config: uvicorn.Config, grace_s: float, star
     """Start the workers, serve as soon as one is healthy (the others join when they answer),
     drain on a signal, and stop the workers."""
     await fleet.start()
+    await front.start()
     try:
         await fleet.wait_ready(start_timeout_s, count=1)
         server = server_cls(config, front.drain, front.stop_now, grace_s)
@@ -65,6 +66,7 @@ async def serve_front(fleet, front, config: uvicorn.Config, grace_s: float, star
                     fleet.config.router, config.host, config.port)
         await server.serve()
     finally:
+        await front.close()
         await fleet.close()
 
 
@@ -78,12 +80,12 @@ def run_multi(engine_config: EngineConfig, settings, *, instances: int, router: 
               api_keys: Sequence[str] = (), ray_address: Optional[str] = None,
               predictor: Optional[str] = "default", log_level: str = "warning",
               admin_keys: Sequence[str] = (), max_in_flight: Optional[int] = None,
-              hang_timeout_s: float = 60.0) -> int:
+              hang_timeout_s: float = 60.0, migration: str = "none", migration_interval_s: float = 0.5) -> int:
     """`settings` (ServerSettings) gives the edge: max_body_bytes, body and header timeouts,
     connection cap, retry_after_s, grace_period_s; max_queue applies to each worker."""
     from sloserve.cluster.routers import ROUTERS
     from sloserve.server.connections import uvicorn_config
-    from sloserve.server.front import Fleet, Front, FrontConfig
+    from sloserve.server.front import Front, FrontConfig, WorkerFleet
     from sloserve.server.instances import WorkerSpec
     from sloserve.server.qos import CACHE_SECRET_ENV, CacheSalter, cache_secret
     from sloserve.server.worker import worker_options
@@ -98,6 +100,11 @@ def run_multi(engine_config: EngineConfig, settings, *, instances: int, router: 
         raise ValueError(f"max in flight must be >= 1, got {max_in_flight}")
     if not hang_timeout_s > 0:
         raise ValueError(f"hang timeout must be > 0 s, got {hang_timeout_s}")
+    if not migration_interval_s > 0:
+        raise ValueError(f"migration interval must be > 0 s, got {migration_interval_s}")
+    from sloserve.cluster.migration import make_migration_policy
+
+    make_migration_policy(migration)  # an unknown name fails here, before any worker starts
     settings.validate()
     total = engine_config.num_threads or cores()
     per_worker = max(1, total // instances)
@@ -110,11 +117,12 @@ def run_multi(engine_config: EngineConfig, settings, *, instances: int, router: 
                       cache_secret=salt_secret, options=worker_options(settings))
     spawn = make_spawner(spec, backend, per_worker, ray_address)
     config = FrontConfig(
-        router=router, predictor=predictor, hang_timeout_s=hang_timeout_s,
+        router=router, predictor=predictor, hang_timeout_s=hang_timeout_s, migration=migration,
+        migration_interval_s=migration_interval_s,
         max_in_flight=max_in_flight or front_capacity(engine_config, settings.max_queue, instances),
         max_body_bytes=settings.max_body_bytes, body_timeout_s=settings.body_timeout_s,
         retry_after_s=settings.retry_after_s, admin_keys=tuple(admin_keys))
-    fleet = Fleet(spawn, instances, config, fleet_secret=fleet_secret)
+    fleet = WorkerFleet(spawn, instances, config, fleet_secret=fleet_secret)
     front = Front(fleet, settings.registry, CacheSalter(cache_secret(salt_secret)))
     uv_config = uvicorn_config(front.build_app(), host=host, port=port, limits=settings.connection_limits())
     logger.info("starting %d %s workers (%d threads each); serving once one is healthy", instances, backend,

@@ -24,7 +24,8 @@ from typing import AsyncIterator, Optional, Sequence, Union
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from sloserve.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
+from sloserve.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestMigratedError, RequestStream
+from sloserve.engine.migration import ResumeState
 from sloserve.engine.llm_engine import ContextLengthError
 from sloserve.engine.outputs import CompletedOutput, OutputAccumulator, RequestOutput
 from sloserve.server.admission import Admission
@@ -73,6 +74,8 @@ class CallContext:
     qos: QoSClass
     priority: Optional[int]
     created: int = field(default_factory=lambda: int(time.time()))
+    relay: bool = False  # a fleet front relays this stream: annotate each event for a resume elsewhere
+    resume: Optional[ResumeState] = None  # the call continues one begun on another instance
 
 
 @dataclass
@@ -120,8 +123,9 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------ endpoints
 
-    async def completions(self, body: CompletionRequest, request: Request) -> Response:
-        ctx = self._context(body, request, "cmpl")
+    async def completions(self, body: CompletionRequest, request: Request,
+                          ctx: Optional[CallContext] = None) -> Response:
+        ctx = ctx or self._context(body, request, "cmpl")
         params = body.sampling_params()
         prompts = body.prompts()
         # Refuse under overload before spending CPU on tokenization.
@@ -131,6 +135,8 @@ class OpenAIServing:
         streams = self._submit(ctx, choices)
         if body.stream:
             fmt = _CompletionStream(self.strings, len(choices))
+            if ctx.resume is not None:  # logprob text offsets continue from what was sent
+                fmt.offsets[0] = sum(len(self.strings.text(t)) for t in ctx.resume.output_token_ids)
             return self._sse(self._events(ctx, choices, streams, body.include_usage, fmt), ctx, streams)
         finals = await self._collect(request, ctx, streams)
         out = []
@@ -142,8 +148,9 @@ class OpenAIServing:
                                   usage=_usage(choices, finals))
         return _json(resp.model_dump(), ctx)
 
-    async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
-        ctx = self._context(body, request, "chatcmpl")
+    async def chat(self, body: ChatCompletionRequest, request: Request,
+                   ctx: Optional[CallContext] = None) -> Response:
+        ctx = ctx or self._context(body, request, "chatcmpl")
         params = body.sampling_params()
         conversation = body.conversation()
         self._counting_rejections(self.admission.check_room, body.num_choices)
@@ -162,6 +169,18 @@ class OpenAIServing:
         resp = ChatCompletionResponse(id=ctx.request_id, created=ctx.created, model=ctx.model, choices=out,
                                       usage=_usage(choices, finals))
         return _json(resp.model_dump(), ctx)
+
+    async def resume(self, body: Union[CompletionRequest, ChatCompletionRequest], request: Request,
+                     resume: ResumeState, response_id: str, created: int) -> Response:
+        """Continue a streamed single-choice call begun on another instance (a live migration
+        or a failover): the same body, the client's id and creation time, the tokens so far."""
+        chat = isinstance(body, ChatCompletionRequest)
+        ctx = self._context(body, request, "chatcmpl" if chat else "cmpl")
+        if not body.stream or body.num_choices != 1 or (not chat and len(body.prompts()) != 1):
+            raise bad_request("only a streamed single-choice request can be resumed", "stream")
+        ctx.request_id, ctx.created, ctx.resume, ctx.relay = response_id, created, resume, True
+        request.state.request_id = response_id
+        return await (self.chat(body, request, ctx) if chat else self.completions(body, request, ctx))
 
     # ------------------------------------------------------------------ request set-up
 
@@ -188,7 +207,7 @@ class OpenAIServing:
             priority = int(raw)
         # The classes and priorities a key may use come from the QoS config: 403 beyond them.
         qos, priority = self.registry.authorize(class_name, principal, priority)
-        return CallContext(request_id, model, principal, qos, priority)
+        return CallContext(request_id, model, principal, qos, priority, relay=getattr(request.state, "fleet", False))
 
     async def _off_loop(self, work, param: str):
         """Run tokenizer work in the pool; its bad-input errors become a 400 on `param`."""
@@ -240,8 +259,9 @@ class OpenAIServing:
         First the deadline check (can these requests still meet their class's TTFT target on
         this instance's load?), then the slots; no await in between, so the shedder's record of
         the work it let through matches the ids `admit` takes."""
-        self._counting_rejections(self.admission.check_deadline, sum(len(c.prompt_ids) for c in choices), ctx.qos,
-                                  ctx.priority, count=len(choices), max_tokens=choices[0].params.max_tokens)
+        if ctx.resume is None:  # a resumed request met (or missed) its TTFT deadline where it began
+            self._counting_rejections(self.admission.check_deadline, sum(len(c.prompt_ids) for c in choices),
+                                      ctx.qos, ctx.priority, count=len(choices), max_tokens=choices[0].params.max_tokens)
         ids = [c.engine_id for c in choices]
         self._counting_rejections(self.admission.admit, ids)
         tenant = ctx.principal.tenant
@@ -256,7 +276,8 @@ class OpenAIServing:
         try:
             for c in choices:
                 streams.append(self.engine.add_request(c.prompt_ids, c.params, request_id=c.engine_id, qos=ctx.qos,
-                                                       tenant=tenant, priority=ctx.priority, cache_salt=salt))
+                                                       tenant=tenant, priority=ctx.priority, cache_salt=salt,
+                                                       resume=ctx.resume))
         except (ValueError, EngineDeadError) as exc:
             for stream in streams:
                 stream.abort()
@@ -273,10 +294,11 @@ class OpenAIServing:
         return [TrackedStream(self, ctx, c, s) for c, s in zip(choices, streams)]
 
     def account(self, ctx: CallContext, choice: Choice, last: Optional[RequestOutput], itls: list[float],
-                status: int) -> None:
+                status: int, finish: Optional[str] = None) -> None:
         """Metrics and the access-log line for one engine request that has ended."""
         m = last.metrics if last is not None else None
-        finish = last.finish_reason if last is not None and last.finished else None
+        if finish is None and last is not None and last.finished:
+            finish = last.finish_reason
         e2e = None
         if m is not None:
             e2e = m.e2e if m.e2e is not None else time.monotonic() - m.arrival_time
@@ -374,7 +396,8 @@ class OpenAIServing:
                 c.usage = usage
             return _event(c.model_dump_json(exclude_unset=True))
 
-        opening = "".join(chunk(o) for o in fmt.opening(choices))
+        opening = "" if ctx.resume is not None else "".join(chunk(o) for o in fmt.opening(choices))
+        note = RelayNote(ctx, choices[0]) if ctx.relay and len(choices) == 1 else None
         try:
             async with contextlib.aclosing(_merge(streams)) as merged:
                 async for i, out in merged:
@@ -386,14 +409,38 @@ class OpenAIServing:
                         continue  # a chunk per new token, even one whose text is held back (as vLLM)
                     if out.finished:
                         finals[i] = out
-                    yield opening + chunk([fmt.choice(c, out, lp)])
+                    yield opening + (note.comment(out) if note is not None else "") + chunk([fmt.choice(c, out, lp)])
                     opening = ""
+        except RequestMigratedError:
+            return  # another instance continues this stream; whoever relays it stopped reading here
         except EngineDeadError as exc:
             yield _stream_error(ctx, exc)
         else:
             if include_usage and len(finals) == len(choices):
                 yield chunk([], _usage(choices, [finals[i] for i in range(len(choices))]))
         yield _event("[DONE]")
+
+
+RELAY_COMMENT = ": sloserve "  # SSE comment lines a fleet front reads and strips
+
+
+class RelayNote:
+    """Per event, what a fleet front needs to continue the stream on another instance: an SSE
+    comment (clients ignore comments; the front strips them) with the event's token ids and
+    the characters of output text sent so far; the first one also names the call."""
+
+    def __init__(self, ctx: CallContext, choice: Choice) -> None:
+        self._head: Optional[dict] = {"id": ctx.request_id, "created": ctx.created, "engine_id": choice.engine_id,
+                                      "prompt_tokens": len(choice.prompt_ids)}
+        self._chars = ctx.resume.sent_text_len if ctx.resume is not None else 0
+
+    def comment(self, out: RequestOutput) -> str:
+        self._chars += len(out.delta_text)
+        note = {"t": out.delta_token_ids, "c": self._chars}
+        if self._head is not None:
+            note.update(self._head)
+            self._head = None
+        return RELAY_COMMENT + json.dumps(note, separators=(",", ":")) + "\n"
 
 
 class _CompletionStream:
@@ -463,6 +510,7 @@ class TrackedStream:
         self._prev_t: Optional[float] = None
         self._status = STATUS_CLIENT_GONE  # until it finishes, an ending means the client left
         self._closed = False
+        self._migrated = False  # it ended here because another instance took it over
 
     def __aiter__(self) -> "TrackedStream":
         return self
@@ -473,6 +521,10 @@ class TrackedStream:
         try:
             out = await self._stream.__anext__()
         except StopAsyncIteration:
+            self.close()
+            raise
+        except RequestMigratedError:
+            self._status, self._migrated = 200, True
             self.close()
             raise
         except EngineDeadError:
@@ -502,7 +554,8 @@ class TrackedStream:
         self._stream.abort()
         self._serving.admission.release(self.choice.engine_id)
         self._serving.tenants.release(self._ctx.principal.tenant, self.choice.engine_id)
-        self._serving.account(self._ctx, self.choice, self._last, self._itls, self._status)
+        self._serving.account(self._ctx, self.choice, self._last, self._itls, self._status,
+                              "migrated" if self._migrated else None)
 
 
 class _ClientStalled(Exception):

@@ -80,13 +80,19 @@ class InternalGuard:
         self.secret = secret.encode() if secret else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope.get("path", "").startswith(INTERNAL_PREFIX) and not self._allowed(scope):
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        allowed = self._allowed(scope)
+        if scope.get("path", "").startswith(INTERNAL_PREFIX) and not allowed:
             from sloserve.server.errors import APIError
             from sloserve.server.middleware import send_error
 
             await send_error(send, APIError(401, "internal endpoints need the fleet secret",
                                             code="invalid_fleet_secret"))
             return
+        if allowed:  # the fleet's front: its streams carry what a resume elsewhere needs
+            scope.setdefault("state", {})["fleet"] = True
         await self.app(scope, receive, send)
 
     def _allowed(self, scope: Scope) -> bool:
@@ -96,12 +102,16 @@ class InternalGuard:
         return hmac.compare_digest(given.encode(), self.secret)
 
 
-def add_worker_routes(app: FastAPI, core: Any, fleet_secret: Optional[str]) -> None:
+def add_worker_routes(app: FastAPI, engine: Any, fleet_secret: Optional[str]) -> None:
+    from sloserve.server.worker_migration import add_migration_routes
+
     app.add_middleware(InternalGuard, secret=fleet_secret)
+    migrations = add_migration_routes(app, engine, fleet_secret)
 
     @app.get("/internal/state")
     async def internal_state() -> JSONResponse:
-        return JSONResponse(state_payload(core))
+        await migrations.expire()  # the front polls this several times a second
+        return JSONResponse(state_payload(engine.engine))
 
 
 def build_worker_app(engine_config: EngineConfig, settings, fleet_secret: Optional[str] = None):
@@ -112,7 +122,7 @@ def build_worker_app(engine_config: EngineConfig, settings, fleet_secret: Option
 
     engine = AsyncLLMEngine(LLMEngine(engine_config))
     app = build_app(engine, settings)
-    add_worker_routes(app, engine.engine, fleet_secret)
+    add_worker_routes(app, engine, fleet_secret)
     return engine, app
 
 

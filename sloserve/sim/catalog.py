@@ -7,6 +7,12 @@ MODELS: dict[str, ModelConfig] = {
     # meta-llama/Llama-3.1-8B config.json
     "llama-3.1-8b": ModelConfig("llama", 128256, 4096, 14336, 32, 32, 8, 128, 1e-5, 500000.0,
                                 max_position_embeddings=131072, name="llama-3.1-8b"),
+    # meta-llama/Llama-2-7b-hf config.json (multi-head attention: 32 KV heads, 512 KiB of KV per token in bf16)
+    "llama-2-7b": ModelConfig("llama", 32000, 4096, 11008, 32, 32, 32, 128, 1e-5, 10000.0,
+                              max_position_embeddings=4096, name="llama-2-7b"),
+    # meta-llama/Llama-2-13b-hf config.json
+    "llama-2-13b": ModelConfig("llama", 32000, 5120, 13824, 40, 40, 40, 128, 1e-5, 10000.0,
+                               max_position_embeddings=4096, name="llama-2-13b"),
     # meta-llama/Llama-3.1-70B config.json
     "llama-3.1-70b": ModelConfig("llama", 128256, 8192, 28672, 80, 64, 8, 128, 1e-5, 500000.0,
                                  max_position_embeddings=131072, name="llama-3.1-70b"),

@@ -6,11 +6,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Optional
 
 from sloserve.records import RequestRecord, error_kind_for_status
+from sloserve.cluster.controller import FleetController
+from sloserve.cluster.migration import MoveCosts, make_migration_policy, parse_migration
 from sloserve.cluster.routers import RouterOptions, make_router
 from sloserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from sloserve.sim.catalog import get_model
 from sloserve.sim.cost import CostModel, Profile, ProfiledCostModel, RooflineCostModel
-from sloserve.sim.hardware import get_hardware
+from sloserve.sim.hardware import DEFAULT_LINK, get_hardware, get_link
 from sloserve.sim.instance import SimInstance, kv_blocks_for
 from sloserve.sim.prompts import SyntheticPrompt
 from sloserve.sim.simulator import SimResult, Simulator
@@ -43,6 +45,13 @@ class FleetConfig:
     online_predictor: bool = True  # completed requests update the predictor as the run goes
     router_seed: int = 0
     router_epsilon: float = 0.25  # prefix-affinity's load bound
+    # Live migration: policy names ("none", "balance", "balance,defrag", ...; see cluster/migration),
+    # the link KV crosses between instances (sim/hardware.py LINKS; default InfiniBand NDR: instances
+    # on different hosts, one 400 Gb/s NIC per GPU; pass e.g. nvlink-h100 for instances in one NVLink
+    # domain), and how often the controller plans moves (simulated seconds).
+    migration: str = "none"
+    link: str = DEFAULT_LINK
+    migration_interval_s: float = 0.1
 
     def validate(self) -> None:
         if self.instances < 1:
@@ -51,6 +60,10 @@ class FleetConfig:
             raise ValueError("--tp must be >= 1")
         if self.router_epsilon < 0:
             raise ValueError("--router-epsilon must be >= 0")
+        if self.migration_interval_s <= 0:
+            raise ValueError("--migration-interval must be > 0")
+        parse_migration(self.migration)
+        get_link(self.link)
         self.scheduler.validate()
         self.cache.validate()
 
@@ -99,7 +112,14 @@ def build_fleet(cfg: FleetConfig, predictions: Optional["PredictionBook"] = None
                  for i in range(cfg.instances)]
     options = RouterOptions(seed=cfg.router_seed, epsilon=cfg.router_epsilon,
                             predictions=predictions.lookup if predictions is not None else None)
-    return Simulator(instances, make_router(cfg.router, options))
+    controller = FleetController(make_router(cfg.router, options), make_migration_policy(cfg.migration))
+    return Simulator(instances, controller, move_costs(cfg, model), cfg.migration_interval_s)
+
+
+def move_costs(cfg: FleetConfig, model: ModelConfig) -> MoveCosts:
+    """What a migration costs in this fleet. With tensor parallelism each of the tp devices
+    sends its 1/tp of every block over its own link, at the same time."""
+    return MoveCosts.uniform(model.kv_bytes_per_token(cfg.dtype_bytes), get_link(cfg.link) * cfg.tp)
 
 
 def sim_requests(stream: Iterable[WorkloadRequest], classes: Optional[dict[str, QoSClass]] = None,

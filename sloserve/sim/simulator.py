@@ -1,7 +1,9 @@
 """The discrete-event loop: arrivals, routing and step completions on a heap of timed events.
 
 No polling: an instance is woken only by an event that can change what it does (a request
-routed to it, or the end of its own step). Simulated time never touches the wall clock.
+routed to it, the end of its own step, a request migrated to or from it). Simulated time never
+touches the wall clock. With a migration policy, the fleet controller plans moves on a control
+tick every `migration_interval_s`, and only while the fleet has work.
 """
 from __future__ import annotations
 
@@ -12,16 +14,21 @@ from dataclasses import dataclass, field
 from collections.abc import Sequence
 from typing import Callable, Iterable, Iterator, Optional
 
+from sloserve.cluster.controller import FleetController
+from sloserve.cluster.migration import MoveCosts
 from sloserve.cluster.routers.base import Router
 from sloserve.sched.live_state import Moment
 from sloserve.sim.instance import SimInstance
+from sloserve.sim.migration import SimMigrator, Transfer
 from sloserve.types import Request
 
 logger = logging.getLogger(__name__)
 
 # At equal times: every arrival is queued first, then idle instances wake (so requests that
-# arrive together share the first step, as they would in the engine loop), then steps end.
-ARRIVAL, WAKE, STEP_END = 0, 1, 2
+# arrive together share the first step, as they would in the engine loop), then the control tick
+# and migration phases run, then steps end. Whatever reads an instance before its step's end
+# event sees that step in flight, as `SimInstance.sync` (steps ending strictly before now) does.
+ARRIVAL, WAKE, TICK, MIGRATE, STEP_END = 0, 1, 2, 3, 4
 
 
 @dataclass
@@ -38,14 +45,23 @@ class SimResult:
     num_events: int
     num_finished: int = 0
     instance_busy_time: list[float] = field(default_factory=list)
+    # the controller's migration counters (started, completed, aborted, bytes, downtime_s); empty without migration
+    migration: dict[str, float] = field(default_factory=dict)
 
 
 class Simulator:
-    def __init__(self, instances: Sequence[SimInstance], router: Router):
+    def __init__(self, instances: Sequence[SimInstance], controller: Router | FleetController,
+                 costs: Optional[MoveCosts] = None, migration_interval_s: float = 0.1, handoff_s: float = 0.005):
+        """`controller`: a FleetController, or a bare router (routing only). `costs` price
+        migrations (needed when the controller has a migration policy); `handoff_s` is the fixed
+        part of a migration's pause (the last round trip before the target takes over)."""
         if not instances:
             raise ValueError("need at least one instance")
+        if migration_interval_s <= 0:
+            raise ValueError("migration_interval_s must be positive")
         self.instances = list(instances)
-        self.router = router
+        self.controller = controller if isinstance(controller, FleetController) else FleetController(controller)
+        self.router = self.controller.router
         self._heap: list[tuple[float, int, int, object]] = []
         self._seq = itertools.count()
         self._waking: set[int] = set()
@@ -53,6 +69,14 @@ class Simulator:
         # One live view per instance for the whole run, read at the moment of each arrival.
         self._moment = Moment()
         self._states = [instance.live_view(self._moment) for instance in self.instances]
+        self.migrator: Optional[SimMigrator] = None
+        if self.controller.migration_enabled:
+            if costs is None:
+                raise ValueError("a migration policy needs MoveCosts (KV bytes per token, link bandwidth)")
+            self.migrator = SimMigrator(self.controller, self.instances, self._states, costs, self._push_transfer,
+                                        self._touch, handoff_s)
+        self.migration_interval_s = migration_interval_s
+        self._next_tick: Optional[int] = None  # index k of the pending tick at k * interval
 
     def _push(self, time: float, kind: int, payload: object) -> None:
         heapq.heappush(self._heap, (time, kind, next(self._seq), payload))
@@ -72,6 +96,7 @@ class Simulator:
         num_finished = 0
         events = 0
         last_arrival = -float("inf")
+        last_work = self.now
         pending = next(arrivals, None)
         if pending is not None:
             self._push(pending.arrival_time, ARRIVAL, pending)
@@ -81,6 +106,8 @@ class Simulator:
                 break
             self.now = time
             events += 1
+            if kind != TICK:
+                last_work = time  # a final tick that finds nothing to do does not extend the run
             if kind == ARRIVAL:
                 request = payload
                 if request.arrival_time < last_arrival:
@@ -95,6 +122,12 @@ class Simulator:
                 pending = next(arrivals, None)
                 if pending is not None:
                     self._push(pending.arrival_time, ARRIVAL, pending)
+                if self.migrator is not None and self._next_tick is None:
+                    self._schedule_tick(int(self.now // self.migration_interval_s) + 1)
+            elif kind == TICK:
+                self._tick(payload)  # type: ignore[arg-type]
+            elif kind == MIGRATE:
+                self.migrator.advance(payload, self.now)  # type: ignore[union-attr, arg-type]
             elif kind == WAKE:
                 instance = payload
                 self._waking.discard(instance.instance_id)
@@ -110,22 +143,32 @@ class Simulator:
                         on_done(request, None)
                     else:
                         finished.append(FinishedRequest(request, instance.instance_id))
+                if self.migrator is not None:
+                    self.migrator.at_step_boundary(instance, time)
                 self._start(instance)
             if on_progress is not None and events % 1024 == 0:
                 on_progress(self.now, num_finished)
         if on_progress is not None:
             on_progress(self.now, num_finished)
-        return SimResult(finished, rejected, self.now, events, num_finished, [i.busy_time for i in self.instances])
+        return SimResult(finished, rejected, last_work, events, num_finished, [i.busy_time for i in self.instances],
+                         self.controller.counters if self.migrator is not None else {})
 
     def _arrive(self, request: Request) -> Optional[str]:
         """Route and queue an arrival; returns why it was rejected, if it was."""
         self._moment.advance(self.now)
-        choice = self.router.route(request, self._states)
+        choice = self.controller.route(request, self._states)
         instance = self.instances[choice]
         try:
             instance.add_request(request)
         except ValueError as e:  # e.g. longer than the context window: the server would answer 400
             return str(e)
+        self._touch(instance)
+        return None
+
+    def _touch(self, instance: SimInstance) -> None:
+        """Its schedule may have changed at `now`: wake it if idle, else end a fast-forwarded
+        run with the step in flight (the next step is planned afresh, as stepping one at a
+        time would)."""
         if not instance.is_busy:
             if instance.instance_id not in self._waking:
                 self._waking.add(instance.instance_id)
@@ -134,7 +177,23 @@ class Simulator:
             new_end = instance.interrupt(self.now)
             if new_end is not None:
                 self._push(new_end, STEP_END, (instance, new_end))
-        return None
+
+    # ---- migration ------------------------------------------------------------------------
+    def _schedule_tick(self, k: int) -> None:
+        """Ticks fall on multiples of the interval (not on `now` + interval), so their times do
+        not depend on which events happened to start them."""
+        self._next_tick = k
+        self._push(k * self.migration_interval_s, TICK, k)
+
+    def _tick(self, k: int) -> None:
+        self._next_tick = None
+        self._moment.advance(self.now)
+        self.migrator.tick(self.now)  # type: ignore[union-attr]
+        if self.migrator.busy or any(i.scheduler.has_unfinished() for i in self.instances):  # type: ignore[union-attr]
+            self._schedule_tick(k + 1)
+
+    def _push_transfer(self, time: float, transfer: Transfer) -> None:
+        self._push(time, MIGRATE, transfer)
 
     def _start(self, instance: SimInstance) -> None:
         end = instance.start_step(self.now)

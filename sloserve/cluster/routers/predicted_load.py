@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
@@ -8,6 +9,60 @@ from sloserve.cluster.routers.base import Router, RouterOptions
 from sloserve.cluster.routers.prefix import DEFAULT_MAX_BLOCKS, prefix_matches
 from sloserve.sched.state import InstanceState
 from sloserve.types import Request
+
+
+DEFAULT_DECODE_WEIGHT = 0.25
+
+
+@dataclass(frozen=True)
+class InstanceLoad:
+    """The work an instance already holds, in prefill-token equivalents: what the router adds a
+    request's own cost to, and what migration balances (`cluster/migration/balance.py`)."""
+
+    prefill: float  # prompt tokens queued (waiting prompts and unfinished chunks)
+    decode: float  # decode_weight * predicted decode tokens still to come
+    committed_blocks: int  # KV blocks in use + the waiting queue's + the running requests' predicted growth
+    # blocks by which the committed KV, plus the chunks running prefills have yet to compute, exceeds
+    # the pool (negative: room left)
+    excess_blocks: float
+    overflow: float  # tokens the preemptions that excess forces would recompute (0 without excess)
+
+    @property
+    def total(self) -> float:
+        return self.prefill + self.decode + self.overflow
+
+
+def victim_tokens(s: InstanceState) -> float:
+    """Context of a typical running request: what one preemption by recompute costs there."""
+    return s.kv_blocks_used * s.block_size / s.num_running if s.num_running else 0.0
+
+
+def overflow_cost(s: InstanceState, excess_blocks: float) -> float:
+    """Tokens recomputed when the pool falls `excess_blocks` short: whole preemptions of typical
+    victims (one block short already costs a whole request)."""
+    if excess_blocks <= 0:
+        return 0.0
+    victim = max(1.0, victim_tokens(s) / s.block_size)  # in blocks; an idle instance: block by block
+    return math.ceil(excess_blocks / victim) * victim * s.block_size
+
+
+def instance_load(s: InstanceState, decode_weight: float = DEFAULT_DECODE_WEIGHT,
+                  kv_reserve: float = 0.0) -> InstanceLoad:
+    """An instance's predicted load (see PredictedLoadRouter for why each term counts): queued
+    prefill, weighted decode, and the preemptions its KV is heading for.
+
+    `kv_reserve`: share of the pool counted as taken already when computing the excess: a
+    margin for predictions that run short (a point prediction is a median, and half the
+    requests outgrow it)."""
+    bs = s.block_size
+    growth = -(-s.predicted_remaining_decode_tokens // bs)
+    committed = s.kv_blocks_used + s.kv_blocks_waiting + growth
+    # queued prefill counts the waiting prompts and the unfinished chunks of running ones; only the
+    # latter are not in `committed` yet
+    chunks_left = max(0, -(-s.queued_prefill_tokens // bs) - s.kv_blocks_waiting)
+    excess = committed + chunks_left - s.kv_blocks_total * (1.0 - kv_reserve) if s.kv_blocks_total else -math.inf
+    return InstanceLoad(s.queued_prefill_tokens, decode_weight * s.predicted_remaining_decode_tokens, committed,
+                        excess, overflow_cost(s, excess))
 
 
 @dataclass(frozen=True)
@@ -49,7 +104,7 @@ class PredictedLoadRouter(Router):
     name = "predicted-load"
 
     def __init__(self, predictions: Optional[Callable[[Request], Optional[LengthPrediction]]] = None,
-                 decode_weight: float = 0.25, use_prefix: bool = True,
+                 decode_weight: float = DEFAULT_DECODE_WEIGHT, use_prefix: bool = True,
                  max_probe_blocks: int = DEFAULT_MAX_BLOCKS):
         self.predictions = predictions
         self.decode_weight = decode_weight
@@ -69,25 +124,23 @@ class PredictedLoadRouter(Router):
         for i in range(n):
             s = states[i]
             bs = s.block_size
+            load = instance_load(s, self.decode_weight)
             uncached = max(1, prompt - matches[i] * bs)
-            prefill = s.queued_prefill_tokens + uncached
-            decode = self.decode_weight * s.predicted_remaining_decode_tokens
-            risk, cost = self._overflow(s, prediction, prompt, matches[i] * bs)
-            out.append(LoadScore(prefill, decode, risk, cost, prefill + decode + risk * cost))
+            prefill = load.prefill + uncached
+            risk, cost = self._overflow(s, load, prediction, prompt, matches[i] * bs)
+            out.append(LoadScore(prefill, load.decode, risk, cost, prefill + load.decode + risk * cost))
         return out
 
     @staticmethod
-    def _overflow(s: InstanceState, prediction: LengthPrediction, prompt: int, cached: int) -> tuple[float, float]:
+    def _overflow(s: InstanceState, load: InstanceLoad, prediction: LengthPrediction, prompt: int,
+                  cached: int) -> tuple[float, float]:
         if not s.kv_blocks_total:
             return 0.0, 0.0
         bs = s.block_size
-        growth = -(-s.predicted_remaining_decode_tokens // bs)
-        committed = s.kv_blocks_used + s.kv_blocks_waiting + growth
         # room for this request's output once its uncached prompt has its blocks
-        room = (s.kv_blocks_total - committed) * bs - (prompt - cached)
+        room = (s.kv_blocks_total - load.committed_blocks) * bs - (prompt - cached)
         risk = 1.0 if room <= 0 else prediction.survival(room)
-        victim = s.kv_blocks_used * bs / s.num_running if s.num_running else 0.0
-        return risk, victim + prompt
+        return risk, victim_tokens(s) + prompt
 
     def route(self, request: Request, states: Sequence[InstanceState]) -> int:
         scores = self.scores(request, states)

@@ -1,0 +1,134 @@
+"""The fleet controller: one object that makes the cluster-level decisions for a fleet, real or
+simulated. Today it routes arrivals and plans migrations; the autoscaler and the P/D planner
+will hang off it too.
+
+It decides and keeps books; it never executes. The backend (the simulator, or the real front
+with its worker handles) asks it where a request goes and which moves to start, carries the
+moves out, and reports back with `started` and `finished`. Pure Python, time passed in.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass, replace
+from typing import Optional, Sequence
+
+from sloserve.cluster.migration import InstanceView, MigrationPolicy, Move, MoveCosts
+from sloserve.cluster.routers.base import Router
+from sloserve.sched.state import InstanceState
+from sloserve.types import Request
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class MigrationCounters:
+    started: int = 0
+    completed: int = 0
+    aborted: int = 0  # includes moves that could not even start (the target had no room)
+    bytes: int = 0  # KV bytes sent by completed moves (pre-copy and stop-and-copy)
+    downtime_s: float = 0.0  # sum over completed moves of the time the request was paused
+
+    def as_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+
+class FleetController:
+    """Routing plus migration planning with the bookkeeping that keeps moves safe:
+
+    - a request already migrating is not moved again;
+    - at most `max_concurrent_per_instance` migrations leave, and as many arrive at, one instance
+      at a time (a link and a scheduler handle few copies at once; a source sending many
+      requests away at once would leave its batch in pieces);
+    - a request that moved (or failed to) waits `min_interval_s` before it may move again, so
+      two policies, or two ticks with stale views, cannot bounce it between instances;
+    - a target that does not accept (draining, unhealthy) never receives one.
+    """
+
+    def __init__(self, router: Router, migration: Optional[MigrationPolicy] = None,
+                 max_concurrent_per_instance: int = 1, min_interval_s: float = 2.0):
+        if max_concurrent_per_instance < 1:
+            raise ValueError("max_concurrent_per_instance must be >= 1")
+        self.router = router
+        self.migration = migration
+        self.max_concurrent_per_instance = max_concurrent_per_instance
+        self.min_interval_s = min_interval_s
+        self.in_flight: dict[str, Move] = {}
+        self._last_moved: dict[str, float] = {}  # request id -> when its last migration ended
+        self._out: dict[int, int] = {}  # instance id -> migrations leaving it now
+        self._in: dict[int, int] = {}
+        self._counters = MigrationCounters()
+        self.completed_by_reason: dict[str, int] = {}  # policy name -> completed moves it asked for
+
+    # ---- routing ---------------------------------------------------------------------
+    def route(self, request: Request, states: Sequence[InstanceState]) -> int:
+        return self.router.route(request, states)
+
+    # ---- migration -------------------------------------------------------------------
+    @property
+    def migration_enabled(self) -> bool:
+        return self.migration is not None and self.migration.moves_anything
+
+    @property
+    def counters(self) -> dict[str, float]:
+        return self._counters.as_dict()
+
+    def plan_migrations(self, now: float, views: Sequence[InstanceView], costs: MoveCosts) -> list[Move]:
+        """The moves to start now: the policy's, minus those the rules above forbid. Requests
+        the rules exclude are hidden from the policy first, so it picks among the ones it may move."""
+        if not self.migration_enabled:
+            return []
+        self._forget_before(now - self.min_interval_s)
+        blocked = self.in_flight.keys() | self._last_moved.keys()
+        if blocked:
+            views = [replace(v, running=[r for r in v.running if r.request_id not in blocked])
+                     if any(r.request_id in blocked for r in v.running) else v for v in views]
+        accepting = {v.instance_id for v in views if v.accepting}
+        out, into = dict(self._out), dict(self._in)
+        cap = self.max_concurrent_per_instance
+        chosen: list[Move] = []
+        seen: set[str] = set()
+        for move in self.migration.plan(now, views, costs):  # type: ignore[union-attr]
+            if (move.request_id in blocked or move.request_id in seen or move.source == move.target
+                    or move.target not in accepting or out.get(move.source, 0) >= cap
+                    or into.get(move.target, 0) >= cap):
+                continue
+            seen.add(move.request_id)
+            out[move.source] = out.get(move.source, 0) + 1
+            into[move.target] = into.get(move.target, 0) + 1
+            chosen.append(move)
+        return chosen
+
+    def started(self, move: Move) -> None:
+        """The backend began `move` (call once per move it starts, before `finished`)."""
+        if move.request_id in self.in_flight:
+            raise ValueError(f"{move.request_id} is already migrating")
+        self.in_flight[move.request_id] = move
+        self._out[move.source] = self._out.get(move.source, 0) + 1
+        self._in[move.target] = self._in.get(move.target, 0) + 1
+        self._counters.started += 1
+        logger.debug("migration of %s: %d -> %d (%s) started", move.request_id, move.source, move.target, move.reason)
+
+    def finished(self, move: Move, ok: bool, now: float, bytes_sent: Optional[int] = None,
+                 downtime_s: float = 0.0) -> None:
+        """`move` ended: completed (`ok`) or aborted. `bytes_sent` defaults to the planned KV."""
+        if self.in_flight.pop(move.request_id, None) is None:
+            raise ValueError(f"{move.request_id} is not migrating")
+        for side, instance in ((self._out, move.source), (self._in, move.target)):
+            side[instance] -= 1
+            if not side[instance]:
+                del side[instance]
+        self._last_moved[move.request_id] = now
+        c = self._counters
+        if ok:
+            c.completed += 1
+            self.completed_by_reason[move.reason] = self.completed_by_reason.get(move.reason, 0) + 1
+            c.bytes += move.kv_bytes if bytes_sent is None else bytes_sent
+            c.downtime_s += downtime_s
+        else:
+            c.aborted += 1
+        logger.debug("migration of %s %s at %.3f", move.request_id, "completed" if ok else "aborted", now)
+
+    def _forget_before(self, cutoff: float) -> None:
+        """Drop cooldowns that ended (keeps the table as small as the moves of the last interval)."""
+        if self._last_moved and min(self._last_moved.values()) <= cutoff:
+            self._last_moved = {rid: t for rid, t in self._last_moved.items() if t > cutoff}

@@ -1,0 +1,144 @@
+"""The front's migration loop: the fleet controller's policy over the live worker fleet.
+
+Every `interval_s` the driver shows the controller one `InstanceView` per worker (its last
+polled state, and the relayed streams running there that could move) and carries out the
+moves it returns, each as a live migration of one relay session (front_relay.py). Operators
+reach the same path through the admin API: move one request, or drain an instance (it
+leaves routing and the `drain` policy empties it, whatever `--migration` says).
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import TYPE_CHECKING, Optional
+
+from sloserve.cluster.migration.base import InstanceView, MovableRequest, Move, MoveCosts
+from sloserve.server.front_relay import MigrationOutcome
+
+if TYPE_CHECKING:
+    from sloserve.cluster.controller import FleetController
+    from sloserve.server.fleet import Instance
+    from sloserve.server.front import Front
+    from sloserve.server.front_relay import RelaySession
+
+logger = logging.getLogger(__name__)
+
+LOOPBACK_BYTES_PER_S = 1e9  # what moving KV between two workers of one host costs, before any is measured
+
+
+class MigrationDriver:
+    def __init__(self, front: "Front", controller: "FleetController", interval_s: float = 0.5) -> None:
+        self.front = front
+        self.fleet = front.fleet
+        self.controller = controller
+        self.interval_s = interval_s
+        self.kv_bytes_per_token = 0.0  # learned from completed moves (bytes / tokens)
+        self.bandwidth = LOOPBACK_BYTES_PER_S
+        self._task: Optional[asyncio.Task] = None
+        self._moves: set[asyncio.Task] = set()
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def close(self) -> None:
+        tasks = [t for t in (self._task, *self._moves) if t is not None]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            try:
+                self.tick()
+            except Exception:  # noqa: BLE001 - one bad round must not stop migration for good
+                logger.exception("migration round failed")
+
+    # ---- one round -----------------------------------------------------------------
+    def views(self) -> list[InstanceView]:
+        by_slot: dict[int, list[MovableRequest]] = {}
+        for session in self.front.sessions:
+            if session.movable:
+                by_slot.setdefault(session.upstream.inst.slot, []).append(self._movable(session))
+        views = []
+        for inst in self.fleet.instances:
+            if inst.state is None or inst.status not in ("healthy", "unresponsive"):
+                continue
+            views.append(InstanceView(inst.slot, inst.routing_state(self.fleet.block_size),
+                                      tuple(by_slot.get(inst.slot, ())), (),
+                                      accepting=inst.status == "healthy" and not inst.draining,
+                                      draining=inst.draining))
+        return views
+
+    def _movable(self, session: "RelaySession") -> MovableRequest:
+        routed = session.routed
+        predicted = routed.predicted_output_len or 0
+        qos = routed.qos
+        return MovableRequest(session.engine_id or routed.request_id, session.num_tokens, len(session.tokens),
+                              max(0, predicted - len(session.tokens)), routed.effective_priority,
+                              qos.ttft_target_s, qos.tbt_target_s, session.recent_tbt_s())
+
+    def costs(self) -> MoveCosts:
+        per_token = self.kv_bytes_per_token or 1.0
+        return MoveCosts.uniform(per_token, self.bandwidth)
+
+    def tick(self) -> list[Move]:
+        views = self.views()
+        if len(views) < 2:
+            return []
+        moves = self.controller.plan_migrations(self.fleet.clock(), views, self.costs())
+        for move in moves:
+            session = self._session(move.request_id)
+            target = self._instance(move.target)
+            if session is None or target is None:
+                continue
+            task = asyncio.get_running_loop().create_task(self.carry_out(session, target, move))
+            self._moves.add(task)
+            task.add_done_callback(self._moves.discard)
+        return moves
+
+    # ---- one move ------------------------------------------------------------------
+    async def carry_out(self, session: "RelaySession", target: "Instance", move: Optional[Move] = None
+                        ) -> "MigrationOutcome":
+        """Migrate one relayed request to `target`, with the controller's bookkeeping (its
+        counters are the front's migration metrics); the admin API calls this too."""
+        source = session.upstream.inst.slot
+        move = move or Move(session.engine_id or session.routed.request_id, source, target.slot, "operator")
+        if move.request_id in self.controller.in_flight:
+            return MigrationOutcome(False, "already migrating")
+        self.controller.started(move)
+        tokens = session.num_tokens
+        outcome = MigrationOutcome(False, "cancelled")
+        try:
+            outcome = await session.migrate(target)
+        finally:
+            self.controller.finished(move, outcome.ok, self.fleet.clock(), outcome.kv_bytes, outcome.downtime_s)
+        if outcome.ok:
+            if tokens:
+                self.kv_bytes_per_token = max(self.kv_bytes_per_token, outcome.kv_bytes / tokens)
+            logger.info("migrated %s from instance %d to %d (%s): %d bytes, downtime %.1f ms", move.request_id,
+                        source, target.slot, move.reason, outcome.kv_bytes, outcome.downtime_s * 1e3)
+        else:
+            logger.info("migration of %s from instance %d to %d aborted: %s", move.request_id, source, target.slot,
+                        outcome.reason)
+        return outcome
+
+    def _session(self, request_id: str) -> Optional["RelaySession"]:
+        for session in self.front.sessions:
+            if request_id in (session.engine_id, session.head.get("id"), session.routed.request_id):
+                return session
+        return None
+
+    def _instance(self, slot: int) -> Optional["Instance"]:
+        for inst in self.fleet.instances:
+            if inst.slot == slot and inst.status == "healthy" and not inst.draining:
+                return inst
+        return None
+
+    def find(self, request_id: str) -> Optional["RelaySession"]:
+        return self._session(request_id)
+

@@ -1,0 +1,342 @@
+"""A worker's side of live migration: moving a running request's KV to another worker, and
+taking one over. The fleet's front drives it (it relays the client's stream and decides when
+to switch); the two workers move the bytes between themselves, over HTTP on a socket.
+
+Source (`POST /internal/migrate`), Llumnix-style live pre-copy:
+1. the target reserves blocks for the request's KV (or refuses: nothing changed), reusing the
+   leading blocks its prefix cache already holds (same keys, so same tenant salt): not sent;
+2. rounds: the full blocks computed so far are pinned and copied while the request keeps
+   decoding; each round copies what the previous one did not, until a round has at most one
+   block left to send (or `MAX_ROUNDS`);
+3. stop-and-copy: the request is suspended (keeps its blocks, not scheduled), the rest of its
+   blocks (the partial last one too) are copied, and its `ResumeState` goes back to the front.
+The request stays suspended here until the front commits (the target produced a token: free
+it) or aborts (it goes on here). A source that hears neither within `HOLD_S` resumes it.
+
+Target: `/internal/kv/reserve`, `PUT /internal/kv/{id}` (block bytes in table order, from a
+block index), `/internal/kv/{id}/release`; the front then resumes the call with
+`/internal/resume/v1/...`, naming the reservation, and the request is adopted with its KV.
+A reservation nobody claims within `HOLD_S` is released. Every path that fails leaves each
+side's pool as it was: pins and reservations are dropped, whatever failed.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Optional
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from sloserve.engine.migration import KVLayout, ResumeState, read_blocks, write_blocks
+from sloserve.server.errors import APIError, bad_request
+from sloserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from sloserve.server.worker import FLEET_SECRET_HEADER
+
+logger = logging.getLogger(__name__)
+
+MAX_ROUNDS = 4  # pre-copy rounds before the stop-and-copy
+HOLD_S = 30.0  # a reservation or a suspended request nobody claims is let go after this
+MAX_PUT_BYTES = 64 * 2**20  # KV bytes per request to the target: bounds memory on both sides
+
+
+@dataclass
+class _Held:
+    block_ids: list[int]
+    expires_at: float
+
+
+@dataclass
+class MigrationStats:
+    out_started: int = 0
+    out_completed: int = 0
+    out_aborted: int = 0
+    in_reserved: int = 0
+    in_adopted: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    last: dict = field(default_factory=dict)  # the latest outgoing migration's timings
+
+
+class Migrations:
+    """Reservations (target side) and suspended requests awaiting the front's word (source side)."""
+
+    def __init__(self, engine: Any, fleet_secret: Optional[str], clock=time.monotonic) -> None:
+        self.engine = engine  # AsyncLLMEngine
+        self.core = engine.engine
+        self.layout = KVLayout.of(self.core.kv_cache)
+        self.secret = fleet_secret
+        self.clock = clock
+        self.reservations: dict[str, _Held] = {}
+        self.suspended: dict[str, _Held] = {}  # engine request id -> its pinned blocks
+        self.stats = MigrationStats()
+        self._client: Optional[httpx.AsyncClient] = None
+
+    @property
+    def client(self) -> httpx.AsyncClient:
+        if self._client is None:
+            headers = {FLEET_SECRET_HEADER: self.secret} if self.secret else {}
+            self._client = httpx.AsyncClient(headers=headers, timeout=httpx.Timeout(60.0, connect=5.0))
+        return self._client
+
+    async def expire(self) -> None:
+        """Let go of what nobody claimed in time (a front that died mid-migration)."""
+        now = self.clock()
+        for mid in [m for m, h in self.reservations.items() if h.expires_at < now]:
+            await self.release(mid)
+        for rid in [r for r, h in self.suspended.items() if h.expires_at < now]:
+            logger.warning("migration of %s was neither committed nor aborted in %.0f s: it goes on here", rid, HOLD_S)
+            await self.abort_out(rid)
+
+    # ---- target side ---------------------------------------------------------------
+    async def reserve(self, mid: str, hashes: list[int], num_tokens: int, layout: dict) -> dict:
+        if layout != self.layout.to_json():
+            raise APIError(409, "KV layouts differ between the two instances", code="layout_mismatch")
+        if mid in self.reservations:
+            raise APIError(409, f"migration {mid} already has a reservation", code="duplicate_migration")
+        held = await self.engine.call(lambda e: e.reserve_for_migration(hashes, num_tokens))
+        if held is None:
+            raise APIError(409, "not enough free KV blocks for this request", code="no_room")
+        have, ids = held
+        self.reservations[mid] = _Held(ids, self.clock() + HOLD_S)
+        self.stats.in_reserved += 1
+        return {"have_blocks": have, "blocks": len(ids)}
+
+    async def receive(self, mid: str, start: int, payload: bytes) -> dict:
+        held = self.reservations.get(mid)
+        if held is None:
+            raise APIError(404, f"no reservation for migration {mid}", code="unknown_migration")
+        if len(payload) % self.layout.block_bytes:
+            raise bad_request(f"a KV payload is whole blocks of {self.layout.block_bytes} bytes", "body")
+        n = len(payload) // self.layout.block_bytes
+        if start < 0 or start > len(held.block_ids):
+            raise bad_request(f"start block {start} is past the {len(held.block_ids)} blocks held", "start")
+        missing = start + n - len(held.block_ids)
+        if missing > 0:  # the request grew while it was copied
+            extra = await self.engine.call(lambda e: e.kv.reserve(missing))
+            if extra is None:
+                raise APIError(409, "not enough free KV blocks for the rest of this request", code="no_room")
+            held.block_ids.extend(extra)
+        await asyncio.to_thread(write_blocks, self.core.kv_cache, held.block_ids[start:start + n], payload)
+        held.expires_at = self.clock() + HOLD_S
+        self.stats.bytes_received += len(payload)
+        return {"blocks": n}
+
+    async def release(self, mid: str) -> bool:
+        held = self.reservations.pop(mid, None)
+        if held is None:
+            return False
+        await self.engine.call(lambda e: e.kv.unpin(held.block_ids))
+        return True
+
+    def claim(self, mid: str) -> list[int]:
+        """The reservation's blocks, for the resumed request to adopt (the engine owns them now)."""
+        held = self.reservations.pop(mid, None)
+        if held is None:
+            raise APIError(409, f"no reservation for migration {mid} (expired or released)", code="unknown_migration")
+        self.stats.in_adopted += 1
+        return held.block_ids
+
+    # ---- source side ---------------------------------------------------------------
+    async def migrate_out(self, request_id: str, target: str, mid: str) -> dict:
+        """Pre-copy rounds, then stop-and-copy; the ResumeState of the suspended request."""
+        self.stats.out_started += 1
+        started = self.clock()
+        sent, sent_bytes, rounds, reserved = 0, 0, 0, False
+        try:
+            while rounds < MAX_ROUNDS:
+                pinned = await self.engine.call(lambda e: e.pin_full_blocks(request_id, sent))
+                if pinned is None:
+                    raise APIError(409, f"request {request_id} is not running here", code="not_movable")
+                ids, hashes = pinned
+                try:
+                    if not reserved:
+                        live = self.core.scheduler.requests.get(request_id)  # a racy read is fine: a hint
+                        tokens = live.num_tokens if live is not None else len(hashes) * self.layout.block_size
+                        answer = await self._post(target + "/internal/kv/reserve", json={
+                            "migration_id": mid, "hashes": [format(h, "x") for h in hashes], "num_tokens": tokens,
+                            "layout": self.layout.to_json()})
+                        reserved = True
+                        skip = min(answer["have_blocks"], len(ids))
+                        ids, sent = ids[skip:], skip
+                    sent_bytes += await self._push(target, mid, sent, ids)
+                finally:
+                    await self.engine.call(lambda e: e.kv.unpin(pinned[0]))
+                sent += len(ids)
+                rounds += 1
+                if len(ids) <= 1 and rounds > 1:
+                    break  # converged: the rest is the stop-and-copy's
+            stop_started = self.clock()
+            suspended = await self.engine.call(lambda e: e.suspend(request_id))
+            if suspended is None:
+                raise APIError(409, f"request {request_id} finished or cannot move now", code="not_movable")
+            state, all_ids = suspended
+            self.suspended[request_id] = _Held(all_ids, self.clock() + HOLD_S)
+            try:
+                sent_bytes += await self._push(target, mid, sent, all_ids[sent:])
+            except BaseException:
+                await self._resume_here(request_id)
+                raise
+        except BaseException:
+            self.stats.out_aborted += 1
+            if reserved:
+                await self._release_remote(target, mid)
+            raise
+        now = self.clock()
+        self.stats.bytes_sent += sent_bytes
+        self.stats.last = {"rounds": rounds, "bytes": sent_bytes, "copy_s": now - started,
+                           "stop_copy_s": now - stop_started, "stop_copy_blocks": len(all_ids) - sent}
+        return {"resume": state.to_json(), "num_output_tokens": len(state.output_token_ids), **self.stats.last}
+
+    async def commit_out(self, request_id: str) -> bool:
+        held = self.suspended.pop(request_id, None)
+        if held is None:
+            return False
+        self.stats.out_completed += 1
+        return await self.engine.drop_migrated(request_id, held.block_ids)
+
+    async def abort_out(self, request_id: str) -> bool:
+        resumed = await self._resume_here(request_id)
+        self.stats.out_aborted += resumed
+        return resumed
+
+    async def _resume_here(self, request_id: str) -> bool:
+        held = self.suspended.pop(request_id, None)
+        if held is None:
+            return False
+        await self.engine.call(lambda e: e.unsuspend(request_id, held.block_ids))
+        return True
+
+    async def _push(self, target: str, mid: str, start: int, ids: list[int]) -> int:
+        """Copy blocks `ids` to the target's table from index `start`, in bounded requests."""
+        per_put = max(1, MAX_PUT_BYTES // self.layout.block_bytes)
+        total = 0
+        for i in range(0, len(ids), per_put):
+            chunk = ids[i:i + per_put]
+            payload = await asyncio.to_thread(read_blocks, self.core.kv_cache, chunk)
+            with _peer_errors(target):
+                resp = await self.client.put(f"{target}/internal/kv/{mid}", params={"start": start + i},
+                                             content=payload, headers={"content-type": "application/octet-stream"})
+            _raise_for(resp)
+            total += len(payload)
+        return total
+
+    async def _post(self, url: str, json: dict) -> dict:
+        with _peer_errors(url):
+            resp = await self.client.post(url, json=json)
+        _raise_for(resp)
+        return resp.json()
+
+    async def _release_remote(self, target: str, mid: str) -> None:
+        try:
+            await self.client.post(f"{target}/internal/kv/{mid}/release", timeout=5.0)
+        except httpx.HTTPError as e:  # it lets the reservation go by itself after HOLD_S
+            logger.info("could not release migration %s on %s: %s", mid, target, e)
+
+
+@contextlib.contextmanager
+def _peer_errors(where: str) -> Iterator[None]:
+    """The target unreachable or gone mid-copy: a 502 for the front, not a logged 500."""
+    try:
+        yield
+    except httpx.HTTPError as e:
+        raise APIError(502, f"the migration target {where} failed: {type(e).__name__}",
+                       code="target_unreachable") from None
+
+
+def _raise_for(resp: httpx.Response) -> None:
+    """The peer's refusal as our answer (409 stays 409: the front treats it as 'not now')."""
+    if resp.status_code < 400:
+        return
+    try:
+        err = resp.json()["error"]
+        message, code = err.get("message", ""), err.get("code")
+    except (ValueError, KeyError, TypeError):
+        message, code = resp.text[:200], None
+    status = resp.status_code if resp.status_code in (404, 409) else 502
+    raise APIError(status, f"the target answered {resp.status_code}: {message}", code=code or "migration_failed")
+
+
+def add_migration_routes(app: FastAPI, engine: Any, fleet_secret: Optional[str]) -> Migrations:
+    migrations = Migrations(engine, fleet_secret)
+    app.state.migrations = migrations
+
+    @app.post("/internal/kv/reserve")
+    async def kv_reserve(request: Request) -> JSONResponse:
+        body = await _json_body(request)
+        try:
+            hashes = [int(h, 16) for h in body["hashes"]]
+            mid, num_tokens, layout = str(body["migration_id"]), int(body["num_tokens"]), dict(body["layout"])
+        except (KeyError, TypeError, ValueError):
+            raise bad_request("need migration_id, hashes (hex), num_tokens and layout", "body") from None
+        return JSONResponse(await migrations.reserve(mid, hashes, num_tokens, layout))
+
+    @app.put("/internal/kv/{mid}")
+    async def kv_receive(mid: str, request: Request, start: int = 0) -> JSONResponse:
+        return JSONResponse(await migrations.receive(mid, start, await request.body()))
+
+    @app.post("/internal/kv/{mid}/release")
+    async def kv_release(mid: str) -> JSONResponse:
+        return JSONResponse({"released": await migrations.release(mid)})
+
+    @app.post("/internal/migrate")
+    async def migrate(request: Request) -> JSONResponse:
+        body = await _json_body(request)
+        try:
+            rid, target = str(body["request_id"]), str(body["target"]).rstrip("/")
+        except (KeyError, TypeError):
+            raise bad_request("need request_id and target", "body") from None
+        mid = str(body.get("migration_id") or uuid.uuid4().hex)
+        return JSONResponse(await migrations.migrate_out(rid, target, mid))
+
+    @app.post("/internal/migrate/{request_id}/commit")
+    async def commit(request_id: str) -> JSONResponse:
+        return JSONResponse({"committed": await migrations.commit_out(request_id)})
+
+    @app.post("/internal/migrate/{request_id}/abort")
+    async def abort(request_id: str) -> JSONResponse:
+        return JSONResponse({"resumed_here": await migrations.abort_out(request_id)})
+
+    async def resume(request: Request, model: type) -> Response:
+        payload = await _json_body(request)
+        try:
+            body = model.model_validate(payload["request"])
+            state = ResumeState.from_json(payload["resume"])
+            response_id, created = str(payload["id"]), int(payload["created"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise bad_request(f"a resume needs request, resume, id and created: {e}"[:300], "body") from None
+        mid = payload.get("migration_id")
+        if mid is not None:
+            state.block_ids = migrations.claim(str(mid))
+        try:
+            return await app.state.sloserve.serving.resume(body, request, state, response_id, created)
+        except BaseException:
+            if state.block_ids is not None:  # never reached the engine: its holds are still ours to drop
+                ids = state.block_ids
+                await engine.call(lambda e: e.kv.unpin(ids))
+            raise
+
+    @app.post("/internal/resume/v1/completions")
+    async def resume_completions(request: Request) -> Response:
+        return await resume(request, CompletionRequest)
+
+    @app.post("/internal/resume/v1/chat/completions")
+    async def resume_chat(request: Request) -> Response:
+        return await resume(request, ChatCompletionRequest)
+
+    return migrations
+
+
+async def _json_body(request: Request) -> dict:
+    try:
+        body = await request.json()
+    except ValueError:
+        raise bad_request("invalid JSON body", "body") from None
+    if not isinstance(body, dict):
+        raise bad_request("the body must be a JSON object", "body")
+    return body
