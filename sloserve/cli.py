@@ -126,7 +126,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                          backend=args.backend, host=args.host, port=args.port, qos_config=args.qos_config,
                          api_keys=keys, ray_address=args.ray_address, admin_keys=settings.admin_keys,
                          max_in_flight=args.front_max_in_flight, hang_timeout_s=args.hang_timeout,
-                         migration=args.migration, migration_interval_s=args.migration_interval)
+                         migration=args.migration, migration_interval_s=args.migration_interval,
+                         predictor=None if args.predictor == "none" else args.predictor)
     return run_server(engine_config_from_args(args), settings, host=args.host, port=args.port)
 
 
@@ -173,6 +174,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="a live worker that answers no health poll for S seconds is killed and replaced "
                         "(one that misses 3 polls only leaves routing until it answers)")
     m.add_argument("--ray-address", help="join this Ray cluster (e.g. auto, ray://head:10001) instead of starting one")
+    m.add_argument("--predictor", default="default", metavar="default|FILE|none",
+                   help="the front's output-length predictor (routing, migration): the packaged default, a "
+                        "`sloserve train-predictor` file, or none")
     m.add_argument("--migration", default="none", metavar="POLICIES",
                    help="live migration of running requests between instances: none, or a comma list of balance, "
                         "defrag, priority, drain (drain via POST /v1/instances/{id}/drain always works)")

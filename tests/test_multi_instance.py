@@ -1,7 +1,6 @@
 """`sloserve serve --instances 2` for real: two engine worker processes (the embedded model)
-behind the router on 127.0.0.1. Requests spread per policy; killing a worker mid-load ends
-every request (completed or with an error, none silently lost or hanging); the replacement
-joins and serves."""
+behind the router on 127.0.0.1. Requests spread per policy; killing a worker mid-load loses no
+request (streams that had tokens resume on the other worker); the replacement joins and serves."""
 from __future__ import annotations
 
 import json
@@ -69,7 +68,7 @@ def test_two_workers_spread_survive_a_kill_and_replace_it(tmp_path):
             else:
                 completed += 1
                 assert events[-2]["usage"]["completion_tokens"] == 48
-        assert completed + errored == 8 and completed >= 4
+        assert completed == 8 and errored == 0  # those that had tokens resumed on the other worker
 
         def replaced():
             d = instances(base)["data"][0]

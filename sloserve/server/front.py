@@ -1,5 +1,6 @@
 """The front of a multi-instance server: the API in front of N workers (fleet.py has their
-health and the routing decision; front_edge.py the auth, body limit, admission and draining).
+health, and the fleet controller that routes and plans migrations; front_edge.py the auth,
+body limit, admission and draining).
 
 Each generation request is tokenized (by a worker's `/tokenize`, so the ids are the served
 model's), given a predicted output length, routed by the configured policy over the workers'
@@ -11,9 +12,12 @@ Streams and failures. A stream has *started* once the front forwarded an event t
 generated output (`front_stream.carries_output`: for completions any chunk with choices, for
 chat any chunk other than the opening role chunk, and [DONE], usage or error events). Until
 then the front buffers what the worker sent, so the client has received nothing and the
-request is retried on another instance if its worker fails. A started stream whose worker
-fails ends with an SSE event `{"error": {"code": "instance_failed"}}` and `data: [DONE]`.
-Non-streamed requests are retried whenever their worker fails before answering.
+request is retried on another instance if its worker fails. From then on a `RelaySession`
+(front_relay.py) relays it: a started single-choice stream whose worker fails resumes on
+another instance from the tokens already sent, and the fleet controller's migrations move it
+live (front_migration.py); a stream nothing can resume ends with an SSE event
+`{"error": {"code": "instance_failed"}}` and `data: [DONE]`. Non-streamed requests are
+retried whenever their worker fails before answering.
 
 Nothing outlives its client: while the front waits on a worker (connecting, the buffered
 start of a stream, a non-streamed answer) it also watches for the client's disconnect, and
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import re
@@ -51,7 +56,6 @@ from sloserve.server.front_edge import FrontEdge, FrontGate, Ticket
 from sloserve.server.front_migration import MigrationDriver
 from sloserve.server.front_relay import RelaySession, Upstream
 from sloserve.server.front_stream import Interrupted, SSESplitter, Stop, carries_output
-from sloserve.server.instances import WorkerHandle
 from sloserve.server.qos import CacheSalter, QoSRegistry, cache_secret
 from sloserve.server.worker import FLEET_SECRET_HEADER
 from sloserve.types import DEFAULT_QOS, Request, SamplingParams
@@ -231,6 +235,24 @@ class Front:
             logger.warning("instance %d is draining: out of routing; %d relayed streams to move", slot, moving)
             return JSONResponse({"instance": slot, "draining": True, "streams_to_move": moving})
 
+        @app.delete("/v1/instances/{slot}/drain")
+        async def undrain_instance(slot: int) -> JSONResponse:
+            inst = next((i for i in fleet.instances if i.slot == slot), None)
+            if inst is None:
+                raise APIError(404, f"no instance {slot}", param="instance", code="instance_not_found")
+            inst.draining = False
+            return JSONResponse({"instance": slot, "draining": False})
+
+        @app.get("/v1/migrations/plan")
+        async def migration_plan() -> JSONResponse:
+            """What the controller would move now (a dry run: nothing starts)."""
+            moves = []
+            for move in self.migration.plan():
+                session = self.migration.find(move.request_id)
+                client_id = session.head.get("id") if session is not None else None
+                moves.append({**dataclasses.asdict(move), "client_request_id": client_id})
+            return JSONResponse({"moves": moves})
+
         @app.post("/v1/migrations")
         async def migrate(request: HTTPRequest) -> JSONResponse:
             try:
@@ -247,9 +269,11 @@ class Front:
             if target is None or target is session.upstream.inst:
                 raise APIError(409, f"instance {slot} cannot take it (not healthy, draining, or its source)",
                                param="target", code="bad_target")
-            outcome = await self.migration.carry_out(session, target)
+            precopy = body.get("mode", "pre-copy") != "stop-and-copy"  # the latter: the downtime baseline
+            outcome = await self.migration.carry_out(session, target, precopy=precopy)
             return JSONResponse({"migrated": outcome.ok, "reason": outcome.reason, "kv_bytes": outcome.kv_bytes,
                                  "downtime_s": outcome.downtime_s, "rounds": outcome.rounds,
+                                 "copy_s": outcome.copy_s,
                                  "instance": session.upstream.inst.slot})
 
         @app.get("/metrics")

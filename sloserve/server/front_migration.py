@@ -76,7 +76,8 @@ class MigrationDriver:
 
     def _movable(self, session: "RelaySession") -> MovableRequest:
         routed = session.routed
-        predicted = routed.predicted_output_len or 0
+        # No prediction: what max_tokens allows (as the scheduler's own snapshot assumes).
+        predicted = routed.predicted_output_len or session.max_tokens or 0
         qos = routed.qos
         return MovableRequest(session.engine_id or routed.request_id, session.num_tokens, len(session.tokens),
                               max(0, predicted - len(session.tokens)), routed.effective_priority,
@@ -86,11 +87,15 @@ class MigrationDriver:
         per_token = self.kv_bytes_per_token or 1.0
         return MoveCosts.uniform(per_token, self.bandwidth)
 
-    def tick(self) -> list[Move]:
+    def plan(self) -> list[Move]:
+        """The moves the controller wants now, given the fleet as the front sees it."""
         views = self.views()
         if len(views) < 2:
             return []
-        moves = self.controller.plan_migrations(self.fleet.clock(), views, self.costs())
+        return self.controller.plan_migrations(self.fleet.clock(), views, self.costs())
+
+    def tick(self) -> list[Move]:
+        moves = self.plan()
         for move in moves:
             session = self._session(move.request_id)
             target = self._instance(move.target)
@@ -102,8 +107,8 @@ class MigrationDriver:
         return moves
 
     # ---- one move ------------------------------------------------------------------
-    async def carry_out(self, session: "RelaySession", target: "Instance", move: Optional[Move] = None
-                        ) -> "MigrationOutcome":
+    async def carry_out(self, session: "RelaySession", target: "Instance", move: Optional[Move] = None,
+                        precopy: bool = True) -> "MigrationOutcome":
         """Migrate one relayed request to `target`, with the controller's bookkeeping (its
         counters are the front's migration metrics); the admin API calls this too."""
         source = session.upstream.inst.slot
@@ -114,7 +119,7 @@ class MigrationDriver:
         tokens = session.num_tokens
         outcome = MigrationOutcome(False, "cancelled")
         try:
-            outcome = await session.migrate(target)
+            outcome = await session.migrate(target, precopy)
         finally:
             self.controller.finished(move, outcome.ok, self.fleet.clock(), outcome.kv_bytes, outcome.downtime_s)
         if outcome.ok:

@@ -28,8 +28,7 @@ from typing import TYPE_CHECKING, AsyncIterator, Optional
 import httpx
 
 from sloserve.server.front_stream import Interrupted, SSESplitter, Stop, carries_output
-from sloserve.server.serving import RELAY_COMMENT
-from sloserve.server.worker import FLEET_SECRET_HEADER
+from sloserve.server.worker import FLEET_SECRET_HEADER, RELAY_COMMENT
 
 if TYPE_CHECKING:
     from sloserve.server.fleet import Instance
@@ -69,8 +68,9 @@ class MigrationOutcome:
     ok: bool
     reason: str = ""
     kv_bytes: int = 0
-    downtime_s: float = 0.0
-    rounds: int = 0
+    downtime_s: float = 0.0  # the request paused: the source's stop-and-copy until the target's first token
+    rounds: int = 0  # pre-copy rounds
+    copy_s: float = 0.0  # the whole copy, pre-copy rounds included (the request decoded meanwhile)
 
 
 @dataclass
@@ -125,6 +125,11 @@ class RelaySession:
         """Mean gap between the last few token events (0 until there are two)."""
         times = self._token_times
         return (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else 0.0
+
+    @property
+    def max_tokens(self) -> Optional[int]:
+        value = self.body.get("max_completion_tokens", self.body.get("max_tokens"))
+        return value if type(value) is int and value > 0 else None
 
     @property
     def num_tokens(self) -> int:
@@ -308,7 +313,7 @@ class RelaySession:
         return None
 
     # ---- migration -------------------------------------------------------------------------
-    async def migrate(self, target: "Instance") -> MigrationOutcome:
+    async def migrate(self, target: "Instance", precopy: bool = True) -> MigrationOutcome:
         """Move the stream's request to `target` (live pre-copy by the source, then a switch
         between two events). Never raises; the outcome says what happened."""
         if not self.movable:
@@ -320,7 +325,7 @@ class RelaySession:
             try:
                 resp = await self.fleet.client.post(
                     f"{source.url}/internal/migrate", json={"request_id": self.engine_id, "target": target.handle.url,
-                                                            "migration_id": mid},
+                                                            "migration_id": mid, "precopy": precopy},
                     headers={FLEET_SECRET_HEADER: self.fleet.fleet_secret or ""}, timeout=120.0)
             except _TRANSPORT_ERRORS as e:
                 await self._release_target(target, mid)
@@ -372,7 +377,7 @@ class RelaySession:
             self.num_instances += 1
             downtime = float(snapshot.get("stop_copy_s", 0.0)) + (self.fleet.clock() - switch.snapshot_at)
             outcome = MigrationOutcome(True, "", int(snapshot.get("bytes", 0)), downtime,
-                                       int(snapshot.get("rounds", 0)))
+                                       int(snapshot.get("rounds", 0)), float(snapshot.get("copy_s", 0.0)))
             out = self._filter(head)
             if out:
                 yield out

@@ -51,6 +51,7 @@ from sloserve.server.protocol import (
 )
 from sloserve.server.qos import ANONYMOUS, CacheSalter, Principal, QoSRegistry, cache_secret
 from sloserve.server.tenants import TenantLimiter, client_request_id, scope_request_id
+from sloserve.server.worker import RELAY_COMMENT
 from sloserve.types import QoSClass, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -419,9 +420,6 @@ class OpenAIServing:
             if include_usage and len(finals) == len(choices):
                 yield chunk([], _usage(choices, [finals[i] for i in range(len(choices))]))
         yield _event("[DONE]")
-
-
-RELAY_COMMENT = ": sloserve "  # SSE comment lines a fleet front reads and strips
 
 
 class RelayNote:

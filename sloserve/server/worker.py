@@ -35,6 +35,7 @@ logger = logging.getLogger(__name__)
 API_KEYS_ENV = "SLOSERVE_WORKER_API_KEYS"  # newline-separated keys the front hands its workers
 FLEET_SECRET_ENV = "SLOSERVE_FLEET_SECRET"  # the front's per-run secret for /internal/*
 FLEET_SECRET_HEADER = "X-Sloserve-Fleet-Secret"
+RELAY_COMMENT = ": sloserve "  # SSE comment lines a worker adds for its front (which strips them)
 INTERNAL_PREFIX = "/internal/"
 MAX_PUBLISHED_KEYS = 8192  # most recently cached blocks; enough to find every live conversation
 

@@ -143,33 +143,32 @@ class Migrations:
         return held.block_ids
 
     # ---- source side ---------------------------------------------------------------
-    async def migrate_out(self, request_id: str, target: str, mid: str) -> dict:
-        """Pre-copy rounds, then stop-and-copy; the ResumeState of the suspended request."""
+    async def migrate_out(self, request_id: str, target: str, mid: str, precopy: bool = True) -> dict:
+        """Pre-copy rounds, then stop-and-copy; the ResumeState of the suspended request.
+        Without `precopy`, only the stop-and-copy (the baseline: downtime grows with the KV)."""
         self.stats.out_started += 1
         started = self.clock()
         sent, sent_bytes, rounds, reserved = 0, 0, 0, False
         try:
-            while rounds < MAX_ROUNDS:
+            while True:
                 pinned = await self.engine.call(lambda e: e.pin_full_blocks(request_id, sent))
                 if pinned is None:
                     raise APIError(409, f"request {request_id} is not running here", code="not_movable")
                 ids, hashes = pinned
                 try:
-                    if not reserved:
-                        live = self.core.scheduler.requests.get(request_id)  # a racy read is fine: a hint
-                        tokens = live.num_tokens if live is not None else len(hashes) * self.layout.block_size
-                        answer = await self._post(target + "/internal/kv/reserve", json={
-                            "migration_id": mid, "hashes": [format(h, "x") for h in hashes], "num_tokens": tokens,
-                            "layout": self.layout.to_json()})
+                    if not reserved:  # the target makes room (or refuses) and says what it caches
+                        skip = min(await self._reserve_remote(target, mid, request_id, hashes), len(ids))
                         reserved = True
-                        skip = min(answer["have_blocks"], len(ids))
                         ids, sent = ids[skip:], skip
-                    sent_bytes += await self._push(target, mid, sent, ids)
+                    if precopy:
+                        sent_bytes += await self._push(target, mid, sent, ids)
                 finally:
                     await self.engine.call(lambda e: e.kv.unpin(pinned[0]))
+                if not precopy:
+                    break
                 sent += len(ids)
                 rounds += 1
-                if len(ids) <= 1 and rounds > 1:
+                if rounds >= MAX_ROUNDS or (len(ids) <= 1 and rounds > 1):
                     break  # converged: the rest is the stop-and-copy's
             stop_started = self.clock()
             suspended = await self.engine.call(lambda e: e.suspend(request_id))
@@ -192,6 +191,15 @@ class Migrations:
         self.stats.last = {"rounds": rounds, "bytes": sent_bytes, "copy_s": now - started,
                            "stop_copy_s": now - stop_started, "stop_copy_blocks": len(all_ids) - sent}
         return {"resume": state.to_json(), "num_output_tokens": len(state.output_token_ids), **self.stats.last}
+
+    async def _reserve_remote(self, target: str, mid: str, request_id: str, hashes: list[int]) -> int:
+        """Ask the target to hold blocks for the request's KV; how many leading blocks it has."""
+        live = self.core.scheduler.requests.get(request_id)  # a racy read is fine: a size hint
+        tokens = live.num_tokens if live is not None else len(hashes) * self.layout.block_size
+        answer = await self._post(target + "/internal/kv/reserve", json={
+            "migration_id": mid, "hashes": [format(h, "x") for h in hashes], "num_tokens": tokens,
+            "layout": self.layout.to_json()})
+        return int(answer["have_blocks"])
 
     async def commit_out(self, request_id: str) -> bool:
         held = self.suspended.pop(request_id, None)
@@ -292,7 +300,7 @@ def add_migration_routes(app: FastAPI, engine: Any, fleet_secret: Optional[str])
         except (KeyError, TypeError):
             raise bad_request("need request_id and target", "body") from None
         mid = str(body.get("migration_id") or uuid.uuid4().hex)
-        return JSONResponse(await migrations.migrate_out(rid, target, mid))
+        return JSONResponse(await migrations.migrate_out(rid, target, mid, precopy=body.get("precopy", True) is not False))
 
     @app.post("/internal/migrate/{request_id}/commit")
     async def commit(request_id: str) -> JSONResponse:
