@@ -109,7 +109,12 @@ def main() -> int:
     p.add_argument("--lengths", type=int, nargs="+", default=[256, 512, 1024, 2048, 4096, 8000])
     p.add_argument("--runs", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--plot-only", metavar="JSON", help="redraw the figure from a results file, run nothing")
     args = p.parse_args()
+    if args.plot_only:
+        saved = json.loads(Path(args.plot_only).read_text())
+        plot(saved["summary"], REPO / "benchmarks" / "figures" / "migration_downtime.png", saved["cpu"])
+        return 0
     console = Console(width=150)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     results_dir = REPO / "benchmarks" / "results"
@@ -193,6 +198,8 @@ def plot(summary: dict, path: Path, cpu: str) -> None:
             title="request paused during a migration")
     ax2.set(xscale="log", xlabel="context (tokens)", ylabel="KV copy rate (MB/s)", title="copy rate over loopback HTTP")
     for ax in (ax1, ax2):
+        ax.set_xticks(lengths, [str(n) for n in lengths], minor=False)
+        ax.set_xticks([], minor=True)
         ax.grid(alpha=0.3)
         ax.legend()
     fig.suptitle(f"sloserve live migration, 2 workers of SmolLM2-135M fp32 on {cpu}", fontsize=9)

@@ -36,7 +36,7 @@ from sloserve.bench.metrics import Summary, summarize
 from sloserve.records import RequestRecord
 from sloserve.bench.runner import class_slos
 from sloserve.config import CacheConfig, SchedulerConfig
-from sloserve.sim.fleet import FleetConfig, build_fleet, sim_requests, simulate
+from sloserve.simulation import FleetConfig, build_fleet, sim_requests, simulate
 from sloserve.types import QoSClass
 from sloserve.workload.mix import ClassSpec, Mix
 from sloserve.workload.traces import load_azure, load_sharegpt, shared_path

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from sloserve.bench.metrics import SLO, jsonable, percentile
 from sloserve.config import SchedulerConfig
-from sloserve.sim.fleet import FleetConfig, build_fleet, make_predictions, sim_requests, simulate
+from sloserve.simulation import FleetConfig, build_fleet, make_predictions, sim_requests, simulate
 from sloserve.workload.build import WorkloadSpec, build_stream
 from sloserve.workload.types import WorkloadRequest
 

@@ -34,7 +34,7 @@ from sloserve.bench.tokenizer import load_bench_tokenizer
 from sloserve.config import CacheConfig, SchedulerConfig
 from sloserve.engine.step_trace import StepRecord, read_step_trace
 from sloserve.sim.cost import Profile, ProfiledCostModel
-from sloserve.sim.fleet import FleetConfig, build_fleet, sim_requests, simulate
+from sloserve.simulation import FleetConfig, build_fleet, sim_requests, simulate
 from sloserve.workload.build import WorkloadSpec
 
 REPO = Path(__file__).resolve().parents[1]

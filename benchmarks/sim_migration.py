@@ -48,7 +48,7 @@ from routing import TRACES, at_rate, measure_capacity, window  # noqa: E402  (th
 
 from sloserve.bench.metrics import SLO, jsonable, percentile  # noqa: E402
 from sloserve.config import SchedulerConfig  # noqa: E402
-from sloserve.sim.fleet import FleetConfig, build_fleet, make_predictions, sim_requests, simulate  # noqa: E402
+from sloserve.simulation import FleetConfig, build_fleet, make_predictions, sim_requests, simulate  # noqa: E402
 from sloserve.types import QoSClass  # noqa: E402
 from sloserve.workload.types import WorkloadRequest  # noqa: E402
 

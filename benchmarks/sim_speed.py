@@ -22,7 +22,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from sloserve.config import SchedulerConfig
-from sloserve.sim.fleet import FleetConfig, build_fleet, sim_requests, simulate
+from sloserve.simulation import FleetConfig, build_fleet, sim_requests, simulate
 from sloserve.workload.build import WorkloadSpec, build_stream
 
 RESULTS = Path(__file__).resolve().parent / "results"

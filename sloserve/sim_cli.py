@@ -56,7 +56,7 @@ def add_simulate_parser(sub: argparse._SubParsersAction) -> None:
 
 def fleet_config_from_args(args: argparse.Namespace):
     from sloserve.config import CacheConfig, SchedulerConfig
-    from sloserve.sim.fleet import FleetConfig
+    from sloserve.simulation import FleetConfig
 
     return FleetConfig(
         instances=args.instances, hardware=args.hardware, model=args.model, tp=args.tp, router=args.router,
@@ -82,7 +82,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from sloserve.bench.report import fmt_rate, run_markdown, sweep_markdown
     from sloserve.bench.result import BenchResult
     from sloserve.bench.runner import class_slos, write_outputs
-    from sloserve.sim.fleet import build_fleet, make_predictions, sim_requests, simulate
+    from sloserve.simulation import build_fleet, make_predictions, sim_requests, simulate
     from sloserve.workload.build import build_stream
 
     spec = workload_spec_from_args(args)

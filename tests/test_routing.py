@@ -213,7 +213,7 @@ def test_every_router_runs_in_sloserve_simulate(name, tmp_path):
 def test_prefix_affinity_raises_the_hit_rate_in_a_simulated_fleet():
     """Conversations of several turns, each turn's prompt extending the last: following the
     cache saves prefill that round-robin recomputes."""
-    from sloserve.sim.fleet import FleetConfig, build_fleet, sim_requests, simulate
+    from sloserve.simulation import FleetConfig, build_fleet, sim_requests, simulate
     from sloserve.workload.types import WorkloadRequest
 
     rng = random.Random(0)

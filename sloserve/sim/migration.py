@@ -25,8 +25,7 @@ from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
-from sloserve.cluster.controller import FleetController
-from sloserve.cluster.migration import InstanceView, MovableRequest, Move, MoveCosts
+from sloserve.fleet_view import FleetDecisions, InstanceView, MovableRequest, Move, MoveCosts
 from sloserve.sched.live_state import LiveInstanceState
 from sloserve.sim.instance import SimInstance
 from sloserve.types import Request, RequestStatus
@@ -102,7 +101,7 @@ class SimMigrator:
     `schedule(time, transfer)` asks the simulator for an event that calls `advance(transfer)`
     back; `touch(instance)` tells it the instance's schedule may have changed."""
 
-    def __init__(self, controller: FleetController, instances: Sequence[SimInstance],
+    def __init__(self, controller: FleetDecisions, instances: Sequence[SimInstance],
                  states: Sequence[LiveInstanceState], costs: MoveCosts,
                  schedule: Callable[[float, Transfer], None], touch: Callable[[SimInstance], None],
                  handoff_s: float = 0.005, max_precopy_rounds: int = 4):

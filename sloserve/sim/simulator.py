@@ -14,9 +14,7 @@ from dataclasses import dataclass, field
 from collections.abc import Sequence
 from typing import Callable, Iterable, Iterator, Optional
 
-from sloserve.cluster.controller import FleetController
-from sloserve.cluster.migration import MoveCosts
-from sloserve.cluster.routers.base import Router
+from sloserve.fleet_view import FleetDecisions, MoveCosts
 from sloserve.sched.live_state import Moment
 from sloserve.sim.instance import SimInstance
 from sloserve.sim.migration import SimMigrator, Transfer
@@ -49,8 +47,24 @@ class SimResult:
     migration: dict[str, float] = field(default_factory=dict)
 
 
+class RoutingOnly:
+    """A bare router as the simulator's controller: routes, never migrates."""
+
+    migration_enabled = False
+    counters: dict[str, float] = {}
+
+    def __init__(self, router) -> None:
+        self.router = router
+
+    def route(self, request: Request, states) -> int:
+        return self.router.route(request, states)
+
+    def plan_migrations(self, now, views, costs) -> list:
+        return []
+
+
 class Simulator:
-    def __init__(self, instances: Sequence[SimInstance], controller: Router | FleetController,
+    def __init__(self, instances: Sequence[SimInstance], controller: "FleetDecisions | object",
                  costs: Optional[MoveCosts] = None, migration_interval_s: float = 0.1, handoff_s: float = 0.005):
         """`controller`: a FleetController, or a bare router (routing only). `costs` price
         migrations (needed when the controller has a migration policy); `handoff_s` is the fixed
@@ -60,8 +74,9 @@ class Simulator:
         if migration_interval_s <= 0:
             raise ValueError("migration_interval_s must be positive")
         self.instances = list(instances)
-        self.controller = controller if isinstance(controller, FleetController) else FleetController(controller)
-        self.router = self.controller.router
+        # A FleetController (cluster/), or a bare router (anything with `route`): routing only.
+        self.controller: FleetDecisions = controller if hasattr(controller, "plan_migrations") \
+            else RoutingOnly(controller)  # type: ignore[assignment]
         self._heap: list[tuple[float, int, int, object]] = []
         self._seq = itertools.count()
         self._waking: set[int] = set()

@@ -13,71 +13,10 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Callable, ClassVar, Iterable, Optional, Sequence
+from typing import ClassVar, Iterable, Optional, Sequence
 
 from sloserve.cluster.routers.predicted_load import DEFAULT_DECODE_WEIGHT
-from sloserve.sched.state import InstanceState
-
-
-@dataclass(frozen=True)
-class MovableRequest:
-    """A running request a policy may move (or, in `InstanceView.waiting`, one queued there)."""
-
-    request_id: str
-    num_tokens: int  # prompt + output so far (the KV that moves)
-    num_output_tokens: int
-    predicted_remaining: int  # predicted remaining decode tokens (0 if unknown)
-    priority: int  # effective priority, lower = more important
-    ttft_target_s: float = math.inf
-    tbt_target_s: float = math.inf
-    tbt_s: float = 0.0  # its recent time between tokens on its instance (0 unknown)
-
-
-@dataclass(frozen=True)
-class InstanceView:
-    instance_id: int
-    state: InstanceState  # (or a LiveInstanceState in the simulator)
-    running: Sequence[MovableRequest]  # requests that may move (decode phase, single choice)
-    waiting: Sequence[MovableRequest] = ()  # queued, not admitted (defrag reads the head's need)
-    accepting: bool = True  # may receive migrations (healthy, not draining)
-    draining: bool = False  # must be emptied (the `drain` policy moves everything off it)
-
-
-@dataclass(frozen=True)
-class Move:
-    request_id: str
-    source: int  # instance_id
-    target: int
-    reason: str  # the policy that asked
-    kv_bytes: int = 0
-    est_copy_s: float = 0.0
-
-
-@dataclass(frozen=True)
-class MoveCosts:
-    """What a move costs on this fleet: the KV bytes of a token and the link between two instances."""
-
-    kv_bytes_per_token: float
-    link_bandwidth: Callable[[int, int], float]  # bytes/s between two instance ids
-
-    @classmethod
-    def uniform(cls, kv_bytes_per_token: float, bandwidth: float) -> "MoveCosts":
-        """Every pair of instances joined by the same link."""
-        if bandwidth <= 0:
-            raise ValueError(f"link bandwidth must be positive, got {bandwidth}")
-        return cls(kv_bytes_per_token, lambda source, target: bandwidth)
-
-    def kv_bytes(self, num_tokens: int) -> int:
-        return int(num_tokens * self.kv_bytes_per_token)
-
-    def copy_time(self, num_tokens: int, source: int, target: int) -> float:
-        """Seconds to copy `num_tokens` tokens of KV from `source` to `target`."""
-        return num_tokens * self.kv_bytes_per_token / self.link_bandwidth(source, target)
-
-    def move(self, request: MovableRequest, source: int, target: int, reason: str) -> Move:
-        """A move of `request`, priced (bytes and copy time of its whole KV as it is now)."""
-        return Move(request.request_id, source, target, reason, self.kv_bytes(request.num_tokens),
-                    self.copy_time(request.num_tokens, source, target))
+from sloserve.fleet_view import InstanceView, MovableRequest, Move, MoveCosts
 
 
 @dataclass(frozen=True)

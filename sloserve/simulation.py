@@ -1,5 +1,9 @@
 """Assemble a simulated fleet from names, feed it a workload, and turn what happened into
-the same per-request records the bench client writes, so one report serves both."""
+the same per-request records the bench client writes, so one report serves both.
+
+It sits above `sim/` and `cluster/`: it puts the fleet controller (router + migration
+policies) in charge of simulated instances, which only know the controller's interface
+(`sloserve.fleet_view`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
