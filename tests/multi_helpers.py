@@ -139,6 +139,9 @@ def build_fake_worker(tokens: int, delay: float, capacity: int = 1000, die_on_ch
     return app
 
 
+_HANDED_OUT: set[int] = set()  # ports given to fake workers in this test session
+
+
 class FakeWorker:
     """A WorkerHandle (duck-typed) over a fake worker process."""
 
@@ -150,6 +153,9 @@ class FakeWorker:
         from sloserve.server.worker import FLEET_SECRET_ENV
 
         self.port = free_port()
+        while self.port in _HANDED_OUT:  # bind(0) may give a port twice before either worker binds it
+            self.port = free_port()
+        _HANDED_OUT.add(self.port)
         cmd = [sys.executable, str(Path(__file__)), "--port", str(self.port), "--tokens", str(tokens), "--delay",
                str(delay), "--startup-delay", str(startup_delay), "--capacity", str(capacity)]
         cmd += ["--die-on-chat"] * die_on_chat + ["--crash"] * crash
