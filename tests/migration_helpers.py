@@ -1,0 +1,78 @@
+"""Helpers for tests that move streams between real workers: an admin client and a streamed
+completion read on a thread that asks the front to migrate it at given token counts."""
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+import httpx
+
+ADMIN = "admin-key-for-tests"
+PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+
+
+def admin(method: str, url: str, **kw) -> httpx.Response:
+    return httpx.request(method, url, headers={"Authorization": f"Bearer {ADMIN}"}, timeout=120, **kw)
+
+
+def instances(base: str) -> dict:
+    return admin("GET", base + "/v1/instances").json()
+
+
+class Stream:
+    """One streamed completion read event by event on a thread; `migrate_at` token counts
+    trigger a move to the other instance while it streams."""
+
+    def __init__(self, base: str, rid: str, params: dict, migrate_at: tuple[int, ...] = ()) -> None:
+        self.base, self.rid, self.params, self.migrate_at = base, rid, params, list(migrate_at)
+        self.texts: list[str] = []
+        self.events: list = []
+        self.usage: Optional[dict] = None
+        self.moves: list[dict] = []
+
+    def run(self) -> "Stream":
+        body = {"prompt": PROMPT, "stream": True, "stream_options": {"include_usage": True}, **self.params}
+        with httpx.stream("POST", self.base + "/v1/completions", json=body, timeout=180,
+                          headers={"X-Request-Id": self.rid}) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if not line.startswith("data: "):
+                    assert not line.startswith(":"), "relay annotations must never reach the client"
+                    continue
+                data = line[6:]
+                self.events.append(data if data == "[DONE]" else json.loads(data))
+                event = self.events[-1]
+                if isinstance(event, dict) and event.get("choices"):
+                    self.texts.append(event["choices"][0]["text"])
+                if isinstance(event, dict) and event.get("usage"):
+                    self.usage = event["usage"]
+                if self.migrate_at and len(self.texts) >= self.migrate_at[0]:
+                    self.migrate_at.pop(0)
+                    self.moves.append(self.move())
+        return self
+
+    def move(self) -> dict:
+        for target in (0, 1):  # the one it is not on
+            r = admin("POST", self.base + "/v1/migrations", json={"request_id": self.rid, "target": target})
+            if r.status_code == 200:
+                return r.json()
+            assert r.status_code == 409, r.text
+        raise AssertionError("no instance took the move")
+
+    @property
+    def text(self) -> str:
+        return "".join(self.texts)
+
+    def assert_complete(self, max_tokens: int) -> None:
+        errors = [e for e in self.events if isinstance(e, dict) and "error" in e]
+        assert not errors, errors
+        assert self.events[-1] == "[DONE]" and self.events.count("[DONE]") == 1
+        assert sum(1 for e in self.events if isinstance(e, dict) and e.get("usage")) == 1
+        assert self.usage["completion_tokens"] == max_tokens
+        # one chunk per token (none duplicated, none missing)
+        assert len(self.texts) == max_tokens
+
+
+def pools_free(base: str) -> bool:
+    data = instances(base)["data"]
+    return all(d["load"] and d["load"]["kv_blocks_used"] == 0 and d["in_flight"] == 0 for d in data)
