@@ -154,3 +154,36 @@ def test_a_worker_dying_mid_migration_loses_nothing(fleet, victim):
     wait_for(lambda: [d["status"] for d in instances(base)["data"]] == ["healthy", "healthy"], 240, interval=0.5,
              what="the replacement worker")
     wait_for(lambda: pools_free(base), 60, interval=0.5, what="both KV pools free")
+
+
+def test_a_frozen_workers_streams_resume_elsewhere(fleet):
+    """A worker that stops answering (SIGSTOP) is not dead, so nothing errors; but its
+    started streams would stall for as long as it stays frozen. They resume on the other
+    worker once it leaves routing, and the frozen one drops them when it wakes."""
+    base = fleet.base_url
+    wait_for(lambda: [d["status"] for d in instances(base)["data"]] == ["healthy", "healthy"], 240, interval=0.5,
+             what="both workers healthy")
+    params = {"max_tokens": 48, "temperature": 0, "ignore_eos": True}
+    expected = Stream(base, "plain-frozen", params).run()
+    s = Stream(base, "frozen", params)
+    frozen: list[int] = []
+
+    def freeze() -> dict:
+        source = next(d for d in instances(base)["data"] if d["in_flight"] > 0)
+        os.kill(source["pid"], signal.SIGSTOP)
+        frozen.append(source["pid"])
+        return {"migrated": True}
+
+    s.move = freeze  # type: ignore[method-assign]
+    s.migrate_at = [6]
+    try:
+        s.run()
+    finally:
+        for pid in frozen:
+            os.kill(pid, signal.SIGCONT)
+    s.assert_complete(48)
+    assert s.text == expected.text
+    assert instances(base)["counters"]["moved_stalled"] >= 1
+    wait_for(lambda: [d["status"] for d in instances(base)["data"]] == ["healthy", "healthy"], 60, interval=0.5,
+             what="the frozen worker back")
+    wait_for(lambda: pools_free(base), 60, interval=0.5, what="both KV pools free")

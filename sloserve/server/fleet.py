@@ -140,7 +140,7 @@ class WorkerFleet:
         self.controller = FleetController(router, policy)
         self.block_size = 16
         self.counters = {"retries": 0, "failed_midstream": 0, "resumed_midstream": 0, "replacements": 0,
-                         "no_instance": 0, "moved_unstarted": 0}
+                         "no_instance": 0, "moved_unstarted": 0, "moved_stalled": 0}
         self._client: Optional[httpx.AsyncClient] = None
         self._health: Optional[httpx.AsyncClient] = None
         self._monitors: list[asyncio.Task] = []

@@ -47,6 +47,10 @@ class _SwitchRequested(Exception):
     """A migration's snapshot is in: hand the stream over between two events."""
 
 
+class _UpstreamStalled(Exception):
+    """The upstream's worker stopped answering its health polls; another instance can resume."""
+
+
 @dataclass
 class Upstream:
     inst: "Instance"
@@ -161,6 +165,9 @@ class RelaySession:
                     error: BaseException = httpx.ReadError("the source died during a migration")
                 except _TRANSPORT_ERRORS as e:
                     error = e
+                except _UpstreamStalled:
+                    error = TimeoutError("the worker stopped answering its health polls")
+                    self.fleet.counters["moved_stalled"] += 1
                 else:
                     out = self._filter(chunk)
                     if out:
@@ -188,16 +195,28 @@ class RelaySession:
         return self.resumable and not self.finished and self.engine_id is not None
 
     async def _next_chunk(self) -> bytes:
-        """The current upstream's next chunk; _SwitchRequested when a migration is ready first."""
+        """The current upstream's next chunk; _SwitchRequested when a migration is ready first;
+        _UpstreamStalled when its worker stops answering health polls (frozen, hung) and the
+        stream can resume elsewhere: waiting it out would stall the client for as long."""
         if self._read is None:
             self._read = asyncio.ensure_future(self.upstream.chunks.__anext__())
-        if not self._read.done():
-            switch = asyncio.ensure_future(self._switch_ready.wait())
+        while not self._read.done():
+            up = self.upstream
+            stalled = up.inst.stalled
+            watch_stall = self.can_resume and up.inst.generation == up.generation
+            if watch_stall and stalled.is_set():
+                if self.fleet.has_alternative({(up.inst.slot, up.generation)}):
+                    raise _UpstreamStalled()
+                watch_stall = False  # nowhere else to go: wait it out
+            waits = [self._read, asyncio.ensure_future(self._switch_ready.wait())]
+            if watch_stall:
+                waits.append(asyncio.ensure_future(stalled.wait()))
             try:
-                await self._stop.run(asyncio.wait([self._read, switch], return_when=asyncio.FIRST_COMPLETED))
+                await self._stop.run(asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED))
             finally:
-                switch.cancel()
-            if not self._read.done():
+                for waiter in waits[1:]:
+                    waiter.cancel()
+            if not self._read.done() and self._switch_ready.is_set():
                 raise _SwitchRequested()
         read, self._read = self._read, None
         return read.result()
