@@ -26,7 +26,7 @@ from fastapi import FastAPI, Request  # module level: FastAPI resolves the handl
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 ROOT = Path(__file__).resolve().parents[1]
-FAKE_SECRET = "fake-fleet-secret"  # what test fronts (WorkerFleet(fleet_secret=...)) and fake workers share
+FAKE_SECRET = "fake-fleet-secret"  # what test fronts (build_worker_fleet(fleet_secret=...)) and fake workers share
 
 
 RETRY_AFTER = "7"  # what a full fake worker tells its clients
@@ -149,8 +149,8 @@ class FakeWorker:
 
     def __init__(self, tokens: int = 20, delay: float = 0.05, startup_delay: float = 0.0, *, capacity: int = 1000,
                  die_on_chat: bool = False, crash: bool = False, secret: Optional[str] = FAKE_SECRET):
-        from sloserve.server.instances import free_port
-        from sloserve.server.worker import FLEET_SECRET_ENV
+        from sloserve.workers.contract import FLEET_SECRET_ENV
+        from sloserve.workers.handles import free_port
 
         self.port = free_port()
         while self.port in _HANDED_OUT:  # bind(0) may give a port twice before either worker binds it

@@ -19,8 +19,9 @@ import pytest
 import uvicorn
 
 from multi_helpers import FAKE_SECRET, RETRY_AFTER, FakeWorker, sse_events
-from sloserve.server.front import DEAD, HEALTHY, UNRESPONSIVE, Front, FrontConfig, WorkerFleet
-from sloserve.server.instances import free_port
+from sloserve.server.front import DEAD, HEALTHY, UNRESPONSIVE, Front, FrontConfig
+from sloserve.server.multi import build_worker_fleet
+from sloserve.workers.handles import free_port
 from sloserve.server.qos import QoSRegistry
 
 KEY = "sk-good"
@@ -31,7 +32,7 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 async def front(workers, router: str = "round-robin", keys=(), num: int = 2, **config):
     """A front on 127.0.0.1 over `num` workers (`workers(slot) -> FakeWorker`), and a client for it."""
     cfg = FrontConfig(router=router, poll_interval_s=0.1, predictor=None, **config)
-    fleet = WorkerFleet(workers, num, cfg, fleet_secret=FAKE_SECRET)
+    fleet = build_worker_fleet(workers, num, cfg, fleet_secret=FAKE_SECRET)
     await fleet.start()
     port = free_port()
     app = Front(fleet, QoSRegistry().with_keys(list(keys))).build_app()
@@ -231,7 +232,7 @@ def test_killing_a_worker_does_not_block_the_event_loop():
             super().kill()
 
     async def main():
-        fleet = WorkerFleet(lambda slot: SlowToReap(), 1, FrontConfig(poll_interval_s=0.1, predictor=None,
+        fleet = build_worker_fleet(lambda slot: SlowToReap(), 1, FrontConfig(poll_interval_s=0.1, predictor=None,
                                                                 replace_dead=False), fleet_secret=FAKE_SECRET)
         await fleet.start(wait_ready_s=60)
         try:
@@ -275,7 +276,7 @@ def test_the_front_serves_with_one_worker_up_and_drains_on_a_signal():
 
     async def main():
         spawn = lambda slot: FakeWorker(tokens=10, delay=0.05, crash=slot == 1)  # noqa: E731 - slot 1 crash-loops
-        fleet = WorkerFleet(spawn, 2, FrontConfig(router="round-robin", poll_interval_s=0.1, predictor=None),
+        fleet = build_worker_fleet(spawn, 2, FrontConfig(router="round-robin", poll_interval_s=0.1, predictor=None),
                       fleet_secret=FAKE_SECRET)
         front_ = Front(fleet)
         port = free_port()
@@ -320,7 +321,7 @@ def test_workers_need_the_fleet_secret_and_admin_routes_an_admin_key():
                 assert r.status_code == 200
             assert (await client.get("/v1/models")).status_code == 401
         # a worker with another secret never answers the front's polls
-        fleet = WorkerFleet(lambda slot: FakeWorker(secret="other"), 1, FrontConfig(poll_interval_s=0.1, predictor=None),
+        fleet = build_worker_fleet(lambda slot: FakeWorker(secret="other"), 1, FrontConfig(poll_interval_s=0.1, predictor=None),
                       fleet_secret=FAKE_SECRET)
         await fleet.start()
         try:

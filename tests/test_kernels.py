@@ -37,3 +37,24 @@ def test_rejects_what_it_cannot_do():
     one = torch.zeros(1, 1, dtype=torch.long)
     with pytest.raises(RuntimeError, match="float32"):
         kernel(q.bfloat16(), cache, cache, one, torch.ones(1, dtype=torch.long), 16, 0.125, 0)
+
+
+def test_a_build_lock_left_by_a_killed_process_does_not_hang_the_engine():
+    """torch waits forever on its extension build lock; one left behind by a process killed
+    mid-build (hours ago) must not stop every later engine start."""
+    import os
+    import time
+    from pathlib import Path
+
+    from torch.utils import cpp_extension
+
+    from sloserve.engine.kernels import STALE_LOCK_S, _cpu_tag, load_paged_decode_attention
+
+    name = f"sloserve_paged_attention_{_cpu_tag()}"
+    lock = Path(cpp_extension._get_build_directory(name, verbose=False)) / "lock"
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    lock.touch()
+    old = time.time() - STALE_LOCK_S - 60
+    os.utime(lock, (old, old))
+    assert load_paged_decode_attention() is not None
+    assert not lock.exists()

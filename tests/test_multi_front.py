@@ -13,14 +13,15 @@ import httpx
 import uvicorn
 
 from multi_helpers import FAKE_SECRET, FakeWorker, sse_events
-from sloserve.server.front import DEAD, HEALTHY, Front, FrontConfig, WorkerFleet
-from sloserve.server.instances import free_port
+from sloserve.server.front import DEAD, HEALTHY, Front, FrontConfig
+from sloserve.server.multi import build_worker_fleet
+from sloserve.workers.handles import free_port
 
 
 @contextlib.asynccontextmanager
 async def front(num: int, router: str, tokens: int = 20, delay: float = 0.05, **config):
     cfg = FrontConfig(router=router, poll_interval_s=0.1, predictor=None, **config)
-    fleet = WorkerFleet(lambda slot: FakeWorker(tokens, delay), num, cfg, fleet_secret=FAKE_SECRET)
+    fleet = build_worker_fleet(lambda slot: FakeWorker(tokens, delay), num, cfg, fleet_secret=FAKE_SECRET)
     await fleet.start()
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(Front(fleet).build_app(), host="127.0.0.1", port=port, lifespan="off",
@@ -163,7 +164,8 @@ def test_worker_config_and_state_payload_round_trip():
     from sloserve.kv.manager import KVCacheManager
     from sloserve.sched.scheduler import Scheduler
     from sloserve.sched.state import InstanceState
-    from sloserve.server.worker import config_from_json, config_to_json, state_payload
+    from sloserve.server.worker import state_payload
+    from sloserve.workers.contract import config_from_json, config_to_json
     from sloserve.types import Request, SamplingParams
 
     cfg = EngineConfig(num_threads=3, cache=CacheConfig(block_size=32), scheduler=SchedulerConfig(max_num_seqs=5))
@@ -199,7 +201,7 @@ def test_a_slot_whose_workers_die_while_starting_backs_off():
             return {"kind": self.kind, "url": None}
 
     async def main():
-        fleet = WorkerFleet(lambda slot: Gone(), 1, FrontConfig(poll_interval_s=0.05, predictor=None))
+        fleet = build_worker_fleet(lambda slot: Gone(), 1, FrontConfig(poll_interval_s=0.05, predictor=None))
         await fleet.start()
         await asyncio.sleep(1.6)  # dies at once (retry in 1 s), dies again at ~1 s (retry in 2 s)
         inst = fleet.instances[0]

@@ -51,13 +51,13 @@ from sloserve.server.errors import (
     error_response,
     install_error_handlers,
 )
-from sloserve.server.fleet import DEAD, HEALTHY, STARTING, UNRESPONSIVE, FrontConfig, Instance, WorkerFleet
+from sloserve.workers.fleet import DEAD, HEALTHY, STARTING, UNRESPONSIVE, FrontConfig, Instance, WorkerFleet
 from sloserve.server.front_edge import FrontEdge, FrontGate, Ticket
 from sloserve.server.front_migration import MigrationDriver
 from sloserve.server.front_relay import RelaySession, Upstream
 from sloserve.server.front_stream import Interrupted, SSESplitter, Stop, carries_output
 from sloserve.server.qos import CacheSalter, QoSRegistry, cache_secret
-from sloserve.server.worker import FLEET_SECRET_HEADER
+from sloserve.workers.contract import FLEET_SECRET_HEADER
 from sloserve.types import DEFAULT_QOS, Request, SamplingParams
 
 __all__ = ["DEAD", "HEALTHY", "STARTING", "UNRESPONSIVE", "Front", "WorkerFleet", "FrontConfig", "Instance"]

@@ -18,7 +18,7 @@ from sloserve.server.front_relay import MigrationOutcome
 
 if TYPE_CHECKING:
     from sloserve.cluster.controller import FleetController
-    from sloserve.server.fleet import Instance
+    from sloserve.workers.fleet import Instance
     from sloserve.server.front import Front
     from sloserve.server.front_relay import RelaySession
 

@@ -28,10 +28,10 @@ from typing import TYPE_CHECKING, AsyncIterator, Optional
 import httpx
 
 from sloserve.server.front_stream import Interrupted, SSESplitter, Stop, carries_output
-from sloserve.server.worker import FLEET_SECRET_HEADER, RELAY_COMMENT
+from sloserve.workers.contract import FLEET_SECRET_HEADER, RELAY_COMMENT
 
 if TYPE_CHECKING:
-    from sloserve.server.fleet import Instance
+    from sloserve.workers.fleet import Instance
     from sloserve.server.front import Front
     from sloserve.types import Request
 

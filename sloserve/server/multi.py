@@ -34,7 +34,7 @@ def cores() -> int:
 
 def make_spawner(spec, backend: str, threads_per_worker: int, ray_address: Optional[str] = None):
     """slot -> a started WorkerHandle of the chosen backend."""
-    from sloserve.server.instances import ProcessWorker, RayWorker
+    from sloserve.workers.handles import ProcessWorker, RayWorker
 
     if backend == "process":
         return lambda slot: ProcessWorker(spec)
@@ -70,6 +70,29 @@ async def serve_front(fleet, front, config: uvicorn.Config, grace_s: float, star
         await fleet.close()
 
 
+def build_worker_fleet(spawn, num_instances: int, config, clock=None, fleet_secret: Optional[str] = None):
+    """The real fleet with its controller: the configured router (reading the output-length
+    predictor) and migration policies, plus `drain`, which is an operator's request honoured
+    whatever `--migration` says."""
+    import time
+
+    from sloserve.cluster.controller import FleetController
+    from sloserve.cluster.migration import make_migration_policy
+    from sloserve.cluster.routers import RouterOptions, make_router
+    from sloserve.workers.fleet import WorkerFleet
+
+    predictions = None
+    if config.predictor:
+        from sloserve.cluster.predict import PredictionBook, load_predictor
+
+        predictions = PredictionBook(load_predictor(config.predictor))  # type: ignore[arg-type]
+    router = make_router(config.router, RouterOptions(
+        seed=config.seed, predictions=predictions.lookup if predictions is not None else None))
+    names = [n for n in config.migration.split(",") if n.strip() and n.strip() != "none"]
+    controller = FleetController(router, make_migration_policy(",".join(dict.fromkeys(["drain", *names]))))
+    return WorkerFleet(spawn, num_instances, config, controller, predictions, clock or time.monotonic, fleet_secret)
+
+
 def front_capacity(engine_config: EngineConfig, max_queue: int, instances: int) -> int:
     """The front's default bound on requests in flight: what all workers together admit."""
     return instances * (engine_config.scheduler.max_num_seqs + max_queue)
@@ -85,8 +108,8 @@ def run_multi(engine_config: EngineConfig, settings, *, instances: int, router: 
     connection cap, retry_after_s, grace_period_s; max_queue applies to each worker."""
     from sloserve.cluster.routers import ROUTERS
     from sloserve.server.connections import uvicorn_config
-    from sloserve.server.front import Front, FrontConfig, WorkerFleet
-    from sloserve.server.instances import WorkerSpec
+    from sloserve.server.front import Front, FrontConfig
+    from sloserve.workers.handles import WorkerSpec
     from sloserve.server.qos import CACHE_SECRET_ENV, CacheSalter, cache_secret
     from sloserve.server.worker import worker_options
 
@@ -122,7 +145,7 @@ def run_multi(engine_config: EngineConfig, settings, *, instances: int, router: 
         max_in_flight=max_in_flight or front_capacity(engine_config, settings.max_queue, instances),
         max_body_bytes=settings.max_body_bytes, body_timeout_s=settings.body_timeout_s,
         retry_after_s=settings.retry_after_s, admin_keys=tuple(admin_keys))
-    fleet = WorkerFleet(spawn, instances, config, fleet_secret=fleet_secret)
+    fleet = build_worker_fleet(spawn, instances, config, fleet_secret=fleet_secret)
     front = Front(fleet, settings.registry, CacheSalter(cache_secret(salt_secret)))
     uv_config = uvicorn_config(front.build_app(), host=host, port=port, limits=settings.connection_limits())
     logger.info("starting %d %s workers (%d threads each); serving once one is healthy", instances, backend,

@@ -59,13 +59,13 @@ from typing import Any, Iterable, Mapping, Optional
 from sloserve.server.errors import APIError
 from sloserve.server.tenants import UNLIMITED, TenantLimits
 from sloserve.types import DEFAULT_QOS, INT32_MAX, QoSClass
+from sloserve.workers.contract import CACHE_SECRET_ENV  # shared with the workers
 
 logger = logging.getLogger(__name__)
 
 INT32_MIN = -(2**31)
 ANY_CLASS = "*"
 CACHE_ISOLATION_MODES = ("tenant", "key", "shared")
-CACHE_SECRET_ENV = "SLOSERVE_CACHE_SECRET"
 
 _CLASS_KEYS = {"ttft_ms", "tbt_ms", "ttft_s", "tbt_s", "priority", "weight"}
 _LIMIT_KEYS = {"max_concurrent_requests", "max_tokens_per_minute"}

@@ -51,7 +51,7 @@ from sloserve.server.protocol import (
 )
 from sloserve.server.qos import ANONYMOUS, CacheSalter, Principal, QoSRegistry, cache_secret
 from sloserve.server.tenants import TenantLimiter, client_request_id, scope_request_id
-from sloserve.server.worker import RELAY_COMMENT
+from sloserve.workers.contract import RELAY_COMMENT
 from sloserve.types import QoSClass, SamplingParams
 
 logger = logging.getLogger(__name__)

@@ -4,7 +4,7 @@ A worker is the ordinary single-instance server (`sloserve serve`: its own engin
 QoS and metrics) plus one internal route, `GET /internal/state`, that publishes what the
 front's router needs: the scheduler's `InstanceState` and the keys of the prefix blocks it
 has cached. The same worker runs as a local process (`python -m sloserve.server.worker`) or
-inside a Ray actor (`sloserve.server.instances.RayWorker`); the front talks HTTP to both.
+inside a Ray actor (`sloserve.workers.handles.RayWorker`); the front talks HTTP to both.
 
 `/internal/*` publishes cached block keys (derived from tenants' prompts), so it answers only
 a caller that sends the fleet's secret in `X-Sloserve-Fleet-Secret`: a random value the front
@@ -27,28 +27,19 @@ from fastapi.responses import JSONResponse
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from sloserve.config import CacheConfig, EngineConfig, SchedulerConfig
-from sloserve.server.qos import CACHE_SECRET_ENV
+from sloserve.config import EngineConfig
+from sloserve.workers.contract import (
+    API_KEYS_ENV,
+    CACHE_SECRET_ENV,
+    FLEET_SECRET_ENV,
+    FLEET_SECRET_HEADER,
+    INTERNAL_PREFIX,
+    config_from_json,
+)
 
 logger = logging.getLogger(__name__)
 
-API_KEYS_ENV = "SLOSERVE_WORKER_API_KEYS"  # newline-separated keys the front hands its workers
-FLEET_SECRET_ENV = "SLOSERVE_FLEET_SECRET"  # the front's per-run secret for /internal/*
-FLEET_SECRET_HEADER = "X-Sloserve-Fleet-Secret"
-RELAY_COMMENT = ": sloserve "  # SSE comment lines a worker adds for its front (which strips them)
-INTERNAL_PREFIX = "/internal/"
 MAX_PUBLISHED_KEYS = 8192  # most recently cached blocks; enough to find every live conversation
-
-
-def config_to_json(config: EngineConfig) -> str:
-    return json.dumps(dataclasses.asdict(config))
-
-
-def config_from_json(text: str) -> EngineConfig:
-    d = json.loads(text)
-    cache = CacheConfig(**d.pop("cache"))
-    sched = SchedulerConfig(**d.pop("scheduler"))
-    return EngineConfig(**d, cache=cache, scheduler=sched)
 
 
 def state_payload(core: Any, max_keys: int = MAX_PUBLISHED_KEYS) -> dict:

@@ -36,7 +36,7 @@ from fastapi.responses import JSONResponse, Response
 from sloserve.engine.migration import KVLayout, ResumeState, read_blocks, write_blocks
 from sloserve.server.errors import APIError, bad_request
 from sloserve.server.protocol import ChatCompletionRequest, CompletionRequest
-from sloserve.server.worker import FLEET_SECRET_HEADER
+from sloserve.workers.contract import FLEET_SECRET_HEADER
 
 logger = logging.getLogger(__name__)
 

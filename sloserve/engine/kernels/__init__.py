@@ -10,6 +10,7 @@ import logging
 import os
 import platform
 import shutil
+import time
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -44,14 +45,34 @@ def _put_ninja_on_path() -> None:
     os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
 
+STALE_LOCK_S = 600.0  # a build takes about a minute; a lock this old belongs to a process that was killed
+
+
+def _drop_stale_build_lock(name: str) -> None:
+    """torch's extension build holds a lock file while it compiles and waits forever for it; a
+    process killed mid-build leaves it behind, and every later engine start would hang on it."""
+    from torch.utils import cpp_extension
+
+    try:
+        lock = Path(cpp_extension._get_build_directory(name, verbose=False)) / "lock"
+        age = time.time() - lock.stat().st_mtime
+    except (OSError, AttributeError):  # no lock (the normal case), or a torch without the helper
+        return
+    if age > STALE_LOCK_S:
+        logger.warning("removing a build lock left %.0f s ago by a process that did not finish: %s", age, lock)
+        lock.unlink(missing_ok=True)
+
+
 def load_paged_decode_attention() -> Optional[Callable]:
     """The compiled CPU decode-attention kernel, or None (with a logged reason) if it cannot be built."""
     _put_ninja_on_path()
+    name = f"sloserve_paged_attention_{_cpu_tag()}"
     try:
         from torch.utils import cpp_extension
 
+        _drop_stale_build_lock(name)
         module = cpp_extension.load(
-            name=f"sloserve_paged_attention_{_cpu_tag()}",
+            name=name,
             sources=[str(_SOURCE)],
             extra_cflags=["-O3", "-march=native", "-fopenmp"],
             extra_ldflags=["-fopenmp"],

@@ -21,8 +21,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from sloserve.config import EngineConfig
-from sloserve.server.qos import CACHE_SECRET_ENV
-from sloserve.server.worker import API_KEYS_ENV, FLEET_SECRET_ENV, config_to_json
+from sloserve.workers.contract import API_KEYS_ENV, CACHE_SECRET_ENV, FLEET_SECRET_ENV, WORKER_MODULE, config_to_json
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +91,7 @@ class ProcessWorker(WorkerHandle):
     def __init__(self, spec: WorkerSpec, host: str = "127.0.0.1", port: Optional[int] = None):
         self.host = host
         self.port = port or free_port(host)
-        cmd = [sys.executable, "-m", "sloserve.server.worker", "--config", config_to_json(spec.engine),
+        cmd = [sys.executable, "-m", WORKER_MODULE, "--config", config_to_json(spec.engine),
                "--host", host, "--port", str(self.port), "--max-queue", str(spec.max_queue),
                "--log-level", spec.log_level, "--options", json.dumps(spec.options)]
         if spec.qos_config:
@@ -154,11 +153,14 @@ def _actor_class():
 
             import uvicorn
 
-            from sloserve.server.worker import build_worker_app, config_from_json, settings_from_args
+            import importlib
 
-            settings = settings_from_args(qos_config, api_keys, served_model_names, max_queue, options or {},
+            from sloserve.workers.contract import config_from_json
+
+            worker = importlib.import_module(WORKER_MODULE)  # the worker program, in this actor's process
+            settings = worker.settings_from_args(qos_config, api_keys, served_model_names, max_queue, options or {},
                                           cache_secret)
-            self.engine, app = build_worker_app(config_from_json(config_json), settings, fleet_secret)
+            self.engine, app = worker.build_worker_app(config_from_json(config_json), settings, fleet_secret)
             self.host = ray.util.get_node_ip_address()
             self.port = free_port(self.host)
             config = uvicorn.Config(app, host=self.host, port=self.port, lifespan="off", access_log=False,

@@ -23,16 +23,13 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import httpx
 
-from sloserve.cluster.controller import FleetController
-from sloserve.cluster.migration import make_migration_policy
-from sloserve.cluster.routers import RouterOptions, make_router
 from sloserve.sched.state import InstanceState, KeySetIndex
-from sloserve.server.instances import WorkerHandle
-from sloserve.server.worker import FLEET_SECRET_HEADER
+from sloserve.workers.contract import FLEET_SECRET_HEADER
+from sloserve.workers.handles import WorkerHandle
 from sloserve.types import Request
 
 logger = logging.getLogger(__name__)
@@ -121,23 +118,18 @@ class WorkerFleet:
     """The worker processes (or Ray actors): their health and their load; the controller decides."""
 
     def __init__(self, spawn: Callable[[int], WorkerHandle], num_instances: int, config: FrontConfig,
-                 clock: Callable[[], float] = time.monotonic, fleet_secret: Optional[str] = None):
+                 controller: Any, predictions: Any = None, clock: Callable[[], float] = time.monotonic,
+                 fleet_secret: Optional[str] = None):
+        """`controller`: the fleet controller (`cluster.controller.FleetController`, built by
+        `server.multi.build_worker_fleet`); `predictions`: the output-length prediction book the
+        router reads (None: no predictor)."""
         self.spawn = spawn
         self.config = config
         self.clock = clock
         self.fleet_secret = fleet_secret
         self.instances = [Instance(i, spawn(i), started_at=clock()) for i in range(num_instances)]
-        self.predictions = None
-        if config.predictor:
-            from sloserve.cluster.predict import PredictionBook, load_predictor
-
-            self.predictions = PredictionBook(load_predictor(config.predictor))  # type: ignore[arg-type]
-        router = make_router(config.router, RouterOptions(
-            seed=config.seed, predictions=self.predictions.lookup if self.predictions else None))
-        # Drain is an operator's request, honoured whatever the configured policies are.
-        names = [n for n in config.migration.split(",") if n and n != "none"]
-        policy = make_migration_policy(",".join(dict.fromkeys(["drain", *names])))
-        self.controller = FleetController(router, policy)
+        self.predictions = predictions
+        self.controller = controller
         self.block_size = 16
         self.counters = {"retries": 0, "failed_midstream": 0, "resumed_midstream": 0, "replacements": 0,
                          "no_instance": 0, "moved_unstarted": 0, "moved_stalled": 0}
