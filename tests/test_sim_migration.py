@@ -165,3 +165,24 @@ def test_simulate_cli_runs_and_reports_migration(tmp_path):
                           "--num-requests", "5", "--out", str(tmp_path / "bad")], capture_output=True, text=True,
                          timeout=120)
     assert bad.returncode == 2 and "unknown link" in bad.stderr
+
+
+def test_a_drained_instance_takes_nothing_new_and_its_running_requests_move_off():
+    instances = fleet(2, 400)
+    controller = FleetController(make_router("round-robin"), make_migration_policy("drain"), min_interval_s=0.2)
+    sim = Simulator(instances, controller, MoveCosts.uniform(KV_PER_TOKEN, get_link("infiniband-ndr")))
+    rng = random.Random(3)
+    requests = [Request(f"d{i}", [rng.randrange(100, 30000) for _ in range(200)],
+                        SamplingParams(max_tokens=600, ignore_eos=True, temperature=0), arrival_time=0.05 * i)
+                for i in range(20)]
+    sim.drain_at(0.3, 0)
+    result = sim.run(requests)
+    assert result.num_finished == 20 and result.migration["completed"] >= 1
+    where = {f.request.request_id: f.instance_id for f in result.finished}
+    for r in requests:
+        assert len(r.output_token_ids) == 600
+        if r.arrival_time > 0.3:
+            assert where[r.request_id] == 1, r.request_id  # routed around the drained instance
+    # what ran on instance 0 at the drain moved off (600 tokens take far longer than their copy)
+    assert sum(1 for i in where.values() if i == 0) < sum(1 for r in requests if r.arrival_time <= 0.3) / 2
+    assert_clean(instances)

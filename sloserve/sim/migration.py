@@ -117,6 +117,7 @@ class SimMigrator:
         self.transfers: dict[str, Transfer] = {}
         self._at_boundary: dict[int, list[Transfer]] = {}  # instance id -> transfers waiting for its step to end
         self._bytes: dict[str, int] = {}  # bytes sent so far per transfer
+        self.draining: set[int] = set()  # instances being emptied (the simulator's drains)
 
     @property
     def busy(self) -> bool:
@@ -130,7 +131,9 @@ class SimMigrator:
             instance.catch_up(now)
             s = instance.scheduler
             running = [r for r in s.running if decode_phase(r) and r.request_id not in self.transfers]
-            out.append(InstanceView(instance.instance_id, state, LazyMovables(running), LazyMovables(s.waiting)))
+            drained = instance.instance_id in self.draining
+            out.append(InstanceView(instance.instance_id, state, LazyMovables(running), LazyMovables(s.waiting),
+                                    accepting=not drained, draining=drained))
         return out
 
     def tick(self, now: float) -> None:

@@ -27,6 +27,7 @@ logger = logging.getLogger(__name__)
 # and migration phases run, then steps end. Whatever reads an instance before its step's end
 # event sees that step in flight, as `SimInstance.sync` (steps ending strictly before now) does.
 ARRIVAL, WAKE, TICK, MIGRATE, STEP_END = 0, 1, 2, 3, 4
+DRAIN = -1  # before anything else at its time: an arrival then already avoids the instance
 
 
 @dataclass
@@ -84,14 +85,23 @@ class Simulator:
         # One live view per instance for the whole run, read at the moment of each arrival.
         self._moment = Moment()
         self._states = [instance.live_view(self._moment) for instance in self.instances]
+        self.draining: set[int] = set()  # instances out of routing, to be emptied by the `drain` policy
         self.migrator: Optional[SimMigrator] = None
         if self.controller.migration_enabled:
             if costs is None:
                 raise ValueError("a migration policy needs MoveCosts (KV bytes per token, link bandwidth)")
             self.migrator = SimMigrator(self.controller, self.instances, self._states, costs, self._push_transfer,
                                         self._touch, handoff_s)
+            self.migrator.draining = self.draining  # shared: a drain shows in the views the policies read
         self.migration_interval_s = migration_interval_s
         self._next_tick: Optional[int] = None  # index k of the pending tick at k * interval
+
+    def drain_at(self, time: float, instance_id: int) -> None:
+        """From `time` on, `instance_id` takes no new request and its running ones are offered to
+        the controller to move off (scale-down, an operator's drain); queued ones stay."""
+        if not 0 <= instance_id < len(self.instances):
+            raise ValueError(f"no instance {instance_id}")
+        self._push(time, DRAIN, instance_id)
 
     def _push(self, time: float, kind: int, payload: object) -> None:
         heapq.heappush(self._heap, (time, kind, next(self._seq), payload))
@@ -123,7 +133,11 @@ class Simulator:
             events += 1
             if kind != TICK:
                 last_work = time  # a final tick that finds nothing to do does not extend the run
-            if kind == ARRIVAL:
+            if kind == DRAIN:
+                self.draining.add(payload)  # type: ignore[arg-type]
+                if self.migrator is not None and self._next_tick is None:
+                    self._schedule_tick(int(self.now // self.migration_interval_s) + 1)
+            elif kind == ARRIVAL:
                 request = payload
                 if request.arrival_time < last_arrival:
                     raise ValueError(f"requests are not in arrival order at {request.request_id!r}")
@@ -171,7 +185,11 @@ class Simulator:
     def _arrive(self, request: Request) -> Optional[str]:
         """Route and queue an arrival; returns why it was rejected, if it was."""
         self._moment.advance(self.now)
-        choice = self.controller.route(request, self._states)
+        if self.draining and len(self.draining) < len(self.instances):
+            open_ids = [i for i in range(len(self.instances)) if i not in self.draining]
+            choice = open_ids[self.controller.route(request, [self._states[i] for i in open_ids])]
+        else:
+            choice = self.controller.route(request, self._states)
         instance = self.instances[choice]
         try:
             instance.add_request(request)
