@@ -374,8 +374,15 @@ def test_real_front_hardening_end_to_end(tmp_path):
 
         # full (2 workers x (1 seq + 0 queue)): the next request is a 429 with Retry-After, at once
         def hold() -> httpx.Response:
-            return httpx.post(base + "/v1/completions", headers=AUTH, timeout=120, json={
-                "prompt": "Tell a story:", "max_tokens": 60, "ignore_eos": True, "temperature": 0})
+            # one slot per worker: the other request's /tokenize can hold it for a moment; a client
+            # retries that 429, as its Retry-After says
+            for _ in range(20):
+                r = httpx.post(base + "/v1/completions", headers=AUTH, timeout=120, json={
+                    "prompt": "Tell a story:", "max_tokens": 60, "ignore_eos": True, "temperature": 0})
+                if r.status_code != 429:
+                    return r
+                time.sleep(0.05)
+            return r
 
         from concurrent.futures import ThreadPoolExecutor
 
