@@ -176,7 +176,7 @@ class Front:
         cfg = fleet.config
         self.gate = FrontGate(cfg.max_in_flight, cfg.retry_after_s)
         self.sessions: set[RelaySession] = set()  # the streams being relayed now
-        self.migration = MigrationDriver(self, fleet.controller, cfg.migration_interval_s)
+        self.migration = MigrationDriver(fleet, self.sessions, fleet.controller, cfg.migration_interval_s)
 
     async def start(self) -> None:
         """Run the controller's migration loop (the fleet is started by its owner)."""

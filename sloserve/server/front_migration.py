@@ -18,8 +18,7 @@ from sloserve.server.front_relay import MigrationOutcome
 
 if TYPE_CHECKING:
     from sloserve.cluster.controller import FleetController
-    from sloserve.workers.fleet import Instance
-    from sloserve.server.front import Front
+    from sloserve.workers.fleet import Instance, WorkerFleet
     from sloserve.server.front_relay import RelaySession
 
 logger = logging.getLogger(__name__)
@@ -28,9 +27,11 @@ LOOPBACK_BYTES_PER_S = 1e9  # what moving KV between two workers of one host cos
 
 
 class MigrationDriver:
-    def __init__(self, front: "Front", controller: "FleetController", interval_s: float = 0.5) -> None:
-        self.front = front
-        self.fleet = front.fleet
+    def __init__(self, fleet: "WorkerFleet", sessions: "set[RelaySession]", controller: "FleetController",
+                 interval_s: float = 0.5) -> None:
+        """`sessions`: the front's live set of relayed streams (the requests that can move)."""
+        self.fleet = fleet
+        self.sessions = sessions
         self.controller = controller
         self.interval_s = interval_s
         self.kv_bytes_per_token = 0.0  # learned from completed moves (bytes / tokens)
@@ -61,7 +62,7 @@ class MigrationDriver:
     # ---- one round -----------------------------------------------------------------
     def views(self) -> list[InstanceView]:
         by_slot: dict[int, list[MovableRequest]] = {}
-        for session in self.front.sessions:
+        for session in self.sessions:
             if session.movable:
                 by_slot.setdefault(session.upstream.inst.slot, []).append(self._movable(session))
         views = []
@@ -133,7 +134,7 @@ class MigrationDriver:
         return outcome
 
     def _session(self, request_id: str) -> Optional["RelaySession"]:
-        for session in self.front.sessions:
+        for session in self.sessions:
             if request_id in (session.engine_id, session.head.get("id"), session.routed.request_id):
                 return session
         return None

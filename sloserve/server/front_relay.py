@@ -23,7 +23,7 @@ import json
 import logging
 import uuid
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, AsyncIterator, Optional
+from typing import TYPE_CHECKING, AsyncIterator, Optional, Protocol
 
 import httpx
 
@@ -31,8 +31,7 @@ from sloserve.server.front_stream import Interrupted, SSESplitter, Stop, carries
 from sloserve.workers.contract import FLEET_SECRET_HEADER, RELAY_COMMENT
 
 if TYPE_CHECKING:
-    from sloserve.workers.fleet import Instance
-    from sloserve.server.front import Front
+    from sloserve.workers.fleet import Instance, WorkerFleet
     from sloserve.types import Request
 
 logger = logging.getLogger(__name__)
@@ -86,8 +85,18 @@ class _Switch:
     done: asyncio.Future
 
 
+class RelayOwner(Protocol):
+    """What a relayed stream reports to the front that made it."""
+
+    fleet: "WorkerFleet"
+
+    def learn(self, routed: "Request", content: bytes) -> None: ...
+
+    def forget(self, session: "RelaySession") -> None: ...
+
+
 class RelaySession:
-    def __init__(self, front: "Front", routed: "Request", path: str, body: dict, headers: dict, chat: bool,
+    def __init__(self, front: RelayOwner, routed: "Request", path: str, body: dict, headers: dict, chat: bool,
                  resumable: bool, upstream: Upstream, abort: Optional[asyncio.Event]) -> None:
         self.front = front
         self.fleet = front.fleet
