@@ -12,6 +12,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default=None, help="GGUF file or HF model directory (default: embedded SmolLM2-135M-Instruct)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     g.add_argument("--device", default="auto", help="cpu, cuda or auto")
+    g.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"],
+                   help="weight-only quantization of the linears (auto: the model file's own class)")
+    g.add_argument("--quantized-only", action="store_true",
+                   help="keep no dense copy of quantized linears for large steps (least memory; slower prefill)")
     g.add_argument("--num-threads", type=int, default=None, help="torch threads (default: cores available)")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--block-size", type=int, default=16)
@@ -34,7 +38,9 @@ def engine_config_from_args(args: argparse.Namespace):
     from sloserve.config import CacheConfig, EngineConfig, SchedulerConfig
 
     return EngineConfig(
-        model=args.model, dtype=args.dtype, device=args.device, num_threads=args.num_threads,
+        model=args.model, dtype=args.dtype, device=args.device, quantization=args.quantization,
+        quantized_dense_copy=not args.quantized_only,
+        num_threads=args.num_threads,
         max_model_len=args.max_model_len, seed=args.seed, native_kernels=not args.no_native_kernels,
         step_trace=args.step_trace,
         cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks, kv_cache_gib=args.kv_cache_gib,

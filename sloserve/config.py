@@ -133,8 +133,14 @@ class EngineConfig:
     """Everything an instance needs; `model=None` means the embedded SmolLM2-135M."""
 
     model: Optional[str] = None
-    dtype: str = "auto"  # "float32", "bfloat16" or "auto" (float32 on CPU, bfloat16 on CUDA)
+    dtype: str = "auto"  # "float32", "bfloat16" or "auto" (bfloat16 on CUDA; on a CPU the faster, measured)
     device: str = "auto"  # "cpu", "cuda" or "auto"
+    # Weight-only quantization of the linears: "none", "int8", "int4", or "auto" (the model
+    # file's own class: int4 for a 4-bit GGUF, int8 for an 8-bit one, none for float weights).
+    quantization: str = "auto"
+    # Keep a dense copy of quantized linears for steps with more rows than the packed kernels
+    # win at (measured per machine); False = least memory, every step on the packed kernels.
+    quantized_dense_copy: bool = True
     num_threads: Optional[int] = None  # torch intra-op threads; None = the cores this process may use
     max_model_len: Optional[int] = None  # defaults to the model's context window
     seed: int = 0

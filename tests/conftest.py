@@ -11,10 +11,13 @@ sys.path.insert(0, os.path.dirname(__file__))  # tests import their helpers by m
 
 @pytest.fixture(scope="session")
 def llm():
-    """The embedded SmolLM2-135M on the default engine configuration."""
+    """The embedded SmolLM2-135M in the exact configuration (engine_helpers.EXACT)."""
+    from engine_helpers import EXACT
+
     from sloserve import LLM
 
-    return LLM()
+    return LLM(**EXACT)
+
 
 
 @pytest.fixture(scope="session")

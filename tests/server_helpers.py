@@ -12,6 +12,8 @@ from typing import Optional, Sequence
 
 import httpx
 
+from engine_helpers import EXACT
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -21,15 +23,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class ServerProcess:
-    """`sloserve serve` bound to 127.0.0.1; one torch thread so a client can share two cores."""
+EXACT_FLAGS = [flag for key, value in EXACT.items() for flag in (f"--{key}", value)]
 
-    def __init__(self, args: Sequence[str], log_path: Path, startup_timeout: float = 180.0) -> None:
+
+class ServerProcess:
+    """`sloserve serve` bound to 127.0.0.1; one torch thread so a client can share two cores.
+
+    `exact` (the default) serves in engine_helpers.EXACT, so what the tests compare against the
+    offline engine or across workers is batch-shape independent; exact=False serves the defaults."""
+
+    def __init__(self, args: Sequence[str], log_path: Path, startup_timeout: float = 180.0,
+                 exact: bool = True) -> None:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         cmd = [sys.executable, "-m", "sloserve.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
-               "--num-threads", "1", *args]
+               "--num-threads", "1", *(EXACT_FLAGS if exact else []), *args]
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
         env.pop("SLOSERVE_API_KEY", None)
         self._log = open(log_path, "wb")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine_helpers import EXACT
 from sloserve import LLM, SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -50,7 +51,7 @@ def test_alone_batched_chunked_and_cached_give_identical_tokens(llm, reference_t
     alone = [llm.generate(p, GREEDY)[0].token_ids for p in PROMPTS]
     assert alone == reference_tokens
 
-    chunked = LLM(max_num_batched_tokens=32, enable_prefix_caching=True)
+    chunked = LLM(max_num_batched_tokens=32, enable_prefix_caching=True, **EXACT)
     first = chunked.generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in first] == reference_tokens
     assert chunked.engine.scheduler.stats.max_batch_size > 1
@@ -64,7 +65,7 @@ def test_alone_batched_chunked_and_cached_give_identical_tokens(llm, reference_t
 
 def test_too_small_kv_pool_preempts_and_still_matches(reference_tokens):
     # 14 blocks x 16 = 224 tokens: the longest request fits alone, not beside the others.
-    small = LLM(num_blocks=14, max_num_batched_tokens=64)
+    small = LLM(num_blocks=14, max_num_batched_tokens=64, **EXACT)
     outs = small.generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == reference_tokens
     assert small.engine.scheduler.stats.num_preemptions > 0
@@ -160,7 +161,7 @@ def test_missing_and_corrupt_models(tmp_path):
 
 
 def test_portable_attention_path_gives_the_same_tokens(reference_tokens):
-    portable = LLM(native_kernels=False, max_num_batched_tokens=64)
+    portable = LLM(native_kernels=False, max_num_batched_tokens=64, **EXACT)
     assert portable.engine.model.decode_attention is None
     outs = portable.generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == reference_tokens
@@ -171,7 +172,7 @@ def test_step_trace_records_every_step_with_its_load(tmp_path, reference_tokens)
     from sloserve.engine.step_trace import read_step_trace
 
     path = tmp_path / "steps.jsonl"
-    config = EngineConfig(step_trace=str(path), cache=CacheConfig(enable_prefix_caching=False),
+    config = EngineConfig(**EXACT, step_trace=str(path), cache=CacheConfig(enable_prefix_caching=False),
                           scheduler=SchedulerConfig(max_num_batched_tokens=64))
     traced = LLM(config=config)
     outs = traced.generate(PROMPTS, GREEDY)

@@ -7,6 +7,7 @@ import pytest
 import torch
 import transformers
 
+from engine_helpers import EXACT
 from sloserve import LLM, SamplingParams
 from test_weights import TINY_VOCAB, save_tiny_tokenizer
 
@@ -38,7 +39,7 @@ def test_greedy_matches_transformers_on_tiny_checkpoints(tmp_path, kind):
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(3, TINY_VOCAB, (n,), generator=g).tolist() for n in (5, 23, 40)]
     # Chunks of 8 make the sliding window cross chunk boundaries and cached prefixes.
-    ours = LLM(model=str(tmp_path), max_num_batched_tokens=8, num_blocks=64, block_size=4)
+    ours = LLM(model=str(tmp_path), max_num_batched_tokens=8, num_blocks=64, block_size=4, **EXACT)
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     outs = ours.generate(prompts, params)
     for prompt, out in zip(prompts, outs):

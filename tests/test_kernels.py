@@ -11,16 +11,26 @@ kernel = load_paged_decode_attention()
 pytestmark = pytest.mark.skipif(kernel is None, reason="no C++ toolchain to build the native kernel")
 
 
+# A 16-bit cache is summed in float32: against a float32 reference over the same (rounded)
+# values, only the final rounding of the output to 16 bits differs.
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("window", [0, 7])
 @pytest.mark.parametrize("heads, kv_heads", [(9, 3), (4, 4), (8, 1)])
-def test_matches_sdpa_over_gathered_blocks(window, heads, kv_heads):
+def test_matches_sdpa_over_gathered_blocks(window, heads, kv_heads, dtype):
     torch.manual_seed(0)
     bs, nb, hd = 16, 64, 64
-    k_cache, v_cache = torch.randn(nb * bs, kv_heads, hd), torch.randn(nb * bs, kv_heads, hd)
+    k_cache = torch.randn(nb * bs, kv_heads, hd).to(dtype)
+    v_cache = torch.randn(nb * bs, kv_heads, hd).to(dtype)
     ctx = torch.tensor([1, 17, 40, 100, 5, 128])
     tables = torch.stack([torch.randperm(nb)[:8] for _ in ctx])
-    q = torch.randn(len(ctx), heads, hd)
+    q = torch.randn(len(ctx), heads, hd).to(dtype)
     out = kernel(q, k_cache, v_cache, tables, ctx, bs, hd ** -0.5, window)
+    assert out.dtype == dtype
+    out, q, k_cache, v_cache = out.float(), q.float(), k_cache.float(), v_cache.float()
+    tol = TOLERANCE[dtype]
     for d, n in enumerate(ctx.tolist()):
         pos = torch.arange(max(0, n - window) if window else 0, n)
         slots = tables[d][pos // bs] * bs + pos % bs
@@ -28,15 +38,17 @@ def test_matches_sdpa_over_gathered_blocks(window, heads, kv_heads):
             q[d].unsqueeze(1).unsqueeze(0), k_cache[slots].transpose(0, 1).unsqueeze(0),
             v_cache[slots].transpose(0, 1).unsqueeze(0), enable_gqa=True, scale=hd ** -0.5,
         )[0, :, 0]
-        torch.testing.assert_close(out[d], ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(out[d], ref, rtol=tol, atol=tol)
 
 
 def test_rejects_what_it_cannot_do():
     q = torch.randn(1, 9, 64)
     cache = torch.randn(16, 3, 64)
     one = torch.zeros(1, 1, dtype=torch.long)
-    with pytest.raises(RuntimeError, match="float32"):
+    with pytest.raises(RuntimeError, match="share a dtype"):
         kernel(q.bfloat16(), cache, cache, one, torch.ones(1, dtype=torch.long), 16, 0.125, 0)
+    with pytest.raises(RuntimeError, match="int64"):
+        kernel(q, cache, cache, one.int(), torch.ones(1, dtype=torch.long), 16, 0.125, 0)
 
 
 def test_a_build_lock_left_by_a_killed_process_does_not_hang_the_engine():
@@ -48,9 +60,9 @@ def test_a_build_lock_left_by_a_killed_process_does_not_hang_the_engine():
 
     from torch.utils import cpp_extension
 
-    from sloserve.engine.kernels import STALE_LOCK_S, _cpu_tag, load_paged_decode_attention
+    from sloserve.engine.kernels import STALE_LOCK_S, cpu_tag, load_paged_decode_attention
 
-    name = f"sloserve_paged_attention_{_cpu_tag()}"
+    name = f"sloserve_paged_attention_{cpu_tag()}"
     lock = Path(cpp_extension._get_build_directory(name, verbose=False)) / "lock"
     lock.parent.mkdir(parents=True, exist_ok=True)
     lock.touch()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 
+from engine_helpers import EXACT
 from sloserve.config import EngineConfig
 from sloserve.engine.llm_engine import LLMEngine
 from sloserve.engine.migration import ResumeState, read_blocks, write_blocks
@@ -23,7 +24,7 @@ SEEDED = SamplingParams(max_tokens=48, temperature=0.9, top_p=0.95, seed=1234, i
 
 @pytest.fixture(scope="module")
 def engines() -> tuple[LLMEngine, LLMEngine]:
-    return LLMEngine(EngineConfig()), LLMEngine(EngineConfig())
+    return LLMEngine(EngineConfig(**EXACT)), LLMEngine(EngineConfig(**EXACT))
 
 
 def _step(engine: LLMEngine, fold: OutputAccumulator) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from engine_helpers import EXACT
 from sloserve import LLM
 from sloserve.config import CacheConfig, SchedulerConfig
 from sloserve.profiler import QUICK_GRID, profile_engine
@@ -24,7 +25,7 @@ MAX_TOKENS = [12, 20, 6, 15, 9, 12]
 
 def test_simulated_instance_plans_the_same_steps_as_the_engine():
     # A small pool and budget force chunking, preemption and prefix hits on both sides.
-    llm = LLM(num_blocks=14, max_num_batched_tokens=48, max_num_seqs=4)
+    llm = LLM(num_blocks=14, max_num_batched_tokens=48, max_num_seqs=4, **EXACT)
     engine = llm.engine
     prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
     params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in MAX_TOKENS]

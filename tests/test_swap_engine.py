@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine_helpers import EXACT
 from sloserve import LLM
 from sloserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from sloserve.engine.model import KVCache
@@ -16,7 +17,7 @@ from test_engine import GREEDY, PROMPTS  # noqa: E402  (the same prompts the eng
 
 
 def engine_config(num_blocks: int, mode: str = "recompute", num_host_blocks: int = 0, policy: str = "fcfs"):
-    return EngineConfig(num_threads=1, cache=CacheConfig(num_blocks=num_blocks, num_host_blocks=num_host_blocks),
+    return EngineConfig(**EXACT, num_threads=1, cache=CacheConfig(num_blocks=num_blocks, num_host_blocks=num_host_blocks),
                         scheduler=SchedulerConfig(max_num_batched_tokens=64, preemption_mode=mode, policy=policy))
 
 

@@ -21,6 +21,7 @@ class LLM:
         *,
         dtype: str = "auto",
         device: str = "auto",
+        quantization: str = "auto",
         seed: int = 0,
         max_model_len: Optional[int] = None,
         num_threads: Optional[int] = None,
@@ -38,7 +39,7 @@ class LLM:
     ):
         if config is None:
             config = EngineConfig(
-                model=model, dtype=dtype, device=device, seed=seed, max_model_len=max_model_len,
+                model=model, dtype=dtype, device=device, quantization=quantization, seed=seed, max_model_len=max_model_len,
                 num_threads=num_threads, native_kernels=native_kernels,
                 cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, kv_cache_gib=kv_cache_gib,
                                   enable_prefix_caching=enable_prefix_caching),

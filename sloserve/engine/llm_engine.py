@@ -19,6 +19,8 @@ from sloserve.engine.kernels import load_paged_decode_attention
 from sloserve.engine.migration import ResumeState
 from sloserve.engine.model import KVCache, LlamaModel
 from sloserve.engine.outputs import RequestMetrics, RequestOutput, TokenLogprob
+from sloserve.engine.precision_probe import choose_cpu_dtype, quantized_max_rows
+from sloserve.engine.quant import resolve_quantization
 from sloserve.engine.runner import KVTransferError, ModelRunner
 from sloserve.engine.step_trace import StepRecord, StepTraceWriter
 from sloserve.engine.stop_strings import StopMatcher
@@ -44,15 +46,22 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}
+
+
+def resolve_dtype(name: str, device: torch.device, model: Optional[ModelConfig] = None) -> torch.dtype:
+    """`auto`: bfloat16 on CUDA; on a CPU whichever of float32 and bfloat16 runs this model's
+    GEMMs faster here (measured once per machine: engine/precision_probe.py)."""
     if name == "auto":
-        # On CPUs without bf16 hardware bf16 matmuls are emulated and several times slower.
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-             "float16": torch.float16, "fp16": torch.float16}
-    if name not in table:
-        raise ValueError(f"unsupported dtype {name!r}; use float32 or bfloat16")
-    return table[name]
+        if device.type == "cuda":
+            return torch.bfloat16
+        if model is None:
+            return torch.float32
+        return _DTYPES[choose_cpu_dtype(model.hidden_size, model.intermediate_size).dtype]
+    if name not in _DTYPES:
+        raise ValueError(f"unsupported dtype {name!r}; use auto, float32 or bfloat16")
+    return _DTYPES[name]
 
 
 def available_cores() -> int:
@@ -90,17 +99,29 @@ class LLMEngine:
         config.scheduler.validate()
         self.clock = clock
         self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
+        resolve_dtype(config.dtype, self.device)  # a bad name fails before the model loads
         if self.device.type == "cpu":
             torch.set_num_threads(config.num_threads or available_cores())
-        loaded = load_model(config.model, dtype=self.dtype)
+        # A 4-bit file's codes are kept as stored only when they will be packed as int4.
+        keep_int4 = config.quantization in ("auto", "int4") and self.device.type == "cpu"
+        load_dtype = torch.float32 if config.dtype == "auto" and self.device.type == "cpu" else \
+            resolve_dtype(config.dtype, self.device)
+        loaded = load_model(config.model, dtype=load_dtype, keep_int4=keep_int4)
+        self.dtype = resolve_dtype(config.dtype, self.device, loaded.config)
+        self.quantization = resolve_quantization(config.quantization, loaded.precision_class, self.device)
         self.model_config: ModelConfig = loaded.config
         self.tokenizer: Tokenizer = loaded.tokenizer
         self.model_name = loaded.config.name or "model"
         decode_attention = None
-        if config.native_kernels and self.device.type == "cpu" and self.dtype == torch.float32:
+        if config.native_kernels and self.device.type == "cpu":
             decode_attention = load_paged_decode_attention()
-        self.model = LlamaModel(loaded.config, loaded.weights, self.device, self.dtype, decode_attention)
+        dense_above: dict[str, Optional[int]] = {}
+        if self.quantization != "none" and config.quantized_dense_copy:
+            for kind in {self.quantization, "int8"}:  # the LM head is int8 in both modes
+                dense_above[kind] = quantized_max_rows(loaded.config.hidden_size, loaded.config.intermediate_size,
+                                                       kind, self.dtype)
+        self.model = LlamaModel(loaded.config, loaded.weights, self.device, self.dtype, decode_attention,
+                                self.quantization, dense_above)
         del loaded
 
         cache = config.cache
@@ -137,8 +158,9 @@ class LLMEngine:
         self._ids = itertools.count()
         self._trace = StepTraceWriter(config.step_trace) if config.step_trace else None
         logger.info(
-            "engine ready: %s, %s on %s, %d KV blocks x %d tokens, context %d",
-            self.model_name, str(self.dtype).removeprefix("torch."), self.device, num_blocks, cache.block_size, context,
+            "engine ready: %s, %s (weights %s, %.0f MB; dense above %s rows) on %s, %d KV blocks x %d tokens, "
+            "context %d", self.model_name, str(self.dtype).removeprefix("torch."), self.quantization,
+            self.model.weight_bytes / 1e6, dense_above or "-", self.device, num_blocks, cache.block_size, context,
         )
 
     # ---- requests ----------------------------------------------------------------

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 import torch
 import torch.nn.functional as F
 
 from sloserve.config import ModelConfig
+from sloserve.engine.quant import DenseLinear, GroupAffine4, Int4Linear, Int8Linear, Linear, RowDispatchLinear
 
 
 @dataclass
@@ -97,36 +98,67 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 class LlamaModel:
     """Weights plus a forward function; no nn.Module bookkeeping is needed for inference."""
 
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype,
-                 decode_attention: Optional[Callable] = None):
+    def __init__(self, config: ModelConfig, weights: dict[str, Union[torch.Tensor, GroupAffine4]],
+                 device: torch.device, dtype: torch.dtype, decode_attention: Optional[Callable] = None,
+                 quantization: str = "none", dense_above: Optional[dict[str, Optional[int]]] = None):
+        """`quantization` is resolved ("none", "int8" or "int4"); `dense_above` maps a packed form
+        to the most rows its kernel serves before a dense copy takes over (None: no copy; a form
+        absent from it keeps no copy either). The LM head is packed as int8 in both quantized
+        modes: it is the most sensitive matrix."""
         self.config = config
         # A native kernel reading K/V in place (see engine/kernels); None = gather + SDPA.
         self.decode_attention = decode_attention
         self.device = device
         self.dtype = dtype
+        self.quantization = quantization
+        dense_above = dense_above or {}
 
         def w(name: str) -> torch.Tensor:
-            return weights[name].to(device=device, dtype=dtype)
+            value = weights[name]
+            if isinstance(value, GroupAffine4):
+                value = value.dequantize()
+            return value.to(device=device, dtype=dtype)
 
-        self.embed = w("model.embed_tokens.weight")
-        self.lm_head = self.embed if config.tie_word_embeddings or "lm_head.weight" not in weights else w("lm_head.weight")
+        def linear(names: list[str], bias: list[str] = (), kind: str = quantization) -> Linear:
+            # Fusing q/k/v and gate/up makes two GEMMs out of five: fewer, larger calls.
+            b = torch.cat([w(n) for n in bias]) if bias else None
+            max_rows = dense_above.get(kind)
+            if kind == "none" or max_rows == 0:
+                return DenseLinear(torch.cat([w(n) for n in names]), b)
+            if kind == "int4":
+                parts = [v if isinstance(v, GroupAffine4) else GroupAffine4.quantize(v)
+                         for v in (weights[n] for n in names)]
+                packed: Union[Int4Linear, Int8Linear] = Int4Linear(GroupAffine4.cat(parts), b)
+            else:
+                packed = Int8Linear(torch.cat([w(n) for n in names]), b)
+            # The dense copy holds the packed form's own weights, so a request computes with the
+            # same numbers whichever kernel its step runs.
+            dense = None if max_rows is None else DenseLinear(packed.dequantized(dtype).to(device), b)
+            if isinstance(packed, Int4Linear):
+                packed.drop_codes()
+            return packed if dense is None else RowDispatchLinear(packed, dense, max_rows)
+
+        tied = config.tie_word_embeddings or "lm_head.weight" not in weights
+        head_name = "model.embed_tokens.weight" if tied else "lm_head.weight"
+        self.lm_head = linear([head_name], kind="none" if quantization == "none" else "int8")
+        dense_head = self.lm_head if isinstance(self.lm_head, DenseLinear) else getattr(self.lm_head, "large", None)
+        if not tied:
+            self.embed: Optional[torch.Tensor] = w("model.embed_tokens.weight")
+        else:  # a tied table shares the head's dense weight, or reads its rows from the int8 codes
+            self.embed = dense_head.weight if dense_head is not None else None
         self.norm = w("model.norm.weight")
         self.layers = []
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
-            # Fusing q/k/v and gate/up makes two GEMMs out of five: fewer, larger calls.
-            layer = {
+            qkv_bias = [p + f"self_attn.{x}_proj.bias" for x in "qkv"] if config.attention_bias else []
+            self.layers.append({
                 "in_norm": w(p + "input_layernorm.weight"),
-                "qkv": torch.cat([w(p + f"self_attn.{x}_proj.weight") for x in "qkv"]),
-                "o": w(p + "self_attn.o_proj.weight"),
+                "qkv": linear([p + f"self_attn.{x}_proj.weight" for x in "qkv"], qkv_bias),
+                "o": linear([p + "self_attn.o_proj.weight"]),
                 "post_norm": w(p + "post_attention_layernorm.weight"),
-                "gate_up": torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]),
-                "down": w(p + "mlp.down_proj.weight"),
-                "qkv_bias": None,
-            }
-            if config.attention_bias:
-                layer["qkv_bias"] = torch.cat([w(p + f"self_attn.{x}_proj.bias") for x in "qkv"])
-            self.layers.append(layer)
+                "gate_up": linear([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
+                "down": linear([p + "mlp.down_proj.weight"]),
+            })
         inv_freq = rope_inv_freq(config).to(device)
         t = torch.arange(config.max_position_embeddings, device=device, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)
@@ -136,6 +168,21 @@ class LlamaModel:
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
         self.scale = config.head_dim ** -0.5
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.embed is not None:
+            return F.embedding(ids, self.embed)
+        return self.lm_head.rows(ids, self.dtype)
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes the weights occupy in the form the forward reads them."""
+        linears = [self.lm_head] + [layer[k] for layer in self.layers for k in ("qkv", "o", "gate_up", "down")]
+        head = getattr(self.lm_head, "large", self.lm_head)
+        shared = self.embed is None or self.embed is getattr(head, "weight", None)  # tied
+        dense = [self.norm] + ([] if shared else [self.embed])
+        dense += [layer[k] for layer in self.layers for k in ("in_norm", "post_norm")]
+        return sum(lin.nbytes for lin in linears) + sum(t.numel() * t.element_size() for t in dense)
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
@@ -174,12 +221,12 @@ class LlamaModel:
         nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         cos = self.cos[batch.positions].unsqueeze(1)
         sin = self.sin[batch.positions].unsqueeze(1)
-        h = F.embedding(batch.input_ids, self.embed)
+        h = self._embed(batch.input_ids)
         D = batch.num_decodes
         prefill_masks = {span.token_start: self._prefill_mask(span) for span in batch.prefills}
         for li, layer in enumerate(self.layers):
             x = self._rms_norm(h, layer["in_norm"])
-            qkv = F.linear(x, layer["qkv"], layer["qkv_bias"])
+            qkv = layer["qkv"](x)
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = self._rope(q.view(T, nh, hd), cos, sin)
             k = self._rope(k.view(T, nkv, hd), cos, sin)
@@ -216,9 +263,9 @@ class LlamaModel:
                     attn_mask=mask, is_causal=causal, scale=self.scale, enable_gqa=True,
                 )
                 attn[s:s + n] = out.squeeze(0).transpose(0, 1)
-            h = h + F.linear(attn.view(T, self.q_size), layer["o"])
+            h = h + layer["o"](attn.view(T, self.q_size))
             x = self._rms_norm(h, layer["post_norm"])
-            gate, up = F.linear(x, layer["gate_up"]).chunk(2, dim=-1)
-            h = h + F.linear(F.silu(gate) * up, layer["down"])
+            gate, up = layer["gate_up"](x).chunk(2, dim=-1)
+            h = h + layer["down"](F.silu(gate) * up)
         h = self._rms_norm(h[batch.sample_indices], self.norm)
-        return F.linear(h, self.lm_head).float()
+        return self.lm_head(h).float()

@@ -14,12 +14,13 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import numpy as np
 import torch
 
 from sloserve.config import ModelConfig
+from sloserve.engine.quant import GGUF_INT4_TYPES, GroupAffine4
 from sloserve.engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -73,9 +74,10 @@ _QKV_BIASES = ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_pr
 @dataclass
 class LoadedModel:
     config: ModelConfig
-    weights: dict[str, torch.Tensor]
+    weights: dict[str, Union[torch.Tensor, GroupAffine4]]  # GroupAffine4 only when loaded with keep_int4
     tokenizer: Tokenizer
     source: str  # the file or directory the model came from
+    precision_class: Optional[str] = None  # "int4"/"int8" when the file's layers are quantized that way
 
 
 # ---------------------------------------------------------------------- entry points
@@ -107,15 +109,19 @@ def embedded_model_path() -> str:
     )
 
 
-def load_model(path: str | os.PathLike | None = None, dtype: torch.dtype = torch.float32) -> LoadedModel:
-    """Load a model: None = the embedded SmolLM2, a `.gguf` file, or a Hugging Face directory."""
+def load_model(path: str | os.PathLike | None = None, dtype: torch.dtype = torch.float32,
+               keep_int4: bool = False) -> LoadedModel:
+    """Load a model: None = the embedded SmolLM2, a `.gguf` file, or a Hugging Face directory.
+
+    With `keep_int4`, Q4_0/Q4_1 matrices of a GGUF file come back as `GroupAffine4` (the file's
+    codes, scales and minimums) instead of dequantized tensors."""
     resolved = _resolve(path)
     if resolved.is_dir():
         gguf_file = _single_gguf_in(resolved)
         if gguf_file is None:
             return _load_hf_dir(resolved, dtype)
         resolved = gguf_file
-    return _load_gguf(resolved, dtype)
+    return _load_gguf(resolved, dtype, keep_int4)
 
 
 def load_tokenizer(path: str | os.PathLike | None = None) -> Tokenizer:
@@ -252,7 +258,20 @@ def _unpermute_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, rows // n_head // 2, 2, *rest).transpose(1, 2).reshape(w.shape)
 
 
-def _load_gguf(path: Path, dtype: torch.dtype) -> LoadedModel:
+def _map_rows(value, fn):
+    return value.map_rows(fn) if isinstance(value, GroupAffine4) else fn(value)
+
+
+def _precision_class(layer_types: set[str]) -> Optional[str]:
+    """What the file's layer matrices hold: "int4", "int8", or None for float weights."""
+    if any(t.startswith(("Q4", "Q3", "Q2", "IQ")) for t in layer_types):
+        return "int4"
+    if any(t.startswith(("Q8", "Q6", "Q5")) for t in layer_types):
+        return "int8"
+    return None
+
+
+def _load_gguf(path: Path, dtype: torch.dtype, keep_int4: bool) -> LoadedModel:
     import gguf
 
     reader = _open_gguf(path)
@@ -266,7 +285,8 @@ def _load_gguf(path: Path, dtype: torch.dtype) -> LoadedModel:
     if not n_head:
         raise ValueError(f"{path}: GGUF metadata lacks {arch}.attention.head_count")
 
-    weights: dict[str, torch.Tensor] = {}
+    weights: dict[str, Union[torch.Tensor, GroupAffine4]] = {}
+    layer_types: set[str] = set()
     for tensor in reader.tensors:
         name = _hf_name(tensor.name)
         if name is None:
@@ -283,18 +303,24 @@ def _load_gguf(path: Path, dtype: torch.dtype) -> LoadedModel:
         expected_bytes = gguf.quants.quant_shape_to_byte_shape(shape, tensor.tensor_type)
         if int(np.prod(expected_bytes)) != tensor.data.nbytes:
             raise ValueError(f"{path}: tensor {tensor.name} data is truncated")
-        try:
-            array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-        except Exception as exc:
-            raise ValueError(f"{path}: cannot dequantize {tensor.name} ({kind}): {_one_line(exc)}") from exc
-        if not array.flags.writeable:  # F32 comes back as a view of the read-only file map
-            array = np.array(array)
-        value = torch.from_numpy(array).reshape(shape)
+        if name.startswith("model.layers."):
+            layer_types.add(kind)
+        value: Union[torch.Tensor, GroupAffine4]
+        if keep_int4 and kind in GGUF_INT4_TYPES and len(shape) == 2:
+            value = GroupAffine4.from_gguf(tensor.data, kind, shape)  # packed later from the file's own codes
+        else:
+            try:
+                array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+            except Exception as exc:
+                raise ValueError(f"{path}: cannot dequantize {tensor.name} ({kind}): {_one_line(exc)}") from exc
+            if not array.flags.writeable:  # F32 comes back as a view of the read-only file map
+                array = np.array(array)
+            value = torch.from_numpy(array).reshape(shape)
         if arch == "llama" and tensor.name.endswith(("attn_q.weight", "attn_q.bias")):
-            value = _unpermute_rows(value, int(n_head))
+            value = _map_rows(value, lambda t: _unpermute_rows(t, int(n_head)))
         elif arch == "llama" and tensor.name.endswith(("attn_k.weight", "attn_k.bias")):
-            value = _unpermute_rows(value, int(n_kv))
-        weights[name] = value.to(dtype).contiguous()
+            value = _map_rows(value, lambda t: _unpermute_rows(t, int(n_kv)))
+        weights[name] = value if isinstance(value, GroupAffine4) else value.to(dtype).contiguous()
 
     if "model.embed_tokens.weight" not in weights:
         raise ValueError(f"{path}: no token_embd.weight tensor")
@@ -305,7 +331,8 @@ def _load_gguf(path: Path, dtype: torch.dtype) -> LoadedModel:
     _check_tokenizer(path, config, tokenizer)
     logger.info("loaded %s: %s, %d layers, %.1fM parameters", path.name, config.architecture,
                 config.num_layers, config.num_params / 1e6)
-    return LoadedModel(config=config, weights=weights, tokenizer=tokenizer, source=str(path))
+    return LoadedModel(config=config, weights=weights, tokenizer=tokenizer, source=str(path),
+                       precision_class=_precision_class(layer_types))
 
 
 # ---------------------------------------------------------------------- Hugging Face directory

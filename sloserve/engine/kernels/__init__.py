@@ -19,7 +19,7 @@ logger = logging.getLogger(__name__)
 _SOURCE = Path(__file__).with_name("paged_attention.cpp")
 
 
-def _cpu_tag() -> str:
+def cpu_tag() -> str:
     """Builds use -march=native: key the cache by the CPU's features, so a cached build is
     never loaded on a machine it would crash on."""
     flags = platform.machine()
@@ -66,7 +66,7 @@ def _drop_stale_build_lock(name: str) -> None:
 def load_paged_decode_attention() -> Optional[Callable]:
     """The compiled CPU decode-attention kernel, or None (with a logged reason) if it cannot be built."""
     _put_ninja_on_path()
-    name = f"sloserve_paged_attention_{_cpu_tag()}"
+    name = f"sloserve_paged_attention_{cpu_tag()}"
     try:
         from torch.utils import cpp_extension
 
@@ -85,4 +85,4 @@ def load_paged_decode_attention() -> Optional[Callable]:
     return module.paged_decode_attention
 
 
-__all__ = ["load_paged_decode_attention"]
+__all__ = ["cpu_tag", "load_paged_decode_attention"]

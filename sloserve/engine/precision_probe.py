@@ -1,0 +1,161 @@
+"""Measured, per machine: which float type runs this model fastest on a CPU, and up to how many
+rows a step's weight-only quantized linears beat the dense ones.
+
+Whether bf16 pays depends on the CPU, not on the model: with AVX512-BF16 or AMX a bf16 GEMM
+reads half the bytes and runs on wider units; without them torch emulates it and it is several
+times slower than float32. Machines change from day to day, so the engine measures rather than
+reads a flag list. The probe cycles through more weight matrices than the caches hold (a decode
+step streams every weight from memory) at a memory-bound, a middle and a compute-bound row
+count, and takes ~1 s; the answer is cached per CPU (model and feature flags), torch version,
+thread count and shape, so only the first start on a machine pays for it.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from sloserve.engine.kernels import cpu_tag
+from sloserve.engine.quant import DenseLinear, GroupAffine4, Int4Linear, Int8Linear
+
+logger = logging.getLogger(__name__)
+
+PROBE_ROWS = (1, 16, 128)  # a single decode, a small batch, a prefill chunk
+BF16_MARGIN = 0.9  # bf16 must be >= 10% faster (geometric mean over PROBE_ROWS) to be chosen
+_WEIGHT_SET_BYTES = 64 * 2**20  # float32 bytes of matrices cycled through: more than a CPU's last-level cache
+
+
+@dataclass
+class ProbeResult:
+    dtype: str  # "float32" or "bfloat16"
+    bf16_over_fp32: dict[int, float]  # time ratio per row count (below 1: bf16 faster)
+    key: str
+
+
+def default_cache_path() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "sloserve" / "dtype-probe.json"
+
+
+def _key(*parts: object) -> str:
+    return "|".join([cpu_tag(), f"torch {torch.__version__}", f"threads {torch.get_num_threads()}", *map(str, parts)])
+
+
+def choose_cpu_dtype(hidden: int, intermediate: int, cache_path: Optional[Path] = None) -> ProbeResult:
+    """The faster of float32 and bfloat16 for a model of these widths on this CPU (cached)."""
+    cache_path = cache_path or default_cache_path()
+    key = _key(f"{hidden}x{intermediate}")
+    cached = _read_cache(cache_path).get(key)
+    if cached is not None:
+        return ProbeResult(cached["dtype"], {int(k): v for k, v in cached["bf16_over_fp32"].items()}, key)
+    fp32 = _DenseSet(hidden, intermediate, torch.float32)
+    bf16 = _DenseSet(hidden, intermediate, torch.bfloat16)
+    ratios = {rows: bf16.seconds(rows) / fp32.seconds(rows) for rows in PROBE_ROWS}
+    mean = math.exp(sum(math.log(r) for r in ratios.values()) / len(ratios))
+    result = ProbeResult("bfloat16" if mean < BF16_MARGIN else "float32", ratios, key)
+    logger.info("dtype probe: bf16/fp32 time %s -> %s", {k: round(v, 2) for k, v in ratios.items()}, result.dtype)
+    _write_cache(cache_path, key, {"dtype": result.dtype, "bf16_over_fp32": ratios})
+    return result
+
+
+CROSSOVER_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def quantized_max_rows(hidden: int, intermediate: int, quantization: str, dtype: torch.dtype,
+                       cache_path: Optional[Path] = None) -> Optional[int]:
+    """The most rows for which `quantization` ("int8"/"int4") linears are at least as fast as
+    dense `dtype` ones at every row count up to it (0: never), or None when they win at every
+    probed size, so no dense copy is worth its memory (cached like the dtype)."""
+    cache_path = cache_path or default_cache_path()
+    key = _key(f"{hidden}x{intermediate}", quantization, str(dtype).removeprefix("torch."))
+    entries = _read_cache(cache_path)
+    if key in entries:
+        return entries[key]["max_rows"]
+    dense, packed = _DenseSet(hidden, intermediate, dtype), _QuantizedSet(hidden, intermediate, quantization)
+    max_rows: Optional[int] = None
+    times = {}
+    for rows in CROSSOVER_ROWS:
+        times[rows] = (packed.seconds(rows), dense.seconds(rows))
+        if times[rows][0] > times[rows][1]:
+            max_rows = rows // 2 if rows > 1 else 0
+            break
+    logger.info("%s probe: (packed, dense) seconds per row count %s -> dense above %s rows", quantization,
+                times, max_rows)
+    _write_cache(cache_path, key, {"max_rows": max_rows})
+    return max_rows
+
+
+class _WeightSet:
+    """Matrices of one [2*intermediate, hidden] shape, more bytes of them (in their stored form)
+    than the caches hold, so each is read from memory as in a real step."""
+
+    def __init__(self, hidden: int, intermediate: int, bytes_per_element: float, make):
+        count = max(2, int(_WEIGHT_SET_BYTES // (2 * intermediate * hidden * bytes_per_element)))
+        gen = torch.Generator().manual_seed(0)
+        self.linears = [make(torch.randn(2 * intermediate, hidden, generator=gen)) for _ in range(count)]
+        self.hidden = hidden
+
+    def seconds(self, rows: int) -> float:
+        """Seconds per matrix for [rows, hidden] (best of 3 passes over the set)."""
+        x = self.input(torch.randn(rows, self.hidden, generator=torch.Generator().manual_seed(1)))
+        best = math.inf
+        with torch.inference_mode():
+            for linear in self.linears[:2]:
+                linear(x)  # warm-up: kernel selection, first touch
+            for _ in range(3):
+                start = time.perf_counter()
+                for linear in self.linears:
+                    linear(x)
+                best = min(best, time.perf_counter() - start)
+        return best / len(self.linears)
+
+    def input(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+class _DenseSet(_WeightSet):
+    def __init__(self, hidden: int, intermediate: int, dtype: torch.dtype):
+        self.dtype = dtype
+        super().__init__(hidden, intermediate, torch.finfo(dtype).bits / 8, lambda w: DenseLinear(w.to(dtype)))
+
+    def input(self, x: torch.Tensor) -> torch.Tensor:
+        return x.to(self.dtype)
+
+
+class _QuantizedSet(_WeightSet):
+    def __init__(self, hidden: int, intermediate: int, quantization: str):
+        if quantization == "int8":
+            super().__init__(hidden, intermediate, 1, Int8Linear)
+        elif quantization == "int4":
+            super().__init__(hidden, intermediate, 0.5, lambda w: Int4Linear(GroupAffine4.quantize(w)))
+        else:
+            raise ValueError(f"no packed kernel for quantization {quantization!r}")
+
+    def input(self, x: torch.Tensor) -> torch.Tensor:
+        return x.to(torch.bfloat16)
+
+
+def _read_cache(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_cache(path: Path, key: str, value: dict) -> None:
+    try:
+        entries = _read_cache(path)
+        entries[key] = value
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(entries, indent=1, sort_keys=True))
+        tmp.replace(path)  # atomic: engines starting side by side never read half a file
+    except OSError as exc:  # a read-only home only costs the next start another probe
+        logger.warning("could not cache the dtype probe in %s: %s", path, exc)

@@ -1,0 +1,201 @@
+"""Weight-only quantization: the packed weight forms and the linears that read them.
+
+A decode step at a handful of sequences reads every weight once and does little arithmetic
+with it, so its time is the bytes read: int8 weights read a quarter of float32's, int4 an
+eighth. Activations stay 16-bit (torch's CPU kernels `_weight_int8pack_mm` and
+`_weight_int4pack_mm_for_cpu` take bfloat16 activations; float32 ones are cast in and out).
+
+4-bit GGUF tensors (Q4_0, Q4_1) are packed from their own codes, scales and minimums, so the
+weights the engine computes with are the file's, not a re-quantization of a dequantized copy.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Protocol
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+QUANTIZATIONS = ("auto", "none", "int8", "int4")
+INT4_GROUP = 32  # elements per scale/offset group along the input dimension (GGUF's block size)
+
+
+class Linear(Protocol):
+    """y = x W^T (+ b) for x of shape [rows, in_features], in whatever form W is stored."""
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    @property
+    def nbytes(self) -> int: ...
+
+
+@dataclass
+class GroupAffine4:
+    """4-bit codes with a scale and an offset per group of INT4_GROUP inputs: w = scale * q + offset.
+
+    The neutral form between a file's 4-bit blocks and a kernel's packing; row operations
+    (concatenation, llama.cpp's Q/K row permutation) apply to codes, scales and offsets alike."""
+
+    codes: torch.Tensor  # uint8 [out, in], values 0..15
+    scale: torch.Tensor  # float32 [out, in // INT4_GROUP]
+    offset: torch.Tensor  # float32 [out, in // INT4_GROUP]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.codes.shape)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        out, inp = self.shape
+        q = self.codes.view(out, inp // INT4_GROUP, INT4_GROUP).float()
+        w = q * self.scale.unsqueeze(-1) + self.offset.unsqueeze(-1)
+        return w.view(out, inp).to(dtype)
+
+    def map_rows(self, fn) -> "GroupAffine4":
+        """The same rows rearranged by `fn` (a function of a tensor with rows first)."""
+        return GroupAffine4(fn(self.codes).contiguous(), fn(self.scale).contiguous(), fn(self.offset).contiguous())
+
+    @staticmethod
+    def cat(parts: list["GroupAffine4"]) -> "GroupAffine4":
+        return GroupAffine4(torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]),
+                            torch.cat([p.offset for p in parts]))
+
+    @staticmethod
+    def quantize(w: torch.Tensor) -> "GroupAffine4":
+        """Round-to-nearest between each group's minimum and maximum (for weights not already 4-bit)."""
+        out, inp = w.shape
+        if inp % INT4_GROUP:
+            raise ValueError(f"int4 needs in_features divisible by {INT4_GROUP}, got {inp}")
+        g = w.float().view(out, inp // INT4_GROUP, INT4_GROUP)
+        lo, hi = g.amin(-1), g.amax(-1)
+        scale = ((hi - lo) / 15).clamp_min(1e-12)
+        q = ((g - lo.unsqueeze(-1)) / scale.unsqueeze(-1)).round().clamp(0, 15).to(torch.uint8)
+        return GroupAffine4(q.view(out, inp), scale, lo)
+
+    @staticmethod
+    def from_gguf(raw: np.ndarray, kind: str, shape: tuple[int, int]) -> "GroupAffine4":
+        """Q4_0 (scale d, codes centred on 8) or Q4_1 (scale d, minimum m) blocks of 32, as stored.
+
+        Each block is its fp16 scale (and, for Q4_1, fp16 minimum), then 16 bytes whose low
+        nibbles are elements 0-15 and high nibbles elements 16-31."""
+        out, inp = shape
+        header = {"Q4_0": 2, "Q4_1": 4}[kind]
+        blocks = np.asarray(raw, dtype=np.uint8).reshape(out, inp // INT4_GROUP, header + INT4_GROUP // 2)
+        d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+        if kind == "Q4_1":
+            m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        else:
+            m = -8.0 * d
+        nibbles = blocks[..., header:]
+        codes = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1).reshape(out, inp)
+        return GroupAffine4(torch.from_numpy(codes), torch.from_numpy(d), torch.from_numpy(m))
+
+
+GGUF_INT4_TYPES = ("Q4_0", "Q4_1")
+
+
+class DenseLinear:
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None):
+        self.weight, self.bias = weight, bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    @property
+    def nbytes(self) -> int:
+        return _nbytes(self.weight, self.bias)
+
+
+class Int8Linear:
+    """Symmetric int8 per output channel: w = scale[row] * q."""
+
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None):
+        w = weight.float()
+        scale = (w.abs().amax(1) / 127).clamp_min(1e-12)
+        self.codes = (w / scale.unsqueeze(1)).round().clamp(-127, 127).to(torch.int8).contiguous()
+        self.scale = scale.to(torch.bfloat16)
+        self.bias = bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.codes, self.scale).to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Dequantized rows: an int8 embedding table shares the tied LM head's codes."""
+        return (self.codes[ids].float() * self.scale[ids].float().unsqueeze(-1)).to(dtype)
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weights this kernel computes with (its bf16 scales included), as a dense matrix."""
+        return self.rows(torch.arange(self.codes.shape[0]), dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return _nbytes(self.codes, self.scale, self.bias)
+
+
+class Int4Linear:
+    """Group-wise affine int4 in torch's CPU packing (scales and offsets in bfloat16)."""
+
+    def __init__(self, weight: GroupAffine4, bias: Optional[torch.Tensor] = None):
+        out, inp = weight.shape
+        # torch's kernel dequantizes as (q - 8) * scale + zero.
+        zero = weight.offset + 8 * weight.scale
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(weight.codes.to(torch.int32).contiguous(), 1)
+        self.scales_zeros = torch.stack([weight.scale.t(), zero.t()], dim=-1).to(torch.bfloat16).contiguous()
+        self.bias = bias
+        self._codes = weight.codes  # kept only until dequantized() is asked for (or dropped)
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weights this kernel computes with (bf16 scales and zeros included), as a dense
+        matrix: a dense copy for large steps that differs from the packed form only in the
+        order of the sums."""
+        out, inp = self._codes.shape
+        scale = self.scales_zeros[..., 0].t().float().unsqueeze(-1)
+        zero = self.scales_zeros[..., 1].t().float().unsqueeze(-1)
+        q = self._codes.view(out, inp // INT4_GROUP, INT4_GROUP).float()
+        return ((q - 8) * scale + zero).view(out, inp).to(dtype)
+
+    def drop_codes(self) -> None:
+        self._codes = None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed, INT4_GROUP,
+                                                        self.scales_zeros).to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+    @property
+    def nbytes(self) -> int:
+        return _nbytes(self.packed, self.scales_zeros, self.bias)
+
+
+class RowDispatchLinear:
+    """A quantized form for small batches and a dense one for large: weight-only kernels win
+    while a step is memory-bound (few rows) and lose to the dense GEMM once it is compute-bound.
+    The crossover is measured per machine (engine/precision_probe.py)."""
+
+    def __init__(self, small: Linear, large: DenseLinear, max_small_rows: int):
+        self.small, self.large, self.max_small_rows = small, large, max_small_rows
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.small(x) if x.shape[0] <= self.max_small_rows else self.large(x)
+
+    @property
+    def nbytes(self) -> int:
+        return self.small.nbytes + self.large.nbytes
+
+
+def _nbytes(*tensors: Optional[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def resolve_quantization(name: str, file_class: Optional[str], device: torch.device) -> str:
+    """`auto` keeps the file's own precision class (int4 for 4-bit GGUF layers, int8 for 8-bit,
+    none for float weights); the packed kernels are CPU-only, so CUDA gets none."""
+    if name not in QUANTIZATIONS:
+        raise ValueError(f"unsupported quantization {name!r}; use one of {', '.join(QUANTIZATIONS)}")
+    if name == "auto":
+        return file_class if device.type == "cpu" and file_class else "none"
+    if name != "none" and device.type != "cpu":
+        raise ValueError(f"--quantization {name} runs on CPU only (torch's packed weight-only kernels); "
+                         f"use --quantization none on {device.type}")
+    return name

@@ -1,0 +1,171 @@
+"""Reduced precision and weight-only quantization: the packed forms are the weights they claim to
+be, the linears compute with them, `auto` chooses by measuring, and every precision stays within
+the quality tolerance written down in engine/quality.py (perplexity on held-out ShareGPT text and
+greedy top-1 agreement with the float32 reference, on the embedded model)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType as Q
+
+from engine_helpers import EXACT
+from sloserve.config import EngineConfig
+from sloserve.engine.llm import LLM
+from sloserve.engine.precision_probe import choose_cpu_dtype, quantized_max_rows
+from sloserve.engine.quality import TOLERANCES, greedy_agreement, load_texts, perplexity, top1_agreement
+from sloserve.engine.quant import (DenseLinear, GroupAffine4, Int4Linear, Int8Linear, RowDispatchLinear,
+                                   resolve_quantization)
+from sloserve.engine.weights import load_model
+from sloserve.types import SamplingParams
+from test_weights import random_hf_weights, write_tiny_gguf
+
+HELDOUT = Path(__file__).with_name("data") / "heldout_sharegpt.jsonl"
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1], ids=lambda q: q.name)
+def test_4bit_gguf_matrices_load_as_the_files_own_codes(tmp_path, qtype):
+    """Kept packed, a Q4_0/Q4_1 matrix holds exactly the values the dequantizing load returns,
+    Q/K row permutation included."""
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, random_hf_weights(0, tied=True, bias=False), qtype)
+    dense = load_model(str(path)).weights
+    packed = load_model(str(path), keep_int4=True)
+    assert packed.precision_class == "int4"
+    kept = {n: v for n, v in packed.weights.items() if isinstance(v, GroupAffine4)}
+    assert any("q_proj" in n for n in kept) and any("down_proj" in n for n in kept)
+    for name, value in kept.items():
+        assert torch.equal(value.dequantize(), dense[name]), name
+
+
+@pytest.mark.parametrize("rows", [1, 5, 40])
+def test_packed_linears_compute_with_their_own_weights(rows):
+    torch.manual_seed(0)
+    w, b = torch.randn(96, 128) * 0.05, torch.randn(96) * 0.1
+    x = torch.randn(rows, 128, dtype=torch.bfloat16)
+    for packed in (Int8Linear(w, b), Int4Linear(GroupAffine4.quantize(w), b)):
+        ref = F.linear(x.float(), packed.dequantized(torch.float32), b)
+        got = packed(x).float()
+        assert got.dtype == torch.float32 and got.shape == (rows, 96)
+        assert (got - ref).norm() / ref.norm() < 1e-2, type(packed).__name__
+        # The packed form really is an approximation of w, not a copy of it.
+        assert 0 < (packed.dequantized(torch.float32) - w).abs().max() < 0.05 * w.abs().max()
+
+
+def test_row_dispatch_sends_small_steps_to_the_packed_kernel():
+    torch.manual_seed(0)
+    w = torch.randn(64, 96)
+    packed = Int4Linear(GroupAffine4.quantize(w))
+    dense = DenseLinear(packed.dequantized(torch.bfloat16))
+    both = RowDispatchLinear(packed, dense, max_small_rows=4)
+    for rows, expected in ((1, packed), (4, packed), (5, dense), (64, dense)):
+        x = torch.randn(rows, 96, dtype=torch.bfloat16)
+        assert torch.equal(both(x), expected(x)), rows
+    assert both.nbytes == packed.nbytes + dense.nbytes
+
+
+def test_quantization_names_resolve_per_device():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_quantization("auto", "int4", cpu) == "int4"
+    assert resolve_quantization("auto", None, cpu) == "none"
+    assert resolve_quantization("auto", "int4", cuda) == "none"
+    assert resolve_quantization("int8", None, cpu) == "int8"
+    with pytest.raises(ValueError, match="CPU only"):
+        resolve_quantization("int4", None, cuda)
+    with pytest.raises(ValueError, match="unsupported quantization"):
+        resolve_quantization("fp8", None, cpu)
+
+
+def test_the_probes_measure_once_and_then_read_their_cache(tmp_path):
+    cache = tmp_path / "probe.json"
+    result = choose_cpu_dtype(64, 128, cache)
+    mean = float(np.exp(np.mean(np.log(list(result.bf16_over_fp32.values())))))
+    assert result.dtype == ("bfloat16" if mean < 0.9 else "float32")
+    rows = quantized_max_rows(64, 128, "int4", torch.bfloat16, cache)
+    assert rows is None or rows in (0, 1, 2, 4, 8, 16, 32, 64, 128)
+    entries = json.loads(cache.read_text())
+    assert result.key in entries and len(entries) == 2
+    # What the cache says is what the next engine start uses: no second measurement.
+    flipped = "float32" if result.dtype == "bfloat16" else "bfloat16"
+    entries[result.key]["dtype"] = flipped
+    cache.write_text(json.dumps(entries))
+    assert choose_cpu_dtype(64, 128, cache).dtype == flipped
+
+
+@pytest.fixture(scope="module")
+def heldout_ids(llm):
+    return [llm.tokenizer.encode(t)[:192] for t in load_texts(HELDOUT, 16)]
+
+
+@pytest.fixture(scope="module")
+def reference_ppl(llm, heldout_ids):
+    return perplexity(llm.engine.model, heldout_ids)
+
+
+# Each precision alone, its packed kernels scored without the dense copy (which prefill would use).
+PRECISIONS = {
+    "bfloat16": dict(dtype="bfloat16", quantization="none"),
+    "int8": dict(dtype="bfloat16", quantization="int8", quantized_dense_copy=False),
+    "int4": dict(dtype="bfloat16", quantization="int4", quantized_dense_copy=False),
+}
+
+
+@pytest.mark.parametrize("name", list(PRECISIONS))
+def test_each_precision_stays_within_its_quality_tolerance(llm, heldout_ids, reference_ppl, name):
+    candidate = LLM(config=EngineConfig(**PRECISIONS[name]))
+    model = candidate.engine.model
+    tolerance = TOLERANCES[name]
+    ratio = perplexity(model, heldout_ids) / reference_ppl
+    assert ratio <= tolerance.max_perplexity_ratio, (name, ratio)
+    agreement = top1_agreement(llm.engine.model, model, heldout_ids)
+    assert agreement >= tolerance.min_top1_agreement, (name, agreement)
+    exact = llm.engine.model.weight_bytes
+    assert model.weight_bytes < {"bfloat16": 0.51, "int8": 0.3, "int4": 0.2}[name] * exact
+
+
+def test_the_default_engine_generates_what_the_reference_does_within_tolerance(llm, heldout_ids):
+    """The default (dtype and quantization auto) on this machine: whatever it picked, its greedy
+    generations start as the float32 reference's and its per-step choices agree within the
+    loosest tolerance of the precisions it may have picked."""
+    default = LLM()
+    assert default.engine.quantization == "int4"  # the embedded GGUF is Q4_1: auto keeps its class
+    prompts = [ids[:32] for ids in heldout_ids[:8]]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    ref = [o.token_ids for o in llm.generate(prompts, params)]
+    got = [o.token_ids for o in default.generate(prompts, params)]
+    assert all(len(t) == 24 for t in got)
+    assert greedy_agreement(ref, got).prefix_fraction > 0.3
+    loosest = min(t.min_top1_agreement for t in TOLERANCES.values())
+    assert top1_agreement(llm.engine.model, default.engine.model, heldout_ids) >= loosest
+    assert default.engine.kv.num_free_blocks == default.engine.kv.num_blocks
+
+
+def test_exact_configuration_is_unchanged(llm):
+    assert llm.engine.dtype == torch.float32 and llm.engine.quantization == "none"
+    assert isinstance(llm.engine.model.lm_head, DenseLinear)
+
+
+def test_the_default_server_serves_the_fast_precision(tmp_path):
+    """`sloserve serve` with no precision flags: the file's int4 codes (and whatever dtype the
+    probe picked), streamed through the official client like any other model."""
+    import openai
+
+    from server_helpers import ServerProcess
+
+    server = ServerProcess([], tmp_path / "serve.log", exact=False)
+    try:
+        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        model = client.models.list().data[0].id
+        stream = client.completions.create(model=model, prompt="Once upon a time", max_tokens=16, temperature=0,
+                                           stream=True, stream_options={"include_usage": True},
+                                           extra_body={"ignore_eos": True})
+        chunks = list(stream)
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        assert chunks[-1].usage.completion_tokens == 16 and text.strip()
+        assert "weights int4" in server.log()
+    finally:
+        server.kill()
