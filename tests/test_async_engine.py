@@ -91,3 +91,33 @@ def test_liveness_follows_the_loop_thread(llm):
     assert engine.is_alive
     engine.shutdown()
     assert not engine.is_alive
+
+
+def test_a_factory_builds_the_engine_on_the_engine_thread_and_its_errors_reach_the_caller(tmp_path):
+    """Servers load and step on one thread (one OpenMP pool: a second, idle pool beside the
+    stepping thread's slowed every parallel region by half); a load that fails raises here."""
+    import threading
+
+    from engine_helpers import EXACT
+
+    from sloserve.config import CacheConfig, EngineConfig
+    from sloserve.engine.llm_engine import LLMEngine
+
+    built_on = []
+
+    def build() -> LLMEngine:
+        built_on.append(threading.current_thread().name)
+        return LLMEngine(EngineConfig(**EXACT, num_threads=1, cache=CacheConfig(num_blocks=64)))
+
+    engine = AsyncLLMEngine(build)
+    try:
+        assert built_on == ["sloserve-engine"] and engine.is_alive
+
+        async def one():
+            return [out async for out in engine.generate("Hello", SamplingParams(max_tokens=3, temperature=0))]
+
+        assert sum(len(o.delta_token_ids) for o in asyncio.run(one())) == 3
+    finally:
+        engine.shutdown()
+    with pytest.raises(FileNotFoundError, match="missing.gguf"):
+        AsyncLLMEngine(lambda: LLMEngine(EngineConfig(model=str(tmp_path / "missing.gguf"))))

@@ -19,7 +19,7 @@ def run_server(engine_config: EngineConfig, settings: ServerSettings, host: str 
     from sloserve.engine.llm_engine import LLMEngine
 
     settings.validate()
-    engine = AsyncLLMEngine(LLMEngine(engine_config))
+    engine = AsyncLLMEngine(lambda: LLMEngine(engine_config))
     try:
         app = build_app(engine, settings)
         config = uvicorn_config(app, host=host, port=port, limits=settings.connection_limits())

@@ -112,7 +112,7 @@ def build_worker_app(engine_config: EngineConfig, settings, fleet_secret: Option
     from sloserve.engine.llm_engine import LLMEngine
     from sloserve.server.app import build_app
 
-    engine = AsyncLLMEngine(LLMEngine(engine_config))
+    engine = AsyncLLMEngine(lambda: LLMEngine(engine_config))
     app = build_app(engine, settings)
     add_worker_routes(app, engine, fleet_secret)
     return engine, app
