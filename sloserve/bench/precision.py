@@ -1,0 +1,82 @@
+"""Precision specs for the benchmarks: one string names the engine's dtype and weight quantization.
+
+    default          the engine's own defaults (dtype auto, quantization auto, dense copy kept):
+                     no engine arguments, no `sloserve serve` flags
+    D                dtype D, quantization none (`float32` is the exact reference configuration)
+    D+Q              dtype D, quantization Q (`bfloat16+int8`, `float32+int4`, `bfloat16+auto`)
+    D+Q/only         the same without the dense 16-bit copy of the quantized linears
+                     (`quantized_dense_copy=False`, `sloserve serve --quantized-only`)
+
+D is one of auto|float32|bfloat16, Q one of auto|none|int8|int4 (the choices of `sloserve serve
+--dtype/--quantization`). No torch import here: the benchmarks' parents parse specs before any
+engine exists.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+DTYPES = ("auto", "float32", "bfloat16")
+QUANTIZATIONS = ("auto", "none", "int8", "int4")
+DEFAULT = "default"
+SYNTAX = "default, D, D+Q or D+Q/only (D: auto|float32|bfloat16, Q: auto|none|int8|int4)"
+
+
+@dataclass(frozen=True)
+class Precision:
+    """One parsed spec. `label` is its canonical spelling (`float32+none` -> `float32`)."""
+
+    label: str
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)  # EngineConfig fields
+    serve_args: tuple[str, ...] = ()  # `sloserve serve` flags
+
+    @property
+    def is_default(self) -> bool:
+        return self.label == DEFAULT
+
+
+def precision_flags(spec: str) -> tuple[dict[str, Any], list[str]]:
+    """`spec` -> (EngineConfig keyword arguments, `sloserve serve` arguments); ValueError if malformed.
+
+    >>> precision_flags("bfloat16+int4/only")
+    ({'dtype': 'bfloat16', 'quantization': 'int4', 'quantized_dense_copy': False}, \
+['--dtype', 'bfloat16', '--quantization', 'int4', '--quantized-only'])
+    """
+    p = parse_precision(spec)
+    return dict(p.engine_kwargs), list(p.serve_args)
+
+
+def parse_precision(spec: str) -> Precision:
+    text = spec.strip()
+    if text == DEFAULT:
+        return Precision(DEFAULT)
+    body, slash, suffix = text.partition("/")
+    if slash and suffix != "only":
+        raise ValueError(f"precision {spec!r}: the only suffix is /only (expected {SYNTAX})")
+    dtype, plus, quant = body.partition("+")
+    if dtype not in DTYPES:
+        raise ValueError(f"precision {spec!r}: dtype {dtype!r} is not one of {'|'.join(DTYPES)} (expected {SYNTAX})")
+    if plus and quant not in QUANTIZATIONS:
+        raise ValueError(f"precision {spec!r}: quantization {quant!r} is not one of {'|'.join(QUANTIZATIONS)} "
+                         f"(expected {SYNTAX})")
+    quant = quant or "none"
+    if slash and quant == "none":
+        raise ValueError(f"precision {spec!r}: /only needs a quantization (D+Q/only, Q not none)")
+    kwargs: dict[str, Any] = {"dtype": dtype, "quantization": quant}
+    args = ["--dtype", dtype, "--quantization", quant]
+    if slash:
+        kwargs["quantized_dense_copy"] = False
+        args.append("--quantized-only")
+    label = dtype if quant == "none" else f"{dtype}+{quant}" + ("/only" if slash else "")
+    return Precision(label, kwargs, tuple(args))
+
+
+def parse_precision_list(text: str) -> list[Precision]:
+    """A comma-separated list; order kept, specs that mean the same thing kept once; ValueError if empty."""
+    out: dict[str, Precision] = {}
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        p = parse_precision(item)
+        out.setdefault(p.label, p)
+    if not out:
+        raise ValueError(f"no precision given (each item: {SYNTAX})")
+    return list(out.values())
