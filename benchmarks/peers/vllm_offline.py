@@ -44,6 +44,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--model", type=Path, required=True, help="Hugging Face-format model directory")
     p.add_argument("--prompts-file", type=Path, required=True, help='JSON {"prompts": [[token ids], ...]}')
     p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--num-threads", type=int, default=None, help="default: all usable cores")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--kv-cache-gib", type=int, default=2)
@@ -136,7 +137,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import vllm
     from vllm import LLM, SamplingParams, TokensPrompt
 
-    llm = LLM(model=str(args.model), dtype="float32", seed=args.seed)
+    llm = LLM(model=str(args.model), dtype=args.dtype, seed=args.seed)
     greedy = dict(temperature=0.0, ignore_eos=True)
     llm.generate([TokensPrompt(prompt_token_ids=WARMUP_PROMPT)],
                  SamplingParams(max_tokens=WARMUP_TOKENS, **greedy), use_tqdm=False)
