@@ -28,6 +28,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--scheduling-policy", default="fcfs", help="fcfs, priority, edf, slo or vtc")
     g.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap", "auto"],
                    help="preempt by recompute, by swap to host memory, or per victim by cost (auto)")
+    g.add_argument("--speculative", default="off", choices=["off", "prompt-lookup"],
+                   help="speculative decoding with drafts from the request's own tokens, per step when it pays")
+    g.add_argument("--num-speculative-tokens", type=int, default=4, help="drafts per request and step, at most")
+    g.add_argument("--speculative-max-batch", type=int, default=8, help="no drafts in steps with more decodes")
     g.add_argument("--swap-space", type=float, default=4.0, metavar="GIB", help="host memory for swapped-out KV")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--no-native-kernels", action="store_true", help="use the portable attention path only")
@@ -47,7 +51,9 @@ def engine_config_from_args(args: argparse.Namespace):
                           enable_prefix_caching=not args.no_prefix_caching, swap_space_gib=args.swap_space),
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                                   enable_chunked_prefill=not args.no_chunked_prefill, policy=args.scheduling_policy,
-                                  preemption_mode=args.preemption_mode),
+                                  preemption_mode=args.preemption_mode, speculative=args.speculative,
+                                  num_speculative_tokens=args.num_speculative_tokens,
+                                  speculative_max_batch=args.speculative_max_batch),
     )
 
 

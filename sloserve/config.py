@@ -114,6 +114,12 @@ class SchedulerConfig:
     dynamic_chunking: Optional[bool] = None
     # Dynamic chunking never shrinks a step's prefill below this, so prefills keep moving.
     min_prefill_chunk: int = 32
+    # Speculative decoding without a draft model: "off" or a proposer name ("prompt-lookup").
+    # The scheduler attaches drafts per step only when its cost estimate says they pay and the
+    # TBT slack allows (sched/speculation.py); greedy requests without logprobs only.
+    speculative: str = "off"
+    num_speculative_tokens: int = 4  # drafts per request and step, at most
+    speculative_max_batch: int = 8  # no drafts in steps with more decodes than this
 
     def validate(self) -> None:
         if self.max_num_batched_tokens <= 0:
@@ -126,6 +132,10 @@ class SchedulerConfig:
             raise ValueError(f"preemption_mode must be recompute, swap or auto, got {self.preemption_mode!r}")
         if self.min_prefill_chunk < 1:
             raise ValueError("min_prefill_chunk must be >= 1")
+        if self.num_speculative_tokens < 1:
+            raise ValueError("num_speculative_tokens must be >= 1")
+        if self.speculative_max_batch < 1:
+            raise ValueError("speculative_max_batch must be >= 1")
 
 
 @dataclass

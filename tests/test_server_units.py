@@ -229,7 +229,7 @@ def edge_client():
         model_name="fake", max_model_len=128, model_config=SimpleNamespace(vocab_size=100),
         config=SimpleNamespace(scheduler=SimpleNamespace(max_num_seqs=4, max_num_batched_tokens=512, policy="fcfs")),
         clock=time.monotonic,
-        scheduler=SimpleNamespace(num_running=0, num_waiting=0, stats=stats),
+        scheduler=SimpleNamespace(num_running=0, num_waiting=0, stats=stats, speculator=None),
         kv=SimpleNamespace(usage=0.0, stats=SimpleNamespace(queries=0, hits=0)),
     )
     engine = SimpleNamespace(engine=core, abort=lambda rid: None, is_alive=True)

@@ -34,6 +34,8 @@ class LLM:
         enable_chunked_prefill: bool = True,
         long_prefill_token_threshold: int = 0,
         scheduling_policy: str = "fcfs",
+        speculative: str = "off",
+        num_speculative_tokens: int = 4,
         native_kernels: bool = True,
         config: Optional[EngineConfig] = None,
     ):
@@ -46,7 +48,8 @@ class LLM:
                 scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                                           enable_chunked_prefill=enable_chunked_prefill,
                                           long_prefill_token_threshold=long_prefill_token_threshold,
-                                          policy=scheduling_policy),
+                                          policy=scheduling_policy, speculative=speculative,
+                                          num_speculative_tokens=num_speculative_tokens),
             )
         elif model is not None:
             config = replace(config, model=model)

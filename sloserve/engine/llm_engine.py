@@ -377,16 +377,10 @@ class LLMEngine:
         produced = self.scheduler.update(plan, result, now)
         for request in produced:
             tracked = self._tracked[request.request_id]
-            token = request.output_token_ids[-1]
-            tracked.detok.add([token])
             if tracked.logprobs is not None and request.request_id in result.extras:
-                lp, top = result.extras[request.request_id]
-                tracked.logprobs.append(TokenLogprob(token, lp, list(top or [])))
-            if request.is_finished:
-                if request.finish_reason is FinishReason.STOP and token in request.sampling_params.stop_token_ids:
-                    tracked.stop_reason = token
-            else:
-                self._check_stop_strings(tracked, now)
+                lp, top = result.extras[request.request_id]  # (a request with logprobs never speculates)
+                tracked.logprobs.append(TokenLogprob(request.output_token_ids[-1], lp, list(top or [])))
+            self._take_tokens(tracked, now)
             outputs.append(self._emit(tracked))
         if self._trace is not None:
             self._trace.write(StepRecord(started, scheduled - started, now - scheduled, self.clock() - now,
@@ -435,20 +429,42 @@ class LLMEngine:
         if observe is not None and not plan.is_empty:
             observe(StepLoad.of_plan(plan), duration_s - swap_s)
 
-    def _check_stop_strings(self, tracked: _Tracked, now: float) -> None:
-        """Feed the matcher the text added since the last step (the detokenizer's text only grows)."""
+    def _take_tokens(self, tracked: _Tracked, now: float) -> None:
+        """Detokenize the request's new tokens one by one (several when drafts were accepted),
+        checking stop strings after each: a stop string ends the request at the very token
+        plain decoding would have ended it at, and the tokens after it are dropped."""
+        request = tracked.request
+        tokens = request.output_token_ids
+        last = len(tokens) - 1
+        for index in range(tracked.detok.num_output_tokens, last + 1):
+            token = tokens[index]
+            tracked.detok.add([token])
+            if index == last and request.is_finished:  # the scheduler ended it with this token
+                if request.finish_reason is FinishReason.STOP and token in request.sampling_params.stop_token_ids:
+                    tracked.stop_reason = token
+                return
+            if self._check_stop_strings(tracked, now):
+                if index < last:
+                    del tokens[index + 1:]
+                    request.finish_reason = FinishReason.STOP  # (if the scheduler had ended it at a later token)
+                return
+
+    def _check_stop_strings(self, tracked: _Tracked, now: float) -> bool:
+        """Feed the matcher the text added since the last check (the detokenizer's text only
+        grows); True when a stop string ended the request."""
         matcher = tracked.stop_matcher
         if matcher is None:
-            return
+            return False
         text = tracked.detok.text
         match = matcher.feed(text[matcher.consumed:])
         if match is None:
-            return
+            return False
         include = tracked.request.sampling_params.include_stop_str_in_output
         end = match.start + len(match.stop) if include else match.start
         tracked.final_text = text[:end]
         tracked.stop_reason = match.stop
         self.scheduler.finish_request(tracked.request.request_id, FinishReason.STOP, now)
+        return True
 
     def _visible_text(self, tracked: _Tracked) -> str:
         if tracked.final_text is not None:

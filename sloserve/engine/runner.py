@@ -74,19 +74,32 @@ class ModelRunner:
 
     def _compute(self, plan: StepPlan, t0: float) -> StepResult:
         decodes = [s for s in plan.scheduled if s.num_new_tokens == 1]
-        prefills = [s for s in plan.scheduled if s.num_new_tokens > 1]
-        ordered = decodes + prefills
-        batch = self._build_batch(decodes, prefills)
+        chunks = [s for s in plan.scheduled if s.num_new_tokens > 1]  # prefill chunks and draft verifies
+        batch = self._build_batch(decodes, chunks)
         logits = self.model.forward(batch, self.kv_cache)
-        sampling = [s for s in ordered if s.samples]
-        rows = [self._row(s) for s in sampling]
+        sampling = [s for s in decodes + chunks if s.samples]
+        rows: list[SamplingRow] = []
+        for s in sampling:
+            rows.extend(self._verify_rows(s) if s.draft_token_ids else [self._row(s)])
         out = self.sampler(logits, rows)
-        sampled = {s.request_id: tok for s, tok in zip(sampling, out.token_ids)}
-        extras = {}
-        for s, lp, top in zip(sampling, out.logprobs, out.top_logprobs):
-            if lp is not None:
-                extras[s.request_id] = (lp, top)
-        return StepResult(sampled, time.perf_counter() - t0, extras)
+        sampled, extras, more = {}, {}, {}
+        i = 0
+        for s in sampling:
+            rid = s.request_id
+            sampled[rid] = out.token_ids[i]
+            if s.draft_token_ids:
+                n = len(s.draft_token_ids)
+                tokens = out.token_ids[i:i + n + 1]
+                accepted = 0
+                while accepted < n and tokens[accepted] == s.draft_token_ids[accepted]:
+                    accepted += 1
+                more[rid] = tokens[1:accepted + 1]
+                i += n + 1
+                continue
+            if out.logprobs[i] is not None:
+                extras[rid] = (out.logprobs[i], out.top_logprobs[i])
+            i += 1
+        return StepResult(sampled, time.perf_counter() - t0, extras, more)
 
     def _swap(self, plan: StepPlan) -> None:
         """Out before in: a block swapped out may be the destination of a swap-in (or of this
@@ -113,6 +126,15 @@ class ModelRunner:
                 gen = self._generators[req.request_id] = torch.Generator(device=self.device)
             gen.manual_seed(token_seed(params.seed, len(req.output_token_ids)))
         return SamplingRow(params, req.output_token_ids, req.prompt_token_ids, gen, self.eos_token_ids)
+
+    def _verify_rows(self, item: ScheduledRequest) -> list[SamplingRow]:
+        """One row per verified position: the row after draft j sees the output as if drafts
+        0..j-1 were already accepted, so penalties and min_tokens apply exactly as plain
+        decoding would apply them (speculation is for greedy requests: no generator)."""
+        req = item.request
+        params, out, drafts = req.sampling_params, req.output_token_ids, list(item.draft_token_ids)
+        return [SamplingRow(params, out + drafts[:j], req.prompt_token_ids, None, self.eos_token_ids)
+                for j in range(len(drafts) + 1)]
 
     def _slots(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
         pos = torch.arange(start, end)
@@ -153,14 +175,20 @@ class ModelRunner:
         for p in prefills:
             start, end = p.start, p.start + p.num_new_tokens
             token_start = len(ids)
-            ids.extend(p.request.token_slice(start, end))
+            if p.draft_token_ids:  # a verify: the pending token, then the guesses after it
+                ids.extend(p.request.token_slice(start, start + 1))
+                ids.extend(p.draft_token_ids)
+            else:
+                ids.extend(p.request.token_slice(start, end))
             positions.append(torch.arange(start, end))
             slots.append(self._slots(p.block_table, start, end))
             blocks = None
             if start:
                 blocks = torch.tensor(p.block_table[: -(-end // bs)], dtype=torch.long, device=self.device)
             spans.append(PrefillSpan(token_start, p.num_new_tokens, start, blocks))
-            if p.samples:
+            if p.draft_token_ids:
+                sample_indices.extend(range(token_start, len(ids)))
+            elif p.samples:
                 sample_indices.append(len(ids) - 1)
 
         dev = self.device

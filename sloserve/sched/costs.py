@@ -36,6 +36,11 @@ class StepLoad:
                         start + num_tokens)
 
     @staticmethod
+    def verify(num_tokens: int, start: int) -> "StepLoad":
+        """A decode that verifies `num_tokens - 1` drafts: a chunk whose every row is sampled."""
+        return StepLoad(num_tokens, num_tokens, 0, 0, num_tokens * (start + (num_tokens + 1) / 2), start + num_tokens)
+
+    @staticmethod
     def decodes(num_decodes: int, decode_context: int) -> "StepLoad":
         """A pure-decode step of `num_decodes` requests attending to `decode_context` tokens in all."""
         return StepLoad(num_decodes, num_decodes, num_decodes, decode_context, 0.0, 0)
@@ -53,7 +58,7 @@ class StepLoad:
         for s in plan.scheduled:
             n = s.num_new_tokens
             tokens += n
-            sampled += s.samples
+            sampled += s.num_sampled
             if n == 1:
                 decodes += 1
                 dctx += s.start + 1

@@ -20,6 +20,9 @@ class ScheduledRequest:
     num_new_tokens: int
     block_table: list[int]
     samples: bool  # the step ends this request's pending tokens, so it produces a new token
+    # Speculative decoding: guessed tokens after the pending one, verified in this step. They
+    # count in num_new_tokens (1 + len(draft_token_ids)) but are not the request's tokens yet.
+    draft_token_ids: tuple[int, ...] = ()
 
     @property
     def request_id(self) -> str:
@@ -27,7 +30,12 @@ class ScheduledRequest:
 
     @property
     def is_prefill(self) -> bool:
-        return self.start < self.request.num_prompt_tokens or self.num_new_tokens > 1
+        return self.start < self.request.num_prompt_tokens or self.num_new_tokens - len(self.draft_token_ids) > 1
+
+    @property
+    def num_sampled(self) -> int:
+        """Rows this entry sends through the LM head: one per verified position when it speculates."""
+        return 1 + len(self.draft_token_ids) if self.samples else 0
 
     @property
     def context_len(self) -> int:
@@ -92,6 +100,10 @@ class StepResult:
     duration_s: float = 0.0
     # Executor-specific per-request extras the scheduler ignores (e.g. logprobs).
     extras: dict[str, Any] = field(default_factory=dict)
+    # Requests that verified drafts: the tokens after the sampled one, in order (one per
+    # accepted draft: the model's token after it). An executor that cannot verify leaves it
+    # empty, which accepts no draft.
+    more_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
 class Executor(Protocol):

@@ -28,10 +28,12 @@ from sloserve.config import SchedulerConfig
 from sloserve.kv.manager import CopyOp, KVCacheManager
 from sloserve.sched.chunking import prefill_token_cap, tbt_slack
 from sloserve.sched.costs import StepCostEstimator, StepLoad, SwapCostEstimator
+from sloserve.sched.drafts import make_proposer
 from sloserve.sched.live_state import LiveInstanceState, Moment
 from sloserve.sched.plan import DecodeRunPlan, ScheduledRequest, StepPlan, StepResult
 from sloserve.sched.policies import SchedulingPolicy, make_policy
 from sloserve.sched.preemption import SWAP, PreemptionChoice, choose_preemption
+from sloserve.sched.speculation import Speculator
 from sloserve.sched.state import InstanceState
 from sloserve.types import FinishReason, Request, RequestStatus
 
@@ -130,6 +132,10 @@ class Scheduler:
         self._step_id = 0
         self.last_preemption: Optional[PreemptionChoice] = None
         self.stats = SchedulerStats()
+        self.speculator: Optional[Speculator] = None
+        if config.speculative != "off":
+            self.speculator = Speculator(make_proposer(config.speculative), config.num_speculative_tokens,
+                                         config.speculative_max_batch, estimator)
 
     @property
     def dynamic_chunking(self) -> bool:
@@ -207,6 +213,8 @@ class Scheduler:
         self.kv.free(request)
         del self.requests[request_id]
         del self._seq[request_id]
+        if self.speculator is not None:
+            self.speculator.forget(request_id)
         self.stats.num_migrated_out += 1
         if self._tracker is not None:
             self._tracker.on_departure(request)
@@ -275,6 +283,8 @@ class Scheduler:
             while self.waiting and step.budget > 0 and not step.preempted:
                 if not self._admit(self.waiting[0], step):
                     break  # head-of-line: later requests wait behind it rather than overtake
+        if self.speculator is not None and step.budget > 0:
+            self._plan_drafts(decodes, step)
 
         scheduled = [step.planned[r.request_id] for r in self.running if r.request_id in step.planned]
         self._step_id += 1
@@ -314,6 +324,39 @@ class Scheduler:
                     continue
                 if not self._admit(request, step):
                     blocked = request.effective_priority
+
+    def _plan_drafts(self, decodes: list[Request], step: _StepBuild) -> None:
+        """Speculation: give planned decodes draft tokens from the budget the step has left,
+        when the speculator says they pay (sched/speculation.py). Drafts never preempt: a
+        request whose extra slots do not fit decodes plainly."""
+        planned = step.planned
+        rows = [r for r in decodes if (item := planned.get(r.request_id)) is not None
+                and item.samples and item.num_new_tokens == 1]
+        if not rows:
+            return
+        row_ids = {r.request_id for r in rows}
+        other = StepLoad()
+        for rid, item in planned.items():
+            if rid not in row_ids:
+                other = other + StepLoad.prefill(item.num_new_tokens, item.start, item.samples)
+        room = {r.request_id: min(r.max_output_tokens - len(r.output_token_ids), self.max_model_len - r.num_tokens) - 1
+                for r in rows}
+        drafts = self.speculator.plan(rows, other, step.budget, tbt_slack(rows, step.now), room)  # type: ignore[union-attr]
+        verified = False
+        for rid, guess in drafts.items():
+            item = planned[rid]
+            ops = self.kv.allocate_slots(item.request, 1 + len(guess), use_watermark=True)
+            if ops is None:
+                continue
+            if ops:
+                step.copies.setdefault(rid, []).extend(ops)
+            item.num_new_tokens = 1 + len(guess)
+            item.draft_token_ids = tuple(guess)
+            item.block_table = self.kv.block_table(rid)
+            step.budget -= len(guess)
+            verified = True
+        if verified:
+            self.speculator.stats.num_verify_steps += 1  # type: ignore[union-attr]
 
     def _plan_running(self, request: Request, step: _StepBuild) -> None:
         """Plan the next chunk (or decode token) of a running request, preempting the
@@ -410,7 +453,7 @@ class Scheduler:
         Returns the requests that produced a token in this step (finished ones included).
         """
         if self._tracker is not None:
-            self._report_service(plan)
+            self._report_service(plan, result)
         produced: list[Request] = []
         bs = self.kv.block_size
         requests = self.requests
@@ -418,23 +461,35 @@ class Scheduler:
             request = item.request
             if requests.get(request.request_id) is not request or request.status is RequestStatus.MIGRATING:
                 continue  # aborted, ended by a stop string, or suspended for a migration while the step ran
-            request.num_computed_tokens = end = item.start + item.num_new_tokens
+            tokens = [result.sampled_token_ids[request.request_id]] if item.samples else []
+            end = item.start + item.num_new_tokens
+            if item.draft_token_ids:  # the pending token and the accepted drafts are computed now
+                more = result.more_token_ids.get(request.request_id, ())
+                self.speculator.observe(request.request_id, len(item.draft_token_ids), len(more))  # type: ignore[union-attr]
+                tokens.extend(more)
+                end = item.start + 1 + len(more)
+            reason = None
+            for token in tokens:  # one by one, so a stop ends the request exactly where plain decoding would
+                request.output_token_ids.append(token)
+                reason = self._stop_reason(request, token)
+                if reason is not None:
+                    break
+            if tokens:
+                end = min(end, request.num_tokens - 1)  # (tokens past a stop were dropped)
+            request.num_computed_tokens = end
             if end // bs > item.start // bs:  # a block filled up: register it
                 self.kv.cache_blocks(request)
-            if not item.samples:
+            if not tokens:
                 continue
-            token = result.sampled_token_ids[request.request_id]
-            request.output_token_ids.append(token)
             if request.first_token_time is None:
                 request.first_token_time = now
             request.last_token_time = now
             produced.append(request)
-            reason = self._stop_reason(request, token)
             if reason is not None:
                 self._finish(request, reason, now)
         return produced
 
-    def _report_service(self, plan: StepPlan) -> None:
+    def _report_service(self, plan: StepPlan, result: StepResult) -> None:
         """Tell the policy what each request of a finished step received, before the step is
         applied (so before any of them departs). Requests gone while it ran are skipped."""
         on_service, requests = self._tracker.on_service, self.requests  # type: ignore[union-attr]
@@ -442,7 +497,8 @@ class Scheduler:
             request = item.request
             if requests.get(request.request_id) is request:
                 prompt = min(item.start + item.num_new_tokens, request.num_prompt_tokens) - item.start
-                on_service(request, max(0, prompt), 1 if item.samples else 0)
+                outputs = 1 + len(result.more_token_ids.get(request.request_id, ())) if item.samples else 0
+                on_service(request, max(0, prompt), outputs)
 
     # ---- steady-state decode runs (simulation) ----------------------------------------
     def plan_decode_run(self, max_steps: int) -> Optional[DecodeRunPlan]:
@@ -455,7 +511,7 @@ class Scheduler:
         ids), which holds in simulation, where requests end at their recorded lengths.
         """
         running = self.running
-        if not running or max_steps < 2 or self.eos_token_ids:
+        if not running or max_steps < 2 or self.eos_token_ids or self.speculator is not None:
             return None
         if len(running) > self.config.max_num_batched_tokens:
             return None
@@ -617,6 +673,8 @@ class Scheduler:
             self.stats.num_finished += 1
         del self.requests[request.request_id]
         del self._seq[request.request_id]
+        if self.speculator is not None:
+            self.speculator.forget(request.request_id)
         if self._tracker is not None:
             self._tracker.on_departure(request)
 

@@ -46,6 +46,8 @@ VLLM_NAMES: dict[str, Optional[str]] = {
     "sloserve:request_queue_time_seconds": "vllm:request_queue_time_seconds",
     "sloserve:request_prompt_tokens": "vllm:request_prompt_tokens",
     "sloserve:request_generation_tokens": "vllm:request_generation_tokens",
+    "sloserve:spec_decode_num_draft_tokens_total": "vllm:spec_decode_num_draft_tokens_total",
+    "sloserve:spec_decode_num_accepted_tokens_total": "vllm:spec_decode_num_accepted_tokens_total",
     "sloserve:num_requests_in_flight": None,
     "sloserve:engine_steps_total": None,
     "sloserve:engine_scheduled_seqs_total": None,
@@ -105,11 +107,14 @@ class EngineGauges:
     scheduled_seqs: Callable[[], int]
     max_batch_size: Callable[[], int]
     num_in_flight: Callable[[], int]
+    spec_draft_tokens: Callable[[], int] = lambda: 0
+    spec_accepted_tokens: Callable[[], int] = lambda: 0
 
     @classmethod
     def of(cls, engine, num_in_flight: Callable[[], int]) -> "EngineGauges":
         """Views of an LLMEngine's scheduler and KV manager (read-only, from any thread)."""
         sched, kv = engine.scheduler, engine.kv
+        spec = sched.speculator
         return cls(
             num_running=lambda: sched.num_running,
             num_waiting=lambda: sched.num_waiting,
@@ -121,6 +126,8 @@ class EngineGauges:
             scheduled_seqs=lambda: sched.stats.total_scheduled_seqs,
             max_batch_size=lambda: sched.stats.max_batch_size,
             num_in_flight=num_in_flight,
+            spec_draft_tokens=(lambda: spec.stats.num_draft_tokens) if spec else (lambda: 0),
+            spec_accepted_tokens=(lambda: spec.stats.num_accepted_tokens) if spec else (lambda: 0),
         )
 
 
@@ -155,6 +162,10 @@ class _EngineCollector(Collector):
         yield counter("engine_scheduled_seqs", "Sum of batch sizes over engine steps (mean = this / steps).",
                       g.scheduled_seqs())
         yield gauge("engine_max_batch_size", "Largest batch an engine step has run.", g.max_batch_size())
+        yield counter("spec_decode_num_draft_tokens", "Draft tokens verified (speculative decoding).",
+                      g.spec_draft_tokens())
+        yield counter("spec_decode_num_accepted_tokens", "Draft tokens the model agreed with.",
+                      g.spec_accepted_tokens())
         ratio = GaugeMetricFamily(PREFIX + "slo_attainment_ratio",
                                   "Share of finished requests of a QoS class that met its TTFT and TBT targets.",
                                   labels=labels + ["qos_class"])
