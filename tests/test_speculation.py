@@ -94,10 +94,14 @@ def repeating_request(rid: str, greedy: bool = True, logprobs=None) -> Request:
 
 
 def test_speculates_when_the_step_is_memory_bound():
-    spec = Speculator(PromptLookupProposer(), 4, max_batch=8, estimator=LinearCost(0.010, 0.0002))
     rows = [repeating_request("a"), repeating_request("b")]
-    drafts = spec.plan(rows, StepLoad(), budget=64, slack_s=math.inf, room={"a": 10, "b": 10})
-    assert drafts == {"a": [1, 2, 3, 4], "b": [1, 2, 3, 4]}
+    room = {"a": 10, "b": 10}
+    free = Speculator(PromptLookupProposer(), 4, max_batch=8, estimator=LinearCost(0.010, 0.00005))
+    assert free.plan(rows, StepLoad(), budget=64, slack_s=math.inf, room=room) == {"a": [1, 2, 3, 4],
+                                                                                   "b": [1, 2, 3, 4]}
+    # Each row costs 2% of the step: the 4th draft (expected 0.5^4 tokens) no longer pays, the 3rd does.
+    cheap = Speculator(PromptLookupProposer(), 4, max_batch=8, estimator=LinearCost(0.010, 0.0002))
+    assert cheap.plan(rows, StepLoad(), budget=64, slack_s=math.inf, room=room) == {"a": [1, 2, 3], "b": [1, 2, 3]}
 
 
 def test_no_drafts_when_compute_bound_late_or_too_many():
@@ -107,7 +111,8 @@ def test_no_drafts_when_compute_bound_late_or_too_many():
     assert compute_bound.plan(rows, StepLoad(), 64, math.inf, room) == {}
     assert compute_bound.stats.num_skipped_steps == 1
     cheap = Speculator(PromptLookupProposer(), 4, max_batch=8, estimator=LinearCost(0.010, 0.0002))
-    assert cheap.plan(rows, StepLoad(), 64, slack_s=0.0105, room=room) == {}  # the longer step would miss a TBT
+    # plain 10.4 ms; a single draft makes it 10.6 ms: a slack between them rules drafts out
+    assert cheap.plan(rows, StepLoad(), 64, slack_s=0.0105, room=room) == {}
     assert cheap.plan(rows, StepLoad(), 64, slack_s=0.02, room=room) != {}
     assert Speculator(PromptLookupProposer(), 4, max_batch=1).plan(rows, StepLoad(), 64, math.inf, room) == {}
 

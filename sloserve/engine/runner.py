@@ -73,8 +73,10 @@ class ModelRunner:
         return self._compute(plan, t0)
 
     def _compute(self, plan: StepPlan, t0: float) -> StepResult:
-        decodes = [s for s in plan.scheduled if s.num_new_tokens == 1]
-        chunks = [s for s in plan.scheduled if s.num_new_tokens > 1]  # prefill chunks and draft verifies
+        # A draft verify runs as decode rows, one per position (each attends to its own prefix),
+        # through the same attention kernel as plain decoding: the same numbers, no gather.
+        decodes = [s for s in plan.scheduled if s.num_new_tokens == 1 or s.draft_token_ids]
+        chunks = [s for s in plan.scheduled if s.num_new_tokens > 1 and not s.draft_token_ids]
         batch = self._build_batch(decodes, chunks)
         logits = self.model.forward(batch, self.kv_cache)
         sampling = [s for s in decodes + chunks if s.samples]
@@ -150,45 +152,47 @@ class ModelRunner:
 
         decode_blocks = decode_mask = ctx = None
         if decodes:
-            ctx = torch.tensor([d.context_len for d in decodes])
+            # One row per computed position: a plain decode has one, a verify 1 + its drafts.
+            contexts: list[int] = []
+            for d in decodes:
+                contexts.extend(range(d.start + 1, d.start + 2 + len(d.draft_token_ids)))
+            ctx = torch.tensor(contexts)
             width = -(-int(ctx.max()) // bs)
-            tables = torch.zeros(len(decodes), width, dtype=torch.long)
-            for i, d in enumerate(decodes):
+            tables = torch.zeros(len(contexts), width, dtype=torch.long)
+            row = 0
+            for d in decodes:
                 n = min(width, len(d.block_table))
-                tables[i, :n] = torch.tensor(d.block_table[:n], dtype=torch.long)
+                rows = 1 + len(d.draft_token_ids)
+                tables[row:row + rows, :n] = torch.tensor(d.block_table[:n], dtype=torch.long)
                 ids.extend(d.request.token_slice(d.start, d.start + 1))
+                ids.extend(d.draft_token_ids)
                 if d.samples:
-                    sample_indices.append(i)
+                    sample_indices.extend(range(row, row + rows))
+                row += rows
             pos = torch.arange(width * bs)
             valid = pos.unsqueeze(0) < ctx.unsqueeze(1)  # padding blocks and slots are masked out
             window = self.model.config.sliding_window
             if window is not None:
                 valid &= pos.unsqueeze(0) > (ctx - 1 - window).unsqueeze(1)
             decode_blocks = tables
-            decode_mask = torch.zeros(len(decodes), 1, 1, width * bs, dtype=self.model.dtype)
-            decode_mask.masked_fill_(~valid.view(len(decodes), 1, 1, -1), float("-inf"))
+            decode_mask = torch.zeros(len(contexts), 1, 1, width * bs, dtype=self.model.dtype)
+            decode_mask.masked_fill_(~valid.view(len(contexts), 1, 1, -1), float("-inf"))
             last = ctx - 1
             positions.append(last)
-            slots.append(tables[torch.arange(len(decodes)), last // bs] * bs + last % bs)
+            slots.append(tables[torch.arange(len(contexts)), last // bs] * bs + last % bs)
 
         spans: list[PrefillSpan] = []
         for p in prefills:
             start, end = p.start, p.start + p.num_new_tokens
             token_start = len(ids)
-            if p.draft_token_ids:  # a verify: the pending token, then the guesses after it
-                ids.extend(p.request.token_slice(start, start + 1))
-                ids.extend(p.draft_token_ids)
-            else:
-                ids.extend(p.request.token_slice(start, end))
+            ids.extend(p.request.token_slice(start, end))
             positions.append(torch.arange(start, end))
             slots.append(self._slots(p.block_table, start, end))
             blocks = None
             if start:
                 blocks = torch.tensor(p.block_table[: -(-end // bs)], dtype=torch.long, device=self.device)
             spans.append(PrefillSpan(token_start, p.num_new_tokens, start, blocks))
-            if p.draft_token_ids:
-                sample_indices.extend(range(token_start, len(ids)))
-            elif p.samples:
+            if p.samples:
                 sample_indices.append(len(ids) - 1)
 
         dev = self.device
@@ -196,7 +200,7 @@ class ModelRunner:
             input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
             positions=torch.cat(positions).to(dev),
             slot_mapping=torch.cat(slots).to(dev),
-            num_decodes=len(decodes),
+            num_decodes=0 if ctx is None else len(ctx),
             decode_blocks=None if decode_blocks is None else decode_blocks.to(dev),
             decode_mask=None if decode_mask is None else decode_mask.to(dev),
             decode_context_lens=None if ctx is None else ctx.to(dev),

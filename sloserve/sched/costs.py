@@ -37,8 +37,9 @@ class StepLoad:
 
     @staticmethod
     def verify(num_tokens: int, start: int) -> "StepLoad":
-        """A decode that verifies `num_tokens - 1` drafts: a chunk whose every row is sampled."""
-        return StepLoad(num_tokens, num_tokens, 0, 0, num_tokens * (start + (num_tokens + 1) / 2), start + num_tokens)
+        """A decode that verifies `num_tokens - 1` drafts after `start` computed tokens: the
+        engine runs it as `num_tokens` decode rows, row i attending to start + i + 1 tokens."""
+        return StepLoad(num_tokens, num_tokens, num_tokens, num_tokens * start + num_tokens * (num_tokens + 1) // 2)
 
     @staticmethod
     def decodes(num_decodes: int, decode_context: int) -> "StepLoad":
@@ -62,6 +63,9 @@ class StepLoad:
             if n == 1:
                 decodes += 1
                 dctx += s.start + 1
+            elif s.draft_token_ids:
+                decodes += n
+                dctx += n * s.start + n * (n + 1) // 2
             else:
                 pattn += n * (s.start + (n + 1) / 2)
                 pctx += s.start + n

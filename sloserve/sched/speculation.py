@@ -89,23 +89,36 @@ class Speculator:
                 budget -= len(guess)
         if not drafts or self.estimator is None:
             return drafts
-        plain = other + StepLoad.decodes(len(decodes), sum(r.num_computed_tokens + 1 for r in decodes))
-        spec = other
-        gain = 0.0
-        for request in decodes:
-            guess = drafts.get(request.request_id)
-            if guess is None:
-                spec = spec + StepLoad.decodes(1, request.num_computed_tokens + 1)
-            else:  # one decode row becomes a (1 + k)-token chunk after the request's context
-                spec = spec + StepLoad.verify(len(guess) + 1, request.num_computed_tokens)
-                gain += self.expected_accepted(request.request_id, len(guess))
-        plain_s = self.estimator.estimate(plain)
-        spec_s = self.estimator.estimate(spec)
+        # Each draft is one more decode row. Its expected value is the chance it is accepted
+        # (a^i for the i-th draft of a request with per-draft acceptance a), so the rows are
+        # added best first, and the step keeps the prefix with the most expected tokens per
+        # estimated second, if that beats plain decoding by min_gain and fits the slack.
         tokens = len(decodes)
-        if spec_s > slack_s or (tokens + gain) * plain_s < self.min_gain * tokens * spec_s:
+        load = other + StepLoad.decodes(tokens, sum(r.num_computed_tokens + 1 for r in decodes))
+        plain_s = self.estimator.estimate(load)
+        by_id = {r.request_id: r for r in decodes}
+        candidates = []
+        for rid, guess in drafts.items():
+            a = self._acceptance.get(rid, PRIOR_ACCEPTANCE)
+            candidates.extend((a ** i, rid, i) for i in range(1, len(guess) + 1))
+        candidates.sort(key=lambda c: (-c[0], c[1], c[2]))
+        best, best_rate = 0, self.min_gain * tokens / plain_s
+        value = 0.0
+        for taken, (v, rid, i) in enumerate(candidates, 1):
+            value += v
+            load = load + StepLoad.decodes(1, by_id[rid].num_computed_tokens + i + 1)
+            spec_s = self.estimator.estimate(load)
+            if spec_s > slack_s:
+                break
+            if (tokens + value) / spec_s > best_rate:
+                best, best_rate = taken, (tokens + value) / spec_s
+        if best == 0:
             self.stats.num_skipped_steps += 1
             return {}
-        return drafts
+        keep: dict[str, int] = {}
+        for _, rid, i in candidates[:best]:  # a request's drafts enter in order: i is its count so far
+            keep[rid] = max(keep.get(rid, 0), i)
+        return {rid: drafts[rid][:n] for rid, n in keep.items()}
 
     def observe(self, request_id: str, proposed: int, accepted: int) -> None:
         """One verified step of a request: `accepted` of its `proposed` drafts were kept."""
