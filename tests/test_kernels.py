@@ -16,16 +16,35 @@ pytestmark = pytest.mark.skipif(kernel is None, reason="no C++ toolchain to buil
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
 
+# The kernel splits work per sequence when there are many, per (sequence, KV head) when there
+# are few (under 4 per thread), and unrolls head sizes 64 and 128: cover both splits, both
+# unrolled sizes and a generic one.
+FEW = [1, 17, 40, 100, 5, 128]
+MANY = [(i * 37) % 128 + 1 for i in range(48)]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("window", [0, 7])
 @pytest.mark.parametrize("heads, kv_heads", [(9, 3), (4, 4), (8, 1)])
-def test_matches_sdpa_over_gathered_blocks(window, heads, kv_heads, dtype):
+@pytest.mark.parametrize("contexts", [FEW, MANY], ids=["few", "many"])
+def test_matches_sdpa_over_gathered_blocks(window, heads, kv_heads, dtype, contexts):
+    check_against_sdpa(window, heads, kv_heads, dtype, contexts, hd=64)
+
+
+@pytest.mark.parametrize("hd", [128, 40])
+@pytest.mark.parametrize("contexts", [[300], MANY], ids=["one", "many"])
+def test_other_head_sizes(hd, contexts):
+    check_against_sdpa(0, 6, 2, torch.bfloat16, contexts, hd)
+
+
+def check_against_sdpa(window, heads, kv_heads, dtype, contexts, hd):
     torch.manual_seed(0)
-    bs, nb, hd = 16, 64, 64
+    bs, nb = 16, 64
     k_cache = torch.randn(nb * bs, kv_heads, hd).to(dtype)
     v_cache = torch.randn(nb * bs, kv_heads, hd).to(dtype)
-    ctx = torch.tensor([1, 17, 40, 100, 5, 128])
-    tables = torch.stack([torch.randperm(nb)[:8] for _ in ctx])
+    ctx = torch.tensor(contexts)
+    width = -(-max(contexts) // bs)
+    tables = torch.stack([torch.randperm(nb)[:width] for _ in ctx])
     q = torch.randn(len(ctx), heads, hd).to(dtype)
     out = kernel(q, k_cache, v_cache, tables, ctx, bs, hd ** -0.5, window)
     assert out.dtype == dtype
