@@ -229,7 +229,7 @@ class LlamaModel:
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
-        """Logits [S, vocab] at batch.sample_indices."""
+        """Logits [S, vocab] at batch.sample_indices, in the model's dtype."""
         cfg = self.config
         T = batch.input_ids.shape[0]
         nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -274,4 +274,7 @@ class LlamaModel:
             gate, up = layer["gate_up"](x).chunk(2, dim=-1)
             h = h + layer["down"](F.silu(gate) * up)
         h = self._rms_norm(h[batch.sample_indices], self.norm)
-        return self.lm_head(h).float()
+        # In the model's dtype: the sampler's greedy path takes the argmax as is (exact: a 16-bit
+        # value converts to float32 exactly) and converts only when it processes the logits.
+        # The float32 copy of 200 rows of a 49k vocabulary took 7 ms of a 145 ms step.
+        return self.lm_head(h)

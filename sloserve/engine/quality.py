@@ -53,7 +53,7 @@ def next_token_logits(model: LlamaModel, ids: Sequence[int]) -> torch.Tensor:
         slot_mapping=positions, num_decodes=0, decode_blocks=None, decode_mask=None, decode_context_lens=None,
         prefills=[PrefillSpan(0, n, 0, None)], sample_indices=positions[:-1],
     )
-    return model.forward(batch, cache)
+    return model.forward(batch, cache).float()
 
 
 def next_token_logprobs(model: LlamaModel, ids: Sequence[int]) -> torch.Tensor:

@@ -136,8 +136,10 @@ class Sampler:
         rand_idx = [i for i, r in enumerate(rows) if not r.params.greedy]
 
         if not (pen_idx or ban or lp_idx or rand_idx):
-            # The common benchmark case: plain greedy decoding.
-            return SampleOutput(logits.argmax(dim=-1).tolist(), [None] * n_rows, [None] * n_rows)
+            # The common case: plain greedy decoding, on the logits as they come (16-bit ones
+            # too). max().indices is argmax with the same first-index tie-break, and on bf16
+            # it is vectorized where argmax is not (200 x 49k: 2.9 ms against 15.7 ms).
+            return SampleOutput(logits.max(dim=-1).indices.tolist(), [None] * n_rows, [None] * n_rows)
 
         dev = logits.device
         x = logits.to(torch.float32, copy=True)
