@@ -81,7 +81,7 @@ def test_a_build_lock_left_by_a_killed_process_does_not_hang_the_engine():
 
     from sloserve.engine.kernels import STALE_LOCK_S, cpu_tag, load_paged_decode_attention
 
-    name = f"sloserve_paged_attention_{cpu_tag()}"
+    name = f"sloserve_cpu_kernels_{cpu_tag()}"
     lock = Path(cpp_extension._get_build_directory(name, verbose=False)) / "lock"
     lock.parent.mkdir(parents=True, exist_ok=True)
     lock.touch()

@@ -15,7 +15,7 @@ from typing import Callable, Optional, Union
 import torch
 
 from sloserve.config import EngineConfig, ModelConfig
-from sloserve.engine.kernels import load_paged_decode_attention
+from sloserve.engine.kernels import load_fused_ops, load_paged_decode_attention
 from sloserve.engine.migration import ResumeState
 from sloserve.engine.model import KVCache, LlamaModel
 from sloserve.engine.outputs import RequestMetrics, RequestOutput, TokenLogprob
@@ -112,16 +112,17 @@ class LLMEngine:
         self.model_config: ModelConfig = loaded.config
         self.tokenizer: Tokenizer = loaded.tokenizer
         self.model_name = loaded.config.name or "model"
-        decode_attention = None
+        decode_attention = fused_ops = None
         if config.native_kernels and self.device.type == "cpu":
             decode_attention = load_paged_decode_attention()
+            fused_ops = load_fused_ops()
         dense_above: dict[str, Optional[int]] = {}
         if self.quantization != "none" and config.quantized_dense_copy:
             for kind in {self.quantization, "int8"}:  # the LM head is int8 in both modes
                 dense_above[kind] = quantized_max_rows(loaded.config.hidden_size, loaded.config.intermediate_size,
                                                        kind, self.dtype)
         self.model = LlamaModel(loaded.config, loaded.weights, self.device, self.dtype, decode_attention,
-                                self.quantization, dense_above)
+                                self.quantization, dense_above, fused_ops)
         del loaded
 
         cache = config.cache

@@ -100,7 +100,8 @@ class LlamaModel:
 
     def __init__(self, config: ModelConfig, weights: dict[str, Union[torch.Tensor, GroupAffine4]],
                  device: torch.device, dtype: torch.dtype, decode_attention: Optional[Callable] = None,
-                 quantization: str = "none", dense_above: Optional[dict[str, Optional[int]]] = None):
+                 quantization: str = "none", dense_above: Optional[dict[str, Optional[int]]] = None,
+                 fused_ops=None):
         """`quantization` is resolved ("none", "int8" or "int4"); `dense_above` maps a packed form
         to the most rows its kernel serves before a dense copy takes over (None: no copy; a form
         absent from it keeps no copy either). The LM head is packed as int8 in both quantized
@@ -108,6 +109,9 @@ class LlamaModel:
         self.config = config
         # A native kernel reading K/V in place (see engine/kernels); None = gather + SDPA.
         self.decode_attention = decode_attention
+        # Native fused RMSNorm(+residual), SiLU-and-mul and in-place RoPE (engine/kernels/cpu_kernels.cpp);
+        # None = the portable ATen ops.
+        self.fused = fused_ops
         self.device = device
         self.dtype = dtype
         self.quantization = quantization
@@ -233,17 +237,30 @@ class LlamaModel:
         cfg = self.config
         T = batch.input_ids.shape[0]
         nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        cos = self.cos[batch.positions].unsqueeze(1)
-        sin = self.sin[batch.positions].unsqueeze(1)
         h = self._embed(batch.input_ids)
         D = batch.num_decodes
         prefill_masks = {span.token_start: self._prefill_mask(span) for span in batch.prefills}
+        fused = self.fused
+        cos, sin = self.cos[batch.positions], self.sin[batch.positions]  # [T, hd]
+        if fused is None:
+            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # broadcast over heads
+        delta: Optional[torch.Tensor] = None  # the previous layer's MLP output, not yet added to h
         for li, layer in enumerate(self.layers):
-            x = self._rms_norm(h, layer["in_norm"])
+            if fused is None:
+                x = self._rms_norm(h, layer["in_norm"])
+            elif delta is None:
+                x = fused.rms_norm(h, layer["in_norm"], cfg.rms_norm_eps)
+            else:
+                x = fused.add_rms_norm(h, delta, layer["in_norm"], cfg.rms_norm_eps)
             qkv = layer["qkv"](x)
             # Q and K heads sit side by side in the fused output: one RoPE call rotates both.
-            qk = self._rope(qkv[:, :self.q_size + self.kv_size].view(T, nh + nkv, hd), cos, sin)
-            q, k = qk[:, :nh], qk[:, nh:]
+            if fused is None:
+                qk = self._rope(qkv[:, :self.q_size + self.kv_size].view(T, nh + nkv, hd), cos, sin)
+                q, k = qk[:, :nh], qk[:, nh:]
+            else:
+                fused.rope_(qkv.view(T, nh + 2 * nkv, hd), cos, sin, nh + nkv)
+                q = qkv[:, :self.q_size].view(T, nh, hd)
+                k = qkv[:, self.q_size:self.q_size + self.kv_size].view(T, nkv, hd)
             v = qkv[:, self.q_size + self.kv_size:].view(T, nkv, hd)
             k_cache, v_cache = kv_cache.data[li, 0], kv_cache.data[li, 1]
             k_cache.index_copy_(0, batch.slot_mapping, k)
@@ -269,10 +286,17 @@ class LlamaModel:
                     attn_mask=mask, is_causal=causal, scale=self.scale, enable_gqa=True,
                 )
                 attn[s:s + n] = out.squeeze(0).transpose(0, 1)
-            h = h + layer["o"](attn.view(T, self.q_size))
-            x = self._rms_norm(h, layer["post_norm"])
-            gate, up = layer["gate_up"](x).chunk(2, dim=-1)
-            h = h + layer["down"](F.silu(gate) * up)
+            if fused is None:
+                h = h + layer["o"](attn.view(T, self.q_size))
+                x = self._rms_norm(h, layer["post_norm"])
+                gate, up = layer["gate_up"](x).chunk(2, dim=-1)
+                h = h + layer["down"](F.silu(gate) * up)
+            else:
+                x = fused.add_rms_norm(h, layer["o"](attn.view(T, self.q_size)), layer["post_norm"],
+                                       cfg.rms_norm_eps)
+                delta = layer["down"](fused.silu_and_mul(layer["gate_up"](x)))
+        if delta is not None:
+            h = h + delta
         h = self._rms_norm(h[batch.sample_indices], self.norm)
         # In the model's dtype: the sampler's greedy path takes the argmax as is (exact: a 16-bit
         # value converts to float32 exactly) and converts only when it processes the logits.

@@ -16,7 +16,7 @@ from typing import Callable, Optional
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("paged_attention.cpp")
+_HERE = Path(__file__).parent
 
 
 def cpu_tag() -> str:
@@ -63,26 +63,37 @@ def _drop_stale_build_lock(name: str) -> None:
         lock.unlink(missing_ok=True)
 
 
-def load_paged_decode_attention() -> Optional[Callable]:
-    """The compiled CPU decode-attention kernel, or None (with a logged reason) if it cannot be built."""
+def _load(stem: str, what: str):
+    """Compile (or load the cached build of) kernels/<stem>.cpp; None, with a logged reason, if it cannot be built."""
     _put_ninja_on_path()
-    name = f"sloserve_paged_attention_{cpu_tag()}"
+    name = f"sloserve_{stem}_{cpu_tag()}"
     try:
         from torch.utils import cpp_extension
 
         _drop_stale_build_lock(name)
-        module = cpp_extension.load(
+        return cpp_extension.load(
             name=name,
-            sources=[str(_SOURCE)],
+            sources=[str(_HERE / f"{stem}.cpp")],
             extra_cflags=["-O3", "-march=native", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
             verbose=False,
         )
     except Exception as e:  # no compiler, no ninja, unsupported platform...
-        logger.warning("native decode attention unavailable (%s); using the portable gather + SDPA path",
+        logger.warning("native %s unavailable (%s); using the portable PyTorch path", what,
                        str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__)
         return None
-    return module.paged_decode_attention
 
 
-__all__ = ["cpu_tag", "load_paged_decode_attention"]
+def load_paged_decode_attention() -> Optional[Callable]:
+    """The compiled CPU decode-attention kernel, or None if it cannot be built (gather + SDPA then)."""
+    module = _load("cpu_kernels", "decode attention")
+    return None if module is None else module.paged_decode_attention
+
+
+def load_fused_ops():
+    """The compiled CPU elementwise kernels (rms_norm, add_rms_norm, silu_and_mul, rope_), or None
+    (the portable ATen ops then)."""
+    return _load("cpu_kernels", "fused elementwise ops")
+
+
+__all__ = ["cpu_tag", "load_fused_ops", "load_paged_decode_attention"]
