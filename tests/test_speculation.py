@@ -138,6 +138,26 @@ def test_acceptance_history_steers_the_gate():
     assert spec.stats.num_draft_tokens == 40 and spec.stats.acceptance_rate == 0.0
 
 
+def test_measured_row_costs_override_the_linear_estimate():
+    rows = [repeating_request("a"), repeating_request("b")]
+    room = {"a": 10, "b": 10}
+    spec = Speculator(PromptLookupProposer(), 4, max_batch=8, estimator=LinearCost(0.010, 0.00005))
+    assert spec.plan(rows, StepLoad(), 64, math.inf, room) != {}  # the estimate: rows nearly free
+    for n, seconds in ((2, 0.010), (4, 0.016), (10, 0.040)):  # measured: each extra row costs 3 ms
+        spec.observe_step(StepLoad.decodes(n, 100 * n), seconds)
+    spec.observe_step(StepLoad.prefill(64) + StepLoad.decodes(2, 200), 1.0)  # a prefill step teaches nothing
+    assert spec.row_costs.estimate(3) == pytest.approx(0.013) and spec.row_costs.estimate(11) is None
+    assert spec.plan(rows, StepLoad(), 64, math.inf, room) == {}
+    assert spec.stats.num_skipped_steps == 1
+
+
+def test_no_drafts_in_a_step_that_carries_a_prefill_chunk():
+    spec = Speculator(PromptLookupProposer(), 4, max_batch=8, estimator=LinearCost(0.010, 0.00005))
+    rows = [repeating_request("a")]
+    assert spec.plan(rows, StepLoad.prefill(32), 64, math.inf, {"a": 10}) == {}
+    assert spec.plan(rows, StepLoad(), 64, math.inf, {"a": 10}) != {}
+
+
 # ---------------------------------------------------------------------- the scheduler
 
 

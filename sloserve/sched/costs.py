@@ -161,6 +161,37 @@ class OnlineStepEstimator:
         self.num_observed += 1
 
 
+class DecodeRowCosts:
+    """Measured durations of pure-decode steps by their number of rows (a moving average per row
+    count), interpolated between the counts seen. At a few rows a step's cost is not linear in
+    its rows (a packed kernel's crossover, the LM head per row), and a linear model fitted over
+    prefill steps prices a row at a prefill token's cost; speculation decides between exactly
+    such steps (n rows or n + drafts), so it asks this first."""
+
+    def __init__(self, smoothing: float = 0.2) -> None:
+        self.smoothing = smoothing
+        self._seconds: dict[int, float] = {}
+
+    def observe(self, load: StepLoad, seconds: float) -> None:
+        rows = load.num_tokens
+        if rows <= 0 or rows != load.num_decodes or not seconds > 0 or not math.isfinite(seconds):
+            return  # a step with prefill chunks says nothing about decode rows
+        old = self._seconds.get(rows)
+        self._seconds[rows] = seconds if old is None else (1 - self.smoothing) * old + self.smoothing * seconds
+
+    def estimate(self, rows: int) -> Optional[float]:
+        """Seconds for a pure-decode step of `rows` rows; None outside the counts measured."""
+        known = self._seconds
+        if rows in known:
+            return known[rows]
+        below = max((r for r in known if r < rows), default=None)
+        above = min((r for r in known if r > rows), default=None)
+        if below is None or above is None:
+            return None
+        w = (rows - below) / (above - below)
+        return (1 - w) * known[below] + w * known[above]
+
+
 def prefill_time(estimator: Optional[StepCostEstimator], start: int, num_tokens: int, chunk: int) -> float:
     """The least time the prefill of `num_tokens` tokens after `start` can take: alone on the
     instance, in chunks of the full step budget. 0 without an estimator (a lower bound still)."""

@@ -454,6 +454,8 @@ class Scheduler:
         """
         if self._tracker is not None:
             self._report_service(plan, result)
+        if self.speculator is not None and result.duration_s > 0:
+            self.speculator.observe_step(StepLoad.of_plan(plan), result.duration_s)
         produced: list[Request] = []
         bs = self.kv.block_size
         requests = self.requests

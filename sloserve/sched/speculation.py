@@ -13,8 +13,10 @@ every request in the step. So the scheduler asks, per step:
 * latency: does the longer step still end within the tightest TBT slack of the decodes
   (a step that makes one request's next token late is not worth another's gain)?
 
-Drafts only ever use the token budget left after decodes and prefills were planned, so
-speculation never delays a prompt. Greedy requests without logprobs only: their verified
+Steps are priced by the measured cost of pure-decode steps of each row count (DecodeRowCosts),
+falling back to the scheduler's step estimator for row counts not seen yet (so a first verify
+step teaches the table what it costs). Drafts ride only in pure-decode steps: a step carrying a
+prefill chunk is compute-bound already, and they never take budget a prompt could use. Greedy requests without logprobs only: their verified
 output is exactly what plain decoding gives (see engine/runner.py).
 """
 from __future__ import annotations
@@ -22,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from sloserve.sched.costs import StepCostEstimator, StepLoad
+from sloserve.sched.costs import DecodeRowCosts, StepCostEstimator, StepLoad
 from sloserve.sched.drafts import DraftProposer
 from sloserve.types import Request
 
@@ -58,6 +60,7 @@ class Speculator:
         self.estimator = estimator
         self.min_gain = min_gain
         self.stats = SpeculationStats()
+        self.row_costs = DecodeRowCosts()
         self._acceptance: dict[str, float] = {}
 
     @staticmethod
@@ -76,7 +79,7 @@ class Speculator:
         `decodes`: the step's planned decodes; `other`: the load of the rest of the step (its
         prefill chunks); `budget`: tokens left in the step; `slack_s`: the tightest TBT slack
         among the decodes; `room[request_id]`: the most drafts that request may take."""
-        if budget <= 0 or not decodes or len(decodes) > self.max_batch:
+        if budget <= 0 or not decodes or len(decodes) > self.max_batch or other.num_tokens:
             return {}
         drafts: dict[str, list[int]] = {}
         for request in decodes:
@@ -87,7 +90,7 @@ class Speculator:
             if guess:
                 drafts[request.request_id] = guess
                 budget -= len(guess)
-        if not drafts or self.estimator is None:
+        if not drafts:
             return drafts
         # Each draft is one more decode row. Its expected value is the chance it is accepted
         # (a^i for the i-th draft of a request with per-draft acceptance a), so the rows are
@@ -95,23 +98,26 @@ class Speculator:
         # estimated second, if that beats plain decoding by min_gain and fits the slack.
         tokens = len(decodes)
         load = other + StepLoad.decodes(tokens, sum(r.num_computed_tokens + 1 for r in decodes))
-        plain_s = self.estimator.estimate(load)
         by_id = {r.request_id: r for r in decodes}
         candidates = []
         for rid, guess in drafts.items():
             a = self._acceptance.get(rid, PRIOR_ACCEPTANCE)
             candidates.extend((a ** i, rid, i) for i in range(1, len(guess) + 1))
         candidates.sort(key=lambda c: (-c[0], c[1], c[2]))
-        best, best_rate = 0, self.min_gain * tokens / plain_s
+        loads = [load]
+        for _, rid, i in candidates:
+            loads.append(loads[-1] + StepLoad.decodes(1, by_id[rid].num_computed_tokens + i + 1))
+        seconds = self._price(loads)
+        if seconds is None:
+            return drafts  # nothing to price with: the batch-size rule alone decides
+        best, best_rate = 0, self.min_gain * tokens / seconds[0]
         value = 0.0
-        for taken, (v, rid, i) in enumerate(candidates, 1):
+        for taken, (v, _, _) in enumerate(candidates, 1):
             value += v
-            load = load + StepLoad.decodes(1, by_id[rid].num_computed_tokens + i + 1)
-            spec_s = self.estimator.estimate(load)
-            if spec_s > slack_s:
+            if seconds[taken] > slack_s:
                 break
-            if (tokens + value) / spec_s > best_rate:
-                best, best_rate = taken, (tokens + value) / spec_s
+            if (tokens + value) / seconds[taken] > best_rate:
+                best, best_rate = taken, (tokens + value) / seconds[taken]
         if best == 0:
             self.stats.num_skipped_steps += 1
             return {}
@@ -119,6 +125,21 @@ class Speculator:
         for _, rid, i in candidates[:best]:  # a request's drafts enter in order: i is its count so far
             keep[rid] = max(keep.get(rid, 0), i)
         return {rid: drafts[rid][:n] for rid, n in keep.items()}
+
+    def _price(self, loads: list[StepLoad]) -> Optional[list[float]]:
+        """Seconds for each step load: all from the measured decode-row costs when they cover
+        every row count, else all from the step estimator (one source, so they compare); None
+        when neither can."""
+        measured = [self.row_costs.estimate(load.num_tokens) for load in loads]
+        if all(m is not None for m in measured):
+            return measured  # type: ignore[return-value]
+        if self.estimator is None:
+            return None
+        return [self.estimator.estimate(load) for load in loads]
+
+    def observe_step(self, load: StepLoad, seconds: float) -> None:
+        """A finished step's load and duration (pure-decode steps teach the row costs)."""
+        self.row_costs.observe(load, seconds)
 
     def observe(self, request_id: str, proposed: int, accepted: int) -> None:
         """One verified step of a request: `accepted` of its `proposed` drafts were kept."""
