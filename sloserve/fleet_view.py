@@ -31,6 +31,12 @@ class MovableRequest:
     tbt_s: float = 0.0  # its recent time between tokens on its instance (0 unknown)
 
 
+# What an instance does in a prefill/decode-disaggregated fleet: `prefill` instances take new
+# requests and hand each to a `decode` instance after its first token; `mixed` ones do both.
+ROLES = ("mixed", "prefill", "decode")
+HANDOFF = "pd-handoff"  # the `Move.reason` of a prefill -> decode hand-off (not a policy's migration)
+
+
 @dataclass(frozen=True)
 class InstanceView:
     instance_id: int
@@ -88,6 +94,8 @@ class FleetDecisions(Protocol):
     def counters(self) -> dict[str, float]: ...
 
     def route(self, request: Request, states: Sequence[InstanceState]) -> int: ...
+
+    def route_decode(self, request: Request, states: Sequence[InstanceState]) -> int: ...
 
     def plan_migrations(self, now: float, views: Sequence[InstanceView], costs: MoveCosts) -> list[Move]: ...
 

@@ -34,6 +34,11 @@ def add_simulate_parser(sub: argparse._SubParsersAction) -> None:
     f.add_argument("--link", default=DEFAULT_LINK, help=f"link KV migrates over between instances: one of {sorted(LINKS)}")
     f.add_argument("--migration-interval", type=float, default=0.1, metavar="S",
                    help="seconds of simulated time between migration plans")
+    f.add_argument("--pd", metavar="P:D", help="prefill/decode disaggregation: P prefill and D decode instances "
+                   "(replaces --instances); each request's KV crosses --link after its first token")
+    f.add_argument("--pd-transfer", default="pipelined", choices=["pipelined", "blocking"],
+                   help="send the KV layer by layer during the prefill, or all of it after")
+    f.add_argument("--decode-router", default="least-kv", help=f"picks the decode instance: one of {sorted(ROUTERS)}")
     f.add_argument("--scheduler", default="fcfs", help=f"instance scheduling policy: one of {sorted(POLICIES)}")
     f.add_argument("--profile", help="price steps with a `sloserve profile` file instead of the roofline model")
     f.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -69,7 +74,8 @@ def fleet_config_from_args(args: argparse.Namespace):
                    else args.predictor),
         online_predictor=not args.no_online_predictor, router_seed=args.router_seed,
         router_epsilon=args.router_epsilon, migration=args.migration, link=args.link,
-        migration_interval_s=args.migration_interval)
+        migration_interval_s=args.migration_interval, pd=args.pd, pd_transfer=args.pd_transfer,
+        decode_router=args.decode_router)
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
@@ -117,7 +123,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                 "instances": fleet.instances, "hardware": fleet.hardware, "model": fleet.model, "tp": fleet.tp,
                 "router": fleet.router, "predictor": fleet.predictor, "scheduler": fleet.scheduler.policy,
                 "profile": fleet.profile, "migration": fleet.migration, "link": fleet.link,
-                "migrations": result.migration,
+                "migrations": result.migration, "pd": fleet.pd, "pd_transfer": fleet.pd_transfer,
+                "handoffs": result.handoffs,
                 "preemptions": sum(i.scheduler.stats.num_preemptions for i in sim.instances),
                 "num_requests": len(stream), "completed": result.num_finished, "rejected": len(stream) - result.num_finished,
                 "sim_end_s": result.end_time, "wall_s": wall, "events": result.num_events,
@@ -135,6 +142,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         out.print(f"completed {c['completed']}/{c['num_requests']} requests; simulated {c['sim_end_s']:.1f} s "
                   f"in {c['wall_s']:.1f} s of wall time ({c['speedup_vs_real_time'] or 0:.0f}x real time); "
                   f"{c['preemptions']} preemptions")
+        h = c.get("handoffs")
+        if h:
+            out.print(f"P/D {c['pd']} ({c['pd_transfer']} over {c['link']}): {h['completed']} hand-offs, "
+                      f"{h['aborted']} aborted; {h['bytes'] / 1e9:.2f} GB of KV, mean wait "
+                      f"{1e3 * h['downtime_s'] / max(1, h['completed']):.1f} ms per hand-off")
         m = c["migrations"]
         if m:
             out.print(f"migration ({c['migration']} over {c['link']}): {m['started']} started, {m['completed']} "

@@ -56,8 +56,19 @@ class FleetConfig:
     migration: str = "none"
     link: str = DEFAULT_LINK
     migration_interval_s: float = 0.1
+    # Prefill/decode disaggregation: "P:D" instance counts (overrides `instances`), or None for a
+    # colocated fleet. The KV of each prefilled request crosses `link` to the decode instance that
+    # `decode_router` picks, sent `pd_transfer` = "pipelined" (layer by layer during the prefill)
+    # or "blocking" (after it).
+    pd: Optional[str] = None
+    pd_transfer: str = "pipelined"
+    decode_router: str = "least-kv"
 
     def validate(self) -> None:
+        if self.pd is not None:
+            self.instances = sum(parse_pd(self.pd))
+            if self.pd_transfer not in ("pipelined", "blocking"):
+                raise ValueError(f"--pd-transfer must be pipelined or blocking, got {self.pd_transfer!r}")
         if self.instances < 1:
             raise ValueError("--instances must be >= 1")
         if self.tp < 1:
@@ -70,6 +81,24 @@ class FleetConfig:
         get_link(self.link)
         self.scheduler.validate()
         self.cache.validate()
+
+
+def parse_pd(text: str) -> tuple[int, int]:
+    """`--pd P:D` -> (prefill instances, decode instances), both at least 1."""
+    try:
+        p, d = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise ValueError(f"--pd takes P:D (prefill:decode instance counts), got {text!r}") from None
+    if p < 1 or d < 1:
+        raise ValueError(f"--pd needs at least one prefill and one decode instance, got {text!r}")
+    return p, d
+
+
+def fleet_roles(cfg: FleetConfig) -> list[str]:
+    if cfg.pd is None:
+        return ["mixed"] * cfg.instances
+    p, d = parse_pd(cfg.pd)
+    return ["prefill"] * p + ["decode"] * d
 
 
 def build_cost_model(cfg: FleetConfig) -> tuple[CostModel, ModelConfig, int]:
@@ -116,8 +145,11 @@ def build_fleet(cfg: FleetConfig, predictions: Optional["PredictionBook"] = None
                  for i in range(cfg.instances)]
     options = RouterOptions(seed=cfg.router_seed, epsilon=cfg.router_epsilon,
                             predictions=predictions.lookup if predictions is not None else None)
-    controller = FleetController(make_router(cfg.router, options), make_migration_policy(cfg.migration))
-    return Simulator(instances, controller, move_costs(cfg, model), cfg.migration_interval_s)
+    decode_router = make_router(cfg.decode_router, options) if cfg.pd is not None else None
+    controller = FleetController(make_router(cfg.router, options), make_migration_policy(cfg.migration),
+                                 decode_router=decode_router)
+    return Simulator(instances, controller, move_costs(cfg, model), cfg.migration_interval_s,
+                     roles=fleet_roles(cfg), pd_transfer=cfg.pd_transfer, num_layers=model.num_layers)
 
 
 def move_costs(cfg: FleetConfig, model: ModelConfig) -> MoveCosts:

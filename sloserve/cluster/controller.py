@@ -1,6 +1,6 @@
 """The fleet controller: one object that makes the cluster-level decisions for a fleet, real or
-simulated. Today it routes arrivals and plans migrations; the autoscaler and the P/D planner
-will hang off it too.
+simulated. It routes arrivals, picks the decode instance a prefill hands a request to
+(prefill/decode disaggregation), and plans migrations; the autoscaler will hang off it too.
 
 It decides and keeps books; it never executes. The backend (the simulator, or the real front
 with its worker handles) asks it where a request goes and which moves to start, carries the
@@ -14,6 +14,7 @@ from typing import Optional, Sequence
 
 from sloserve.cluster.migration import InstanceView, MigrationPolicy, Move, MoveCosts
 from sloserve.cluster.routers.base import Router
+from sloserve.fleet_view import HANDOFF
 from sloserve.sched.state import InstanceState
 from sloserve.types import Request
 
@@ -45,10 +46,15 @@ class FleetController:
     """
 
     def __init__(self, router: Router, migration: Optional[MigrationPolicy] = None,
-                 max_concurrent_per_instance: int = 1, min_interval_s: float = 2.0):
+                 max_concurrent_per_instance: int = 1, min_interval_s: float = 2.0,
+                 decode_router: Optional[Router] = None):
+        """`decode_router` picks the decode instance of a prefill/decode hand-off (default:
+        `router`). Hand-offs are counted apart from migrations (`handoff_counters`) and are
+        not subject to the per-instance caps: every request on a prefill instance makes one."""
         if max_concurrent_per_instance < 1:
             raise ValueError("max_concurrent_per_instance must be >= 1")
         self.router = router
+        self.decode_router = decode_router or router
         self.migration = migration
         self.max_concurrent_per_instance = max_concurrent_per_instance
         self.min_interval_s = min_interval_s
@@ -57,11 +63,20 @@ class FleetController:
         self._out: dict[int, int] = {}  # instance id -> migrations leaving it now
         self._in: dict[int, int] = {}
         self._counters = MigrationCounters()
+        self._handoffs = MigrationCounters()
         self.completed_by_reason: dict[str, int] = {}  # policy name -> completed moves it asked for
 
     # ---- routing ---------------------------------------------------------------------
     def route(self, request: Request, states: Sequence[InstanceState]) -> int:
         return self.router.route(request, states)
+
+    def route_decode(self, request: Request, states: Sequence[InstanceState]) -> int:
+        """The decode instance (index into `states`) a prefilled request moves to."""
+        return self.decode_router.route(request, states)
+
+    @property
+    def handoff_counters(self) -> dict[str, float]:
+        return self._handoffs.as_dict()
 
     # ---- migration -------------------------------------------------------------------
     @property
@@ -103,6 +118,9 @@ class FleetController:
         if move.request_id in self.in_flight:
             raise ValueError(f"{move.request_id} is already migrating")
         self.in_flight[move.request_id] = move
+        if move.reason == HANDOFF:
+            self._handoffs.started += 1
+            return
         self._out[move.source] = self._out.get(move.source, 0) + 1
         self._in[move.target] = self._in.get(move.target, 0) + 1
         self._counters.started += 1
@@ -113,6 +131,15 @@ class FleetController:
         """`move` ended: completed (`ok`) or aborted. `bytes_sent` defaults to the planned KV."""
         if self.in_flight.pop(move.request_id, None) is None:
             raise ValueError(f"{move.request_id} is not migrating")
+        if move.reason == HANDOFF:
+            h = self._handoffs
+            if ok:
+                h.completed += 1
+                h.bytes += move.kv_bytes if bytes_sent is None else bytes_sent
+                h.downtime_s += downtime_s
+            else:
+                h.aborted += 1
+            return
         for side, instance in ((self._out, move.source), (self._in, move.target)):
             side[instance] -= 1
             if not side[instance]:

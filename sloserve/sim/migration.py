@@ -25,7 +25,7 @@ from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
-from sloserve.fleet_view import FleetDecisions, InstanceView, MovableRequest, Move, MoveCosts
+from sloserve.fleet_view import HANDOFF, FleetDecisions, InstanceView, MovableRequest, Move, MoveCosts
 from sloserve.sched.live_state import LiveInstanceState
 from sloserve.sim.instance import SimInstance
 from sloserve.types import Request, RequestStatus
@@ -118,6 +118,7 @@ class SimMigrator:
         self._at_boundary: dict[int, list[Transfer]] = {}  # instance id -> transfers waiting for its step to end
         self._bytes: dict[str, int] = {}  # bytes sent so far per transfer
         self.draining: set[int] = set()  # instances being emptied (the simulator's drains)
+        self.prefill_ids: set[int] = set()  # prefill-role instances: they hand off, they take no migration
 
     @property
     def busy(self) -> bool:
@@ -130,10 +131,11 @@ class SimMigrator:
         for instance, state in zip(self.instances, self.states):
             instance.catch_up(now)
             s = instance.scheduler
-            running = [r for r in s.running if decode_phase(r) and r.request_id not in self.transfers]
+            prefill = instance.instance_id in self.prefill_ids
+            running = [] if prefill else [r for r in s.running if decode_phase(r) and r.request_id not in self.transfers]
             drained = instance.instance_id in self.draining
             out.append(InstanceView(instance.instance_id, state, LazyMovables(running), LazyMovables(s.waiting),
-                                    accepting=not drained, draining=drained))
+                                    accepting=not (drained or prefill), draining=drained))
         return out
 
     def tick(self, now: float) -> None:
@@ -160,6 +162,37 @@ class SimMigrator:
         self.transfers[move.request_id] = transfer
         self._bytes[move.request_id] = self.costs.kv_bytes(transfer.copied)
         self._schedule(now + self._copy_time(transfer, transfer.copied), transfer)
+
+    # ---- prefill/decode hand-off ---------------------------------------------------------
+    def handoff(self, request: Request, source: SimInstance, target: SimInstance, now: float,
+                pipelined_with_s: float = 0.0, num_layers: int = 1) -> bool:
+        """Move a request that has just got its first token on a prefill instance (which is between
+        steps) to a decode instance: hold room there, stop it here, send its KV, and let the
+        target adopt it. The send is the stop-and-copy of a migration without pre-copy rounds.
+        `pipelined_with_s`: seconds of the prefill the send overlapped (its KV streamed layer by
+        layer while later chunks and layers computed), so only what is left of it, and at least
+        the last layer's share, is waited for. False (nothing changed) when the target has no room."""
+        rid = request.request_id
+        n = request.num_computed_tokens
+        move = Move(rid, source.instance_id, target.instance_id, HANDOFF, self.costs.kv_bytes(n),
+                    self.costs.copy_time(n, source.instance_id, target.instance_id))
+        target.catch_up(now)
+        blocks = target.kv.reserve(target.kv.blocks_needed(n))
+        if blocks is None:
+            return False
+        if source.scheduler.suspend(rid) is None:
+            target.kv.unpin(blocks)
+            return False
+        self.controller.started(move)
+        self._touch(target)
+        transfer = Transfer(move, request, source, target, blocks, n, request.num_preemptions, phase=STOP_COPY,
+                            suspended_at=now)
+        self.transfers[rid] = transfer
+        self._bytes[rid] = move.kv_bytes
+        wait = max(move.est_copy_s - pipelined_with_s, move.est_copy_s / max(1, num_layers)) \
+            if pipelined_with_s > 0 else move.est_copy_s
+        self._schedule(now + wait + self.handoff_s, transfer)
+        return True
 
     # ---- the phases ----------------------------------------------------------------------
     def advance(self, transfer: Transfer, now: float) -> None:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from collections.abc import Sequence
 from typing import Callable, Iterable, Iterator, Optional
 
-from sloserve.fleet_view import FleetDecisions, MoveCosts
+from sloserve.fleet_view import ROLES, FleetDecisions, MoveCosts
 from sloserve.sched.live_state import Moment
 from sloserve.sim.instance import SimInstance
 from sloserve.sim.migration import SimMigrator, Transfer
@@ -46,6 +46,8 @@ class SimResult:
     instance_busy_time: list[float] = field(default_factory=list)
     # the controller's migration counters (started, completed, aborted, bytes, downtime_s); empty without migration
     migration: dict[str, float] = field(default_factory=dict)
+    # the same counters for prefill -> decode hand-offs; empty in a fleet without prefill instances
+    handoffs: dict[str, float] = field(default_factory=dict)
 
 
 class RoutingOnly:
@@ -60,18 +62,41 @@ class RoutingOnly:
     def route(self, request: Request, states) -> int:
         return self.router.route(request, states)
 
+    def route_decode(self, request: Request, states) -> int:
+        return self.router.route(request, states)
+
     def plan_migrations(self, now, views, costs) -> list:
         return []
 
 
 class Simulator:
     def __init__(self, instances: Sequence[SimInstance], controller: "FleetDecisions | object",
-                 costs: Optional[MoveCosts] = None, migration_interval_s: float = 0.1, handoff_s: float = 0.005):
+                 costs: Optional[MoveCosts] = None, migration_interval_s: float = 0.1, handoff_s: float = 0.005,
+                 roles: Optional[Sequence[str]] = None, pd_transfer: str = "pipelined", num_layers: int = 1):
         """`controller`: a FleetController, or a bare router (routing only). `costs` price
-        migrations (needed when the controller has a migration policy); `handoff_s` is the fixed
-        part of a migration's pause (the last round trip before the target takes over)."""
+        migrations (needed when the controller has a migration policy, or the fleet is
+        disaggregated); `handoff_s` is the fixed part of a migration's pause (the last round trip
+        before the target takes over). `roles` (one of fleet_view.ROLES per instance; default all
+        `mixed`) disaggregates prefill and decode: arrivals go to prefill (and mixed) instances,
+        and a prefill instance hands each request to a decode instance after its first token,
+        its KV sent `pd_transfer` = "blocking" (after the prefill) or "pipelined" (layer by layer
+        while it runs: only the rest, at least one layer's share of `num_layers`, is waited for)."""
         if not instances:
             raise ValueError("need at least one instance")
+        self.roles = list(roles) if roles is not None else ["mixed"] * len(instances)
+        if len(self.roles) != len(instances) or any(r not in ROLES for r in self.roles):
+            raise ValueError(f"roles must name one of {ROLES} per instance")
+        if "prefill" in self.roles and "decode" not in self.roles:
+            raise ValueError("prefill instances need at least one decode instance to hand off to")
+        if "decode" in self.roles and all(r == "decode" for r in self.roles):
+            raise ValueError("a fleet of decode instances only has nowhere to prefill")
+        if pd_transfer not in ("blocking", "pipelined"):
+            raise ValueError(f"pd_transfer must be blocking or pipelined, got {pd_transfer!r}")
+        self.pd_transfer = pd_transfer
+        self.num_layers = num_layers
+        self._prefill_ids = [i for i, r in enumerate(self.roles) if r == "prefill"]
+        self._decode_ids = [i for i, r in enumerate(self.roles) if r == "decode"]
+        self._entry_ids = [i for i, r in enumerate(self.roles) if r != "decode"]
         if migration_interval_s <= 0:
             raise ValueError("migration_interval_s must be positive")
         self.instances = list(instances)
@@ -87,12 +112,14 @@ class Simulator:
         self._states = [instance.live_view(self._moment) for instance in self.instances]
         self.draining: set[int] = set()  # instances out of routing, to be emptied by the `drain` policy
         self.migrator: Optional[SimMigrator] = None
-        if self.controller.migration_enabled:
+        self._ticks = self.controller.migration_enabled  # the control tick plans migrations
+        if self._ticks or self._prefill_ids:
             if costs is None:
-                raise ValueError("a migration policy needs MoveCosts (KV bytes per token, link bandwidth)")
+                raise ValueError("migration and P/D hand-off need MoveCosts (KV bytes per token, link bandwidth)")
             self.migrator = SimMigrator(self.controller, self.instances, self._states, costs, self._push_transfer,
                                         self._touch, handoff_s)
             self.migrator.draining = self.draining  # shared: a drain shows in the views the policies read
+            self.migrator.prefill_ids = set(self._prefill_ids)
         self.migration_interval_s = migration_interval_s
         self._next_tick: Optional[int] = None  # index k of the pending tick at k * interval
 
@@ -135,7 +162,7 @@ class Simulator:
                 last_work = time  # a final tick that finds nothing to do does not extend the run
             if kind == DRAIN:
                 self.draining.add(payload)  # type: ignore[arg-type]
-                if self.migrator is not None and self._next_tick is None:
+                if self._ticks and self._next_tick is None:
                     self._schedule_tick(int(self.now // self.migration_interval_s) + 1)
             elif kind == ARRIVAL:
                 request = payload
@@ -151,7 +178,7 @@ class Simulator:
                 pending = next(arrivals, None)
                 if pending is not None:
                     self._push(pending.arrival_time, ARRIVAL, pending)
-                if self.migrator is not None and self._next_tick is None:
+                if self._ticks and self._next_tick is None:
                     self._schedule_tick(int(self.now // self.migration_interval_s) + 1)
             elif kind == TICK:
                 self._tick(payload)  # type: ignore[arg-type]
@@ -174,22 +201,28 @@ class Simulator:
                         finished.append(FinishedRequest(request, instance.instance_id))
                 if self.migrator is not None:
                     self.migrator.at_step_boundary(instance, time)
+                    if self.roles[instance.instance_id] == "prefill":
+                        self._hand_off(instance)
                 self._start(instance)
             if on_progress is not None and events % 1024 == 0:
                 on_progress(self.now, num_finished)
         if on_progress is not None:
             on_progress(self.now, num_finished)
         return SimResult(finished, rejected, last_work, events, num_finished, [i.busy_time for i in self.instances],
-                         self.controller.counters if self.migrator is not None else {})
+                         self.controller.counters if self._ticks else {},
+                         getattr(self.controller, "handoff_counters", {}) if self._prefill_ids else {})
 
     def _arrive(self, request: Request) -> Optional[str]:
         """Route and queue an arrival; returns why it was rejected, if it was."""
         self._moment.advance(self.now)
-        if self.draining and len(self.draining) < len(self.instances):
-            open_ids = [i for i in range(len(self.instances)) if i not in self.draining]
-            choice = open_ids[self.controller.route(request, [self._states[i] for i in open_ids])]
-        else:
+        entry = self._entry_ids
+        open_ids = [i for i in entry if i not in self.draining] if self.draining else entry
+        if not open_ids:
+            open_ids = entry  # everything drains: queue anyway rather than drop
+        if len(open_ids) == len(self.instances):
             choice = self.controller.route(request, self._states)
+        else:
+            choice = open_ids[self.controller.route(request, [self._states[i] for i in open_ids])]
         instance = self.instances[choice]
         try:
             instance.add_request(request)
@@ -210,6 +243,26 @@ class Simulator:
             new_end = instance.interrupt(self.now)
             if new_end is not None:
                 self._push(new_end, STEP_END, (instance, new_end))
+
+    # ---- prefill/decode hand-off -------------------------------------------------------------
+    def _hand_off(self, instance: SimInstance) -> None:
+        """Between two steps of a prefill instance: every request that has its first token (and
+        is not already leaving) goes to the decode instance the controller picks. One that finds
+        no room decodes here meanwhile and is offered again at the next step boundary."""
+        migrator = self.migrator
+        leaving = migrator.transfers  # type: ignore[union-attr]
+        ready = [r for r in instance.scheduler.running if r.request_id not in leaving and r.output_token_ids
+                 and r.num_prompt_tokens + len(r.output_token_ids) - r.num_computed_tokens == 1]
+        if not ready:
+            return
+        self._moment.advance(self.now)
+        decode_states = [self._states[i] for i in self._decode_ids]
+        for request in ready:
+            target = self.instances[self._decode_ids[self.controller.route_decode(request, decode_states)]]
+            overlap = 0.0
+            if self.pd_transfer == "pipelined" and request.first_scheduled_time is not None:
+                overlap = self.now - request.first_scheduled_time
+            migrator.handoff(request, instance, target, self.now, overlap, self.num_layers)  # type: ignore[union-attr]
 
     # ---- migration ------------------------------------------------------------------------
     def _schedule_tick(self, k: int) -> None:
