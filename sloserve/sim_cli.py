@@ -38,6 +38,9 @@ def add_simulate_parser(sub: argparse._SubParsersAction) -> None:
                    "(replaces --instances); each request's KV crosses --link after its first token")
     f.add_argument("--pd-transfer", default="pipelined", choices=["pipelined", "blocking"],
                    help="send the KV layer by layer during the prefill, or all of it after")
+    f.add_argument("--pd-prefill", default="", metavar="SPEC",
+                   help="prefill pool settings: tp=N,budget=TOKENS,seqs=N,chunk=TOKENS (any subset)")
+    f.add_argument("--pd-decode", default="", metavar="SPEC", help="decode pool settings, as --pd-prefill")
     f.add_argument("--decode-router", default="least-kv", help=f"picks the decode instance: one of {sorted(ROUTERS)}")
     f.add_argument("--scheduler", default="fcfs", help=f"instance scheduling policy: one of {sorted(POLICIES)}")
     f.add_argument("--profile", help="price steps with a `sloserve profile` file instead of the roofline model")
@@ -61,7 +64,7 @@ def add_simulate_parser(sub: argparse._SubParsersAction) -> None:
 
 def fleet_config_from_args(args: argparse.Namespace):
     from sloserve.config import CacheConfig, SchedulerConfig
-    from sloserve.simulation import FleetConfig
+    from sloserve.simulation import FleetConfig, PoolSettings
 
     return FleetConfig(
         instances=args.instances, hardware=args.hardware, model=args.model, tp=args.tp, router=args.router,
@@ -75,7 +78,8 @@ def fleet_config_from_args(args: argparse.Namespace):
         online_predictor=not args.no_online_predictor, router_seed=args.router_seed,
         router_epsilon=args.router_epsilon, migration=args.migration, link=args.link,
         migration_interval_s=args.migration_interval, pd=args.pd, pd_transfer=args.pd_transfer,
-        decode_router=args.decode_router)
+        decode_router=args.decode_router, prefill_pool=PoolSettings.parse(args.pd_prefill),
+        decode_pool=PoolSettings.parse(args.pd_decode))
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
@@ -124,6 +128,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                 "router": fleet.router, "predictor": fleet.predictor, "scheduler": fleet.scheduler.policy,
                 "profile": fleet.profile, "migration": fleet.migration, "link": fleet.link,
                 "migrations": result.migration, "pd": fleet.pd, "pd_transfer": fleet.pd_transfer,
+                "prefill_pool": vars(fleet.prefill_pool), "decode_pool": vars(fleet.decode_pool),
                 "handoffs": result.handoffs,
                 "preemptions": sum(i.scheduler.stats.num_preemptions for i in sim.instances),
                 "num_requests": len(stream), "completed": result.num_finished, "rejected": len(stream) - result.num_finished,

@@ -6,7 +6,7 @@ policies) in charge of simulated instances, which only know the controller's int
 (`sloserve.fleet_view`)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Optional
 
 from sloserve.records import RequestRecord, error_kind_for_status
@@ -25,6 +25,32 @@ from sloserve.workload.types import WorkloadRequest
 
 if TYPE_CHECKING:
     from sloserve.cluster.predict import PredictionBook
+
+
+@dataclass(frozen=True)
+class PoolSettings:
+    """What one pool of a disaggregated fleet changes from the fleet's settings (None = keep):
+    prefill pools usually want a big token budget and few sequences, decode pools the opposite,
+    and either may use another tensor-parallel degree."""
+
+    tp: Optional[int] = None
+    max_num_batched_tokens: Optional[int] = None  # "budget"
+    max_num_seqs: Optional[int] = None  # "seqs"
+    long_prefill_token_threshold: Optional[int] = None  # "chunk": the largest prefill chunk
+
+    KEYS = {"tp": "tp", "budget": "max_num_batched_tokens", "seqs": "max_num_seqs",
+            "chunk": "long_prefill_token_threshold"}
+
+    @classmethod
+    def parse(cls, text: str) -> "PoolSettings":
+        """`tp=2,budget=8192,seqs=16,chunk=2048` (any subset)."""
+        values = {}
+        for item in filter(None, (x.strip() for x in text.split(","))):
+            key, _, value = item.partition("=")
+            if key not in cls.KEYS or not value.isdigit() or int(value) < 1:
+                raise ValueError(f"pool setting {item!r}: use {', '.join(cls.KEYS)} = a positive integer")
+            values[cls.KEYS[key]] = int(value)
+        return cls(**values)
 
 
 @dataclass
@@ -63,6 +89,8 @@ class FleetConfig:
     pd: Optional[str] = None
     pd_transfer: str = "pipelined"
     decode_router: str = "least-kv"
+    prefill_pool: PoolSettings = field(default_factory=PoolSettings)  # per-pool overrides (P/D only)
+    decode_pool: PoolSettings = field(default_factory=PoolSettings)
 
     def validate(self) -> None:
         if self.pd is not None:
@@ -81,6 +109,9 @@ class FleetConfig:
         get_link(self.link)
         self.scheduler.validate()
         self.cache.validate()
+        if self.pd is not None:
+            for role in ("prefill", "decode"):
+                pool_config(self, role).scheduler.validate()
 
 
 def parse_pd(text: str) -> tuple[int, int]:
@@ -92,6 +123,21 @@ def parse_pd(text: str) -> tuple[int, int]:
     if p < 1 or d < 1:
         raise ValueError(f"--pd needs at least one prefill and one decode instance, got {text!r}")
     return p, d
+
+
+def pool_config(cfg: FleetConfig, role: str) -> FleetConfig:
+    """The fleet's settings as one pool of it runs them (a `mixed` instance keeps them all)."""
+    pool = {"prefill": cfg.prefill_pool, "decode": cfg.decode_pool}.get(role)
+    if pool is None or pool == PoolSettings():
+        return cfg
+    sched = {k: getattr(pool, k) for k in ("max_num_batched_tokens", "max_num_seqs", "long_prefill_token_threshold")
+             if getattr(pool, k) is not None}
+    return replace(cfg, tp=pool.tp or cfg.tp, scheduler=replace(cfg.scheduler, **sched))
+
+
+def fleet_gpus(cfg: FleetConfig) -> int:
+    """Devices the fleet occupies: each instance's tensor-parallel degree, summed."""
+    return sum(pool_config(cfg, role).tp for role in fleet_roles(cfg))
 
 
 def fleet_roles(cfg: FleetConfig) -> list[str]:
@@ -137,25 +183,29 @@ def build_fleet(cfg: FleetConfig, predictions: Optional["PredictionBook"] = None
     """The simulated fleet; with `predictions`, predictive routers read the requests' length
     distributions from it."""
     cfg.validate()
-    cost, model, blocks = build_cost_model(cfg)
-    context = min(cfg.max_model_len or model.max_position_embeddings, blocks * cfg.cache.block_size)
-    host = host_blocks_for(cfg, model)
-    instances = [SimInstance(i, cost, blocks, context, cfg.scheduler, cfg.cache, fast_forward=cfg.fast_forward,
-                             num_host_blocks=host)
-                 for i in range(cfg.instances)]
+    roles = fleet_roles(cfg)
+    instances = []
+    for i, role in enumerate(roles):
+        pool = pool_config(cfg, role)
+        cost, model, blocks = build_cost_model(pool)
+        context = min(pool.max_model_len or model.max_position_embeddings, blocks * pool.cache.block_size)
+        instances.append(SimInstance(i, cost, blocks, context, pool.scheduler, pool.cache,
+                                     fast_forward=pool.fast_forward, num_host_blocks=host_blocks_for(pool, model)))
     options = RouterOptions(seed=cfg.router_seed, epsilon=cfg.router_epsilon,
                             predictions=predictions.lookup if predictions is not None else None)
     decode_router = make_router(cfg.decode_router, options) if cfg.pd is not None else None
     controller = FleetController(make_router(cfg.router, options), make_migration_policy(cfg.migration),
                                  decode_router=decode_router)
     return Simulator(instances, controller, move_costs(cfg, model), cfg.migration_interval_s,
-                     roles=fleet_roles(cfg), pd_transfer=cfg.pd_transfer, num_layers=model.num_layers)
+                     roles=roles, pd_transfer=cfg.pd_transfer, num_layers=model.num_layers)
 
 
 def move_costs(cfg: FleetConfig, model: ModelConfig) -> MoveCosts:
     """What a migration costs in this fleet. With tensor parallelism each of the tp devices
-    sends its 1/tp of every block over its own link, at the same time."""
-    return MoveCosts.uniform(model.kv_bytes_per_token(cfg.dtype_bytes), get_link(cfg.link) * cfg.tp)
+    sends its 1/tp of every block over its own link, at the same time (pools of different
+    degrees: the smaller one's links bound the copy)."""
+    tp = min(pool_config(cfg, role).tp for role in set(fleet_roles(cfg)))
+    return MoveCosts.uniform(model.kv_bytes_per_token(cfg.dtype_bytes), get_link(cfg.link) * tp)
 
 
 def sim_requests(stream: Iterable[WorkloadRequest], classes: Optional[dict[str, QoSClass]] = None,

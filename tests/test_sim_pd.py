@@ -123,3 +123,29 @@ def test_fleet_config_builds_a_disaggregated_fleet():
     records, result = simulate(sim, sim_requests(stream))
     assert len(records) == 12 and all(r.error is None for r in records)
     assert result.handoffs["completed"] == 12
+
+
+def test_pools_take_their_own_settings():
+    from sloserve.simulation import PoolSettings, fleet_gpus
+
+    cfg = FleetConfig(hardware="h100-80g", model="llama-3.1-8b", pd="1:2",
+                      prefill_pool=PoolSettings.parse("tp=2,budget=8192,seqs=16,chunk=4096"),
+                      decode_pool=PoolSettings.parse("seqs=512"))
+    sim = build_fleet(cfg)
+    prefill, decode = sim.instances[0], sim.instances[1]
+    assert prefill.scheduler.config.max_num_batched_tokens == 8192 and prefill.scheduler.config.max_num_seqs == 16
+    assert prefill.scheduler.config.long_prefill_token_threshold == 4096
+    assert decode.scheduler.config.max_num_seqs == 512 and decode.scheduler.config.max_num_batched_tokens == 2048
+    assert prefill.cost_model.tp == 2 and decode.cost_model.tp == 1
+    assert fleet_gpus(cfg) == 4 and fleet_gpus(FleetConfig(instances=3)) == 3
+    stream = [WorkloadRequest(arrival_s=0.05 * i, prompt_len=2000, output_len=30) for i in range(10)]
+    records, result = simulate(sim, sim_requests(stream))
+    assert all(r.error is None for r in records) and result.handoffs["completed"] == 10
+
+
+@pytest.mark.parametrize("bad", ["tp=0", "gpus=2", "budget=lots", "tp"])
+def test_bad_pool_settings_are_refused(bad):
+    from sloserve.simulation import PoolSettings
+
+    with pytest.raises(ValueError, match="pool setting"):
+        PoolSettings.parse(bad)
