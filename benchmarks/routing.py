@@ -27,6 +27,7 @@ from pathlib import Path
 
 from sloserve.bench.metrics import SLO, jsonable, percentile
 from sloserve.config import SchedulerConfig
+from sloserve.planning import at_rate, max_rate
 from sloserve.simulation import FleetConfig, build_fleet, make_predictions, sim_requests, simulate
 from sloserve.workload.build import WorkloadSpec, build_stream
 from sloserve.workload.types import WorkloadRequest
@@ -60,14 +61,6 @@ def window(trace: Trace) -> list[WorkloadRequest]:
     reqs = build_stream(WorkloadSpec(trace.name, replay=True, start_s=trace.start_s, num_requests=trace.num_requests))
     t0 = reqs[0].arrival_s
     return [replace(r, arrival_s=r.arrival_s - t0) for r in reqs]
-
-
-def at_rate(reqs: list[WorkloadRequest], rate: float) -> list[WorkloadRequest]:
-    """The same requests, their arrival pattern stretched or squeezed to a mean of `rate` req/s."""
-    span = reqs[-1].arrival_s or 1.0
-    native = (len(reqs) - 1) / span
-    f = native / rate
-    return [replace(r, arrival_s=r.arrival_s * f) for r in reqs]
 
 
 def run(reqs: list[WorkloadRequest], policy: str, slo: SLO, instances: int, seed: int = 0, **fleet_options) -> dict:
@@ -115,19 +108,9 @@ def measure_capacity(reqs: list[WorkloadRequest], slo: SLO, instances: int, iter
     burst = run([replace(r, arrival_s=0.0) for r in reqs], CAPACITY_ROUTER, slo, instances, **fleet_options)
     probes.append({"rate": None, "burst": True, **burst})
     start = len(reqs) / burst["sim_s"]
-    if probe(start):
-        lo, hi = start, 2 * start
-        while probe(hi):
-            lo, hi = hi, 2 * hi
-    else:
-        lo, hi = start / 2, start
-        while not probe(lo):
-            lo, hi = lo / 2, lo
-    for _ in range(iters):
-        mid = math.sqrt(lo * hi)
-        lo, hi = (mid, hi) if probe(mid) else (lo, mid)
-    logger.info("burst throughput %.1f req/s, capacity %.1f req/s", start, lo)
-    return lo, probes
+    capacity = max_rate(probe, start, iters)
+    logger.info("burst throughput %.1f req/s, capacity %.1f req/s", start, capacity)
+    return capacity, probes
 
 
 def fmt_ms(s: float) -> str:

@@ -231,9 +231,10 @@ def build_parser() -> argparse.ArgumentParser:
     from sloserve.bench.cli import add_bench_parser  # `sloserve bench` and `sloserve bench compare`
 
     add_bench_parser(sub)
-    from sloserve.sim_cli import add_simulate_parser
+    from sloserve.sim_cli import add_plan_parser, add_simulate_parser
 
     add_simulate_parser(sub)
+    add_plan_parser(sub)
     from sloserve.cluster.train_cli import add_train_predictor_parser
 
     add_train_predictor_parser(sub)

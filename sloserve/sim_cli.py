@@ -10,13 +10,44 @@ from pathlib import Path
 
 def add_simulate_parser(sub: argparse._SubParsersAction) -> None:
     from sloserve.bench.cli import add_workload_args
+
+    p = sub.add_parser("simulate", help="simulate a fleet running the real schedulers on modelled hardware")
+    add_fleet_args(p)
+    add_workload_args(p)
+    r = p.add_argument_group("results")
+    r.add_argument("--slo", help="targets in ms, e.g. ttft=500,tpot=50,e2e=10000")
+    r.add_argument("--out", default="sim-out", metavar="DIR", help="results.json, report.md and PNGs go here")
+    r.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=cmd_simulate)
+
+
+def add_plan_parser(sub: argparse._SubParsersAction) -> None:
+    from sloserve.bench.cli import add_workload_args
+
+    p = sub.add_parser("plan", help="the best prefill/decode split (and pool settings) for a workload and SLO, "
+                                    "against the best colocated fleet, on the simulator")
+    add_fleet_args(p)
+    add_workload_args(p)
+    g = p.add_argument_group("plan")
+    g.add_argument("--gpus", type=int, required=True, help="devices to place (colocated: --gpus / --tp instances)")
+    g.add_argument("--slo", required=True, help="targets in ms, e.g. ttft=500,tpot=25 (goodput counts requests "
+                   "meeting all of them)")
+    g.add_argument("--prefill-pools", default="", metavar="SPEC;SPEC",
+                   help="prefill pool settings to try, ';'-separated (each as --pd-prefill; default: the fleet's)")
+    g.add_argument("--decode-pools", default="", metavar="SPEC;SPEC", help="decode pool settings to try, as above")
+    g.add_argument("--iters", type=int, default=3, help="bisection steps of each goodput search")
+    g.add_argument("--out", default="plan-out", metavar="DIR", help="plan.json and plan.png go here")
+    g.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=cmd_plan)
+
+
+def add_fleet_args(p: argparse.ArgumentParser) -> None:
     from sloserve.cluster.migration import MIGRATION_POLICIES
     from sloserve.cluster.routers import ROUTERS
     from sloserve.sched.policies import POLICIES
     from sloserve.sim.catalog import MODELS
     from sloserve.sim.hardware import DEFAULT_LINK, HARDWARE, LINKS
 
-    p = sub.add_parser("simulate", help="simulate a fleet running the real schedulers on modelled hardware")
     f = p.add_argument_group("fleet")
     f.add_argument("--instances", type=int, default=1)
     f.add_argument("--hardware", default="h100-80g", help=f"one of {sorted(HARDWARE)}")
@@ -54,12 +85,6 @@ def add_simulate_parser(sub: argparse._SubParsersAction) -> None:
     f.add_argument("--swap-space", type=float, default=4.0, metavar="GIB",
                    help="host memory per device for swapped-out KV (with --preemption-mode swap/auto)")
     f.add_argument("--no-fast-forward", action="store_true", help="one event per step (slower, same decisions)")
-    add_workload_args(p)
-    r = p.add_argument_group("results")
-    r.add_argument("--slo", help="targets in ms, e.g. ttft=500,tpot=50,e2e=10000")
-    r.add_argument("--out", default="sim-out", metavar="DIR", help="results.json, report.md and PNGs go here")
-    r.add_argument("--no-progress", action="store_true")
-    p.set_defaults(func=cmd_simulate)
 
 
 def fleet_config_from_args(args: argparse.Namespace):
@@ -159,3 +184,81 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                       f"{1e3 * m['downtime_s']:.0f} ms of downtime in total")
     console.print("wrote " + ", ".join(str(p) for p in paths))
     return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    import json
+
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.table import Table
+
+    from sloserve.bench.cli import resolve_rates, workload_spec_from_args
+    from sloserve.bench.metrics import SLO
+    from sloserve.planning import layouts, plan
+    from sloserve.simulation import PoolSettings
+    from sloserve.workload.build import build_stream
+
+    if args.gpus < 2:
+        raise ValueError("--gpus must be >= 2 (a split needs a prefill and a decode instance)")
+    spec = workload_spec_from_args(args)
+    rates = resolve_rates(args, spec)
+    rate = rates[0]
+    stream = build_stream(replace(spec, rate=rate, replay=spec.replay if rate is None else False))
+    if len(stream) < 2 or stream[-1].arrival_s <= 0:
+        raise ValueError("plan needs at least two requests with arrival times: pass --rate R or --replay")
+    fleet = fleet_config_from_args(args)
+    fleet.validate()
+    slo = SLO.parse(args.slo)
+    pools = [[PoolSettings.parse(x) for x in text.split(";")] if text else [PoolSettings()]
+             for text in (args.prefill_pools, args.decode_pools)]
+    candidates = layouts(args.gpus, pools[0], pools[1])
+    console = Console(stderr=True)
+    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                        console=console, disable=args.no_progress)
+    with progress:
+        task = progress.add_task("goodput searches", total=len(candidates))
+        rows = plan(stream, fleet, slo, args.gpus, candidates, args.iters, on_done=lambda _: progress.advance(task))
+    colocated = next(r for r in rows if r.layout.pd is None)
+    best_pd = next((r for r in rows if r.layout.pd is not None), None)
+    table = Table(title=f"goodput per GPU at >= 90% within {args.slo} ms: {len(stream)} requests of "
+                        f"{spec.name}, {args.gpus} x {fleet.hardware}, {fleet.model}, link {fleet.link}")
+    for col in ("layout", "GPUs", "goodput req/s", "per GPU", "vs colocated"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        ratio = r.per_gpu / colocated.per_gpu if colocated.per_gpu > 0 else float("inf")
+        table.add_row(r.layout.label, str(r.gpus), f"{r.goodput:.2f}", f"{r.per_gpu:.3f}", f"{ratio:.2f}x")
+    out = Console()
+    out.print(table)
+    winner = rows[0]
+    out.print(f"best: {winner.layout.label} ({winner.per_gpu:.3f} req/s per GPU); best colocated "
+              f"{colocated.per_gpu:.3f}" + (f"; best P:D {best_pd.layout.label} {best_pd.per_gpu:.3f}" if best_pd else ""))
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    record = {"workload": spec.name, "requests": len(stream), "gpus": args.gpus, "slo": args.slo,
+              "hardware": fleet.hardware, "model": fleet.model, "link": fleet.link, "pd_transfer": fleet.pd_transfer,
+              "rows": [{"layout": r.layout.label, "pd": r.layout.pd, "prefill_pool": vars(r.layout.prefill_pool),
+                        "decode_pool": vars(r.layout.decode_pool), "gpus": r.gpus, "goodput_rps": r.goodput,
+                        "per_gpu": r.per_gpu} for r in rows]}
+    (out_dir / "plan.json").write_text(json.dumps(record, indent=1))
+    _plot_plan(rows, out_dir / "plan.png", table.title)
+    console.print(f"wrote {out_dir / 'plan.json'} and {out_dir / 'plan.png'}")
+    return 0
+
+
+def _plot_plan(rows, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ordered = sorted(rows, key=lambda r: (r.layout.pd is not None, r.layout.label))
+    fig, ax = plt.subplots(figsize=(max(6, 0.8 * len(ordered)), 4))
+    ax.bar(range(len(ordered)), [r.per_gpu for r in ordered],
+           color=["tab:gray" if r.layout.pd is None else "tab:blue" for r in ordered])
+    ax.set_xticks(range(len(ordered)), [r.layout.label for r in ordered], rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("goodput per GPU (req/s)")
+    ax.set_title(title, fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,126 @@
+"""Capacity planning on the simulator: the goodput of a fleet layout, and the best
+prefill/decode split for a workload and SLO (DistServe's placement search, on sloserve's own
+schedulers and cost models).
+
+Goodput is the highest request rate at which at least `attainment` (90%) of requests meet both
+their TTFT and TPOT targets, with the workload's own arrival pattern stretched or squeezed to
+that rate. The search brackets it from the burst throughput (every request at once: requests /
+makespan), doubling or halving until one end meets the SLO and the other does not, then bisects
+geometrically.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Callable, Optional, Sequence
+
+from sloserve.bench.metrics import SLO
+from sloserve.simulation import FleetConfig, PoolSettings, build_fleet, fleet_gpus, sim_requests, simulate
+from sloserve.workload.types import WorkloadRequest
+
+ATTAINMENT = 0.9
+MAX_BRACKET_STEPS = 12  # 2^12 either way of the burst throughput: far past any real fleet's range
+
+
+def at_rate(reqs: Sequence[WorkloadRequest], rate: float) -> list[WorkloadRequest]:
+    """The same requests, their arrival pattern stretched or squeezed to a mean of `rate` req/s."""
+    span = reqs[-1].arrival_s or 1.0
+    native = (len(reqs) - 1) / span if len(reqs) > 1 else rate
+    f = native / rate
+    return [replace(r, arrival_s=r.arrival_s * f) for r in reqs]
+
+
+def max_rate(meets: Callable[[float], bool], start: float, iters: int) -> float:
+    """The highest rate (within the bisection's resolution) at which `meets(rate)` holds, assuming
+    it holds below some rate and fails above it; 0 if it fails even at start / 2^12."""
+    if meets(start):
+        lo, hi = start, 2 * start
+        for _ in range(MAX_BRACKET_STEPS):
+            if not meets(hi):
+                break
+            lo, hi = hi, 2 * hi
+        else:
+            return lo
+    else:
+        lo, hi = start / 2, start
+        for _ in range(MAX_BRACKET_STEPS):
+            if meets(lo):
+                break
+            lo, hi = lo / 2, lo
+        else:
+            return 0.0
+    for _ in range(iters):
+        mid = math.sqrt(lo * hi)
+        lo, hi = (mid, hi) if meets(mid) else (lo, mid)
+    return lo
+
+
+def attainment(reqs: Sequence[WorkloadRequest], cfg: FleetConfig, slo: SLO) -> tuple[float, float]:
+    """(share of requests meeting the SLO, simulated makespan) of one run."""
+    records, result = simulate(build_fleet(cfg), sim_requests(reqs))
+    return sum(slo.met(r) for r in records) / max(1, len(reqs)), result.end_time
+
+
+def goodput(reqs: Sequence[WorkloadRequest], cfg: FleetConfig, slo: SLO, iters: int = 3,
+            target: float = ATTAINMENT) -> float:
+    """Requests/s the fleet serves with >= `target` of them within `slo` (module docstring)."""
+    _, makespan = attainment([replace(r, arrival_s=0.0) for r in reqs], cfg, slo)
+    start = len(reqs) / makespan if makespan > 0 else 1.0
+    return max_rate(lambda rate: attainment(at_rate(reqs, rate), cfg, slo)[0] >= target, start, iters)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One candidate: colocated (`pd` None) or a P:D split with per-pool settings."""
+
+    pd: Optional[str] = None
+    prefill_pool: PoolSettings = PoolSettings()
+    decode_pool: PoolSettings = PoolSettings()
+
+    @property
+    def label(self) -> str:
+        if self.pd is None:
+            return "colocated"
+        pools = [f"{name}[{','.join(f'{k}={v}' for k, v in vars(pool).items() if v is not None)}]"
+                 for name, pool in (("P", self.prefill_pool), ("D", self.decode_pool)) if pool != PoolSettings()]
+        return " ".join([self.pd, *pools])
+
+    def apply(self, cfg: FleetConfig, gpus: int) -> FleetConfig:
+        if self.pd is None:
+            return replace(cfg, instances=gpus // cfg.tp, pd=None)
+        return replace(cfg, pd=self.pd, prefill_pool=self.prefill_pool, decode_pool=self.decode_pool)
+
+
+@dataclass(frozen=True)
+class PlanRow:
+    layout: Layout
+    gpus: int
+    goodput: float  # req/s
+
+    @property
+    def per_gpu(self) -> float:
+        return self.goodput / self.gpus
+
+
+def layouts(gpus: int, prefill_pools: Sequence[PoolSettings] = (PoolSettings(),),
+            decode_pools: Sequence[PoolSettings] = (PoolSettings(),)) -> list[Layout]:
+    """Colocated, and every P:D split of `gpus` single-device instances with each pool setting."""
+    out = [Layout()]
+    for p in range(1, gpus):
+        out.extend(Layout(f"{p}:{gpus - p}", pp, dp) for pp in prefill_pools for dp in decode_pools)
+    return out
+
+
+def plan(reqs: Sequence[WorkloadRequest], cfg: FleetConfig, slo: SLO, gpus: int, candidates: Sequence[Layout],
+         iters: int = 3, on_done: Optional[Callable[[PlanRow], None]] = None) -> list[PlanRow]:
+    """Goodput of every candidate layout on `gpus` devices, best per GPU first. Candidates whose
+    pools' tensor-parallel degrees do not add up to `gpus` are priced at the devices they use."""
+    rows = []
+    for layout in candidates:
+        fleet = layout.apply(cfg, gpus)
+        fleet.validate()
+        row = PlanRow(layout, fleet_gpus(fleet), goodput(reqs, fleet, slo, iters))
+        rows.append(row)
+        if on_done is not None:
+            on_done(row)
+    return sorted(rows, key=lambda r: -r.per_gpu)
