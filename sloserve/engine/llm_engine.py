@@ -416,6 +416,7 @@ class LLMEngine:
             kept.append(item)
             result.sampled_token_ids.update(alone.sampled_token_ids)
             result.extras.update(alone.extras)
+            result.more_token_ids.update(alone.more_token_ids)
             result.duration_s += alone.duration_s
         if not kept and len(plan.scheduled) > 1:
             raise exc  # several requests that each fail alone: the engine, not their input
