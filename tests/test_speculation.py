@@ -337,3 +337,35 @@ def test_engine_sampled_and_logprob_requests_never_speculate(engines):
     generate(spec, PROMPTS[:1], SamplingParams(max_tokens=30, temperature=0.8, seed=1))
     generate(spec, PROMPTS[:1], SamplingParams(max_tokens=30, temperature=0.0, logprobs=1))
     assert spec.scheduler.speculator.stats.num_draft_tokens == before
+
+
+# ---------------------------------------------------------------------- the real server
+
+
+def test_server_with_speculation_streams_what_the_engine_generates_without_it(engines, tmp_path):
+    """`sloserve serve --speculative prompt-lookup` over loopback with the official client: the
+    streamed chat completion (several tokens may arrive in one chunk) equals the non-streamed one
+    and the plain engine's greedy output, and /metrics counts the accepted drafts."""
+    from openai import OpenAI
+
+    from server_helpers import ServerProcess, metric, scrape
+
+    plain, _ = engines
+    messages = [{"role": "user", "content": PROMPTS[0]}]
+    expected = generate(plain, PROMPTS[:1], SamplingParams(max_tokens=80, temperature=0.0))[0]
+    server = ServerProcess(["--speculative", "prompt-lookup", "--num-speculative-tokens", "4"], tmp_path / "srv.log")
+    try:
+        client = OpenAI(base_url=server.v1, api_key="none")
+        model = client.models.list().data[0].id
+        whole = client.chat.completions.create(model=model, messages=messages, max_tokens=80, temperature=0)
+        chunks = client.chat.completions.create(model=model, messages=messages, max_tokens=80, temperature=0,
+                                                stream=True)
+        streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert whole.choices[0].message.content == streamed == expected[1]
+        assert whole.usage.completion_tokens == len(expected[0])
+        samples = scrape(server.base_url)
+        assert metric(samples, "sloserve:spec_decode_num_accepted_tokens_total") > 0
+        assert (metric(samples, "sloserve:spec_decode_num_draft_tokens_total")
+                >= metric(samples, "sloserve:spec_decode_num_accepted_tokens_total"))
+    finally:
+        server.kill()
