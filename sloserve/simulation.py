@@ -95,8 +95,6 @@ class FleetConfig:
     def validate(self) -> None:
         if self.pd is not None:
             self.instances = sum(parse_pd(self.pd))
-            if self.pd_transfer not in ("pipelined", "blocking"):
-                raise ValueError(f"--pd-transfer must be pipelined or blocking, got {self.pd_transfer!r}")
         if self.instances < 1:
             raise ValueError("--instances must be >= 1")
         if self.tp < 1:

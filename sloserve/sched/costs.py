@@ -36,12 +36,6 @@ class StepLoad:
                         start + num_tokens)
 
     @staticmethod
-    def verify(num_tokens: int, start: int) -> "StepLoad":
-        """A decode that verifies `num_tokens - 1` drafts after `start` computed tokens: the
-        engine runs it as `num_tokens` decode rows, row i attending to start + i + 1 tokens."""
-        return StepLoad(num_tokens, num_tokens, num_tokens, num_tokens * start + num_tokens * (num_tokens + 1) // 2)
-
-    @staticmethod
     def decodes(num_decodes: int, decode_context: int) -> "StepLoad":
         """A pure-decode step of `num_decodes` requests attending to `decode_context` tokens in all."""
         return StepLoad(num_decodes, num_decodes, num_decodes, decode_context, 0.0, 0)

@@ -326,22 +326,17 @@ class Scheduler:
                     blocked = request.effective_priority
 
     def _plan_drafts(self, decodes: list[Request], step: _StepBuild) -> None:
-        """Speculation: give planned decodes draft tokens from the budget the step has left,
-        when the speculator says they pay (sched/speculation.py). Drafts never preempt: a
-        request whose extra slots do not fit decodes plainly."""
+        """Speculation: give the decodes of a pure-decode step draft tokens from the budget it
+        has left, when the speculator says they pay (sched/speculation.py). Drafts never
+        preempt: a request whose extra slots do not fit decodes plainly."""
         planned = step.planned
         rows = [r for r in decodes if (item := planned.get(r.request_id)) is not None
                 and item.samples and item.num_new_tokens == 1]
-        if not rows:
-            return
-        row_ids = {r.request_id for r in rows}
-        other = StepLoad()
-        for rid, item in planned.items():
-            if rid not in row_ids:
-                other = other + StepLoad.prefill(item.num_new_tokens, item.start, item.samples)
+        if not rows or len(rows) != len(planned):
+            return  # only pure-decode steps carry drafts: one with a prefill chunk is compute-bound
         room = {r.request_id: min(r.max_output_tokens - len(r.output_token_ids), self.max_model_len - r.num_tokens) - 1
                 for r in rows}
-        drafts = self.speculator.plan(rows, other, step.budget, tbt_slack(rows, step.now), room)  # type: ignore[union-attr]
+        drafts = self.speculator.plan(rows, step.budget, tbt_slack(rows, step.now), room)  # type: ignore[union-attr]
         verified = False
         for rid, guess in drafts.items():
             item = planned[rid]

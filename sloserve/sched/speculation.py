@@ -15,9 +15,10 @@ every request in the step. So the scheduler asks, per step:
 
 Steps are priced by the measured cost of pure-decode steps of each row count (DecodeRowCosts),
 falling back to the scheduler's step estimator for row counts not seen yet (so a first verify
-step teaches the table what it costs). Drafts ride only in pure-decode steps: a step carrying a
-prefill chunk is compute-bound already, and they never take budget a prompt could use. Greedy requests without logprobs only: their verified
-output is exactly what plain decoding gives (see engine/runner.py).
+step teaches the table what it costs). Drafts ride only in pure-decode steps (the scheduler
+offers no other): a step carrying a prefill chunk is compute-bound already, and drafts never take
+budget a prompt could use. Greedy requests without logprobs only: their verified output is
+exactly what plain decoding gives (see engine/runner.py).
 """
 from __future__ import annotations
 
@@ -50,7 +51,7 @@ class Speculator:
     def __init__(self, proposer: DraftProposer, num_tokens: int, max_batch: int,
                  estimator: Optional[StepCostEstimator] = None, min_gain: float = 1.05):
         """`num_tokens`: drafts per request at most; `max_batch`: no speculation in steps with
-        more decodes (the rule when no estimator prices steps); `min_gain`: the expected
+        more decodes (the only rule while nothing can price steps); `min_gain`: the expected
         tokens-per-second ratio a step with drafts must reach over one without."""
         if num_tokens < 1:
             raise ValueError("num_speculative_tokens must be >= 1")
@@ -68,18 +69,14 @@ class Speculator:
         params = request.sampling_params
         return params.greedy and params.logprobs is None
 
-    def expected_accepted(self, request_id: str, k: int) -> float:
-        a = self._acceptance.get(request_id, PRIOR_ACCEPTANCE)
-        return sum(a ** i for i in range(1, k + 1))
-
-    def plan(self, decodes: list[Request], other: StepLoad, budget: int, slack_s: float,
+    def plan(self, decodes: list[Request], budget: int, slack_s: float,
              room: dict[str, int]) -> dict[str, list[int]]:
-        """Drafts per request id for this step, or {} when they do not pay.
+        """Drafts per request id for a pure-decode step, or {} when they do not pay.
 
-        `decodes`: the step's planned decodes; `other`: the load of the rest of the step (its
-        prefill chunks); `budget`: tokens left in the step; `slack_s`: the tightest TBT slack
-        among the decodes; `room[request_id]`: the most drafts that request may take."""
-        if budget <= 0 or not decodes or len(decodes) > self.max_batch or other.num_tokens:
+        `decodes`: the step's planned decodes (all of it); `budget`: tokens left in the step;
+        `slack_s`: the tightest TBT slack among the decodes; `room[request_id]`: the most
+        drafts that request may take."""
+        if budget <= 0 or not decodes or len(decodes) > self.max_batch:
             return {}
         drafts: dict[str, list[int]] = {}
         for request in decodes:
@@ -97,7 +94,7 @@ class Speculator:
         # added best first, and the step keeps the prefix with the most expected tokens per
         # estimated second, if that beats plain decoding by min_gain and fits the slack.
         tokens = len(decodes)
-        load = other + StepLoad.decodes(tokens, sum(r.num_computed_tokens + 1 for r in decodes))
+        load = StepLoad.decodes(tokens, sum(r.num_computed_tokens + 1 for r in decodes))
         by_id = {r.request_id: r for r in decodes}
         candidates = []
         for rid, guess in drafts.items():

@@ -88,7 +88,7 @@ class Simulator:
             raise ValueError(f"roles must name one of {ROLES} per instance")
         if "prefill" in self.roles and "decode" not in self.roles:
             raise ValueError("prefill instances need at least one decode instance to hand off to")
-        if "decode" in self.roles and all(r == "decode" for r in self.roles):
+        if all(r == "decode" for r in self.roles):
             raise ValueError("a fleet of decode instances only has nowhere to prefill")
         if pd_transfer not in ("blocking", "pipelined"):
             raise ValueError(f"pd_transfer must be blocking or pipelined, got {pd_transfer!r}")
