@@ -103,6 +103,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     import os
 
+    from sloserve.config import PoolSettings, parse_pd
     from sloserve.server.launcher import run_server
     from sloserve.server.qos import QoSRegistry, load_qos_config
     from sloserve.server.settings import ServerSettings
@@ -131,7 +132,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         admin_keys=list(args.admin_key or []),
     )
     settings.validate()
-    if args.instances > 1 or args.backend != "process":
+    if args.pd is not None and args.instances == 1:
+        args.instances = sum(parse_pd(args.pd))  # --pd 1:2 alone means 3 instances
+    pd_flags = args.pd or args.decode_router or args.pd_prefill or args.pd_decode  # run_multi checks them
+    if args.instances > 1 or args.backend != "process" or pd_flags:
         from sloserve.server.multi import run_multi
 
         return run_multi(engine_config_from_args(args), settings, instances=args.instances, router=args.router,
@@ -139,7 +143,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
                          api_keys=keys, ray_address=args.ray_address, admin_keys=settings.admin_keys,
                          max_in_flight=args.front_max_in_flight, hang_timeout_s=args.hang_timeout,
                          migration=args.migration, migration_interval_s=args.migration_interval,
-                         predictor=None if args.predictor == "none" else args.predictor)
+                         predictor=None if args.predictor == "none" else args.predictor, pd=args.pd,
+                         pd_transfer=args.pd_transfer, decode_router=args.decode_router,
+                         prefill_pool=PoolSettings.parse(args.pd_prefill), decode_pool=PoolSettings.parse(args.pd_decode))
     return run_server(engine_config_from_args(args), settings, host=args.host, port=args.port)
 
 
@@ -194,6 +200,16 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "defrag, priority, drain (drain via POST /v1/instances/{id}/drain always works)")
     m.add_argument("--migration-interval", type=float, default=0.5, metavar="S",
                    help="how often the fleet controller looks for requests to move")
+    m.add_argument("--pd", metavar="P:D", help="prefill/decode disaggregation: P prefill and D decode instances; each "
+                   "stream moves to a decode instance after its first token (implies --instances P+D)")
+    m.add_argument("--pd-transfer", default="blocking", choices=["blocking", "live"],
+                   help="hand-off copy: blocking (pause, copy all KV, go on) or live (pre-copy while the prefill "
+                        "instance keeps decoding, then a short pause)")
+    m.add_argument("--decode-router", metavar="POLICY", help="routing policy that picks the decode instance of a "
+                   "hand-off (default: --router)")
+    m.add_argument("--pd-prefill", default="", metavar="SPEC",
+                   help="prefill pool scheduler settings, e.g. budget=2048,seqs=8,chunk=1024 (default: the fleet's)")
+    m.add_argument("--pd-decode", default="", metavar="SPEC", help="decode pool scheduler settings, as --pd-prefill")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -5,7 +5,7 @@ shape and an instance's limits without loading anything.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 
@@ -158,3 +158,54 @@ class EngineConfig:
     step_trace: Optional[str] = None  # write one JSON line per engine step to this file (engine/step_trace.py)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+
+@dataclass(frozen=True)
+class PoolSettings:
+    """What one pool of a prefill/decode-disaggregated fleet changes from the fleet's settings
+    (None = keep): prefill pools usually want a big token budget and few sequences, decode
+    pools the opposite, and (in the simulator) either may use another tensor-parallel degree."""
+
+    tp: Optional[int] = None
+    max_num_batched_tokens: Optional[int] = None  # "budget"
+    max_num_seqs: Optional[int] = None  # "seqs"
+    long_prefill_token_threshold: Optional[int] = None  # "chunk": the largest prefill chunk
+
+    KEYS = {"tp": "tp", "budget": "max_num_batched_tokens", "seqs": "max_num_seqs",
+            "chunk": "long_prefill_token_threshold"}
+
+    @classmethod
+    def parse(cls, text: str) -> "PoolSettings":
+        """`tp=2,budget=8192,seqs=16,chunk=2048` (any subset)."""
+        values = {}
+        for item in filter(None, (x.strip() for x in text.split(","))):
+            key, _, value = item.partition("=")
+            if key not in cls.KEYS or not value.isdigit() or int(value) < 1:
+                raise ValueError(f"pool setting {item!r}: use {', '.join(cls.KEYS)} = a positive integer")
+            values[cls.KEYS[key]] = int(value)
+        return cls(**values)
+
+    def apply(self, scheduler: SchedulerConfig) -> SchedulerConfig:
+        """`scheduler` with this pool's budget, sequence cap and chunk size."""
+        changes = {k: getattr(self, k) for k in ("max_num_batched_tokens", "max_num_seqs",
+                                                 "long_prefill_token_threshold") if getattr(self, k) is not None}
+        return replace(scheduler, **changes) if changes else scheduler
+
+
+def parse_pd(text: str) -> tuple[int, int]:
+    """`--pd P:D` -> (prefill instances, decode instances), both at least 1."""
+    try:
+        p, d = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise ValueError(f"--pd takes P:D (prefill:decode instance counts), got {text!r}") from None
+    if p < 1 or d < 1:
+        raise ValueError(f"--pd needs at least one prefill and one decode instance, got {text!r}")
+    return p, d
+
+
+def pd_roles(pd: Optional[str], instances: int) -> list[str]:
+    """Each instance's role (`fleet_view.ROLES`): P prefill then D decode, or all `mixed`."""
+    if pd is None:
+        return ["mixed"] * instances
+    p, d = parse_pd(pd)
+    return ["prefill"] * p + ["decode"] * d

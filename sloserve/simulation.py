@@ -13,7 +13,7 @@ from sloserve.records import RequestRecord, error_kind_for_status
 from sloserve.cluster.controller import FleetController
 from sloserve.cluster.migration import MoveCosts, make_migration_policy, parse_migration
 from sloserve.cluster.routers import RouterOptions, make_router
-from sloserve.config import CacheConfig, ModelConfig, SchedulerConfig
+from sloserve.config import CacheConfig, ModelConfig, PoolSettings, SchedulerConfig, parse_pd, pd_roles  # noqa: F401 (parse_pd: re-exported)
 from sloserve.sim.catalog import get_model
 from sloserve.sim.cost import CostModel, Profile, ProfiledCostModel, RooflineCostModel
 from sloserve.sim.hardware import DEFAULT_LINK, get_hardware, get_link
@@ -25,32 +25,6 @@ from sloserve.workload.types import WorkloadRequest
 
 if TYPE_CHECKING:
     from sloserve.cluster.predict import PredictionBook
-
-
-@dataclass(frozen=True)
-class PoolSettings:
-    """What one pool of a disaggregated fleet changes from the fleet's settings (None = keep):
-    prefill pools usually want a big token budget and few sequences, decode pools the opposite,
-    and either may use another tensor-parallel degree."""
-
-    tp: Optional[int] = None
-    max_num_batched_tokens: Optional[int] = None  # "budget"
-    max_num_seqs: Optional[int] = None  # "seqs"
-    long_prefill_token_threshold: Optional[int] = None  # "chunk": the largest prefill chunk
-
-    KEYS = {"tp": "tp", "budget": "max_num_batched_tokens", "seqs": "max_num_seqs",
-            "chunk": "long_prefill_token_threshold"}
-
-    @classmethod
-    def parse(cls, text: str) -> "PoolSettings":
-        """`tp=2,budget=8192,seqs=16,chunk=2048` (any subset)."""
-        values = {}
-        for item in filter(None, (x.strip() for x in text.split(","))):
-            key, _, value = item.partition("=")
-            if key not in cls.KEYS or not value.isdigit() or int(value) < 1:
-                raise ValueError(f"pool setting {item!r}: use {', '.join(cls.KEYS)} = a positive integer")
-            values[cls.KEYS[key]] = int(value)
-        return cls(**values)
 
 
 @dataclass
@@ -112,25 +86,12 @@ class FleetConfig:
                 pool_config(self, role).scheduler.validate()
 
 
-def parse_pd(text: str) -> tuple[int, int]:
-    """`--pd P:D` -> (prefill instances, decode instances), both at least 1."""
-    try:
-        p, d = (int(x) for x in text.split(":"))
-    except ValueError:
-        raise ValueError(f"--pd takes P:D (prefill:decode instance counts), got {text!r}") from None
-    if p < 1 or d < 1:
-        raise ValueError(f"--pd needs at least one prefill and one decode instance, got {text!r}")
-    return p, d
-
-
 def pool_config(cfg: FleetConfig, role: str) -> FleetConfig:
     """The fleet's settings as one pool of it runs them (a `mixed` instance keeps them all)."""
     pool = {"prefill": cfg.prefill_pool, "decode": cfg.decode_pool}.get(role)
     if pool is None or pool == PoolSettings():
         return cfg
-    sched = {k: getattr(pool, k) for k in ("max_num_batched_tokens", "max_num_seqs", "long_prefill_token_threshold")
-             if getattr(pool, k) is not None}
-    return replace(cfg, tp=pool.tp or cfg.tp, scheduler=replace(cfg.scheduler, **sched))
+    return replace(cfg, tp=pool.tp or cfg.tp, scheduler=pool.apply(cfg.scheduler))
 
 
 def fleet_gpus(cfg: FleetConfig) -> int:
@@ -139,10 +100,7 @@ def fleet_gpus(cfg: FleetConfig) -> int:
 
 
 def fleet_roles(cfg: FleetConfig) -> list[str]:
-    if cfg.pd is None:
-        return ["mixed"] * cfg.instances
-    p, d = parse_pd(cfg.pd)
-    return ["prefill"] * p + ["decode"] * d
+    return pd_roles(cfg.pd, cfg.instances)
 
 
 def build_cost_model(cfg: FleetConfig) -> tuple[CostModel, ModelConfig, int]:

@@ -7,7 +7,11 @@ from typing import Optional
 
 import httpx
 
+from server_helpers import ServerProcess, wait_for
+
 ADMIN = "admin-key-for-tests"
+FLEET_ARGS = ["--router", "round-robin", "--max-num-seqs", "8", "--kv-cache-gib", "0.1", "--admin-key", ADMIN,
+              "--log-level", "warning"]
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
 
@@ -76,3 +80,50 @@ class Stream:
 def pools_free(base: str) -> bool:
     data = instances(base)["data"]
     return all(d["load"] and d["load"]["kv_blocks_used"] == 0 and d["in_flight"] == 0 for d in data)
+
+
+# ---- prefill/decode fleets (test_pd_server.py, test_pd_live.py) ----
+def start_fleet(args: list[str], tmp_path_factory, n: int) -> ServerProcess:
+    server = ServerProcess([*args, *FLEET_ARGS], tmp_path_factory.mktemp("pd") / "front.log", startup_timeout=300)
+    all_healthy(server.base_url, n)
+    return server
+
+
+def all_healthy(base: str, n: int) -> None:
+    wait_for(lambda: [d["status"] for d in instances(base)["data"]] == ["healthy"] * n, 240, interval=0.5,
+             what=f"{n} workers healthy")
+
+
+def colocated(base: str, prompt: str, params: dict) -> str:
+    """The non-streamed answer: computed whole on the prefill instance (no hand-off)."""
+    r = httpx.post(base + "/v1/completions", json={"prompt": prompt, **params}, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+def stream(base: str, prompt: str, params: dict) -> tuple[str, dict]:
+    """A streamed completion: (its text, its usage); checks the stream's shape on the way."""
+    body = {"prompt": prompt, "stream": True, "stream_options": {"include_usage": True}, **params}
+    texts, usage, done = [], [], 0
+    with httpx.stream("POST", base + "/v1/completions", json=body, timeout=180) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            assert not line.startswith(":"), "relay annotations must never reach the client"
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                done += 1
+                continue
+            event = json.loads(line[6:])
+            assert "error" not in event, event
+            if event.get("choices"):
+                texts.append(event["choices"][0]["text"])
+            if event.get("usage"):
+                usage.append(event["usage"])
+    assert done == 1 and len(usage) == 1
+    assert usage[0]["completion_tokens"] == params["max_tokens"]
+    return "".join(texts), usage[0]
+
+
+def handoffs(base: str) -> dict:
+    return instances(base)["handoffs"]

@@ -40,7 +40,7 @@ import httpx
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from sloserve.server.connections import BodyTimeout
 from sloserve.server.errors import (
@@ -53,6 +53,7 @@ from sloserve.server.errors import (
 )
 from sloserve.workers.fleet import DEAD, HEALTHY, STARTING, UNRESPONSIVE, FrontConfig, Instance, WorkerFleet
 from sloserve.server.front_edge import FrontEdge, FrontGate, Ticket
+from sloserve.server.front_handoff import HandoffDriver
 from sloserve.server.front_migration import MigrationDriver
 from sloserve.server.front_relay import RelaySession, Upstream
 from sloserve.server.front_stream import Interrupted, SSESplitter, Stop, carries_output
@@ -81,6 +82,12 @@ MIGRATION_METRICS = {  # the fleet controller's counters: /metrics name, help
     "aborted": ("migrations_aborted", "migrations abandoned (the request went on at its source)"),
     "bytes": ("migration_bytes", "KV bytes copied by completed migrations"),
     "downtime_s": ("migration_downtime_seconds", "seconds requests were paused by completed migrations (sum)"),
+}
+HANDOFF_METRICS = {  # prefill -> decode hand-offs (the controller's handoff counters)
+    "started": ("pd_handoffs_started", "prefill -> decode hand-offs started"),
+    "completed": ("pd_handoffs_completed", "hand-offs whose decode instance took the request over"),
+    "aborted": ("pd_handoffs_aborted", "hand-offs abandoned (the request went on where it was)"),
+    "bytes": ("pd_handoff_bytes", "KV bytes copied by completed hand-offs"),
 }
 
 
@@ -177,12 +184,14 @@ class Front:
         self.gate = FrontGate(cfg.max_in_flight, cfg.retry_after_s)
         self.sessions: set[RelaySession] = set()  # the streams being relayed now
         self.migration = MigrationDriver(fleet, self.sessions, fleet.controller, cfg.migration_interval_s)
+        self.handoff = HandoffDriver(fleet, self.migration, cfg.pd_transfer)
 
     async def start(self) -> None:
         """Run the controller's migration loop (the fleet is started by its owner)."""
         self.migration.start()
 
     async def close(self) -> None:
+        await self.handoff.close()
         await self.migration.close()
 
     async def drain(self, grace_s: float) -> int:
@@ -222,6 +231,7 @@ class Front:
         async def instances() -> JSONResponse:
             return JSONResponse({"router": fleet.config.router, "migration": fleet.config.migration,
                                  "counters": fleet.counters, "migrations": fleet.controller.counters,
+                                 "handoffs": self.handoff.describe() if fleet.disaggregated else None,
                                  "in_flight": self.gate.num_in_flight, "max_in_flight": self.gate.capacity,
                                  "data": [i.describe() for i in fleet.instances]})
 
@@ -515,6 +525,10 @@ class Front:
                 return head, False
         return head, True
 
+    def started(self, session: RelaySession) -> None:
+        """A relayed stream has tokens on a new instance (RelaySession.stream)."""
+        self.handoff.offer(session)
+
     def forget(self, session: RelaySession) -> None:
         """A relayed stream ended (RelaySession.release)."""
         self.sessions.discard(session)
@@ -533,6 +547,7 @@ class Front:
     # ---- metrics -------------------------------------------------------------------------
     def _registry(self) -> CollectorRegistry:
         fleet = self.fleet
+        handoff = self.handoff
 
         class _Collector:
             def collect(self):
@@ -550,6 +565,8 @@ class Front:
                 }
                 routed = CounterMetricFamily("sloserve:instance_routed", "requests routed to the instance",
                                              labels=["instance"])
+                role = GaugeMetricFamily("sloserve:instance_role", "1 for the instance's role (prefill, decode, mixed)",
+                                         labels=["instance", "role"])
                 for inst in fleet.instances:
                     label = [str(inst.slot)]
                     s = inst.state
@@ -559,8 +576,10 @@ class Front:
                     gauges["kv"].add_metric(label, s.kv_usage if s else 0.0)
                     gauges["in_flight"].add_metric(label, inst.in_flight)
                     routed.add_metric(label, inst.routed)
+                    role.add_metric([str(inst.slot), inst.role], 1.0)
                 yield from gauges.values()
                 yield routed
+                yield role
                 for name, value in fleet.counters.items():
                     c = CounterMetricFamily(f"sloserve:front_{name}", f"front: {name.replace('_', ' ')}")
                     c.add_metric([], value)
@@ -570,6 +589,20 @@ class Front:
                     c = CounterMetricFamily(f"sloserve:{name}", help_text)
                     c.add_metric([], migrations[key])
                     yield c
+                if not fleet.disaggregated:
+                    return
+                handoffs = fleet.controller.handoff_counters
+                for key, (name, help_text) in HANDOFF_METRICS.items():
+                    c = CounterMetricFamily(f"sloserve:{name}", help_text)
+                    c.add_metric([], handoffs[key])
+                    yield c
+                c = CounterMetricFamily("sloserve:pd_decoded_on_prefill", "streams no decode instance took")
+                c.add_metric([], handoff.decoded_on_prefill)
+                yield c
+                h = HistogramMetricFamily("sloserve:pd_handoff_seconds",
+                                          "first token on the prefill instance to the next on the decode instance")
+                h.add_metric([], handoff.latency.cumulative(), handoff.latency.sum)
+                yield h
 
         registry = CollectorRegistry()
         registry.register(_Collector())

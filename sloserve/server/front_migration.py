@@ -69,9 +69,10 @@ class MigrationDriver:
         for inst in self.fleet.instances:
             if inst.state is None or inst.status not in ("healthy", "unresponsive"):
                 continue
+            # a prefill instance never receives a running request (its streams leave by hand-off)
+            accepting = inst.status == "healthy" and not inst.draining and inst.role != "prefill"
             views.append(InstanceView(inst.slot, inst.routing_state(self.fleet.block_size),
-                                      tuple(by_slot.get(inst.slot, ())), (),
-                                      accepting=inst.status == "healthy" and not inst.draining,
+                                      tuple(by_slot.get(inst.slot, ())), (), accepting=accepting,
                                       draining=inst.draining))
         return views
 

@@ -94,6 +94,8 @@ class RelayOwner(Protocol):
 
     def forget(self, session: "RelaySession") -> None: ...
 
+    def started(self, session: "RelaySession") -> None: ...
+
 
 class RelaySession:
     def __init__(self, front: RelayOwner, routed: "Request", path: str, body: dict, headers: dict, chat: bool,
@@ -153,6 +155,7 @@ class RelaySession:
         """Everything the client receives (annotations stripped)."""
         try:
             first = self._filter(head)
+            self.front.started(self)
             if first:
                 yield first
             while True:
@@ -193,6 +196,7 @@ class RelaySession:
                                      f"output is incomplete", "instance_failed")
                     return
                 self.fleet.counters["resumed_midstream"] += 1
+                self.front.started(self)
                 if resumed:
                     yield resumed
             self.front.learn(self.routed, self._tail)

@@ -19,7 +19,8 @@ from typing import Optional, Sequence
 
 import uvicorn
 
-from sloserve.config import EngineConfig
+from sloserve.config import EngineConfig, PoolSettings, pd_roles
+from sloserve.server.front_handoff import TRANSFERS
 from sloserve.server.connections import DrainingServer
 
 logger = logging.getLogger(__name__)
@@ -32,12 +33,13 @@ def cores() -> int:
         return os.cpu_count() or 1
 
 
-def make_spawner(spec, backend: str, threads_per_worker: int, ray_address: Optional[str] = None):
-    """slot -> a started WorkerHandle of the chosen backend."""
+def make_spawner(specs, backend: str, threads_per_worker: int, ray_address: Optional[str] = None):
+    """slot -> a started WorkerHandle of the chosen backend, from `specs[slot]` (one WorkerSpec
+    per slot: the pools of a disaggregated fleet run different scheduler settings)."""
     from sloserve.workers.handles import ProcessWorker, RayWorker
 
     if backend == "process":
-        return lambda slot: ProcessWorker(spec)
+        return lambda slot: ProcessWorker(specs[slot])
     if backend == "ray":
         try:
             import ray
@@ -49,7 +51,7 @@ def make_spawner(spec, backend: str, threads_per_worker: int, ray_address: Optio
                 ray.init(address=ray_address, log_to_driver=False)
             else:
                 ray.init(include_dashboard=False, log_to_driver=False)
-        return lambda slot: RayWorker(spec, num_cpus=threads_per_worker)
+        return lambda slot: RayWorker(specs[slot], num_cpus=threads_per_worker)
     raise ValueError(f"unknown backend {backend!r}; use process or ray")
 
 
@@ -86,10 +88,12 @@ def build_worker_fleet(spawn, num_instances: int, config, clock=None, fleet_secr
         from sloserve.cluster.predict import PredictionBook, load_predictor
 
         predictions = PredictionBook(load_predictor(config.predictor))  # type: ignore[arg-type]
-    router = make_router(config.router, RouterOptions(
-        seed=config.seed, predictions=predictions.lookup if predictions is not None else None))
+    options = RouterOptions(seed=config.seed, predictions=predictions.lookup if predictions is not None else None)
+    router = make_router(config.router, options)
+    decode_router = make_router(config.decode_router, options) if config.decode_router else None
     names = [n for n in config.migration.split(",") if n.strip() and n.strip() != "none"]
-    controller = FleetController(router, make_migration_policy(",".join(dict.fromkeys(["drain", *names]))))
+    controller = FleetController(router, make_migration_policy(",".join(dict.fromkeys(["drain", *names]))),
+                                 decode_router=decode_router)
     return WorkerFleet(spawn, num_instances, config, controller, predictions, clock or time.monotonic, fleet_secret)
 
 
@@ -103,9 +107,13 @@ def run_multi(engine_config: EngineConfig, settings, *, instances: int, router: 
               api_keys: Sequence[str] = (), ray_address: Optional[str] = None,
               predictor: Optional[str] = "default", log_level: str = "warning",
               admin_keys: Sequence[str] = (), max_in_flight: Optional[int] = None,
-              hang_timeout_s: float = 60.0, migration: str = "none", migration_interval_s: float = 0.5) -> int:
+              hang_timeout_s: float = 60.0, migration: str = "none", migration_interval_s: float = 0.5,
+              pd: Optional[str] = None, pd_transfer: str = "blocking", decode_router: Optional[str] = None,
+              prefill_pool: PoolSettings = PoolSettings(), decode_pool: PoolSettings = PoolSettings()) -> int:
     """`settings` (ServerSettings) gives the edge: max_body_bytes, body and header timeouts,
-    connection cap, retry_after_s, grace_period_s; max_queue applies to each worker."""
+    connection cap, retry_after_s, grace_period_s; max_queue applies to each worker.
+    `pd` ("P:D") splits the instances into P prefill and D decode instances (front_handoff.py),
+    each pool with its scheduler settings changed by `prefill_pool` / `decode_pool`."""
     from sloserve.cluster.routers import ROUTERS
     from sloserve.server.connections import uvicorn_config
     from sloserve.server.front import Front, FrontConfig
@@ -117,8 +125,18 @@ def run_multi(engine_config: EngineConfig, settings, *, instances: int, router: 
         raise ValueError("--instances must be >= 1")
     if engine_config.step_trace:
         raise ValueError("--step-trace needs a single instance (each worker would write the same file)")
-    if router not in ROUTERS:
-        raise ValueError(f"unknown router {router!r}; choose from {sorted(ROUTERS)}")
+    for name in (router, decode_router):
+        if name is not None and name not in ROUTERS:
+            raise ValueError(f"unknown router {name!r}; choose from {sorted(ROUTERS)}")
+    roles = pd_roles(pd, instances)  # a bad --pd fails here
+    if len(roles) != instances:
+        raise ValueError(f"--pd {pd} makes {len(roles)} instances but --instances is {instances}")
+    if pd is None and (decode_router or prefill_pool != PoolSettings() or decode_pool != PoolSettings()):
+        raise ValueError("--decode-router, --pd-prefill and --pd-decode need --pd P:D")
+    if pd_transfer not in TRANSFERS:
+        raise ValueError(f"unknown --pd-transfer {pd_transfer!r}; use one of {', '.join(TRANSFERS)}")
+    if prefill_pool.tp or decode_pool.tp:
+        raise ValueError("a real worker runs on one device: pool setting tp is for `sloserve simulate` only")
     if max_in_flight is not None and max_in_flight < 1:
         raise ValueError(f"max in flight must be >= 1, got {max_in_flight}")
     if not hang_timeout_s > 0:
@@ -135,20 +153,26 @@ def run_multi(engine_config: EngineConfig, settings, *, instances: int, router: 
     # One cache-salt secret for the front and all its workers (else each draws its own, and the
     # router's prefix keys would never match what the workers publish).
     salt_secret = settings.cache_salt_secret or os.environ.get(CACHE_SECRET_ENV) or secrets.token_urlsafe(32)
-    spec = WorkerSpec(dataclasses.replace(engine_config, num_threads=per_worker), qos_config, list(api_keys),
-                      list(settings.served_model_names), settings.max_queue, log_level, fleet_secret,
-                      cache_secret=salt_secret, options=worker_options(settings))
-    spawn = make_spawner(spec, backend, per_worker, ray_address)
+    pools = {"prefill": prefill_pool, "decode": decode_pool, "mixed": PoolSettings()}
+    specs = [WorkerSpec(dataclasses.replace(engine_config, num_threads=per_worker,
+                                            scheduler=pools[role].apply(engine_config.scheduler)),
+                        qos_config, list(api_keys), list(settings.served_model_names), settings.max_queue, log_level,
+                        fleet_secret, cache_secret=salt_secret, options=worker_options(settings))
+             for role in roles]
+    for spec in specs:
+        spec.engine.scheduler.validate()
+    spawn = make_spawner(specs, backend, per_worker, ray_address)
     config = FrontConfig(
         router=router, predictor=predictor, hang_timeout_s=hang_timeout_s, migration=migration,
-        migration_interval_s=migration_interval_s,
+        migration_interval_s=migration_interval_s, roles=tuple(roles) if pd else (), pd_transfer=pd_transfer,
+        decode_router=decode_router,
         max_in_flight=max_in_flight or front_capacity(engine_config, settings.max_queue, instances),
         max_body_bytes=settings.max_body_bytes, body_timeout_s=settings.body_timeout_s,
         retry_after_s=settings.retry_after_s, admin_keys=tuple(admin_keys))
     fleet = build_worker_fleet(spawn, instances, config, fleet_secret=fleet_secret)
     front = Front(fleet, settings.registry, CacheSalter(cache_secret(salt_secret)))
     uv_config = uvicorn_config(front.build_app(), host=host, port=port, limits=settings.connection_limits())
-    logger.info("starting %d %s workers (%d threads each); serving once one is healthy", instances, backend,
-                per_worker)
+    logger.info("starting %d %s workers (%d threads each%s); serving once one is healthy", instances, backend,
+                per_worker, f"; {pd} prefill:decode, {pd_transfer} hand-off" if pd else "")
     asyncio.run(serve_front(fleet, front, uv_config, settings.grace_period_s, config.start_timeout_s))
     return 0

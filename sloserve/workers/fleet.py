@@ -27,6 +27,7 @@ from typing import Any, Callable, Optional
 
 import httpx
 
+from sloserve.fleet_view import ROLES
 from sloserve.sched.state import InstanceState, KeySetIndex
 from sloserve.workers.contract import FLEET_SECRET_HEADER
 from sloserve.workers.handles import WorkerHandle
@@ -51,6 +52,9 @@ class FrontConfig:
     predictor: Optional[str] = "default"  # output-length predictor for the router; None = off
     migration: str = "none"  # migration policies, comma-separated (cluster/migration); drain always works
     migration_interval_s: float = 0.5  # how often the controller looks for moves
+    roles: tuple[str, ...] = ()  # each slot's role (fleet_view.ROLES); empty: all `mixed`
+    pd_transfer: str = "blocking"  # how a prefill instance hands KV to a decode one: blocking | live
+    decode_router: Optional[str] = None  # picks the decode instance of a hand-off (default: `router`)
     seed: int = 0
     # The front's edge (front_edge.py)
     max_in_flight: Optional[int] = None  # requests proxied at once; beyond: 429 at the front. None = no bound
@@ -64,6 +68,7 @@ class FrontConfig:
 class Instance:
     slot: int
     handle: WorkerHandle
+    role: str = "mixed"  # prefill instances hand each stream to a decode instance after its first token
     status: str = STARTING
     generation: int = 0  # how many times this slot's worker was replaced
     state: Optional[InstanceState] = None
@@ -100,7 +105,8 @@ class Instance:
     def describe(self) -> dict:
         s = self.state
         return {
-            "instance": self.slot, "status": self.status, "generation": self.generation, "draining": self.draining,
+            "instance": self.slot, "role": self.role, "status": self.status, "generation": self.generation,
+            "draining": self.draining,
             **self.handle.describe(),
             "routed": self.routed, "in_flight": self.in_flight, "pending": len(self.pending),
             "consecutive_poll_failures": self.failures, "failed_starts": self.failed_starts,
@@ -127,12 +133,15 @@ class WorkerFleet:
         self.config = config
         self.clock = clock
         self.fleet_secret = fleet_secret
-        self.instances = [Instance(i, spawn(i), started_at=clock()) for i in range(num_instances)]
+        roles = list(config.roles) or ["mixed"] * num_instances
+        if len(roles) != num_instances or not set(roles) <= set(ROLES):
+            raise ValueError(f"roles {roles} do not fit {num_instances} instances (each one of {ROLES})")
+        self.instances = [Instance(i, spawn(i), role, started_at=clock()) for i, role in enumerate(roles)]
         self.predictions = predictions
         self.controller = controller
         self.block_size = 16
         self.counters = {"retries": 0, "failed_midstream": 0, "resumed_midstream": 0, "replacements": 0,
-                         "no_instance": 0, "moved_unstarted": 0, "moved_stalled": 0}
+                         "no_instance": 0, "moved_unstarted": 0, "moved_stalled": 0, "pd_fallback": 0}
         self._client: Optional[httpx.AsyncClient] = None
         self._health: Optional[httpx.AsyncClient] = None
         self._monitors: list[asyncio.Task] = []
@@ -303,12 +312,31 @@ class WorkerFleet:
         """Whether a healthy instance outside `exclude` ((slot, generation) pairs) could take a request."""
         return any((i.slot, i.generation) not in exclude for i in self.routable())
 
+    @property
+    def disaggregated(self) -> bool:
+        return any(i.role != "mixed" for i in self.instances)
+
     def pick(self, request: Request, exclude: set) -> Optional[Instance]:
+        """Where a new request (or a stream resumed after a failure: its prompt is computed
+        again) goes: a prefill or mixed instance. With none of those routable, a decode
+        instance serves it whole (`pd_fallback`): degraded, but served."""
         candidates = [i for i in self.routable() if (i.slot, i.generation) not in exclude]
+        arrival = [i for i in candidates if i.role != "decode"]
+        if not arrival and candidates:
+            self.counters["pd_fallback"] += 1
+            logger.warning("no prefill instance can take %s: a decode instance serves it whole", request.request_id)
+        return self._choose(request, arrival or candidates, self.controller.route, request.num_prompt_tokens)
+
+    def pick_decode(self, request: Request, exclude: set) -> Optional[Instance]:
+        """The decode instance a prefilled request is handed to (the controller's decode router)."""
+        candidates = [i for i in self.routable() if i.role == "decode" and (i.slot, i.generation) not in exclude]
+        return self._choose(request, candidates, self.controller.route_decode, 0)
+
+    def _choose(self, request: Request, candidates: list[Instance], route, prompt_tokens: int) -> Optional[Instance]:
         if not candidates:
             return None
         states = [i.routing_state(self.block_size) for i in candidates]
-        chosen = candidates[self.controller.route(request, states)]
-        chosen.pending.append((self.clock(), request.num_prompt_tokens, request.predicted_output_len or 0))
+        chosen = candidates[route(request, states)]
+        chosen.pending.append((self.clock(), prompt_tokens, request.predicted_output_len or 0))
         chosen.routed += 1
         return chosen

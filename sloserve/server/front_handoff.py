@@ -1,0 +1,129 @@
+"""Prefill/decode disaggregation on the real fleet: handing each stream from the prefill
+instance that computed its prompt and first token to a decode instance.
+
+The front offers every relayed stream as soon as it has tokens on a new instance (when it
+starts, and after a failover resumed it). One on a `prefill` instance is handed off at once:
+the controller's decode router picks the target among the decode instances, and the move runs
+on the migration path (one transfer mechanism for both: the source copies the request's KV
+blocks into blocks the target reserved, over HTTP between the workers, and the front switches
+the client's stream between two events, so the client sees one stream and each token once).
+Two ways to copy (`--pd-transfer`):
+- `blocking`: suspend the request at once, copy all its KV, continue on the decode instance
+  (DistServe's hand-off: the second token waits for the whole copy);
+- `live`: pre-copy rounds while the prefill instance keeps decoding the request, then a short
+  stop-and-copy (Llumnix-style: hides most of the copy, at the price of decode steps on the
+  prefill instance meanwhile).
+Neither overlaps the copy with the prefill's own compute, layer by layer, as the simulator's
+`pipelined` transfer does: on one host the KV of a request is copied once its first token exists.
+
+Failures: a decode instance that refuses (no room) or fails is left out and the next one tried
+(up to the fleet's `max_attempts`); when none takes the request it decodes where it is, on the
+prefill instance, and nothing is lost. A stream whose decode instance dies later fails over
+like any other (its prompt is computed again on a prefill instance) and is handed off again.
+"""
+from __future__ import annotations
+
+import asyncio
+import bisect
+import logging
+from typing import TYPE_CHECKING, Optional
+
+from sloserve.fleet_view import HANDOFF, Move
+
+if TYPE_CHECKING:
+    from sloserve.server.front_migration import MigrationDriver
+    from sloserve.server.front_relay import RelaySession
+    from sloserve.workers.fleet import WorkerFleet
+
+logger = logging.getLogger(__name__)
+
+TRANSFERS = ("blocking", "live")
+LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+# outcomes that mean the stream ended or changed hands meanwhile: nothing to retry
+_OVER = ("not movable", "client gone", "stream ended", "token count mismatch", "already migrating")
+
+
+class HandoffLatency:
+    """Seconds from a stream's first token on its prefill instance to its next one on the
+    decode instance, as a cumulative histogram (the shape Prometheus wants)."""
+
+    def __init__(self, buckets: tuple[float, ...] = LATENCY_BUCKETS_S) -> None:
+        self.buckets = buckets
+        self.counts = [0] * (len(buckets) + 1)  # the last: above every bucket
+        self.sum = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, seconds)] += 1
+        self.sum += seconds
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
+
+    def cumulative(self) -> list[tuple[str, int]]:
+        out, total = [], 0
+        for bound, n in zip((*map(str, self.buckets), "+Inf"), self.counts):
+            total += n
+            out.append((bound, total))
+        return out
+
+
+class HandoffDriver:
+    def __init__(self, fleet: "WorkerFleet", migration: "MigrationDriver", transfer: str = "blocking") -> None:
+        if transfer not in TRANSFERS:
+            raise ValueError(f"unknown P/D transfer {transfer!r}; use one of {TRANSFERS}")
+        self.fleet = fleet
+        self.migration = migration
+        self.transfer = transfer
+        self.latency = HandoffLatency()
+        self.decoded_on_prefill = 0  # streams no decode instance took: they finished where they started
+        self._tasks: set[asyncio.Task] = set()
+
+    def offer(self, session: "RelaySession") -> None:
+        """`session` has tokens on a new instance: hand it off if that is a prefill instance."""
+        if session.upstream.inst.role != "prefill" or not session.movable:
+            return
+        limit = session.max_tokens
+        if limit is not None and len(session.tokens) >= limit:
+            return  # nothing left to decode
+        task = asyncio.get_running_loop().create_task(self._hand_off(session, self.fleet.clock()))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _hand_off(self, session: "RelaySession", offered_at: float) -> None:
+        source = session.upstream.inst
+        tried: set = set()
+        reason: Optional[str] = "no decode instance is healthy"
+        for _ in range(self.fleet.config.max_attempts):
+            if session.upstream.inst is not source or not session.movable:
+                return  # it ended, failed over, or another move took it
+            target = self.fleet.pick_decode(session.routed, tried)
+            if target is None:
+                break
+            tried.add((target.slot, target.generation))
+            move = Move(session.engine_id or session.routed.request_id, source.slot, target.slot, HANDOFF)
+            outcome = await self.migration.carry_out(session, target, move, precopy=self.transfer == "live")
+            if outcome.ok:
+                self.latency.observe(self.fleet.clock() - offered_at)
+                return
+            if outcome.reason in _OVER or not source.handle.is_running():
+                return
+            reason = f"instance {target.slot}: {outcome.reason}"
+        self.decoded_on_prefill += 1
+        logger.warning("request %s decodes on prefill instance %d: no decode instance took it (%s)",
+                       session.routed.request_id, source.slot, reason)
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        for task in list(self._tasks):
+            try:
+                await task
+            except BaseException:  # noqa: BLE001 - cancelled or failed: closing either way
+                pass
+
+    def describe(self) -> dict:
+        n = self.latency.count
+        return {"transfer": self.transfer, **self.fleet.controller.handoff_counters,
+                "decoded_on_prefill": self.decoded_on_prefill,
+                "mean_latency_s": round(self.latency.sum / n, 6) if n else None}
