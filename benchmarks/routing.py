@@ -47,6 +47,7 @@ class Trace:
     num_requests: int
     slo: SLO
     start_s: float = 0.0
+    replay: bool = True  # False: a trace without times (ShareGPT), Poisson arrivals at 1 req/s
 
 
 TRACES = (
@@ -58,7 +59,8 @@ TRACES = (
 
 def window(trace: Trace) -> list[WorkloadRequest]:
     """The trace's first N requests (after start_s), arrival times relative to the first."""
-    reqs = build_stream(WorkloadSpec(trace.name, replay=True, start_s=trace.start_s, num_requests=trace.num_requests))
+    reqs = build_stream(WorkloadSpec(trace.name, replay=trace.replay, rate=None if trace.replay else 1.0,
+                                     start_s=trace.start_s, num_requests=trace.num_requests))
     t0 = reqs[0].arrival_s
     return [replace(r, arrival_s=r.arrival_s - t0) for r in reqs]
 

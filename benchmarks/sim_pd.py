@@ -10,11 +10,13 @@ Disaggregated fleets hand each request's KV to a decode instance after its first
 (`--pd-transfer`, pipelined by default), priced on the link.
 
 Workloads are the routing study's trace windows (Azure code: long prompts, short outputs;
-Azure conversation: decode-heavier), each at a tight and a loose SLO. Llama-3.1-8B on H100.
-Per cell the table says which layout wins and by how much; a one-line rule is checked against
-every cell (see `rule`).
+Azure conversation: decode-heavier; Mooncake conversation: long contexts) and ShareGPT (first
+turns, Poisson arrivals), each at a tight and a loose SLO; Llama-3.1-8B (or `--model`, `--tp`)
+on H100. Per cell the table says which layout wins and by how much; three rules are checked
+against every cell (`rule`, `rule2`, `rule3`: each written down before the run that tested it).
 
     python benchmarks/sim_pd.py --instances 4 --requests 0.5
+    python benchmarks/sim_pd.py --traces azure-code,azure-conv,mooncake-conv,sharegpt --model llama-3.1-70b --tp 4
 Writes benchmarks/results/sim_pd-STAMP.json and .png.
 """
 from __future__ import annotations
@@ -33,13 +35,21 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from routing import TRACES, measure_capacity, window  # noqa: E402  (the routing study's workloads and search)
+from routing import TRACES, Trace, measure_capacity, window  # noqa: E402  (the routing study's workloads and search)
 
-from sloserve.bench.metrics import SLO, jsonable  # noqa: E402
+from sloserve.bench.metrics import SLO, jsonable, percentile  # noqa: E402
+from sloserve.config import SchedulerConfig  # noqa: E402
+from sloserve.sched.costs import StepLoad  # noqa: E402
+from sloserve.sim.hardware import get_link  # noqa: E402
+from sloserve.simulation import FleetConfig, build_cost_model  # noqa: E402
 
 logger = logging.getLogger("sim_pd")
 RESULTS = Path(__file__).resolve().parent / "results"
-LINKS = ("nvlink-h100", "infiniband-ndr", "ethernet-25g")
+LINKS = ("nvlink-h100", "infiniband-ndr", "roce-100g", "ethernet-25g")  # NVLink-class, 400, 100, 25 Gb/s
+# ShareGPT has no times: Poisson arrivals, and a longer window so that a run is more than one burst the
+# fleet absorbs whole (4 instances hold ~1,000 requests at once)
+STUDY_TRACES = (*TRACES, Trace("sharegpt", "ShareGPT", 4000, SLO(ttft_s=1.0, tpot_s=0.1), replay=False))
+BUDGET = 2048  # the routing study's per-step token budget (routing.run)
 
 
 @dataclass(frozen=True)
@@ -76,10 +86,40 @@ def rule2(prefill_share: float, slo_name: str, link: str, transfer: str) -> str:
     return "pd" if slo_name == "tight" and prefill_share >= 0.9 else "colocated"
 
 
+def rule3(c: dict) -> str:
+    """Pre-registered 2026-12-01 06:40 UTC, before the third run (whose new cells are ShareGPT, 70B on TP 4
+    and 100 Gb/s links), from the mechanism rather than fitted to cells. P:D wins when
+    (1) a colocated step carrying a full prefill chunk (plus a decode batch) outlasts the TPOT target,
+        so colocated decodes miss it whenever prompts are in flight;
+    (2) prompts are most of the work (prompt share >= 0.9), so that is most steps; and
+    (3) the part of a p90 prompt's KV hand-off not hidden behind its prefill, spread over the median
+        output, stays under half the TPOT target."""
+    handoff_per_token = c["exposed_handoff_s"] / max(1.0, c["median_output"] - 1)
+    wins = c["chunk_step_s"] > c["tpot_s"] and c["prefill_share"] >= 0.9 and handoff_per_token < c["tpot_s"] / 2
+    return "pd" if wins else "colocated"
+
+
+def mechanism(reqs, model: str, tp: int, link: str, transfer: str) -> dict:
+    """What rule3 reads, priced by the simulator's own cost model and link table."""
+    cost, shape, _ = build_cost_model(FleetConfig(model=model, tp=tp, hardware="h100-80g",
+                                                  scheduler=SchedulerConfig(max_num_batched_tokens=BUDGET)))
+    prompts = sorted(r.prompt_len for r in reqs)
+    outputs = sorted(r.output_len for r in reqs)
+    p90 = int(percentile(prompts, 90))
+    chunk_step = cost.step_time(StepLoad.prefill(BUDGET) + StepLoad.decodes(32, 32 * 1024))
+    copy = p90 * shape.kv_bytes_per_token(2) / (get_link(link) * tp)
+    prefill = sum(cost.step_time(StepLoad.prefill(min(BUDGET, p90 - s), s)) for s in range(0, p90, BUDGET))
+    exposed = copy if transfer == "blocking" else max(0.0, copy - prefill)
+    return {"chunk_step_s": chunk_step, "p90_prompt": p90, "median_output": percentile(outputs, 50),
+            "handoff_copy_s": copy, "exposed_handoff_s": exposed}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--traces", default="azure-code,azure-conv")
-    p.add_argument("--instances", type=int, default=4, help="GPUs per fleet (colocated and every split)")
+    p.add_argument("--instances", type=int, default=4, help="instances per fleet (colocated and every split)")
+    p.add_argument("--model", default="llama-3.1-8b")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree of every instance (GPUs = instances x tp)")
     p.add_argument("--links", default=",".join(LINKS))
     p.add_argument("--requests", type=float, default=0.5, help="scale every trace window's request count")
     p.add_argument("--capacity-iters", type=int, default=3)
@@ -89,7 +129,9 @@ def main() -> int:
     logging.basicConfig(level=logging.WARNING)
     console = Console(width=200)
     links = args.links.split(",")
-    chosen = [t for t in TRACES if t.name in args.traces.split(",")]
+    chosen = [t for t in STUDY_TRACES if t.name in args.traces.split(",")]
+    gpus = args.instances * args.tp
+    model_options = {"model": args.model, "tp": args.tp}
     cells: list[dict] = []
     jobs = []
     for trace in chosen:
@@ -112,7 +154,7 @@ def main() -> int:
                 shares[trace.name] = sum(r.prompt_len for r in reqs) / sum(r.prompt_len + r.output_len for r in reqs)
             reqs = windows[trace.name]
             options = {} if split is None else {"pd": split, "link": link, "pd_transfer": args.pd_transfer}
-            capacity, _ = measure_capacity(reqs, slo, args.instances, args.capacity_iters, **options)
+            capacity, _ = measure_capacity(reqs, slo, args.instances, args.capacity_iters, **options, **model_options)
             capacities[(trace.name, slo_name, link, split)] = capacity
             progress.advance(task)
     for trace in chosen:
@@ -122,38 +164,44 @@ def main() -> int:
                 best_split = max(splits(args.instances), key=lambda s: capacities[(trace.name, slo_name, link, s)])
                 best = capacities[(trace.name, slo_name, link, best_split)]
                 winner = "pd" if best > colocated else "colocated"
-                cells.append({"trace": trace.name, "slo": slo_name, "ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s,
-                              "link": link, "prefill_share": shares[trace.name],
-                              "colocated_goodput_per_gpu": colocated / args.instances,
-                              "best_split": best_split, "pd_goodput_per_gpu": best / args.instances,
-                              "splits": {s: capacities[(trace.name, slo_name, link, s)] / args.instances
-                                         for s in splits(args.instances)},
-                              "winner": winner, "pd_over_colocated": best / colocated if colocated else float("inf"),
-                              "rule": rule(shares[trace.name], slo_name, link),
-                              "rule2": rule2(shares[trace.name], slo_name, link, args.pd_transfer)})
+                cell = {"trace": trace.name, "slo": slo_name, "ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s,
+                        "link": link, "prefill_share": shares[trace.name], "model": args.model, "tp": args.tp,
+                        "colocated_goodput_per_gpu": colocated / gpus,
+                        "best_split": best_split, "pd_goodput_per_gpu": best / gpus,
+                        "splits": {s: capacities[(trace.name, slo_name, link, s)] / gpus
+                                   for s in splits(args.instances)},
+                        "winner": winner, "pd_over_colocated": best / colocated if colocated else float("inf"),
+                        "rule": rule(shares[trace.name], slo_name, link),
+                        "rule2": rule2(shares[trace.name], slo_name, link, args.pd_transfer),
+                        **mechanism(windows[trace.name], args.model, args.tp, link, args.pd_transfer)}
+                cell["rule3"] = rule3(cell)
+                cells.append(cell)
     right = sum(c["rule"] == c["winner"] for c in cells)
     right2 = sum(c["rule2"] == c["winner"] for c in cells)
-    table = Table(title=f"goodput per GPU (req/s at >= 90% SLO attainment), {args.instances} x H100, Llama-3.1-8B")
+    right3 = sum(c["rule3"] == c["winner"] for c in cells)
+    table = Table(title=f"goodput per GPU (req/s at >= 90% SLO attainment), {args.instances} x {args.model} "
+                        f"(TP {args.tp}) on H100, {args.pd_transfer} hand-off")
     for col in ("trace", "prompt share", "SLO (TTFT/TPOT)", "link", "colocated", "best P:D", "P:D", "P:D / coloc.",
-                "winner", "rule", "rule2"):
+                "winner", "rule", "rule2", "chunk step ms", "exposed hand-off ms", "rule3"):
         table.add_column(col, justify="right")
     for c in cells:
         table.add_row(c["trace"], f"{c['prefill_share']:.2f}", f"{c['slo']} ({c['ttft_s']:g}s/{1e3 * c['tpot_s']:g}ms)",
                       c["link"], f"{c['colocated_goodput_per_gpu']:.2f}", c["best_split"],
                       f"{c['pd_goodput_per_gpu']:.2f}", f"{c['pd_over_colocated']:.2f}x", c["winner"],
                       c["rule"] + (" ✓" if c["rule"] == c["winner"] else " ✗"),
-                      c["rule2"] + (" ✓" if c["rule2"] == c["winner"] else " ✗"))
+                      c["rule2"] + (" ✓" if c["rule2"] == c["winner"] else " ✗"), f"{1e3 * c['chunk_step_s']:.0f}",
+                      f"{1e3 * c['exposed_handoff_s']:.0f}", c["rule3"] + (" ✓" if c["rule3"] == c["winner"] else " ✗"))
     console.print(table)
-    console.print(f"the rule predicts {right}/{len(cells)} cells, rule2 {right2}/{len(cells)}; "
+    console.print(f"the rule predicts {right}/{len(cells)} cells, rule2 {right2}/{len(cells)}, rule3 {right3}/{len(cells)}; "
                   f"{time.perf_counter() - t0:.0f} s")
     args.out.mkdir(parents=True, exist_ok=True)
     stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
     path = args.out / f"sim_pd-{stamp}.json"
     path.write_text(json.dumps(jsonable({"when": stamp, "instances": args.instances, "requests_scale": args.requests,
                                          "pd_transfer": args.pd_transfer, "hardware": "h100-80g",
-                                         "model": "llama-3.1-8b", "cells": cells, "rule_right": right,
-                                         "rule2_right": right2}), indent=1))
-    plot(cells, path.with_suffix(".png"), args.instances)
+                                         "model": args.model, "tp": args.tp, "cells": cells, "rule_right": right,
+                                         "rule2_right": right2, "rule3_right": right3}), indent=1))
+    plot(cells, path.with_suffix(".png"), gpus)
     console.print(f"wrote {path} and {path.with_suffix('.png')}")
     return 0
 
