@@ -87,7 +87,7 @@ def rule2(prefill_share: float, slo_name: str, link: str, transfer: str) -> str:
 
 
 def rule3(c: dict) -> str:
-    """Pre-registered 2026-12-01 06:40 UTC, before the third run (whose new cells are ShareGPT, 70B on TP 4
+    """Written down 2026-12-01 06:27 UTC, before the third run (whose new cells are ShareGPT, 70B on TP 4
     and 100 Gb/s links), from the mechanism rather than fitted to cells. P:D wins when
     (1) a colocated step carrying a full prefill chunk (plus a decode batch) outlasts the TPOT target,
         so colocated decodes miss it whenever prompts are in flight;
