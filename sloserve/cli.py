@@ -251,9 +251,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_simulate_parser(sub)
     add_plan_parser(sub)
+    from sloserve.cluster.forecast_cli import add_forecast_parser
     from sloserve.cluster.train_cli import add_train_predictor_parser
 
     add_train_predictor_parser(sub)
+    add_forecast_parser(sub)
     return parser
 
 

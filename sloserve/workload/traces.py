@@ -30,6 +30,7 @@ SHARED_FILES = {
     "mooncake-synthetic": "mooncake_fast25_synthetic_trace.jsonl.gz",
     "sharegpt": "sharegpt_v3_first_turn.jsonl.gz",
     "servegen": "servegen_client_windows_10min.csv.gz",
+    "servegen-total": "servegen_total_rate_10min.csv.gz",  # a demand series (workload/series.py), not requests
 }
 
 
