@@ -38,6 +38,73 @@ HANDOFF = "pd-handoff"  # the `Move.reason` of a prefill -> decode hand-off (not
 
 
 @dataclass(frozen=True)
+class ScalingSignals:
+    """What an autoscaler sees at a decision (cluster/autoscale/): how many instances are ready,
+    starting and draining, the ready ones' snapshots, the demand observed so far (requests/s per
+    `step_s` window; the last value is the latest complete window), what one instance sustains
+    within the SLOs (the capacity model), and how long a new instance takes to serve."""
+
+    now: float
+    ready: int
+    starting: int
+    draining: int
+    states: Sequence[InstanceState]  # the ready instances'
+    demand: Sequence[float]
+    step_s: float
+    capacity_rps: float
+    cold_start_s: float
+    held: int = 0  # requests waiting for any instance to be ready (none is: scale from zero)
+
+    @property
+    def active(self) -> int:
+        """Instances that serve now or soon (ready + starting)."""
+        return self.ready + self.starting
+
+    def recent_rate(self, window_s: float) -> float:
+        """Mean observed demand over the last `window_s` (0 before anything was observed)."""
+        if not len(self.demand):
+            return 0.0
+        n = max(1, min(len(self.demand), round(window_s / self.step_s)))
+        return float(sum(self.demand[-n:])) / n
+
+    @property
+    def queued(self) -> int:
+        return self.held + sum(s.num_waiting for s in self.states)
+
+
+@dataclass(frozen=True)
+class ScalingDecision:
+    target: int  # instances wanted ready (starting ones count towards it)
+    reason: str
+
+
+# An instance slot's lifecycle under autoscaling: stopped -> starting (cold start: serves nothing)
+# -> ready (routed to) -> draining (out of routing, emptied) -> stopped.
+STOPPED, STARTING, READY, DRAINING = "stopped", "starting", "ready", "draining"
+
+
+@dataclass(frozen=True)
+class InstanceSlot:
+    instance_id: int
+    status: str  # STOPPED, STARTING, READY or DRAINING
+    remaining_work: float = 0.0  # e.g. predicted remaining decode tokens (who drains first)
+
+
+@dataclass(frozen=True)
+class ScalingPlan:
+    decision: ScalingDecision
+    target: int  # after clamping to the fleet's min/max
+    start: int = 0  # new instances to start
+    undrain: tuple[int, ...] = ()  # draining instances taken back
+    cancel: tuple[int, ...] = ()  # starting instances stopped before they serve
+    drain: tuple[int, ...] = ()  # ready instances to empty and stop
+
+    @property
+    def changes(self) -> bool:
+        return bool(self.start or self.undrain or self.cancel or self.drain)
+
+
+@dataclass(frozen=True)
 class InstanceView:
     instance_id: int
     state: InstanceState  # (or a LiveInstanceState in the simulator)
@@ -103,3 +170,5 @@ class FleetDecisions(Protocol):
 
     def finished(self, move: Move, ok: bool, now: float, bytes_sent: int | None = None,
                  downtime_s: float = 0.0) -> None: ...
+
+    def plan_scaling(self, signals: ScalingSignals, slots: Sequence[InstanceSlot]) -> ScalingPlan | None: ...

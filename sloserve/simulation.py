@@ -65,6 +65,22 @@ class FleetConfig:
     decode_router: str = "least-kv"
     prefill_pool: PoolSettings = field(default_factory=PoolSettings)  # per-pool overrides (P/D only)
     decode_pool: PoolSettings = field(default_factory=PoolSettings)
+    # Autoscaling (cluster/autoscale, sim/scaling.py): a policy name, or None for a fixed fleet.
+    # `instances` is then the most that may run and `min_instances` the fewest; `initial` run at
+    # time 0. `capacity_rps` is what one instance sustains within the SLOs (the capacity model).
+    autoscale: Optional[str] = None
+    min_instances: int = 1
+    initial_instances: Optional[int] = None  # default: min_instances
+    capacity_rps: Optional[float] = None
+    scaling_interval_s: float = 60.0
+    cold_start_s: float = 120.0
+    warm_start_s: Optional[float] = None
+    keep_alive_s: float = 0.0
+    demand_step_s: float = 60.0
+    scale_down_delay_s: float = 300.0
+    target_utilization: float = 0.8
+    forecaster: str = "seasonal-naive"
+    scaling_history: Optional[object] = None  # a workload.series.Series of demand before the run (predictive)
 
     def validate(self) -> None:
         if self.pd is not None:
@@ -84,6 +100,35 @@ class FleetConfig:
         if self.pd is not None:
             for role in ("prefill", "decode"):
                 pool_config(self, role).scheduler.validate()
+        if self.autoscale is not None:
+            if self.pd is not None:
+                raise ValueError("autoscaling a prefill/decode-disaggregated fleet is not supported yet")
+            if not 0 <= self.min_instances <= self.instances:
+                raise ValueError(f"--instances MIN:MAX needs 0 <= MIN <= MAX, got {self.min_instances}:{self.instances}")
+            if self.capacity_rps is None or not self.capacity_rps > 0:
+                raise ValueError("autoscaling needs the capacity of one instance (capacity_rps > 0)")
+
+
+def scaling_parts(cfg: FleetConfig):
+    """The controller's scale planner and the simulator's scaling spec for `cfg` (None, None: fixed fleet)."""
+    if cfg.autoscale is None:
+        return None, None
+    from sloserve.cluster.autoscale import ScalingOptions, make_autoscaler
+    from sloserve.cluster.autoscale.planner import ScalePlanner
+    from sloserve.sim.scaling import ScalingSpec
+
+    history = cfg.scaling_history
+    options = ScalingOptions(target_utilization=cfg.target_utilization, forecaster=cfg.forecaster,
+                             history=None if history is None else history.values,  # type: ignore[attr-defined]
+                             history_step_s=None if history is None else history.step_s,  # type: ignore[attr-defined]
+                             history_start_s=0.0 if history is None else history.start_s,  # type: ignore[attr-defined]
+                             extra={"interval_s": cfg.scaling_interval_s})
+    planner = ScalePlanner(make_autoscaler(cfg.autoscale, options), cfg.min_instances, cfg.instances,
+                           cfg.scale_down_delay_s)
+    initial = cfg.min_instances if cfg.initial_instances is None else cfg.initial_instances
+    spec = ScalingSpec(cfg.capacity_rps, initial, cfg.scaling_interval_s, cfg.cold_start_s,  # type: ignore[arg-type]
+                       cfg.warm_start_s, cfg.keep_alive_s, cfg.demand_step_s)
+    return planner, spec
 
 
 def pool_config(cfg: FleetConfig, role: str) -> FleetConfig:
@@ -150,10 +195,11 @@ def build_fleet(cfg: FleetConfig, predictions: Optional["PredictionBook"] = None
     options = RouterOptions(seed=cfg.router_seed, epsilon=cfg.router_epsilon,
                             predictions=predictions.lookup if predictions is not None else None)
     decode_router = make_router(cfg.decode_router, options) if cfg.pd is not None else None
+    planner, scaling = scaling_parts(cfg)
     controller = FleetController(make_router(cfg.router, options), make_migration_policy(cfg.migration),
-                                 decode_router=decode_router)
+                                 decode_router=decode_router, scaler=planner)
     return Simulator(instances, controller, move_costs(cfg, model), cfg.migration_interval_s,
-                     roles=roles, pd_transfer=cfg.pd_transfer, num_layers=model.num_layers)
+                     roles=roles, pd_transfer=cfg.pd_transfer, num_layers=model.num_layers, scaling=scaling)
 
 
 def move_costs(cfg: FleetConfig, model: ModelConfig) -> MoveCosts:

@@ -1,6 +1,7 @@
 """The fleet controller: one object that makes the cluster-level decisions for a fleet, real or
 simulated. It routes arrivals, picks the decode instance a prefill hands a request to
-(prefill/decode disaggregation), and plans migrations; the autoscaler will hang off it too.
+(prefill/decode disaggregation), plans migrations, and decides how many instances run
+(autoscaling: `plan_scaling`, through an `autoscale.ScalePlanner`).
 
 It decides and keeps books; it never executes. The backend (the simulator, or the real front
 with its worker handles) asks it where a request goes and which moves to start, carries the
@@ -12,9 +13,10 @@ import logging
 from dataclasses import asdict, dataclass, replace
 from typing import Optional, Sequence
 
+from sloserve.cluster.autoscale.planner import ScalePlanner
 from sloserve.cluster.migration import InstanceView, MigrationPolicy, Move, MoveCosts
 from sloserve.cluster.routers.base import Router
-from sloserve.fleet_view import HANDOFF
+from sloserve.fleet_view import HANDOFF, InstanceSlot, ScalingPlan, ScalingSignals
 from sloserve.sched.state import InstanceState
 from sloserve.types import Request
 
@@ -47,7 +49,7 @@ class FleetController:
 
     def __init__(self, router: Router, migration: Optional[MigrationPolicy] = None,
                  max_concurrent_per_instance: int = 1, min_interval_s: float = 2.0,
-                 decode_router: Optional[Router] = None):
+                 decode_router: Optional[Router] = None, scaler: Optional[ScalePlanner] = None):
         """`decode_router` picks the decode instance of a prefill/decode hand-off (default:
         `router`). Hand-offs are counted apart from migrations (`handoff_counters`) and are
         not subject to the per-instance caps: every request on a prefill instance makes one."""
@@ -55,6 +57,7 @@ class FleetController:
             raise ValueError("max_concurrent_per_instance must be >= 1")
         self.router = router
         self.decode_router = decode_router or router
+        self.scaler = scaler
         self.migration = migration
         self.max_concurrent_per_instance = max_concurrent_per_instance
         self.min_interval_s = min_interval_s
@@ -77,6 +80,11 @@ class FleetController:
     @property
     def handoff_counters(self) -> dict[str, float]:
         return self._handoffs.as_dict()
+
+    # ---- autoscaling -----------------------------------------------------------------
+    def plan_scaling(self, signals: ScalingSignals, slots: Sequence[InstanceSlot]) -> Optional[ScalingPlan]:
+        """Instances to start, take back, cancel and drain now (None: this fleet does not scale)."""
+        return None if self.scaler is None else self.scaler.plan(signals, slots)
 
     # ---- migration -------------------------------------------------------------------
     @property

@@ -119,6 +119,7 @@ class SimMigrator:
         self._bytes: dict[str, int] = {}  # bytes sent so far per transfer
         self.draining: set[int] = set()  # instances being emptied (the simulator's drains)
         self.prefill_ids: set[int] = set()  # prefill-role instances: they hand off, they take no migration
+        self.offline: set[int] = set()  # stopped or still starting (autoscaling): not part of the fleet now
 
     @property
     def busy(self) -> bool:
@@ -129,6 +130,8 @@ class SimMigrator:
         """The fleet as the policies see it, at `now` (every instance caught up first)."""
         out = []
         for instance, state in zip(self.instances, self.states):
+            if instance.instance_id in self.offline:
+                continue
             instance.catch_up(now)
             s = instance.scheduler
             prefill = instance.instance_id in self.prefill_ids

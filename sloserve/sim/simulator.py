@@ -14,10 +14,11 @@ from dataclasses import dataclass, field
 from collections.abc import Sequence
 from typing import Callable, Iterable, Iterator, Optional
 
-from sloserve.fleet_view import ROLES, FleetDecisions, MoveCosts
+from sloserve.fleet_view import READY as SLOT_READY, ROLES, STARTING, FleetDecisions, MoveCosts
 from sloserve.sched.live_state import Moment
 from sloserve.sim.instance import SimInstance
 from sloserve.sim.migration import SimMigrator, Transfer
+from sloserve.sim.scaling import ScalingSpec, SimScaling
 from sloserve.types import Request
 
 logger = logging.getLogger(__name__)
@@ -26,8 +27,9 @@ logger = logging.getLogger(__name__)
 # arrive together share the first step, as they would in the engine loop), then the control tick
 # and migration phases run, then steps end. Whatever reads an instance before its step's end
 # event sees that step in flight, as `SimInstance.sync` (steps ending strictly before now) does.
-ARRIVAL, WAKE, TICK, MIGRATE, STEP_END = 0, 1, 2, 3, 4
+ARRIVAL, WAKE, TICK, MIGRATE, STEP_END, SCALE = 0, 1, 2, 3, 4, 5
 DRAIN = -1  # before anything else at its time: an arrival then already avoids the instance
+READY = -2  # an instance's cold start ends: arrivals at that moment may already go to it
 
 
 @dataclass
@@ -48,6 +50,8 @@ class SimResult:
     migration: dict[str, float] = field(default_factory=dict)
     # the same counters for prefill -> decode hand-offs; empty in a fleet without prefill instances
     handoffs: dict[str, float] = field(default_factory=dict)
+    # autoscaling: instance_seconds / instance_hours, cold and warm starts, the timeline and the decisions
+    scaling: dict = field(default_factory=dict)
 
 
 class RoutingOnly:
@@ -68,11 +72,15 @@ class RoutingOnly:
     def plan_migrations(self, now, views, costs) -> list:
         return []
 
+    def plan_scaling(self, signals, slots):
+        return None
+
 
 class Simulator:
     def __init__(self, instances: Sequence[SimInstance], controller: "FleetDecisions | object",
                  costs: Optional[MoveCosts] = None, migration_interval_s: float = 0.1, handoff_s: float = 0.005,
-                 roles: Optional[Sequence[str]] = None, pd_transfer: str = "pipelined", num_layers: int = 1):
+                 roles: Optional[Sequence[str]] = None, pd_transfer: str = "pipelined", num_layers: int = 1,
+                 scaling: Optional[ScalingSpec] = None):
         """`controller`: a FleetController, or a bare router (routing only). `costs` price
         migrations (needed when the controller has a migration policy, or the fleet is
         disaggregated); `handoff_s` is the fixed part of a migration's pause (the last round trip
@@ -80,7 +88,9 @@ class Simulator:
         `mixed`) disaggregates prefill and decode: arrivals go to prefill (and mixed) instances,
         and a prefill instance hands each request to a decode instance after its first token,
         its KV sent `pd_transfer` = "blocking" (after the prefill) or "pipelined" (layer by layer
-        while it runs: only the rest, at least one layer's share of `num_layers`, is waited for)."""
+        while it runs: only the rest, at least one layer's share of `num_layers`, is waited for).
+        With `scaling`, `instances` are the slots of an autoscaled fleet (sim/scaling.py): the
+        controller's scale planner decides every `scaling.interval_s` which of them run."""
         if not instances:
             raise ValueError("need at least one instance")
         self.roles = list(roles) if roles is not None else ["mixed"] * len(instances)
@@ -122,6 +132,15 @@ class Simulator:
             self.migrator.prefill_ids = set(self._prefill_ids)
         self.migration_interval_s = migration_interval_s
         self._next_tick: Optional[int] = None  # index k of the pending tick at k * interval
+        self.scaling: Optional[SimScaling] = None
+        self._held: list[Request] = []  # arrivals while no instance is ready (scaled to zero, or all starting)
+        self._more_arrivals = False
+        if scaling is not None:
+            if any(r != "mixed" for r in self.roles):
+                raise ValueError("autoscaling a prefill/decode-disaggregated fleet is not supported yet")
+            self.scaling = SimScaling(scaling, len(self.instances))
+            if self.migrator is not None:
+                self.migrator.offline = self.scaling.offline()
 
     def drain_at(self, time: float, instance_id: int) -> None:
         """From `time` on, `instance_id` takes no new request and its running ones are offered to
@@ -150,15 +169,18 @@ class Simulator:
         last_arrival = -float("inf")
         last_work = self.now
         pending = next(arrivals, None)
+        self._more_arrivals = pending is not None
         if pending is not None:
             self._push(pending.arrival_time, ARRIVAL, pending)
+        if self.scaling is not None:
+            self._push(self.now, SCALE, int(self.now // self.scaling.spec.interval_s))
         while self._heap:
             time, kind, _, payload = heapq.heappop(self._heap)
             if until is not None and time > until:
                 break
             self.now = time
             events += 1
-            if kind != TICK:
+            if kind not in (TICK, SCALE):
                 last_work = time  # a final tick that finds nothing to do does not extend the run
             if kind == DRAIN:
                 self.draining.add(payload)  # type: ignore[arg-type]
@@ -176,12 +198,23 @@ class Simulator:
                     else:
                         rejected.append((request, error))
                 pending = next(arrivals, None)
+                self._more_arrivals = pending is not None
                 if pending is not None:
                     self._push(pending.arrival_time, ARRIVAL, pending)
                 if self._ticks and self._next_tick is None:
                     self._schedule_tick(int(self.now // self.migration_interval_s) + 1)
             elif kind == TICK:
                 self._tick(payload)  # type: ignore[arg-type]
+            elif kind == SCALE:
+                self._scale(payload)  # type: ignore[arg-type]
+            elif kind == READY:
+                for request in self._ready(payload):  # type: ignore[arg-type]
+                    error = self._arrive(request, observed=True)
+                    if error is not None:
+                        if on_done is not None:
+                            on_done(request, error)
+                        else:
+                            rejected.append((request, error))
             elif kind == MIGRATE:
                 self.migrator.advance(payload, self.now)  # type: ignore[union-attr, arg-type]
             elif kind == WAKE:
@@ -204,18 +237,32 @@ class Simulator:
                     if self.roles[instance.instance_id] == "prefill":
                         self._hand_off(instance)
                 self._start(instance)
+                if self.scaling is not None and instance.instance_id in self.draining:
+                    self._stop_if_empty(instance)
             if on_progress is not None and events % 1024 == 0:
                 on_progress(self.now, num_finished)
         if on_progress is not None:
             on_progress(self.now, num_finished)
+        for request in self._held:  # the run ended (`until`) before any instance was ready for them
+            rejected.append((request, "no instance became ready"))
+        self._held = []
         return SimResult(finished, rejected, last_work, events, num_finished, [i.busy_time for i in self.instances],
                          self.controller.counters if self._ticks else {},
-                         getattr(self.controller, "handoff_counters", {}) if self._prefill_ids else {})
+                         getattr(self.controller, "handoff_counters", {}) if self._prefill_ids else {},
+                         self.scaling.close(last_work).as_dict() if self.scaling is not None else {})
 
-    def _arrive(self, request: Request) -> Optional[str]:
-        """Route and queue an arrival; returns why it was rejected, if it was."""
+    def _arrive(self, request: Request, observed: bool = False) -> Optional[str]:
+        """Route and queue an arrival; returns why it was rejected, if it was. Under autoscaling,
+        only ready instances are routed to; with none ready the request waits for the first."""
         self._moment.advance(self.now)
         entry = self._entry_ids
+        if self.scaling is not None:
+            if not observed:
+                self.scaling.observe_arrival(self.now)
+            entry = self.scaling.ready_ids()
+            if not entry:
+                self._held.append(request)
+                return None
         open_ids = [i for i in entry if i not in self.draining] if self.draining else entry
         if not open_ids:
             open_ids = entry  # everything drains: queue anyway rather than drop
@@ -277,6 +324,58 @@ class Simulator:
         self.migrator.tick(self.now)  # type: ignore[union-attr]
         if self.migrator.busy or any(i.scheduler.has_unfinished() for i in self.instances):  # type: ignore[union-attr]
             self._schedule_tick(k + 1)
+
+    # ---- autoscaling ----------------------------------------------------------------------
+    def _scale(self, k: int) -> None:
+        """A decision point of the controller's scale planner; the next one while work remains."""
+        scaling = self.scaling
+        assert scaling is not None
+        self._moment.advance(self.now)
+        for i in list(self.draining):
+            self._stop_if_empty(self.instances[i])
+        plan = self.controller.plan_scaling(scaling.signals(self.now, self._states, len(self._held)),
+                                            scaling.slots(self._states))
+        target = scaling.status.count(SLOT_READY) + scaling.status.count(STARTING)
+        if plan is not None:
+            started, drain, undrain = scaling.apply(plan, self.now)
+            target = plan.target
+            for slot, ready_at in started:
+                self._push(ready_at, READY, slot)
+            for i in undrain:
+                self.draining.discard(i)
+            for i in drain:
+                self.draining.add(i)
+                self._stop_if_empty(self.instances[i])
+            if drain and self._ticks and self._next_tick is None:
+                self._schedule_tick(int(self.now // self.migration_interval_s) + 1)
+            self._sync_offline()
+        scaling.record(self.now, target)
+        busy = self._held or any(i.scheduler.has_unfinished() for i in self.instances) or scaling.ready_at \
+            or (self.migrator is not None and self.migrator.busy)
+        if self._more_arrivals or busy:
+            self._push((k + 1) * scaling.spec.interval_s, SCALE, k + 1)
+
+    def _ready(self, slot: int) -> list[Request]:
+        """An instance finished its cold start: the requests held for want of one go to the fleet."""
+        assert self.scaling is not None
+        if not self.scaling.became_ready(slot, self.now):
+            return []
+        self._sync_offline()
+        held, self._held = self._held, []
+        return held
+
+    def _stop_if_empty(self, instance: SimInstance) -> None:
+        assert self.scaling is not None
+        i = instance.instance_id
+        moving = self.migrator is not None and any(
+            t.source is instance or t.target is instance for t in self.migrator.transfers.values())
+        if self.scaling.stop_if_empty(i, self.now, not instance.scheduler.has_unfinished() and not moving):
+            self.draining.discard(i)
+            self._sync_offline()
+
+    def _sync_offline(self) -> None:
+        if self.migrator is not None and self.scaling is not None:
+            self.migrator.offline = self.scaling.offline()
 
     def _push_transfer(self, time: float, transfer: Transfer) -> None:
         self._push(time, MIGRATE, transfer)

@@ -1,0 +1,64 @@
+"""From a policy's target to what the fleet does: instances to start, and which to drain.
+
+The policy says how many instances it wants; the planner keeps the books that make that safe:
+- the target is clamped to [min, max] (min 0: scale to zero);
+- scaling up is immediate, and takes back a draining instance before starting a new one (it
+  still holds its weights: no cold start);
+- scaling down waits until the lower target held for `scale_down_delay_s` (a dip must not cost
+  a cold start a minute later), cancels instances still starting first, then drains the ready
+  instances with the least remaining work (their requests move off by migration, or finish).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+from sloserve.cluster.autoscale.base import Autoscaler
+from sloserve.fleet_view import DRAINING, READY, STARTING, STOPPED, InstanceSlot, ScalingPlan, ScalingSignals
+
+logger = logging.getLogger(__name__)
+
+@dataclass
+class ScalePlanner:
+    autoscaler: Autoscaler
+    min_instances: int = 1
+    max_instances: int = 1
+    scale_down_delay_s: float = 300.0
+    decisions: list = field(default_factory=list)  # (now, target, reason) of each change
+    _low_since: Optional[float] = None
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.min_instances <= self.max_instances or self.max_instances < 1:
+            raise ValueError(f"need 0 <= min <= max and max >= 1, got {self.min_instances}:{self.max_instances}")
+
+    def plan(self, signals: ScalingSignals, slots: Sequence[InstanceSlot]) -> ScalingPlan:
+        decision = self.autoscaler.decide(signals)
+        target = min(self.max_instances, max(self.min_instances, decision.target))
+        starting = [s for s in slots if s.status == STARTING]
+        ready = [s for s in slots if s.status == READY]
+        draining = [s for s in slots if s.status == DRAINING]
+        active = len(starting) + len(ready)
+        plan = ScalingPlan(decision, target)
+        if target > active:
+            self._low_since = None
+            need = target - active
+            back = tuple(s.instance_id for s in sorted(draining, key=lambda s: -s.remaining_work)[:need])
+            free = sum(s.status == STOPPED for s in slots)
+            plan = ScalingPlan(decision, target, start=min(need - len(back), free), undrain=back)
+        elif target < active:
+            if self._low_since is None:
+                self._low_since = signals.now
+            if signals.now - self._low_since >= self.scale_down_delay_s:
+                excess = active - target
+                cancel = tuple(s.instance_id for s in starting[:excess])
+                drain = tuple(s.instance_id for s in sorted(ready, key=lambda s: s.remaining_work)
+                              [:excess - len(cancel)])
+                plan = ScalingPlan(decision, target, cancel=cancel, drain=drain)
+                self._low_since = None
+        else:
+            self._low_since = None
+        if plan.changes:
+            self.decisions.append((signals.now, target, decision.reason))
+            logger.info("autoscale at %.0f s: %d -> %d instances (%s)", signals.now, active, target, decision.reason)
+        return plan

@@ -1,0 +1,157 @@
+"""Autoscaling: the policies on constructed demand (a spike, a lull, a daily ramp the forecast
+sees coming), the planner's safety rules, and a simulated fleet that adds instances for a burst
+(none serves before its cold start ends), drains them by migration afterwards, and loses no
+request; scale to zero holds arrivals until the first instance is up."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from sloserve.cluster.autoscale import ScalingOptions, make_autoscaler
+from sloserve.cluster.autoscale.planner import ScalePlanner
+from sloserve.fleet_view import DRAINING, READY, STARTING, STOPPED, InstanceSlot, ScalingSignals
+from sloserve.sched.state import InstanceState
+from sloserve.simulation import FleetConfig, build_fleet, sim_requests, simulate
+from sloserve.workload.types import WorkloadRequest
+
+STEP = 60.0
+
+
+def state(waiting: int = 0) -> InstanceState:
+    return InstanceState(0, waiting, 0, 0, 100, 100, 0, 0.0, float("inf"), 16)
+
+
+def signals(demand, now: float = 0.0, ready: int = 1, starting: int = 0, capacity: float = 10.0,
+            cold_start: float = 120.0, waiting: int = 0, step: float = STEP) -> ScalingSignals:
+    return ScalingSignals(now, ready, starting, 0, [state(waiting)] * ready, tuple(demand), step, capacity,
+                          cold_start)
+
+
+def test_reactive_follows_the_stable_window_and_panics_on_a_spike():
+    reactive = make_autoscaler("reactive", ScalingOptions(target_utilization=1.0))
+    assert reactive.decide(signals([20.0] * 5, ready=1)).target == 2  # 20 req/s over 60 s at 10 per instance
+    assert reactive.decide(signals([5.0] * 5, now=60, ready=4)).target == 1  # a lull: fewer
+    spiky = make_autoscaler("reactive", ScalingOptions(target_utilization=1.0,
+                                                       extra={"panic_window_s": 1.0, "stable_window_s": 10.0}))
+    burst = spiky.decide(signals([1.0] * 9 + [80.0], ready=2, step=1.0))
+    assert burst.target == 8 and burst.reason.startswith("panic")
+    calm = spiky.decide(signals([1.0] * 20, now=5.0, ready=8, step=1.0))
+    assert calm.target == 8  # no scale-down while the panic lasts
+    assert spiky.decide(signals([1.0] * 20, now=30.0, ready=8, step=1.0)).target == 1
+    queued = reactive.decide(signals([0.0] * 5, ready=1, waiting=1200))  # 1200 queued: 20 req/s to clear
+    assert queued.target == 2
+
+
+def daily(days: int, step: float = 600.0) -> np.ndarray:
+    t = np.arange(int(days * 86400 / step))
+    return 50 + 40 * np.sin(2 * np.pi * (t * step / 86400 - 0.25))  # trough at midnight, peak at noon
+
+
+def test_predictive_scales_before_the_morning_ramp_reactive_does_not():
+    history = daily(4)
+    step = 600.0
+    # 06:00 on day 5: demand is still near the trough's level but rising steeply for hours
+    today = daily(1)[:36]
+    opts = dict(target_utilization=1.0, history=history, history_step_s=step, extra={"interval_s": 600.0})
+    sig = signals(today, now=36 * step, ready=5, capacity=10.0, cold_start=1800.0, step=step)
+    reactive = make_autoscaler("reactive", ScalingOptions(**opts)).decide(sig)
+    for name in ("predictive", "hybrid"):
+        ahead = make_autoscaler(name, ScalingOptions(forecaster="seasonal-naive", **opts)).decide(sig)
+        assert ahead.target > reactive.target, (name, ahead, reactive)
+        expected = daily(5)[4 * 144 + 36 + 3]  # a cold start (30 min) ahead, what the fleet must carry
+        assert ahead.target >= int(expected // 10)
+    with pytest.raises(ValueError, match="needs demand history"):
+        make_autoscaler("predictive").decide(sig)
+
+
+def test_planner_clamps_waits_before_scaling_down_and_takes_back_drains_first():
+    class Fixed:
+        def __init__(self, n):
+            self.n = n
+
+        def decide(self, signals):
+            from sloserve.fleet_view import ScalingDecision
+            return ScalingDecision(self.n, "fixed")
+
+    policy = Fixed(10)
+    planner = ScalePlanner(policy, min_instances=1, max_instances=4, scale_down_delay_s=300)  # type: ignore[arg-type]
+    slots = [InstanceSlot(0, READY, 50), InstanceSlot(1, DRAINING, 5), InstanceSlot(2, STOPPED), InstanceSlot(3, STOPPED)]
+    up = planner.plan(signals([0.0]), slots)
+    assert up.target == 4 and up.undrain == (1,) and up.start == 2  # a draining one back before any cold start
+    policy.n = 1
+    slots = [InstanceSlot(0, READY, 50), InstanceSlot(1, READY, 5), InstanceSlot(2, STARTING), InstanceSlot(3, READY, 9)]
+    assert not planner.plan(signals([0.0], now=0), slots).changes  # lower, but not for long yet
+    assert not planner.plan(signals([0.0], now=200), slots).changes
+    down = planner.plan(signals([0.0], now=300), slots)
+    assert down.cancel == (2,) and down.drain == (1, 3)  # the starting one first, then the least work
+    policy.n = 0
+    assert planner.plan(signals([0.0], now=1000), slots).target == 1  # min holds
+    with pytest.raises(ValueError):
+        ScalePlanner(policy, min_instances=3, max_instances=2)  # type: ignore[arg-type]
+
+
+def burst_workload() -> list[WorkloadRequest]:
+    """2 req/s for 5 minutes, 16 req/s for 5 minutes, then 1 req/s for 15 minutes."""
+    rng = np.random.default_rng(1)
+    out, t = [], 0.0
+    for rate, until in ((2.0, 300.0), (16.0, 600.0), (1.0, 1500.0)):
+        while True:
+            t += rng.exponential(1 / rate)
+            if t >= until:
+                t = until
+                break
+            out.append(WorkloadRequest(t, prompt_len=int(rng.integers(200, 2000)), output_len=int(rng.integers(50, 400))))
+    return out
+
+
+def fleet(**kw) -> FleetConfig:
+    return FleetConfig(instances=6, model="llama-3.1-8b", hardware="a10-24g", router="least-requests",
+                       autoscale="reactive", min_instances=1, capacity_rps=2.5, scaling_interval_s=30,
+                       cold_start_s=60, demand_step_s=10, scale_down_delay_s=120, **kw)
+
+
+def test_a_simulated_burst_adds_instances_that_serve_only_once_loaded_and_drains_them_after():
+    cfg = fleet(migration="drain")
+    reqs = burst_workload()
+    sim = build_fleet(cfg)
+    records, result = simulate(sim, sim_requests(reqs))
+    assert len(records) == len(reqs) and all(r.success for r in records)  # nothing lost, drains included
+    books = result.scaling
+    peak = max(ready for _, ready, *_ in books["timeline"])
+    assert peak >= 4 and books["cold_starts"] >= 3 and books["drained"] >= 2
+    assert books["timeline"][-1][1] < peak  # scaled back down after the burst
+    ready_at = {}
+    for slot, asked, ready in books["starts"]:
+        assert ready - asked == pytest.approx(60.0)
+        ready_at.setdefault(slot, []).append(ready)
+    for f in sim_run_instances(cfg, reqs):
+        request, slot = f
+        if slot in ready_at:  # started by the autoscaler: nothing ran there before it was loaded
+            assert request.first_scheduled_time >= min(ready_at[slot]) - 1e-9
+    assert 0 < books["instance_hours"] < 6 * result.end_time / 3600
+    assert sim.controller.counters["completed"] >= 1  # running requests moved off drained instances
+
+
+def sim_run_instances(cfg: FleetConfig, reqs):
+    sim = build_fleet(cfg)
+    result = sim.run(list(sim_requests(reqs)))
+    return [(f.request, f.instance_id) for f in result.finished]
+
+
+def test_scale_to_zero_holds_arrivals_until_an_instance_is_up():
+    cfg = fleet(initial_instances=0)
+    cfg.min_instances = 0
+    reqs = [WorkloadRequest(5.0 + i, prompt_len=300, output_len=20) for i in range(5)]
+    records, result = simulate(build_fleet(cfg), sim_requests(reqs))
+    assert all(r.success for r in records) and result.scaling["cold_starts"] == 1
+    first_start = result.scaling["starts"][0]
+    assert min(r.ttft_s + r.scheduled_s for r in records) >= first_start[2]  # nothing before the first is loaded
+
+
+def test_static_fleet_costs_its_size_for_the_whole_run():
+    cfg = fleet(initial_instances=3)
+    cfg.autoscale = "static"
+    records, result = simulate(build_fleet(cfg), sim_requests(burst_workload()[:200]))
+    assert all(r.success for r in records)
+    assert result.scaling["instance_seconds"] == pytest.approx(3 * result.end_time)
+    assert result.scaling["cold_starts"] == 0
