@@ -69,6 +69,26 @@ def goodput(reqs: Sequence[WorkloadRequest], cfg: FleetConfig, slo: SLO, iters: 
     return max_rate(lambda rate: attainment(at_rate(reqs, rate), cfg, slo)[0] >= target, start, iters)
 
 
+_CAPACITY: dict[tuple, float] = {}
+
+
+def instance_capacity(reqs: Sequence[WorkloadRequest], cfg: FleetConfig, slo: SLO, iters: int = 3,
+                      sample: int = 400) -> float:
+    """The capacity model of autoscaling: requests/s ONE instance of `cfg` serves with >= 90% of
+    them within `slo`, by the goodput search on the first `sample` requests of the workload.
+    Cached per (hardware, model, tp, scheduler limits, SLO, workload shape) for the process."""
+    head = list(reqs[:sample])
+    if len(head) < 10:
+        raise ValueError(f"the capacity model needs at least 10 requests of the workload, got {len(head)}")
+    shape = (round(sum(r.prompt_len for r in head) / len(head), -1), round(sum(r.output_len for r in head) / len(head), -1))
+    key = (cfg.hardware, cfg.model, cfg.tp, cfg.profile, cfg.scheduler.max_num_batched_tokens,
+           cfg.scheduler.max_num_seqs, slo.ttft_s, slo.tpot_s, slo.e2e_s, shape, len(head))
+    if key not in _CAPACITY:
+        one = replace(cfg, instances=1, autoscale=None, pd=None, migration="none")
+        _CAPACITY[key] = goodput(head, one, slo, iters)
+    return _CAPACITY[key]
+
+
 @dataclass(frozen=True)
 class Layout:
     """One candidate: colocated (`pd` None) or a P:D split with per-pool settings."""

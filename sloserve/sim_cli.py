@@ -49,7 +49,8 @@ def add_fleet_args(p: argparse.ArgumentParser) -> None:
     from sloserve.sim.hardware import DEFAULT_LINK, HARDWARE, LINKS
 
     f = p.add_argument_group("fleet")
-    f.add_argument("--instances", type=int, default=1)
+    f.add_argument("--instances", default="1", metavar="N|MIN:MAX",
+                   help="instances; MIN:MAX with --autoscale (MIN may be 0: scale to zero)")
     f.add_argument("--hardware", default="h100-80g", help=f"one of {sorted(HARDWARE)}")
     f.add_argument("--model", default="llama-3.1-8b", help=f"one of {sorted(MODELS)}")
     f.add_argument("--tp", type=int, default=1, help="tensor-parallel degree per instance")
@@ -85,14 +86,35 @@ def add_fleet_args(p: argparse.ArgumentParser) -> None:
     f.add_argument("--swap-space", type=float, default=4.0, metavar="GIB",
                    help="host memory per device for swapped-out KV (with --preemption-mode swap/auto)")
     f.add_argument("--no-fast-forward", action="store_true", help="one event per step (slower, same decisions)")
+    a = p.add_argument_group("autoscaling")
+    from sloserve.cluster.autoscale import AUTOSCALERS
+    from sloserve.cluster.forecast import FORECASTERS
+
+    a.add_argument("--autoscale", metavar="POLICY", help=f"decide how many instances run: one of {sorted(AUTOSCALERS)}")
+    a.add_argument("--cold-start", type=float, default=120.0, metavar="S", help="start to ready, weights from storage")
+    a.add_argument("--warm-start", type=float, metavar="S",
+                   help="start to ready when the weights are still in host memory (with --keep-alive)")
+    a.add_argument("--keep-alive", type=float, default=0.0, metavar="S",
+                   help="how long a stopped instance's weights stay in host memory (a warm pool)")
+    a.add_argument("--scaling-interval", type=float, default=60.0, metavar="S", help="seconds between decisions")
+    a.add_argument("--scale-down-delay", type=float, default=300.0, metavar="S",
+                   help="a lower target must hold this long before instances drain")
+    a.add_argument("--target-utilization", type=float, default=0.8, help="share of an instance's capacity planned for")
+    a.add_argument("--capacity", type=float, metavar="RPS",
+                   help="requests/s one instance sustains within the SLO (default: measured on the workload at --slo)")
+    a.add_argument("--forecaster", default="seasonal-naive", help=f"predictive/hybrid: one of {sorted(FORECASTERS)}")
+    a.add_argument("--scaling-history", metavar="SERIES",
+                   help="demand before the run that trains the forecaster: servegen:MODEL or a trace (as "
+                        "`sloserve forecast --series`)")
 
 
 def fleet_config_from_args(args: argparse.Namespace):
     from sloserve.config import CacheConfig, SchedulerConfig
     from sloserve.simulation import FleetConfig, PoolSettings
 
+    low, high = parse_instances(args.instances, getattr(args, "autoscale", None))
     return FleetConfig(
-        instances=args.instances, hardware=args.hardware, model=args.model, tp=args.tp, router=args.router,
+        instances=high, min_instances=low, hardware=args.hardware, model=args.model, tp=args.tp, router=args.router,
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                                   policy=args.scheduler, preemption_mode=args.preemption_mode),
         cache=CacheConfig(block_size=args.block_size, enable_prefix_caching=not args.no_prefix_caching,
@@ -104,7 +126,28 @@ def fleet_config_from_args(args: argparse.Namespace):
         router_epsilon=args.router_epsilon, migration=args.migration, link=args.link,
         migration_interval_s=args.migration_interval, pd=args.pd, pd_transfer=args.pd_transfer,
         decode_router=args.decode_router, prefill_pool=PoolSettings.parse(args.pd_prefill),
-        decode_pool=PoolSettings.parse(args.pd_decode))
+        decode_pool=PoolSettings.parse(args.pd_decode), autoscale=getattr(args, "autoscale", None),
+        cold_start_s=getattr(args, "cold_start", 120.0), warm_start_s=getattr(args, "warm_start", None),
+        keep_alive_s=getattr(args, "keep_alive", 0.0), scaling_interval_s=getattr(args, "scaling_interval", 60.0),
+        scale_down_delay_s=getattr(args, "scale_down_delay", 300.0),
+        target_utilization=getattr(args, "target_utilization", 0.8), capacity_rps=getattr(args, "capacity", None),
+        forecaster=getattr(args, "forecaster", "seasonal-naive"))
+
+
+def parse_instances(text: str, autoscale) -> tuple[int, int]:
+    """`--instances N` or `MIN:MAX` -> (min, max); a range needs --autoscale."""
+    try:
+        if ":" in str(text):
+            low, high = (int(x) for x in str(text).split(":"))
+        else:
+            low = high = int(text)
+    except ValueError:
+        raise ValueError(f"--instances takes N or MIN:MAX, got {text!r}") from None
+    if low != high and not autoscale:
+        raise ValueError("--instances MIN:MAX needs --autoscale POLICY")
+    if autoscale and ":" not in str(text):
+        low = 1  # --instances N --autoscale P: between 1 and N
+    return low, high
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
@@ -123,9 +166,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     spec = workload_spec_from_args(args)
     rates = resolve_rates(args, spec)
     fleet = fleet_config_from_args(args)
+    slo = SLO.parse(args.slo) if args.slo else SLO()
+    if fleet.autoscale is not None:
+        prepare_autoscaling(fleet, args, spec, slo)
     fleet.validate()
     build_fleet(fleet, make_predictions(fleet))  # fail on bad names (and a bad predictor file) before any work
-    slo = SLO.parse(args.slo) if args.slo else SLO()
     classes = {c.name: c.qos for c in spec.mix.classes} if spec.mix else {}
     console = Console(stderr=True)
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -154,7 +199,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                 "profile": fleet.profile, "migration": fleet.migration, "link": fleet.link,
                 "migrations": result.migration, "pd": fleet.pd, "pd_transfer": fleet.pd_transfer,
                 "prefill_pool": vars(fleet.prefill_pool), "decode_pool": vars(fleet.decode_pool),
-                "handoffs": result.handoffs,
+                "handoffs": result.handoffs, "autoscale": fleet.autoscale,
+                "min_instances": fleet.min_instances if fleet.autoscale else None,
+                "capacity_rps": fleet.capacity_rps, "cold_start_s": fleet.cold_start_s if fleet.autoscale else None,
+                "scaling": result.scaling,
                 "preemptions": sum(i.scheduler.stats.num_preemptions for i in sim.instances),
                 "num_requests": len(stream), "completed": result.num_finished, "rejected": len(stream) - result.num_finished,
                 "sim_end_s": result.end_time, "wall_s": wall, "events": result.num_events,
@@ -163,6 +211,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             label = f"sim {fleet.instances}x {fleet.model} on {fleet.hardware} · {run_spec.name} · {desc}"
             results.append(BenchResult(label, summary, records, rate, config))
     paths = write_outputs(results, Path(args.out))
+    if fleet.autoscale is not None:
+        paths.append(plot_scaling(results, Path(args.out) / "scaling.png"))
     out = Console()
     if len(results) > 1:
         out.print(Markdown(sweep_markdown(results)))
@@ -172,6 +222,13 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         out.print(f"completed {c['completed']}/{c['num_requests']} requests; simulated {c['sim_end_s']:.1f} s "
                   f"in {c['wall_s']:.1f} s of wall time ({c['speedup_vs_real_time'] or 0:.0f}x real time); "
                   f"{c['preemptions']} preemptions")
+        sc = c.get("scaling")
+        if sc:
+            peak = max((row[1] for row in sc["timeline"]), default=0)
+            out.print(f"autoscaling ({c['autoscale']}, {c['min_instances']}-{c['instances']} instances, "
+                      f"{c['capacity_rps']:.2f} req/s each, cold start {c['cold_start_s']:g} s): "
+                      f"{sc['instance_hours']:.2f} instance-hours, {sc['cold_starts']} cold + {sc['warm_starts']} warm "
+                      f"starts, {sc['drained']} drained, peak {peak} ready")
         h = c.get("handoffs")
         if h:
             out.print(f"P/D {c['pd']} ({c['pd_transfer']} over {c['link']}): {h['completed']} hand-offs, "
@@ -184,6 +241,54 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                       f"{1e3 * m['downtime_s']:.0f} ms of downtime in total")
     console.print("wrote " + ", ".join(str(p) for p in paths))
     return 0
+
+
+def prepare_autoscaling(fleet, args: argparse.Namespace, spec, slo) -> None:
+    """The capacity model's answer (unless --capacity) and the forecaster's history, before the runs."""
+    from sloserve.planning import instance_capacity
+    from sloserve.workload.build import build_stream
+
+    if fleet.capacity_rps is None:
+        if slo.empty:
+            raise ValueError("autoscaling needs --capacity RPS, or --slo to measure it on the workload")
+        fleet.capacity_rps = instance_capacity(build_stream(replace(spec, num_requests=400, duration_s=None)),
+                                               replace(fleet, autoscale=None), slo)
+        if not fleet.capacity_rps > 0:
+            raise ValueError("one instance meets the SLO at no rate on this workload: loosen --slo or give --capacity")
+    if args.scaling_history:
+        from sloserve.cluster.forecast_cli import load_series
+
+        fleet.scaling_history = load_series(args.scaling_history, "requests", fleet.demand_step_s)
+        fleet.demand_step_s = min(fleet.demand_step_s, fleet.scaling_history.step_s)  # type: ignore[attr-defined]
+    elif fleet.autoscale in ("predictive", "hybrid"):
+        raise ValueError(f"--autoscale {fleet.autoscale} needs --scaling-history (the demand that trains its forecaster)")
+
+
+def plot_scaling(results, path: Path) -> Path:
+    """Demand and instances over time, one panel per run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(results), 1, figsize=(11, 3 * len(results)), squeeze=False, layout="constrained")
+    for ax, r in zip(axes[:, 0], results):
+        rows = r.config["scaling"]["timeline"]
+        t = [row[0] / 3600 for row in rows]
+        ax.step(t, [row[1] for row in rows], where="post", label="ready")
+        ax.step(t, [row[1] + row[2] for row in rows], where="post", linestyle="--", label="ready + starting")
+        ax.step(t, [row[5] for row in rows], where="post", linestyle=":", label="target")
+        ax.set_ylabel("instances")
+        twin = ax.twinx()
+        twin.plot(t, [row[4] for row in rows], color="gray", alpha=0.6, linewidth=0.8, label="demand (req/s)")
+        twin.set_ylabel("req/s")
+        ax.set_title(r.label, fontsize="small")
+        ax.legend(loc="upper left", fontsize="small")
+        twin.legend(loc="upper right", fontsize="small")
+    axes[-1, 0].set_xlabel("simulated hours")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -208,6 +313,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if len(stream) < 2 or stream[-1].arrival_s <= 0:
         raise ValueError("plan needs at least two requests with arrival times: pass --rate R or --replay")
     fleet = fleet_config_from_args(args)
+    if fleet.autoscale is not None:
+        raise ValueError("plan sizes fixed fleets; drop --autoscale")
     fleet.validate()
     slo = SLO.parse(args.slo)
     pools = [[PoolSettings.parse(x) for x in text.split(";")] if text else [PoolSettings()]

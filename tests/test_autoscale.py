@@ -155,3 +155,26 @@ def test_static_fleet_costs_its_size_for_the_whole_run():
     assert all(r.success for r in records)
     assert result.scaling["instance_seconds"] == pytest.approx(3 * result.end_time)
     assert result.scaling["cold_starts"] == 0
+
+
+def test_simulate_command_autoscales_and_reports(tmp_path, capsys):
+    import json
+
+    from sloserve.cli import main
+
+    out = tmp_path / "sim"
+    assert main(["simulate", "--workload", "azure-code", "--replay", "--duration", "600", "--instances", "1:6",
+                 "--autoscale", "reactive", "--capacity", "0.5", "--cold-start", "30", "--scaling-interval", "20",
+                 "--out", str(out), "--no-progress"]) == 0
+    run = json.loads((out / "results.json").read_text())["runs"][0]["config"]
+    assert run["autoscale"] == "reactive" and run["scaling"]["cold_starts"] >= 1
+    assert run["scaling"]["instance_hours"] > 0 and (out / "scaling.png").is_file()
+    assert "instance-hours" in capsys.readouterr().out
+    assert main(["simulate", "--workload", "azure-code", "--replay", "--duration", "60", "--instances", "1:4"]) == 2
+    assert "needs --autoscale" in capsys.readouterr().err
+    assert main(["simulate", "--workload", "azure-code", "--replay", "--duration", "60", "--instances", "1:4",
+                 "--autoscale", "predictive", "--capacity", "1"]) == 2
+    assert "--scaling-history" in capsys.readouterr().err
+    assert main(["simulate", "--workload", "azure-code", "--replay", "--duration", "60", "--instances", "1:4",
+                 "--autoscale", "reactive"]) == 2
+    assert "--capacity RPS, or --slo" in capsys.readouterr().err
