@@ -103,7 +103,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     import os
 
-    from sloserve.config import PoolSettings, parse_pd
+    from sloserve.config import PoolSettings, parse_instance_range, parse_pd
     from sloserve.server.launcher import run_server
     from sloserve.server.qos import QoSRegistry, load_qos_config
     from sloserve.server.settings import ServerSettings
@@ -132,20 +132,33 @@ def cmd_serve(args: argparse.Namespace) -> int:
         admin_keys=list(args.admin_key or []),
     )
     settings.validate()
-    if args.pd is not None and args.instances == 1:
-        args.instances = sum(parse_pd(args.pd))  # --pd 1:2 alone means 3 instances
+    low, high = parse_instance_range(args.instances)
+    if args.autoscale and ":" not in str(args.instances):
+        low = 1  # --instances N --autoscale P: between 1 and N
+    if args.pd is not None and high == 1:
+        high = sum(parse_pd(args.pd))  # --pd 1:2 alone means 3 instances
     pd_flags = args.pd or args.decode_router or args.pd_prefill or args.pd_decode  # run_multi checks them
-    if args.instances > 1 or args.backend != "process" or pd_flags:
+    if high > 1 or low != high or args.backend != "process" or pd_flags or args.autoscale:
         from sloserve.server.multi import run_multi
 
-        return run_multi(engine_config_from_args(args), settings, instances=args.instances, router=args.router,
+        history = None
+        if args.scaling_history:
+            from sloserve.cluster.forecast_cli import load_series
+
+            history = load_series(args.scaling_history, "requests", 600.0)
+        return run_multi(engine_config_from_args(args), settings, instances=high, router=args.router,
                          backend=args.backend, host=args.host, port=args.port, qos_config=args.qos_config,
                          api_keys=keys, ray_address=args.ray_address, admin_keys=settings.admin_keys,
                          max_in_flight=args.front_max_in_flight, hang_timeout_s=args.hang_timeout,
                          migration=args.migration, migration_interval_s=args.migration_interval,
                          predictor=None if args.predictor == "none" else args.predictor, pd=args.pd,
                          pd_transfer=args.pd_transfer, decode_router=args.decode_router,
-                         prefill_pool=PoolSettings.parse(args.pd_prefill), decode_pool=PoolSettings.parse(args.pd_decode))
+                         prefill_pool=PoolSettings.parse(args.pd_prefill), decode_pool=PoolSettings.parse(args.pd_decode),
+                         min_instances=low if low != high else None, autoscale=args.autoscale,
+                         capacity_rps=args.capacity, scaling_interval_s=args.scaling_interval,
+                         scale_down_delay_s=args.scale_down_delay, target_utilization=args.target_utilization,
+                         stable_window_s=args.stable_window,
+                         cold_start_s=args.cold_start, forecaster=args.forecaster, scaling_history=history)
     return run_server(engine_config_from_args(args), settings, host=args.host, port=args.port)
 
 
@@ -183,7 +196,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="queue requests whose predicted TTFT already misses their class target (default: 429 slo_unattainable)")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     m = p.add_argument_group("multi-instance")
-    m.add_argument("--instances", type=int, default=1, help="engine workers behind one router (threads split evenly)")
+    m.add_argument("--instances", default="1", metavar="N|MIN:MAX",
+                   help="engine workers behind one router (threads split evenly); MIN:MAX with --autoscale")
     m.add_argument("--router", default="least-requests", help="routing policy across instances (see README)")
     m.add_argument("--backend", default="process", choices=["process", "ray"], help="workers as local processes or Ray actors")
     m.add_argument("--front-max-in-flight", type=int, default=None, metavar="N",
@@ -210,6 +224,21 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     m.add_argument("--pd-prefill", default="", metavar="SPEC",
                    help="prefill pool scheduler settings, e.g. budget=2048,seqs=8,chunk=1024 (default: the fleet's)")
     m.add_argument("--pd-decode", default="", metavar="SPEC", help="decode pool scheduler settings, as --pd-prefill")
+    a = p.add_argument_group("autoscaling (multi-instance)")
+    a.add_argument("--autoscale", metavar="POLICY", help="start and stop workers between MIN and MAX of --instances: "
+                   "static, reactive, predictive or hybrid")
+    a.add_argument("--capacity", type=float, metavar="RPS", help="requests/s one worker sustains within your SLOs")
+    a.add_argument("--scaling-interval", type=float, default=10.0, metavar="S", help="seconds between decisions")
+    a.add_argument("--scale-down-delay", type=float, default=60.0, metavar="S",
+                   help="a lower target must hold this long before a worker drains")
+    a.add_argument("--target-utilization", type=float, default=0.8, help="share of a worker's capacity planned for")
+    a.add_argument("--stable-window", type=float, default=60.0, metavar="S",
+                   help="reactive/hybrid: demand is averaged over S seconds (a panic holds scale-down that long)")
+    a.add_argument("--cold-start", type=float, default=30.0, metavar="S",
+                   help="worker start time assumed until one of this fleet's workers has been timed")
+    a.add_argument("--forecaster", default="seasonal-naive", help="predictive/hybrid: the demand forecaster")
+    a.add_argument("--scaling-history", metavar="SERIES",
+                   help="past demand for the forecaster: servegen:MODEL or a trace (as `sloserve forecast --series`)")
 
 
 def build_parser() -> argparse.ArgumentParser:

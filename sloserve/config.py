@@ -209,3 +209,17 @@ def pd_roles(pd: Optional[str], instances: int) -> list[str]:
         return ["mixed"] * instances
     p, d = parse_pd(pd)
     return ["prefill"] * p + ["decode"] * d
+
+
+def parse_instance_range(text: str) -> tuple[int, int]:
+    """`--instances N` or `MIN:MAX` -> (min, max)."""
+    try:
+        if ":" in str(text):
+            low, high = (int(x) for x in str(text).split(":"))
+        else:
+            low = high = int(text)
+    except ValueError:
+        raise ValueError(f"--instances takes N or MIN:MAX, got {text!r}") from None
+    if high < 1 or low < 0 or low > high:
+        raise ValueError(f"--instances needs 0 <= MIN <= MAX and MAX >= 1, got {text!r}")
+    return low, high

@@ -135,14 +135,10 @@ def fleet_config_from_args(args: argparse.Namespace):
 
 
 def parse_instances(text: str, autoscale) -> tuple[int, int]:
-    """`--instances N` or `MIN:MAX` -> (min, max); a range needs --autoscale."""
-    try:
-        if ":" in str(text):
-            low, high = (int(x) for x in str(text).split(":"))
-        else:
-            low = high = int(text)
-    except ValueError:
-        raise ValueError(f"--instances takes N or MIN:MAX, got {text!r}") from None
+    """`--instances N` or `MIN:MAX` -> (min, max); a range needs --autoscale, and N with it means 1:N."""
+    from sloserve.config import parse_instance_range
+
+    low, high = parse_instance_range(text)
     if low != high and not autoscale:
         raise ValueError("--instances MIN:MAX needs --autoscale POLICY")
     if autoscale and ":" not in str(text):

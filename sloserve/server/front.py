@@ -53,6 +53,7 @@ from sloserve.server.errors import (
 )
 from sloserve.workers.fleet import DEAD, HEALTHY, STARTING, UNRESPONSIVE, FrontConfig, Instance, WorkerFleet
 from sloserve.server.front_edge import FrontEdge, FrontGate, Ticket
+from sloserve.server.front_autoscale import AutoscaleDriver
 from sloserve.server.front_handoff import HandoffDriver
 from sloserve.server.front_migration import MigrationDriver
 from sloserve.server.front_relay import RelaySession, Upstream
@@ -185,12 +186,20 @@ class Front:
         self.sessions: set[RelaySession] = set()  # the streams being relayed now
         self.migration = MigrationDriver(fleet, self.sessions, fleet.controller, cfg.migration_interval_s)
         self.handoff = HandoffDriver(fleet, self.migration, cfg.pd_transfer)
+        self.autoscale: Optional[AutoscaleDriver] = None
+        if cfg.autoscale:
+            self.autoscale = AutoscaleDriver(fleet, cfg.capacity_rps, cfg.scaling_interval_s,
+                                             min(10.0, cfg.scaling_interval_s), cfg.cold_start_guess_s, fleet.clock)
 
     async def start(self) -> None:
-        """Run the controller's migration loop (the fleet is started by its owner)."""
+        """Run the controller's migration (and autoscaling) loops (the fleet is started by its owner)."""
         self.migration.start()
+        if self.autoscale is not None:
+            self.autoscale.start()
 
     async def close(self) -> None:
+        if self.autoscale is not None:
+            await self.autoscale.close()
         await self.handoff.close()
         await self.migration.close()
 
@@ -232,6 +241,9 @@ class Front:
             return JSONResponse({"router": fleet.config.router, "migration": fleet.config.migration,
                                  "counters": fleet.counters, "migrations": fleet.controller.counters,
                                  "handoffs": self.handoff.describe() if fleet.disaggregated else None,
+                                 "autoscale": None if self.autoscale is None else {
+                                     "policy": fleet.config.autoscale, "min": fleet.config.min_instances,
+                                     "max": len(fleet.instances), **self.autoscale.describe()},
                                  "in_flight": self.gate.num_in_flight, "max_in_flight": self.gate.capacity,
                                  "data": [i.describe() for i in fleet.instances]})
 
@@ -384,6 +396,8 @@ class Front:
         if principal is None:  # the edge checks keys first; this is a backstop
             return _error(401, "missing or invalid API key", "invalid_api_key")
         headers = self._headers(request)
+        if self.autoscale is not None:
+            self.autoscale.observe_arrival()
         ticket: Optional[Ticket] = getattr(request.state, "ticket", None)
         stop = Stop(request.receive, ticket.abort if ticket is not None else None)
         try:
@@ -548,6 +562,7 @@ class Front:
     def _registry(self) -> CollectorRegistry:
         fleet = self.fleet
         handoff = self.handoff
+        front = self
 
         class _Collector:
             def collect(self):
@@ -589,6 +604,20 @@ class Front:
                     c = CounterMetricFamily(f"sloserve:{name}", help_text)
                     c.add_metric([], migrations[key])
                     yield c
+                if front.autoscale is not None:
+                    states = GaugeMetricFamily("sloserve:instances", "instances by autoscaling state",
+                                               labels=["state"])
+                    described = front.autoscale.describe()
+                    for state in ("ready", "starting", "draining", "stopped"):
+                        states.add_metric([state], described[state])
+                    yield states
+                    target = GaugeMetricFamily("sloserve:autoscale_target", "instances the autoscaler wants ready")
+                    target.add_metric([], described["target"] if described["target"] is not None else 0)
+                    yield target
+                    for key in ("starts", "stops", "drains", "cancelled", "taken_back"):
+                        c = CounterMetricFamily(f"sloserve:autoscale_{key}", f"autoscaling: {key.replace('_', ' ')}")
+                        c.add_metric([], described[key])
+                        yield c
                 if not fleet.disaggregated:
                     return
                 handoffs = fleet.controller.handoff_counters

@@ -93,8 +93,26 @@ def build_worker_fleet(spawn, num_instances: int, config, clock=None, fleet_secr
     decode_router = make_router(config.decode_router, options) if config.decode_router else None
     names = [n for n in config.migration.split(",") if n.strip() and n.strip() != "none"]
     controller = FleetController(router, make_migration_policy(",".join(dict.fromkeys(["drain", *names]))),
-                                 decode_router=decode_router)
+                                 decode_router=decode_router, scaler=scale_planner(config, num_instances))
     return WorkerFleet(spawn, num_instances, config, controller, predictions, clock or time.monotonic, fleet_secret)
+
+
+def scale_planner(config, num_instances: int):
+    """The controller's scale planner for `config` (None: a fixed fleet)."""
+    if not config.autoscale:
+        return None
+    from sloserve.cluster.autoscale import ScalingOptions, make_autoscaler
+    from sloserve.cluster.autoscale.planner import ScalePlanner
+
+    history = config.scaling_history
+    options = ScalingOptions(target_utilization=config.target_utilization, forecaster=config.forecaster,
+                             history=None if history is None else history.values,
+                             history_step_s=None if history is None else history.step_s,
+                             history_start_s=0.0 if history is None else history.start_s,
+                             extra={"interval_s": config.scaling_interval_s,
+                                    "stable_window_s": config.stable_window_s})
+    return ScalePlanner(make_autoscaler(config.autoscale, options), config.min_instances, num_instances,
+                        config.scale_down_delay_s)
 
 
 def front_capacity(engine_config: EngineConfig, max_queue: int, instances: int) -> int:
@@ -109,11 +127,17 @@ def run_multi(engine_config: EngineConfig, settings, *, instances: int, router: 
               admin_keys: Sequence[str] = (), max_in_flight: Optional[int] = None,
               hang_timeout_s: float = 60.0, migration: str = "none", migration_interval_s: float = 0.5,
               pd: Optional[str] = None, pd_transfer: str = "blocking", decode_router: Optional[str] = None,
-              prefill_pool: PoolSettings = PoolSettings(), decode_pool: PoolSettings = PoolSettings()) -> int:
+              prefill_pool: PoolSettings = PoolSettings(), decode_pool: PoolSettings = PoolSettings(),
+              min_instances: Optional[int] = None, autoscale: Optional[str] = None, capacity_rps: Optional[float] = None,
+              scaling_interval_s: float = 10.0, scale_down_delay_s: float = 60.0, target_utilization: float = 0.8,
+              stable_window_s: float = 60.0,
+              cold_start_s: float = 30.0, forecaster: str = "seasonal-naive", scaling_history=None) -> int:
     """`settings` (ServerSettings) gives the edge: max_body_bytes, body and header timeouts,
     connection cap, retry_after_s, grace_period_s; max_queue applies to each worker.
     `pd` ("P:D") splits the instances into P prefill and D decode instances (front_handoff.py),
-    each pool with its scheduler settings changed by `prefill_pool` / `decode_pool`."""
+    each pool with its scheduler settings changed by `prefill_pool` / `decode_pool`. With
+    `autoscale`, `instances` is the most workers that may run and `min_instances` the fewest
+    (front_autoscale.py); `capacity_rps` is what one worker sustains within the SLOs."""
     from sloserve.cluster.routers import ROUTERS
     from sloserve.server.connections import uvicorn_config
     from sloserve.server.front import Front, FrontConfig
@@ -137,6 +161,26 @@ def run_multi(engine_config: EngineConfig, settings, *, instances: int, router: 
         raise ValueError(f"unknown --pd-transfer {pd_transfer!r}; use one of {', '.join(TRANSFERS)}")
     if prefill_pool.tp or decode_pool.tp:
         raise ValueError("a real worker runs on one device: pool setting tp is for `sloserve simulate` only")
+    if autoscale is not None:
+        from sloserve.cluster.autoscale import AUTOSCALERS
+
+        if autoscale not in AUTOSCALERS:
+            raise ValueError(f"unknown autoscaler {autoscale!r}; choose from {sorted(AUTOSCALERS)}")
+        if pd is not None:
+            raise ValueError("autoscaling a prefill/decode-disaggregated fleet is not supported yet")
+        if capacity_rps is None or not capacity_rps > 0:
+            raise ValueError("--autoscale needs --capacity RPS: the requests/s one worker sustains within your SLOs")
+        if min_instances is not None and not 1 <= min_instances <= instances:
+            raise ValueError(f"--instances MIN:MAX needs 1 <= MIN <= MAX on a real fleet (scale to zero is "
+                             f"simulator-only: the front needs a worker to tokenize), got {min_instances}:{instances}")
+        if autoscale in ("predictive", "hybrid") and scaling_history is None:
+            raise ValueError(f"--autoscale {autoscale} needs --scaling-history (the demand that trains its forecaster)")
+        if not scaling_interval_s > 0 or scale_down_delay_s < 0 or not 0 < target_utilization <= 1 \
+                or not stable_window_s > 0:
+            raise ValueError("need --scaling-interval > 0, --scale-down-delay >= 0, 0 < --target-utilization <= 1 "
+                             "and --stable-window > 0")
+    elif min_instances not in (None, instances):
+        raise ValueError("--instances MIN:MAX needs --autoscale POLICY")
     if max_in_flight is not None and max_in_flight < 1:
         raise ValueError(f"max in flight must be >= 1, got {max_in_flight}")
     if not hang_timeout_s > 0:
@@ -165,7 +209,13 @@ def run_multi(engine_config: EngineConfig, settings, *, instances: int, router: 
     config = FrontConfig(
         router=router, predictor=predictor, hang_timeout_s=hang_timeout_s, migration=migration,
         migration_interval_s=migration_interval_s, roles=tuple(roles) if pd else (), pd_transfer=pd_transfer,
-        decode_router=decode_router,
+        decode_router=decode_router, autoscale=autoscale,
+        min_instances=instances if min_instances is None else min_instances,
+        initial_instances=None if autoscale is None else (min_instances or instances),
+        capacity_rps=capacity_rps or 0.0, scaling_interval_s=scaling_interval_s,
+        scale_down_delay_s=scale_down_delay_s, target_utilization=target_utilization, cold_start_guess_s=cold_start_s,
+        stable_window_s=stable_window_s,
+        forecaster=forecaster, scaling_history=scaling_history,
         max_in_flight=max_in_flight or front_capacity(engine_config, settings.max_queue, instances),
         max_body_bytes=settings.max_body_bytes, body_timeout_s=settings.body_timeout_s,
         retry_after_s=settings.retry_after_s, admin_keys=tuple(admin_keys))

@@ -30,12 +30,13 @@ import httpx
 from sloserve.fleet_view import ROLES
 from sloserve.sched.state import InstanceState, KeySetIndex
 from sloserve.workers.contract import FLEET_SECRET_HEADER
-from sloserve.workers.handles import WorkerHandle
+from sloserve.workers.handles import NoWorker, WorkerHandle
 from sloserve.types import Request
 
 logger = logging.getLogger(__name__)
 
 STARTING, HEALTHY, UNRESPONSIVE, DEAD = "starting", "healthy", "unresponsive", "dead"
+STOPPED = "stopped"  # an autoscaled slot with no worker: nothing is polled, routed or replaced
 
 
 @dataclass
@@ -55,6 +56,18 @@ class FrontConfig:
     roles: tuple[str, ...] = ()  # each slot's role (fleet_view.ROLES); empty: all `mixed`
     pd_transfer: str = "blocking"  # how a prefill instance hands KV to a decode one: blocking | live
     decode_router: Optional[str] = None  # picks the decode instance of a hand-off (default: `router`)
+    initial_instances: Optional[int] = None  # autoscaling: slots started at first (the rest stay stopped)
+    # Autoscaling (server/front_autoscale.py): a policy name (cluster/autoscale), or None for a fixed fleet
+    autoscale: Optional[str] = None
+    min_instances: int = 1
+    capacity_rps: float = 0.0  # requests/s one worker sustains within the SLOs
+    scaling_interval_s: float = 10.0
+    scale_down_delay_s: float = 60.0
+    target_utilization: float = 0.8
+    stable_window_s: float = 60.0  # reactive/hybrid: the demand averaging window
+    cold_start_guess_s: float = 30.0  # until a worker of this fleet has started and been timed
+    forecaster: str = "seasonal-naive"
+    scaling_history: Optional[Any] = None  # workload.series.Series of past demand (predictive, hybrid)
     seed: int = 0
     # The front's edge (front_edge.py)
     max_in_flight: Optional[int] = None  # requests proxied at once; beyond: 429 at the front. None = no bound
@@ -136,7 +149,10 @@ class WorkerFleet:
         roles = list(config.roles) or ["mixed"] * num_instances
         if len(roles) != num_instances or not set(roles) <= set(ROLES):
             raise ValueError(f"roles {roles} do not fit {num_instances} instances (each one of {ROLES})")
-        self.instances = [Instance(i, spawn(i), role, started_at=clock()) for i, role in enumerate(roles)]
+        first = num_instances if config.initial_instances is None else config.initial_instances
+        self.instances = [Instance(i, spawn(i), role, started_at=clock()) if i < first
+                          else Instance(i, NoWorker(), role, status=STOPPED) for i, role in enumerate(roles)]
+        self.start_times: list[float] = []  # spawn -> first healthy poll, per worker (the cold start, measured)
         self.predictions = predictions
         self.controller = controller
         self.block_size = 16
@@ -197,6 +213,8 @@ class WorkerFleet:
             await asyncio.sleep(self.config.poll_interval_s)
 
     async def _poll(self, inst: Instance) -> None:
+        if inst.status == STOPPED:
+            return
         if inst.status == DEAD:
             if inst.respawn_at is not None and self.clock() >= inst.respawn_at:
                 self._respawn(inst)
@@ -233,7 +251,9 @@ class WorkerFleet:
         inst.failures = 0
         if inst.status == STARTING:
             inst.status, inst.failed_starts = HEALTHY, 0
-            logger.info("instance %d (generation %d) is healthy at %s", inst.slot, inst.generation, url)
+            self.start_times.append(sent - inst.started_at)
+            logger.info("instance %d (generation %d) is healthy at %s after %.1f s", inst.slot, inst.generation, url,
+                        sent - inst.started_at)
         elif inst.status == UNRESPONSIVE:
             inst.status = HEALTHY
             inst.stalled = asyncio.Event()
@@ -284,6 +304,28 @@ class WorkerFleet:
         task = asyncio.get_running_loop().create_task(asyncio.to_thread(handle.kill))
         self._kills.add(task)
         task.add_done_callback(self._kills.discard)
+
+    # ---- autoscaling -----------------------------------------------------------------
+    def start_slot(self, inst: Instance) -> None:
+        """Start a worker in a stopped slot (autoscaling: scale up)."""
+        if inst.status != STOPPED:
+            raise ValueError(f"instance {inst.slot} is {inst.status}, not stopped")
+        self._respawn(inst)
+        self.counters["replacements"] -= 1  # a start asked for, not a replacement
+        logger.warning("instance %d: starting a worker (scale up)", inst.slot)
+
+    def stop_slot(self, inst: Instance, reason: str) -> None:
+        """Stop a slot's worker (a drained instance, or one cancelled while starting) and keep it stopped."""
+        logger.warning("instance %d (generation %d) stops: %s", inst.slot, inst.generation, reason)
+        inst.status, inst.draining, inst.last_error = STOPPED, False, None
+        inst.stalled.set()
+        inst.state, inst.prefix_keys, inst.pending = None, frozenset(), []
+        self._kill(inst.handle)
+        inst.handle = NoWorker()
+
+    def measured_start_s(self, default: float) -> float:
+        """Mean spawn-to-healthy time of this fleet's workers so far (`default` before any)."""
+        return sum(self.start_times) / len(self.start_times) if self.start_times else default
 
     def _respawn(self, inst: Instance) -> None:
         inst.handle = self.spawn(inst.slot)

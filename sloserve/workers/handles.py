@@ -85,6 +85,22 @@ class WorkerHandle(ABC):
         return {"kind": self.kind, "url": self.url}
 
 
+class NoWorker(WorkerHandle):
+    """The handle of a slot whose instance is stopped (autoscaling): nothing runs, nothing to kill."""
+
+    kind = "none"
+
+    @property
+    def url(self) -> Optional[str]:
+        return None
+
+    def is_running(self) -> bool:
+        return False
+
+    def kill(self) -> None:
+        pass
+
+
 class ProcessWorker(WorkerHandle):
     kind = "process"
 

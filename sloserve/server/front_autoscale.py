@@ -1,0 +1,145 @@
+"""Autoscaling the real fleet (`sloserve serve --instances MIN:MAX --autoscale POLICY`).
+
+Every `interval_s` the driver shows the fleet controller what the front sees: workers ready
+(healthy, not draining), starting and draining, their last load reports, the request rate the
+front admitted per `demand_step_s` window, what one worker sustains (`--capacity`) and how long
+a worker takes to start: measured on this fleet's own workers (spawn to first healthy poll),
+the configured guess until one has started. The controller's scale planner answers (the same
+policies and rules as in the simulator), and the driver carries it out: a stopped slot gets a
+worker, a draining one is taken back, a starting one is stopped, a ready one drains: it leaves
+routing, the `drain` migration policy moves its relayed streams off, and once nothing runs there
+its worker is stopped. Each decision is logged with its reason and kept for /v1/instances.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import TYPE_CHECKING, Callable, Optional
+
+from sloserve.fleet_view import DRAINING, READY, STARTING, STOPPED, InstanceSlot, ScalingSignals
+
+if TYPE_CHECKING:
+    from sloserve.workers.fleet import Instance, WorkerFleet
+
+logger = logging.getLogger(__name__)
+
+
+class AutoscaleDriver:
+    def __init__(self, fleet: "WorkerFleet", capacity_rps: float, interval_s: float = 10.0,
+                 demand_step_s: float = 10.0, cold_start_guess_s: float = 30.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if not capacity_rps > 0 or not interval_s > 0 or not demand_step_s > 0:
+            raise ValueError("autoscaling needs capacity > 0 req/s, interval > 0 s and demand step > 0 s")
+        self.fleet = fleet
+        self.capacity_rps = capacity_rps
+        self.interval_s = interval_s
+        self.demand_step_s = demand_step_s
+        self.cold_start_guess_s = cold_start_guess_s
+        self.clock = clock
+        self.started_at = clock()
+        self.arrivals: list[int] = []
+        self.target: Optional[int] = None
+        self.decisions: list[dict] = []  # the latest 50 changes: time, target, reason
+        self.counters = {"starts": 0, "cancelled": 0, "drains": 0, "stops": 0, "taken_back": 0}
+        self._task: Optional[asyncio.Task] = None
+
+    # ---- what the front reports ------------------------------------------------------
+    def observe_arrival(self) -> None:
+        k = int((self.clock() - self.started_at) // self.demand_step_s)
+        if k >= len(self.arrivals):
+            self.arrivals.extend([0] * (k + 1 - len(self.arrivals)))
+        self.arrivals[k] += 1
+
+    # ---- the loop ----------------------------------------------------------------------
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            try:
+                self.tick()
+            except Exception:  # noqa: BLE001 - one bad round must not stop scaling for good
+                logger.exception("autoscaling round failed")
+
+    def status_of(self, inst: "Instance") -> str:
+        from sloserve.workers.fleet import HEALTHY, STARTING as FLEET_STARTING, STOPPED as FLEET_STOPPED
+
+        if inst.status == FLEET_STOPPED:
+            return STOPPED
+        if inst.status == FLEET_STARTING:
+            return STARTING
+        if inst.draining:
+            return DRAINING
+        return READY if inst.status == HEALTHY else STARTING  # unresponsive or dead-and-replacing: not serving
+
+    def signals(self) -> ScalingSignals:
+        now = self.clock()
+        done = int((now - self.started_at) // self.demand_step_s)
+        counts = self.arrivals[:done] + [0] * max(0, done - len(self.arrivals))
+        statuses = [self.status_of(i) for i in self.fleet.instances]
+        ready = [i for i, s in zip(self.fleet.instances, statuses) if s == READY]
+        return ScalingSignals(now - self.started_at, len(ready), statuses.count(STARTING), statuses.count(DRAINING),
+                              [i.routing_state(self.fleet.block_size) for i in ready],
+                              tuple(c / self.demand_step_s for c in counts), self.demand_step_s, self.capacity_rps,
+                              self.fleet.measured_start_s(self.cold_start_guess_s))
+
+    def slots(self) -> list[InstanceSlot]:
+        out = []
+        for inst in self.fleet.instances:
+            s = inst.state
+            work = 0.0 if s is None else s.predicted_remaining_decode_tokens + s.queued_prefill_tokens
+            out.append(InstanceSlot(inst.slot, self.status_of(inst), work + 1000.0 * inst.in_flight))
+        return out
+
+    def tick(self) -> None:
+        for inst in self.fleet.instances:  # drained and empty: stop it
+            if inst.draining and self.status_of(inst) == DRAINING and self._empty(inst):
+                self.fleet.stop_slot(inst, "drained (scale down)")
+                self.counters["stops"] += 1
+        plan = self.fleet.controller.plan_scaling(self.signals(), self.slots())
+        if plan is None:
+            return
+        self.target = plan.target
+        by_slot = {i.slot: i for i in self.fleet.instances}
+        for slot in plan.undrain:
+            by_slot[slot].draining = False
+            self.counters["taken_back"] += 1
+        for slot in plan.cancel:
+            self.fleet.stop_slot(by_slot[slot], "cancelled while starting (scale down)")
+            self.counters["cancelled"] += 1
+        for slot in plan.drain:
+            by_slot[slot].draining = True
+            self.counters["drains"] += 1
+        stopped = [i for i in self.fleet.instances if i.status == "stopped"]
+        for inst in stopped[:plan.start]:
+            self.fleet.start_slot(inst)
+            self.counters["starts"] += 1
+        if plan.changes:
+            self.decisions = (self.decisions + [{"t": round(self.clock() - self.started_at, 1),
+                                                 "target": plan.target, "reason": plan.decision.reason}])[-50:]
+            logger.warning("autoscale: target %d instances (%s): start %d, take back %s, cancel %s, drain %s",
+                           plan.target, plan.decision.reason, plan.start, list(plan.undrain), list(plan.cancel),
+                           list(plan.drain))
+
+    @staticmethod
+    def _empty(inst: "Instance") -> bool:
+        s = inst.state
+        return inst.in_flight == 0 and s is not None and s.num_running == 0 and s.num_waiting == 0
+
+    def describe(self) -> dict:
+        statuses = [self.status_of(i) for i in self.fleet.instances]
+        return {"target": self.target, "ready": statuses.count(READY), "starting": statuses.count(STARTING),
+                "draining": statuses.count(DRAINING), "stopped": statuses.count(STOPPED),
+                "capacity_rps": self.capacity_rps,
+                "measured_start_s": round(self.fleet.measured_start_s(float("nan")), 2) if self.fleet.start_times
+                else None, **self.counters, "decisions": self.decisions}

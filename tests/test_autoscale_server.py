@@ -1,0 +1,91 @@
+"""Autoscaling a real fleet (`sloserve serve --instances 1:2 --autoscale reactive`, the embedded
+model, worker processes on 127.0.0.1): a burst makes the front start a second worker; when the
+burst is over one worker drains (its running stream moves to the other by live migration) and
+stops; every request of the run completes with the text it has unscaled; no KV block is left."""
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+
+from migration_helpers import ADMIN, admin, instances
+from server_helpers import ServerProcess, wait_for
+
+pytestmark = pytest.mark.slow
+
+ARGS = ["--instances", "1:2", "--autoscale", "reactive", "--capacity", "0.5", "--scaling-interval", "1",
+        "--scale-down-delay", "2", "--stable-window", "6", "--router", "least-requests", "--max-num-seqs", "8",
+        "--kv-cache-gib", "0.1", "--admin-key", ADMIN, "--log-level", "warning"]
+LONG = 400  # tokens: long enough to be running when the lull drains a worker
+
+
+def stream_text(base: str, prompt: str, max_tokens: int) -> str:
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    texts, usage = [], None
+    with httpx.stream("POST", base + "/v1/completions", json=body, timeout=180) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                event = json.loads(line[6:])
+                assert "error" not in event, event
+                if event.get("choices"):
+                    texts.append(event["choices"][0]["text"])
+                if event.get("usage"):
+                    usage = event["usage"]
+    assert usage is not None and usage["completion_tokens"] == max_tokens
+    return "".join(texts)
+
+
+def test_a_burst_adds_a_worker_and_the_lull_drains_one(tmp_path):
+    server = ServerProcess(ARGS, tmp_path / "front.log", startup_timeout=300)
+    base = server.base_url
+    try:
+        info = instances(base)
+        assert [d["status"] for d in info["data"]] == ["healthy", "stopped"]
+        assert info["autoscale"]["policy"] == "reactive" and info["autoscale"]["max"] == 2
+        prompts = [f"Tell me about the number {i}." for i in range(10)]
+        long_prompts = ["Write a long letter to a friend.", "Describe the sea at night."]
+        expected = {p: httpx.post(base + "/v1/completions", timeout=180, json={
+            "prompt": p, "max_tokens": n, "temperature": 0, "ignore_eos": True}).json()["choices"][0]["text"]
+            for p, n in [(prompts[0], 24), (prompts[1], 24), (long_prompts[0], LONG), (long_prompts[1], LONG)]}
+        time.sleep(7)  # those four out of the stable window: the burst alone makes the fleet grow
+        results: dict[str, str] = {}
+
+        def run(p: str, n: int) -> None:
+            results[p] = stream_text(base, p, n)
+
+        threads = [threading.Thread(target=run, args=(p, 24)) for p in prompts]
+        for t in threads:
+            t.start()
+            time.sleep(0.2)
+        wait_for(lambda: [d["status"] for d in instances(base)["data"]] == ["healthy", "healthy"], 120,
+                 interval=0.5, what="a second worker started for the burst")
+        for t in threads:
+            t.join(180)
+        assert len(results) == 10 and all(results[p] == expected[p] for p in prompts[:2])
+        # a long stream on each worker; the lull makes one worker drain: its stream must move, not break
+        long_threads = [threading.Thread(target=run, args=(p, LONG)) for p in long_prompts]
+        for t in long_threads:
+            t.start()
+        wait_for(lambda: instances(base)["autoscale"]["stops"] >= 1, 120, interval=0.5,
+                 what="one worker drained and stopped")
+        for t in long_threads:
+            t.join(180)
+        assert all(results[p] == expected[p] for p in long_prompts)
+        info = instances(base)
+        assert sorted(d["status"] for d in info["data"]) == ["healthy", "stopped"]
+        a = info["autoscale"]
+        assert a["starts"] >= 1 and a["drains"] >= 1 and a["measured_start_s"] > 0
+        assert info["migrations"]["completed"] >= 1  # the drained worker's long stream moved live
+        assert any("panic" in d["reason"] or "req/s" in d["reason"] for d in a["decisions"])
+        wait_for(lambda: all(d["load"]["kv_blocks_used"] == 0 and d["in_flight"] == 0
+                             for d in instances(base)["data"] if d["status"] == "healthy"), 30, interval=0.3,
+                 what="the running worker's KV pool free")
+        metrics = admin("GET", base + "/metrics").text
+        assert 'sloserve:instances{state="stopped"} 1.0' in metrics and "sloserve:autoscale_starts_total" in metrics
+    finally:
+        server.kill()
