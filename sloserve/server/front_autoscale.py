@@ -19,9 +19,11 @@ import time
 from typing import TYPE_CHECKING, Callable, Optional
 
 from sloserve.fleet_view import DRAINING, READY, STARTING, STOPPED, InstanceSlot, ScalingSignals
+from sloserve.server.front_migration import every
+from sloserve.workers.fleet import HEALTHY, STARTING as FLEET_STARTING, STOPPED as FLEET_STOPPED
 
 if TYPE_CHECKING:
-    from sloserve.workers.fleet import Instance, WorkerFleet
+    from sloserve.workers.fleet import Instance, WorkerFleet  # noqa: F401
 
 logger = logging.getLogger(__name__)
 
@@ -64,16 +66,9 @@ class AutoscaleDriver:
                 await self._task
 
     async def _run(self) -> None:
-        while True:
-            await asyncio.sleep(self.interval_s)
-            try:
-                self.tick()
-            except Exception:  # noqa: BLE001 - one bad round must not stop scaling for good
-                logger.exception("autoscaling round failed")
+        await every(self.interval_s, self.tick, "autoscaling")
 
     def status_of(self, inst: "Instance") -> str:
-        from sloserve.workers.fleet import HEALTHY, STARTING as FLEET_STARTING, STOPPED as FLEET_STOPPED
-
         if inst.status == FLEET_STOPPED:
             return STOPPED
         if inst.status == FLEET_STARTING:
@@ -120,7 +115,7 @@ class AutoscaleDriver:
         for slot in plan.drain:
             by_slot[slot].draining = True
             self.counters["drains"] += 1
-        stopped = [i for i in self.fleet.instances if i.status == "stopped"]
+        stopped = [i for i in self.fleet.instances if i.status == FLEET_STOPPED]
         for inst in stopped[:plan.start]:
             self.fleet.start_slot(inst)
             self.counters["starts"] += 1

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from sloserve.cluster.migration.base import InstanceView, MovableRequest, Move, MoveCosts
 from sloserve.server.front_relay import MigrationOutcome
@@ -24,6 +24,17 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 LOOPBACK_BYTES_PER_S = 1e9  # what moving KV between two workers of one host costs, before any is measured
+
+
+async def every(interval_s: float, round_: Callable[[], object], what: str) -> None:
+    """Run `round_` every `interval_s` until cancelled; a round that fails is logged, and the
+    next one runs anyway (one bad round must not stop a control loop for good)."""
+    while True:
+        await asyncio.sleep(interval_s)
+        try:
+            round_()
+        except Exception:  # noqa: BLE001
+            logger.exception("%s round failed", what)
 
 
 class MigrationDriver:
@@ -52,12 +63,7 @@ class MigrationDriver:
                 await task
 
     async def _run(self) -> None:
-        while True:
-            await asyncio.sleep(self.interval_s)
-            try:
-                self.tick()
-            except Exception:  # noqa: BLE001 - one bad round must not stop migration for good
-                logger.exception("migration round failed")
+        await every(self.interval_s, self.tick, "migration")
 
     # ---- one round -----------------------------------------------------------------
     def views(self) -> list[InstanceView]:
