@@ -136,7 +136,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.autoscale and ":" not in str(args.instances):
         low = 1  # --instances N --autoscale P: between 1 and N
     if args.pd is not None and high == 1:
-        high = sum(parse_pd(args.pd))  # --pd 1:2 alone means 3 instances
+        low = high = sum(parse_pd(args.pd))  # --pd 1:2 alone means 3 instances
     pd_flags = args.pd or args.decode_router or args.pd_prefill or args.pd_decode  # run_multi checks them
     if high > 1 or low != high or args.backend != "process" or pd_flags or args.autoscale:
         from sloserve.server.multi import run_multi
