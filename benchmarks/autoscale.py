@@ -1,0 +1,191 @@
+#!/usr/bin/env python3
+"""Autoscaling on a simulated fleet: GPU-hours against SLO attainment, per policy and cold start.
+
+Demand: the shape of ServeGen's m-large total request rate (10-minute windows) over `--hours`
+of day `--day`, rescaled so that its peak needs `--peak` instances at the capacity model's rate;
+arrivals are Poisson within each window. Request lengths are drawn from a trace (`--lengths`,
+Azure conversation by default). The days before `--day`, rescaled the same way, are the
+forecaster's history (predictive, hybrid). Policies: static at the peak's size, static at the
+mean's size, reactive, predictive, hybrid; each at every `--cold-starts` time. Per run: GPU-hours
+(instance-hours x TP), SLO attainment, cold starts, peak instances; the instance count over time
+is drawn for the first cold start.
+
+    python benchmarks/autoscale.py --quick                      # ~3 hours of demand, small fleet
+    python benchmarks/autoscale.py --hours 24 --peak 32 --cold-starts 30,120,300
+Writes benchmarks/results/autoscale-STAMP.json and benchmarks/figures/autoscale.png.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import sys
+import time
+from dataclasses import replace
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from sloserve.bench.metrics import SLO  # noqa: E402
+from sloserve.config import SchedulerConfig  # noqa: E402
+from sloserve.planning import instance_capacity  # noqa: E402
+from sloserve.simulation import FleetConfig, build_fleet, sim_requests, simulate  # noqa: E402
+from sloserve.workload.series import Series, servegen_series  # noqa: E402
+from sloserve.workload.traces import load_file, shared_path  # noqa: E402
+from sloserve.workload.types import WorkloadRequest  # noqa: E402
+
+POLICIES = ("static-peak", "static-mean", "reactive", "predictive", "hybrid")
+DAY = 86400.0
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--day", type=int, default=12, help="which ServeGen day (0-13) to replay; the ones before train")
+    p.add_argument("--start-hour", type=float, default=5.0, help="where in that day the run starts")
+    p.add_argument("--hours", type=float, default=6.0)
+    p.add_argument("--peak", type=int, default=16, help="instances the run's peak demand needs")
+    p.add_argument("--cold-starts", default="30,120,300", help="seconds, comma-separated")
+    p.add_argument("--lengths", default="azure-conv", help="trace whose prompt/output lengths the requests take")
+    p.add_argument("--model", default="llama-3.1-8b")
+    p.add_argument("--hardware", default="h100-80g")
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--slo", default="ttft=1000,tpot=100")
+    p.add_argument("--policies", default=",".join(POLICIES))
+    p.add_argument("--forecaster", default="seasonal-naive")
+    p.add_argument("--quick", action="store_true", help="3 hours, peak 8, cold starts 30,120")
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args()
+
+
+def demand(args: argparse.Namespace) -> tuple[Series, Series]:
+    """(history before the run, the run's windows), both in the series' own units (req/s)."""
+    series = servegen_series("m-large")
+    per_day = series.steps_per_day
+    first = args.day * per_day + round(args.start_hour * 3600 / series.step_s)
+    n = math.ceil(args.hours * 3600 / series.step_s)
+    values = np.nan_to_num(series.values, nan=float(np.nanmedian(series.values)))
+    return (Series("history", values[:first], series.step_s, series.start_s),
+            Series("run", values[first:first + n], series.step_s, series.start_s + first * series.step_s))
+
+
+def requests(run: Series, scale: float, lengths: list[WorkloadRequest], seed: int) -> list[WorkloadRequest]:
+    """Poisson arrivals at `scale` x the run's rate in each window, lengths drawn from a trace."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for k, rate in enumerate(run.values * scale):
+        t, end = k * run.step_s, (k + 1) * run.step_s
+        while rate > 0:
+            t += rng.exponential(1 / rate)
+            if t >= end:
+                break
+            pick = lengths[int(rng.integers(len(lengths)))]
+            out.append(WorkloadRequest(t, prompt_len=max(1, pick.prompt_len), output_len=max(1, pick.output_len),
+                                       request_id=f"r{len(out)}"))
+    return out
+
+
+def main() -> int:
+    args = parse_args()
+    if args.quick:
+        args.hours, args.peak, args.cold_starts = 3.0, 8, "30,120"
+    console = Console()
+    slo = SLO.parse(args.slo)
+    base = FleetConfig(instances=args.peak, hardware=args.hardware, model=args.model, tp=args.tp,
+                       router="least-requests", migration="drain",
+                       scheduler=SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=256))
+    lengths = load_file(shared_path(args.lengths), source=args.lengths)
+    console.print(f"capacity model: one {args.model} instance on {args.hardware} at SLO {args.slo} ...")
+    # measured on requests shaped like the run's (Poisson arrivals, the same length draw), not the trace's own
+    # bursty pattern, which would understate what an instance sustains here
+    probe = requests(Series("probe", np.ones(60), 60.0), 1.0, lengths, args.seed + 1)
+    capacity = instance_capacity(probe, base, slo, sample=len(probe))
+    history, run = demand(args)
+    scale = args.peak * capacity * 0.8 / float(run.values.max())  # the peak needs `peak` instances at 80%
+    reqs = requests(run, scale, lengths, args.seed)
+    hist = Series("history", history.values * scale, history.step_s, history.start_s)
+    mean_need = math.ceil(float(run.values.mean()) * scale / (capacity * 0.8))
+    console.print(f"capacity {capacity:.2f} req/s per instance; {len(reqs)} requests over {args.hours:g} h; demand "
+                  f"{run.values.min() * scale:.1f}-{run.values.max() * scale:.1f} req/s (mean needs {mean_need}, "
+                  f"peak {args.peak} instances)")
+    cold_starts = [float(x) for x in args.cold_starts.split(",")]
+    policies = [p for p in args.policies.split(",") if p]
+    jobs = [(c, p) for c in cold_starts for p in policies]
+    rows = []
+    t0 = time.perf_counter()
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console) as progress:
+        task = progress.add_task("runs", total=len(jobs))
+        for cold, policy in jobs:
+            if policy.startswith("static"):
+                n = args.peak if policy == "static-peak" else mean_need
+                cfg = replace(base, instances=n, autoscale="static", min_instances=n, initial_instances=n)
+            else:
+                cfg = replace(base, autoscale=policy, min_instances=1, initial_instances=mean_need)
+            cfg = replace(cfg, capacity_rps=capacity, cold_start_s=cold, scaling_interval_s=60.0,
+                          demand_step_s=60.0, scale_down_delay_s=300.0, forecaster=args.forecaster,
+                          scaling_history=hist)
+            records, result = simulate(build_fleet(cfg), sim_requests(reqs))
+            sc = result.scaling
+            met = sum(slo.met(r) for r in records) / max(1, len(records))
+            rows.append({"policy": policy, "cold_start_s": cold, "gpu_hours": sc["instance_hours"] * args.tp,
+                         "attainment": met, "cold_starts": sc["cold_starts"],
+                         "peak_ready": max((r[1] for r in sc["timeline"]), default=0),
+                         "timeline": [(r[0], r[1], r[2]) for r in sc["timeline"]], "failed": len(reqs) - len(records)
+                         + sum(not r.success for r in records)})
+            progress.advance(task)
+    table = Table(title=f"{args.hours:g} h of ServeGen m-large (day {args.day}, from {args.start_hour:g} h), "
+                        f"peak {args.peak} x {args.model} on {args.hardware}, SLO {args.slo}")
+    for col in ("cold start", "policy", "GPU-hours", "vs static-peak", "SLO attainment", "cold starts", "peak ready"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        ref = next((x for x in rows if x["policy"] == "static-peak" and x["cold_start_s"] == r["cold_start_s"]), None)
+        table.add_row(f"{r['cold_start_s']:g} s", r["policy"], f"{r['gpu_hours']:.1f}",
+                      f"{r['gpu_hours'] / ref['gpu_hours']:.2f}x" if ref else "-", f"{100 * r['attainment']:.1f}%",
+                      str(r["cold_starts"]), str(r["peak_ready"]))
+    console.print(table)
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
+    out = REPO / "benchmarks" / "results" / f"autoscale-{stamp}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"when": stamp, "args": vars(args), "capacity_rps": capacity, "requests": len(reqs),
+                               "machine": platform.processor() or platform.machine(),
+                               "wall_s": time.perf_counter() - t0, "rows": rows}, indent=1))
+    plot(rows, run, scale, capacity, REPO / "benchmarks" / "figures" / "autoscale.png", cold_starts[0])
+    console.print(f"wrote {out} and benchmarks/figures/autoscale.png ({time.perf_counter() - t0:.0f} s)")
+    return 0
+
+
+def plot(rows: list[dict], run: Series, scale: float, capacity: float, path: Path, cold: float) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(11, 4.5), layout="constrained")
+    hours = [k * run.step_s / 3600 for k in range(len(run.values) + 1)]
+    need = [v * scale / (capacity * 0.8) for v in run.values]
+    ax.step(hours, need + need[-1:], where="post", color="black", linewidth=1.2, label="instances the demand needs")
+    for r in rows:
+        if r["cold_start_s"] != cold:
+            continue
+        t = [x[0] / 3600 for x in r["timeline"]]
+        ax.step(t, [x[1] for x in r["timeline"]], where="post", label=f"{r['policy']} (ready)")
+    ax.set_xlabel("hours into the run")
+    ax.set_ylabel("instances")
+    ax.set_title(f"ready instances per policy, cold start {cold:g} s")
+    ax.legend(fontsize="small")
+    ax.grid(alpha=0.3)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
