@@ -157,8 +157,10 @@ def main() -> int:
     out.write_text(json.dumps({"when": stamp, "args": vars(args), "capacity_rps": capacity, "requests": len(reqs),
                                "machine": platform.processor() or platform.machine(),
                                "wall_s": time.perf_counter() - t0, "rows": rows}, indent=1))
-    plot(rows, run, scale, capacity, REPO / "benchmarks" / "figures" / "autoscale.png", cold_starts[0])
-    console.print(f"wrote {out} and benchmarks/figures/autoscale.png ({time.perf_counter() - t0:.0f} s)")
+    figure = REPO / "benchmarks" / "figures" / ("autoscale.png" if args.forecaster == "seasonal-naive"
+                                                else f"autoscale-{args.forecaster}.png")
+    plot(rows, run, scale, capacity, figure, cold_starts[0])
+    console.print(f"wrote {out} and {figure.relative_to(REPO)} ({time.perf_counter() - t0:.0f} s)")
     return 0
 
 
