@@ -37,6 +37,7 @@ sys.path.insert(0, str(REPO))
 from sloserve.bench.metrics import SLO  # noqa: E402
 from sloserve.config import SchedulerConfig  # noqa: E402
 from sloserve.planning import instance_capacity  # noqa: E402
+from sloserve.sim.catalog import get_model  # noqa: E402
 from sloserve.simulation import FleetConfig, build_fleet, sim_requests, simulate  # noqa: E402
 from sloserve.workload.series import Series, servegen_series  # noqa: E402
 from sloserve.workload.traces import load_file, shared_path  # noqa: E402
@@ -102,6 +103,11 @@ def main() -> int:
                        router="least-requests", migration="drain",
                        scheduler=SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=256))
     lengths = load_file(shared_path(args.lengths), source=args.lengths)
+    context = get_model(args.model).max_position_embeddings
+    fits = [r for r in lengths if r.prompt_len + r.output_len <= context]
+    console.print(f"{len(lengths) - len(fits)} of {len(lengths)} {args.lengths} requests exceed {args.model}'s "
+                  f"{context}-token context and are not drawn (a server would refuse them, whatever the policy)")
+    lengths = fits
     console.print(f"capacity model: one {args.model} instance on {args.hardware} at SLO {args.slo} ...")
     # measured on requests shaped like the run's (Poisson arrivals, the same length draw), not the trace's own
     # bursty pattern, which would understate what an instance sustains here
