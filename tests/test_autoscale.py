@@ -170,6 +170,13 @@ def test_simulate_command_autoscales_and_reports(tmp_path, capsys):
     assert run["autoscale"] == "reactive" and run["scaling"]["cold_starts"] >= 1
     assert run["scaling"]["instance_hours"] > 0 and (out / "scaling.png").is_file()
     assert "instance-hours" in capsys.readouterr().out
+    fixed = tmp_path / "fixed"
+    assert main(["simulate", "--workload", "azure-code", "--replay", "--duration", "600", "--instances", "6",
+                 "--out", str(fixed), "--no-progress"]) == 0
+    capsys.readouterr()
+    assert main(["bench", "compare", str(out / "results.json"), str(fixed / "results.json")]) == 0
+    table = capsys.readouterr().out
+    assert "instance-hours" in table and "cold starts" in table  # the fixed run shows – there
     assert main(["simulate", "--workload", "azure-code", "--replay", "--duration", "60", "--instances", "1:4"]) == 2
     assert "needs --autoscale" in capsys.readouterr().err
     assert main(["simulate", "--workload", "azure-code", "--replay", "--duration", "60", "--instances", "1:4",

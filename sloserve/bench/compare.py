@@ -43,6 +43,14 @@ ROWS = (
 )
 
 
+# Rows read from a run's config rather than its summary: shown when any run has them (autoscaled
+# simulations carry `scaling`: what the fleet cost to serve the run).
+CONFIG_ROWS = (
+    ("instance-hours", lambda c: (c.get("scaling") or {}).get("instance_hours"), False),
+    ("cold starts", lambda c: (c.get("scaling") or {}).get("cold_starts"), False),
+)
+
+
 def load_runs(paths: Sequence[str | Path]) -> tuple[list[BenchResult], list[str]]:
     """Every run of every file, with its label; `file: label` where labels would collide."""
     runs: list[BenchResult] = []
@@ -71,6 +79,16 @@ def compare_rows(runs: Sequence[BenchResult]) -> list[list[str]]:
         cells = [row.name + (" ↑" if row.higher_is_better else " ↓")]
         for i, v in enumerate(values):
             cells.append(fmt_num(v * row.scale if v is not None else None, 1 if row.scale != 1 else 3))
+            if i > 0:
+                cells.append(_ratio(v, values[0]))
+        out.append(cells)
+    for name, get, higher in CONFIG_ROWS:
+        values = [get(r.config or {}) for r in runs]
+        if all(v is None for v in values):
+            continue
+        cells = [name + (" ↑" if higher else " ↓")]
+        for i, v in enumerate(values):
+            cells.append(fmt_num(float(v) if v is not None else None, 3))
             if i > 0:
                 cells.append(_ratio(v, values[0]))
         out.append(cells)
