@@ -72,6 +72,7 @@ class SimScaling:
         self.ready_at: dict[int, float] = {}  # starting slot -> when it serves
         self.arrivals: list[int] = []  # per demand step
         self.books = ScalingBooks()
+        self._ready: Optional[list[int]] = None  # ready slots, kept until a status changes (read per arrival)
 
     # ---- observation ---------------------------------------------------------------------
     def observe_arrival(self, now: float) -> None:
@@ -87,7 +88,9 @@ class SimScaling:
         return np.array(counts, dtype=float) / self.spec.demand_step_s
 
     def ready_ids(self) -> list[int]:
-        return [i for i, s in enumerate(self.status) if s == READY]
+        if self._ready is None:
+            self._ready = [i for i, s in enumerate(self.status) if s == READY]
+        return self._ready
 
     def signals(self, now: float, states: Sequence[InstanceState], held: int = 0) -> ScalingSignals:
         ready = self.ready_ids()
@@ -103,8 +106,9 @@ class SimScaling:
                 for i, s in enumerate(self.status)]
 
     # ---- lifecycle -----------------------------------------------------------------------
-    def apply(self, plan: ScalingPlan, now: float) -> tuple[list[tuple[int, float]], list[int], list[int]]:
-        """Carry out `plan`: ([(slot, ready time) started], [slots to drain], [slots taken back])."""
+    def apply(self, plan: ScalingPlan, now: float) -> list[tuple[int, float]]:
+        """Carry out `plan`'s status changes; the (slot, ready time) of each instance started."""
+        self._ready = None
         started = []
         for i in plan.undrain:
             self.status[i] = READY
@@ -129,7 +133,7 @@ class SimScaling:
             self.books.starts.append((i, now, self.ready_at[i]))
         if plan.changes:
             self.books.decisions.append((now, plan.target, plan.decision.reason))
-        return started, list(plan.drain), list(plan.undrain)
+        return started
 
     def _warmest(self, free: list[int]) -> list[int]:
         """Stopped slots, the most recently stopped first (its weights are likeliest still in host memory)."""
@@ -141,6 +145,7 @@ class SimScaling:
             return False
         del self.ready_at[slot]
         self.status[slot] = READY
+        self._ready = None
         return True
 
     def stop_if_empty(self, slot: int, now: float, empty: bool) -> bool:
@@ -156,6 +161,7 @@ class SimScaling:
         self.on_since[slot] = None
         self.stopped_at[slot] = now
         self.status[slot] = STOPPED
+        self._ready = None
 
     def record(self, now: float, target: int) -> None:
         recent = self.demand(now)

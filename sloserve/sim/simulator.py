@@ -337,16 +337,15 @@ class Simulator:
                                             scaling.slots(self._states))
         target = scaling.status.count(SLOT_READY) + scaling.status.count(STARTING)
         if plan is not None:
-            started, drain, undrain = scaling.apply(plan, self.now)
             target = plan.target
-            for slot, ready_at in started:
+            for slot, ready_at in scaling.apply(plan, self.now):
                 self._push(ready_at, READY, slot)
-            for i in undrain:
+            for i in plan.undrain:
                 self.draining.discard(i)
-            for i in drain:
+            for i in plan.drain:
                 self.draining.add(i)
                 self._stop_if_empty(self.instances[i])
-            if drain and self._ticks and self._next_tick is None:
+            if plan.drain and self._ticks and self._next_tick is None:
                 self._schedule_tick(int(self.now // self.migration_interval_s) + 1)
             self._sync_offline()
         scaling.record(self.now, target)

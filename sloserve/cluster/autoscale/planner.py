@@ -11,7 +11,7 @@ The policy says how many instances it wants; the planner keeps the books that ma
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from sloserve.cluster.autoscale.base import Autoscaler
@@ -19,13 +19,13 @@ from sloserve.fleet_view import DRAINING, READY, STARTING, STOPPED, InstanceSlot
 
 logger = logging.getLogger(__name__)
 
+
 @dataclass
 class ScalePlanner:
     autoscaler: Autoscaler
     min_instances: int = 1
     max_instances: int = 1
     scale_down_delay_s: float = 300.0
-    decisions: list = field(default_factory=list)  # (now, target, reason) of each change
     _low_since: Optional[float] = None
 
     def __post_init__(self) -> None:
@@ -58,7 +58,6 @@ class ScalePlanner:
                 self._low_since = None
         else:
             self._low_since = None
-        if plan.changes:
-            self.decisions.append((signals.now, target, decision.reason))
+        if plan.changes:  # the fleets keep the books of their changes; here they are logged
             logger.info("autoscale at %.0f s: %d -> %d instances (%s)", signals.now, active, target, decision.reason)
         return plan

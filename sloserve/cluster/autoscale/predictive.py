@@ -33,8 +33,8 @@ class PredictiveAutoscaler(Autoscaler):
         whole = len(seen) // k * k
         return np.concatenate([past, seen[:whole].reshape(-1, k).mean(axis=1) if whole else np.zeros(0)])
 
-    def forecast_peak(self, signals: ScalingSignals) -> tuple[float, int]:
-        """(the band's top over the steps that matter, the horizon in forecaster steps)."""
+    def forecast_peak(self, signals: ScalingSignals) -> tuple[float, float]:
+        """(the band's top over the steps that matter, how far ahead that looked, in seconds)."""
         step = self.options.history_step_s or signals.step_s
         lead = signals.cold_start_s + self.interval_s
         horizon = max(1, math.ceil(lead / step - 1e-9))
@@ -48,11 +48,10 @@ class PredictiveAutoscaler(Autoscaler):
             self._trained_for = horizon
         first = min(horizon - 1, max(0, math.floor(signals.cold_start_s / step) - 1))
         f = self._forecaster.forecast(self._history(signals, step), horizon)
-        return max(f.hi[first:]), horizon
+        return max(f.hi[first:]), horizon * step
 
     def decide(self, signals: ScalingSignals) -> ScalingDecision:
-        peak, horizon = self.forecast_peak(signals)
+        peak, ahead_s = self.forecast_peak(signals)
         now_rate = signals.recent_rate(60.0)
         target = max(self.instances_for(peak, signals), self.instances_for(now_rate, signals))
-        return ScalingDecision(target, f"forecast up to {peak:.1f} req/s within {horizon * signals.step_s:g} s "
-                                       f"(now {now_rate:.1f})")
+        return ScalingDecision(target, f"forecast up to {peak:.1f} req/s within {ahead_s:g} s (now {now_rate:.1f})")
