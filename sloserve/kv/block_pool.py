@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 from sloserve.kv.hashing import BlockHash
 
@@ -36,6 +36,9 @@ class BlockPool:
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[BlockHash, int] = {}
         self.num_evictions = 0
+        # Told of each cached block `allocate` is about to reuse, while its bytes are still
+        # intact: the lower KV tiers demote it there.
+        self.on_evict: Optional[Callable[[int, BlockHash], None]] = None
 
     @property
     def num_free(self) -> int:
@@ -49,15 +52,20 @@ class BlockPool:
         block_id = self.cached.get(block_hash)
         return None if block_id is None else self.blocks[block_id]
 
-    def allocate(self, n: int) -> list[Block]:
-        """Take n free blocks, evicting the least recently freed cached ones first."""
+    def allocate(self, n: int, demote: bool = True) -> list[Block]:
+        """Take n free blocks, evicting the least recently freed cached ones first. `demote=False`
+        when the blocks are written before the next step runs (KV arriving by migration), so an
+        evicted block's bytes could not be saved to a lower tier in time."""
         free_queue = self.free_queue
         if n > len(free_queue):
             raise MemoryError(f"asked for {n} KV blocks, {len(free_queue)} free")
         blocks, out = self.blocks, []
+        on_evict = self.on_evict if demote else None
         for _ in range(n):
             block = blocks[free_queue.popitem(last=False)[0]]
             if block.block_hash is not None:
+                if on_evict is not None:
+                    on_evict(block.block_id, block.block_hash)
                 self._uncache(block)
             block.ref_count = 1
             out.append(block)

@@ -12,6 +12,7 @@ from typing import Optional, Sequence
 from sloserve.kv.block_pool import Block, BlockPool
 from sloserve.kv.hashing import BlockHash, hash_packed_blocks, pack_tokens
 from sloserve.kv.host_pool import HostBlockPool
+from sloserve.kv.tiers import KVTiers, TierHit, TierOps
 from sloserve.types import Request
 
 logger = logging.getLogger(__name__)
@@ -43,6 +44,7 @@ class KVCacheManager:
         enable_prefix_caching: bool = True,
         watermark: float = 0.01,
         num_host_blocks: int = 0,
+        tiers: Optional[KVTiers] = None,
     ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
@@ -64,6 +66,11 @@ class KVCacheManager:
         # Blocks referenced by no request but held for a migration: reserved on a target for KV
         # in transit, or pinned on a source while its bytes are read. block id -> references held.
         self._pinned: dict[int, int] = {}
+        # Lower tiers of the prefix cache (host memory, disk, shared store): evicted full
+        # blocks are demoted there, and prefixes found there can be loaded back.
+        self.tiers = tiers if tiers is not None else KVTiers()
+        if self.tiers.enabled and enable_prefix_caching:
+            self.pool.on_evict = self.tiers.demote
 
     # ---- queries -------------------------------------------------------------------
     @property
@@ -120,6 +127,27 @@ class KVCacheManager:
                 break
             hits.append(block)
         return hits, len(hits) * self.block_size
+
+    def find_in_tiers(self, request: Request, num_device_blocks: int) -> list[TierHit]:
+        """The blocks of the request's prefix after its `num_device_blocks` device hits that a
+        lower tier holds (leading run; one token is always left to compute)."""
+        if not (self.tiers.enabled and self.enable_prefix_caching) or request.request_id in self._tables:
+            return []
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        if num_device_blocks >= max_blocks:
+            return []
+        return self.tiers.find(self.request_hashes(request)[num_device_blocks:max_blocks])
+
+    def load_from_tiers(self, request: Request, first_block: int, hits: Sequence[TierHit]) -> None:
+        """Plan the copy of `hits` into the request's blocks from `first_block` on (just
+        allocated for them), and cache them as if computed (`num_computed_tokens` counts them)."""
+        ids = self._ids[request.request_id][first_block:first_block + len(hits)]
+        self.tiers.load(hits, ids)
+        self.cache_blocks(request)
+
+    def take_tier_ops(self) -> TierOps:
+        """Tier moves planned since the last step: the executor runs them before this one."""
+        return self.tiers.take_ops()
 
     def record_prefix_lookup(self, num_queried: int, num_hit: int) -> None:
         self.stats.queries += num_queried
@@ -234,7 +262,7 @@ class KVCacheManager:
         when they do not fit. They stay held until `adopt` gives them to a request or `unpin`."""
         if n < 0 or not self.can_allocate(n, use_watermark):
             return None
-        blocks = self.pool.allocate(n)
+        blocks = self.pool.allocate(n, demote=False)  # written by the transfer, before any step
         for b in blocks:
             self._pinned[b.block_id] = self._pinned.get(b.block_id, 0) + 1
         return [b.block_id for b in blocks]
@@ -355,10 +383,14 @@ class KVCacheManager:
             self._host_to_release = []
 
     def reset_prefix_cache(self) -> None:
+        """Forget cached prefixes in every local tier (the weights changed). The shared store
+        is keyed by model, so it needs no reset."""
         self.pool.reset_cache()
+        self.tiers.clear()
 
     def check_invariants(self) -> None:
         self.pool.check_invariants()
+        self.tiers.check_invariants()
         refs = [0] * self.pool.num_blocks
         for rid, table in self._tables.items():
             assert self._ids[rid] == [b.block_id for b in table], rid

@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional, Protocol, runtime_checkable
 
+from sloserve.kv.tiers import DISK, HOST, STORE
 from sloserve.sched.plan import StepPlan
 
 
@@ -25,7 +26,9 @@ class StepLoad:
     decode_context: int = 0  # sum over decodes of the tokens each attends to
     prefill_attention: float = 0.0  # sum over chunks of n * (start + (n + 1) / 2): attended (query, key) pairs
     prefill_context: int = 0  # sum over chunks of start + n: KV the chunks read
-    swap_blocks: int = 0  # KV blocks copied between device and host before the step (either way)
+    swap_blocks: int = 0  # KV blocks copied between device and host before the step (either way; swap and host tier)
+    disk_blocks: int = 0  # KV blocks saved to or loaded from the local-disk tier
+    store_blocks: int = 0  # KV blocks saved to or loaded from the shared store
 
     @staticmethod
     def prefill(num_tokens: int, start: int = 0, samples: bool = True) -> "StepLoad":
@@ -44,7 +47,8 @@ class StepLoad:
         return StepLoad(self.num_tokens + other.num_tokens, self.num_sampled + other.num_sampled,
                         self.num_decodes + other.num_decodes, self.decode_context + other.decode_context,
                         self.prefill_attention + other.prefill_attention,
-                        self.prefill_context + other.prefill_context, self.swap_blocks + other.swap_blocks)
+                        self.prefill_context + other.prefill_context, self.swap_blocks + other.swap_blocks,
+                        self.disk_blocks + other.disk_blocks, self.store_blocks + other.store_blocks)
 
     @staticmethod
     def of_plan(plan: StepPlan) -> "StepLoad":
@@ -63,7 +67,11 @@ class StepLoad:
             else:
                 pattn += n * (s.start + (n + 1) / 2)
                 pctx += s.start + n
-        return StepLoad(tokens, sampled, decodes, dctx, pattn, pctx, len(plan.swap_out) + len(plan.swap_in))
+        tier = plan.tier_ops
+        if not tier:
+            return StepLoad(tokens, sampled, decodes, dctx, pattn, pctx, len(plan.swap_out) + len(plan.swap_in))
+        return StepLoad(tokens, sampled, decodes, dctx, pattn, pctx,
+                        len(plan.swap_out) + len(plan.swap_in) + tier.count(HOST), tier.count(DISK), tier.count(STORE))
 
 
 @runtime_checkable
@@ -78,6 +86,13 @@ class SwapCostEstimator(Protocol):
     """Seconds to copy `num_blocks` KV blocks one way between device and host memory."""
 
     def swap_time(self, num_blocks: int) -> float: ...
+
+
+@runtime_checkable
+class TierCostEstimator(Protocol):
+    """Seconds to move `num_blocks` KV blocks one way between the device and a lower tier."""
+
+    def tier_time(self, tier: str, num_blocks: int) -> float: ...
 
 
 @dataclass
@@ -99,6 +114,23 @@ class LinkSwapCost:
         if num_blocks > 0 and seconds > 0:
             measured = num_blocks * self.bytes_per_block / seconds
             self.bandwidth = (1 - smoothing) * self.bandwidth + smoothing * measured
+
+
+@dataclass
+class TierLinkCosts:
+    """A `TierCostEstimator` from one link per tier (host: the swap link; disk: the file system;
+    store: the network to the store), each measured by the engine or modelled by the simulator."""
+
+    links: dict[str, LinkSwapCost]
+
+    def tier_time(self, tier: str, num_blocks: int) -> float:
+        link = self.links.get(tier)
+        return float("inf") if link is None else link.swap_time(num_blocks)
+
+    def observe(self, tier: str, num_blocks: int, seconds: float) -> None:
+        link = self.links.get(tier)
+        if link is not None:
+            link.observe(num_blocks, seconds)
 
 
 class OnlineStepEstimator:

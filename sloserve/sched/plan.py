@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from sloserve.kv.manager import CopyOp
+from sloserve.kv.tiers import TierOps
 from sloserve.types import Request
 
 
@@ -55,6 +56,10 @@ class StepPlan:
     # handed to another request in this very step; then swap_in (host block, device block).
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
+    # Prefix-cache tier moves (kv/tiers.py). They run first of all: drops and saves read or
+    # forget what the tiers and the device blocks hold now; loads write device blocks after
+    # the swap-outs have read theirs.
+    tier_ops: TierOps = field(default_factory=TierOps)
 
     @property
     def is_empty(self) -> bool:
@@ -63,7 +68,7 @@ class StepPlan:
     @property
     def has_kv_ops(self) -> bool:
         """KV moves the executor must run even when no request computes (a swap-out)."""
-        return bool(self.swap_out or self.swap_in or self.copies)
+        return bool(self.swap_out or self.swap_in or self.copies or self.tier_ops)
 
     @property
     def num_batched_tokens(self) -> int:

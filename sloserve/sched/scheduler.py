@@ -26,13 +26,15 @@ from typing import Optional
 
 from sloserve.config import SchedulerConfig
 from sloserve.kv.manager import CopyOp, KVCacheManager
+from sloserve.kv.tiers import TierHit
 from sloserve.sched.chunking import prefill_token_cap, tbt_slack
-from sloserve.sched.costs import StepCostEstimator, StepLoad, SwapCostEstimator
+from sloserve.sched.costs import StepCostEstimator, StepLoad, SwapCostEstimator, TierCostEstimator
 from sloserve.sched.drafts import make_proposer
 from sloserve.sched.live_state import LiveInstanceState, Moment
 from sloserve.sched.plan import DecodeRunPlan, ScheduledRequest, StepPlan, StepResult
 from sloserve.sched.policies import SchedulingPolicy, make_policy
 from sloserve.sched.preemption import SWAP, PreemptionChoice, choose_preemption
+from sloserve.sched.tier_loads import choose_tier_prefix
 from sloserve.sched.speculation import Speculator
 from sloserve.sched.state import InstanceState
 from sloserve.types import FinishReason, Request, RequestStatus
@@ -54,6 +56,7 @@ class SchedulerStats:
     num_blocks_swapped: int = 0  # blocks copied either way
     num_migrated_out: int = 0  # requests handed to another instance with their KV
     num_migrated_in: int = 0
+    num_tier_loads: int = 0  # prefix blocks copied back from a lower KV tier instead of recomputed
 
     @property
     def mean_batch_size(self) -> float:
@@ -105,11 +108,13 @@ class Scheduler:
         policy: Optional[SchedulingPolicy] = None,
         estimator: Optional[StepCostEstimator] = None,
         swap_cost: Optional[SwapCostEstimator] = None,
+        tier_cost: Optional[TierCostEstimator] = None,
     ) -> None:
         """`estimator` prices steps (dynamic chunking, relegation, recompute cost); `swap_cost`
-        prices copies to the host tier. Both are optional: without them the SLO-aware parts
-        fall back to what needs no estimate (static chunks, relegation only past a deadline,
-        recompute in `auto` mode)."""
+        prices copies to the host swap tier, `tier_cost` loads from the prefix-cache tiers. All
+        are optional: without them the SLO-aware parts fall back to what needs no estimate
+        (static chunks, relegation only past a deadline, recompute in `auto` mode, always load
+        a prefix found in a lower tier)."""
         config.validate()
         self.config = config
         self.kv = kv
@@ -118,6 +123,7 @@ class Scheduler:
         self.policy = policy or make_policy(config.policy)
         self.estimator = estimator
         self.swap_cost = swap_cost
+        self.tier_cost = tier_cost
         self.policy.bind(estimator, self._chunk_cap())
         # The policy, when it wants service reports (fair sharing); None keeps every hot loop free of them.
         self._tracker: Optional[SchedulingPolicy] = self.policy if self.policy.tracks_service else None
@@ -301,6 +307,7 @@ class Scheduler:
             preempted=step.preempted,
             swap_out=step.swap_out,
             swap_in=step.swap_in,
+            tier_ops=self.kv.take_tier_ops(),
         )
 
     def _plan_prefills_interleaved(self, prefills: list[Request], step: _StepBuild) -> None:
@@ -393,10 +400,16 @@ class Scheduler:
         """True if admitted; False if it cannot run this step whatever is preempted (budget,
         no chunking); None if only blocks are missing."""
         swapped = request.status is RequestStatus.SWAPPED
+        hits: list[TierHit] = []
         if swapped:
             computed_blocks, num_cached = [], request.num_computed_tokens
         else:
             computed_blocks, num_cached = self.kv.get_computed_blocks(request)
+            hits = self.kv.find_in_tiers(request, len(computed_blocks))
+            if hits:
+                hits = hits[:choose_tier_prefix(hits, num_cached, request.num_tokens, self.kv.block_size,
+                                                self.estimator, self.tier_cost, self._chunk_cap())]
+                num_cached += len(hits) * self.kv.block_size
         remaining = request.num_tokens - num_cached
         n = min(remaining, step.budget, self._chunk_cap())
         if remaining > 1:
@@ -412,7 +425,8 @@ class Scheduler:
             ops: list[CopyOp] = []
             self.stats.num_swaps_in += 1
         else:
-            maybe_ops = self.kv.allocate_slots(request, n, computed_blocks, use_watermark=use_watermark)
+            loaded = len(hits) * self.kv.block_size
+            maybe_ops = self.kv.allocate_slots(request, loaded + n, computed_blocks, use_watermark=use_watermark)
             if maybe_ops is None:
                 return None
             ops = maybe_ops
@@ -420,6 +434,9 @@ class Scheduler:
                 request.num_cached_tokens = num_cached
                 self.kv.record_prefix_lookup(request.num_prompt_tokens, num_cached)
             request.num_computed_tokens = num_cached
+            if hits:
+                self.kv.load_from_tiers(request, len(computed_blocks), hits)
+                self.stats.num_tier_loads += len(hits)
         self._remove_waiting(request)
         request.status = RequestStatus.RUNNING
         if request.first_scheduled_time is None:

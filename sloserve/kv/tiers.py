@@ -1,0 +1,278 @@
+"""The KV tiers below the device pool: host memory, local disk, a shared store. Bookkeeping only.
+
+A full block evicted from the device pool is *demoted*, not dropped: written through to every
+lower tier that lacks it (as LMCache writes to each configured backend), so a later host-tier
+eviction loses nothing the disk still holds. A prefix whose leading blocks the device lost but a
+lower tier keeps is *loaded* back into fresh device blocks when that costs less than recomputing
+it (the scheduler prices both). This module decides which key goes where and records the byte
+moves as `TierOp`s; the engine's movers (or the simulator's cost model) carry them out, in the
+order `StepPlan` documents: saves (they read device blocks about to be reused) before loads.
+
+Host and disk are local LRU sets with a capacity in blocks. The shared store is reached through
+`SharedIndex`: its contents change under us (other instances write to it), so presence is asked
+of it, never assumed. Keys carry the tenant salt (see hashing), so a tier never serves one
+tenant's blocks to another: they simply have different keys.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Iterable, Optional, Protocol, Sequence
+
+from sloserve.kv.hashing import BlockHash
+
+HOST, DISK, STORE = "host", "disk", "store"
+TIERS = (HOST, DISK, STORE)  # searched in this order: the fastest copy wins
+
+
+@dataclass(frozen=True, slots=True)
+class TierOp:
+    """Move one block between a device block and a tier: a save (device -> tier), a load
+    (tier -> device) or a drop (the tier forgets `key`; `block` is -1). `slot` is the row of
+    the host tier's tensor; the disk and the store address blocks by key."""
+
+    tier: str
+    key: BlockHash
+    block: int
+    slot: int = -1
+
+
+@dataclass
+class TierOps:
+    """The tier moves of one step, in the order they run."""
+
+    drops: list[TierOp] = field(default_factory=list)
+    saves: list[TierOp] = field(default_factory=list)
+    loads: list[TierOp] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.drops or self.saves or self.loads)
+
+    def count(self, tier: str) -> int:
+        """Blocks this step moves to or from `tier` (what prices the step's copies)."""
+        return sum(1 for op in self.saves if op.tier == tier) + sum(1 for op in self.loads if op.tier == tier)
+
+
+@dataclass
+class TierStats:
+    saved: int = 0  # blocks written to the tier
+    loaded: int = 0  # blocks read back to the device (prefix hits served from the tier)
+    dropped: int = 0  # blocks the tier evicted to make room
+
+
+class SharedIndex(Protocol):
+    """A fleet-wide block store as the KV manager sees it: a Valkey/Redis server through the
+    engine's client, or the simulator's fleet store."""
+
+    def leading(self, keys: Sequence[BlockHash]) -> int:
+        """How many of `keys`, from the first, the store holds now."""
+        ...
+
+    def saved(self, keys: Iterable[BlockHash]) -> None:
+        """`keys` were written (by this instance's next step): count them as present."""
+        ...
+
+
+class LocalTier:
+    """An LRU set of block keys with a fixed capacity: the host-memory or the local-disk tier.
+
+    Slotted tiers (host) also give each key a row of the engine's tensor; the row of an evicted
+    key is reused by the key that evicted it. Keys `busy` in this step (being loaded) are never
+    evicted: the load reads them after the saves have run.
+    """
+
+    def __init__(self, name: str, capacity: int, slotted: bool = False) -> None:
+        if capacity < 0:
+            raise ValueError(f"{name} tier capacity must be >= 0 blocks, got {capacity}")
+        self.name = name
+        self.capacity = capacity
+        self.slotted = slotted
+        self._keys: OrderedDict[BlockHash, int] = OrderedDict()  # key -> slot (-1 when not slotted); LRU first
+        self._free_slots = list(range(capacity - 1, -1, -1)) if slotted else []
+        self.stats = TierStats()
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def __contains__(self, key: BlockHash) -> bool:
+        return key in self._keys
+
+    def keys(self) -> list[BlockHash]:
+        """Held keys, least recently used first."""
+        return list(self._keys)
+
+    def slot_of(self, key: BlockHash) -> int:
+        return self._keys[key]
+
+    def touch(self, key: BlockHash) -> None:
+        self._keys.move_to_end(key)
+
+    def admit(self, key: BlockHash, busy: set[BlockHash]) -> Optional[tuple[int, Optional[BlockHash]]]:
+        """Make `key` resident: (its slot, the key evicted for it or None), or None when the
+        tier is full of busy keys (or has no capacity) and cannot take it now."""
+        if key in self._keys:
+            self._keys.move_to_end(key)
+            return self._keys[key], None
+        if self.capacity == 0:
+            return None
+        dropped = None
+        if len(self._keys) >= self.capacity:
+            dropped = next((k for k in self._keys if k not in busy), None)
+            if dropped is None:
+                return None
+            slot = self._keys.pop(dropped)
+            self.stats.dropped += 1
+        else:
+            slot = self._free_slots.pop() if self.slotted else -1
+        self._keys[key] = slot
+        return slot, dropped
+
+    def seed(self, keys: Iterable[BlockHash]) -> list[BlockHash]:
+        """Register keys already stored (a disk tier found at start-up), oldest first. Returns
+        those beyond the capacity (the oldest), which the caller should delete."""
+        for key in keys:
+            self._keys[key] = self._free_slots.pop() if self.slotted else -1
+            self._keys.move_to_end(key)
+        extra: list[BlockHash] = []
+        while len(self._keys) > self.capacity:
+            key, slot = self._keys.popitem(last=False)
+            if self.slotted:
+                self._free_slots.append(slot)
+            extra.append(key)
+        return extra
+
+    def clear(self) -> list[BlockHash]:
+        """Forget every key (e.g. the weights changed). Returns them, for the mover to delete."""
+        keys = list(self._keys)
+        if self.slotted:
+            self._free_slots = list(range(self.capacity - 1, -1, -1))
+        self._keys.clear()
+        return keys
+
+    def check_invariants(self) -> None:
+        assert len(self._keys) <= self.capacity, (self.name, len(self._keys), self.capacity)
+        if self.slotted:
+            slots = list(self._keys.values()) + self._free_slots
+            assert sorted(slots) == list(range(self.capacity)), f"{self.name}: slots leaked or doubled"
+
+
+@dataclass(frozen=True, slots=True)
+class TierHit:
+    """A block of a prompt's prefix found below the device: where it is and under which key."""
+
+    tier: str
+    key: BlockHash
+    slot: int = -1
+
+
+class KVTiers:
+    """The lower tiers of one instance and the moves planned for the next step."""
+
+    def __init__(self, host_blocks: int = 0, disk_blocks: int = 0, store: Optional[SharedIndex] = None) -> None:
+        self.host = LocalTier(HOST, host_blocks, slotted=True) if host_blocks > 0 else None
+        self.disk = LocalTier(DISK, disk_blocks) if disk_blocks > 0 else None
+        self.store = store
+        self.store_stats = TierStats()
+        self._ops = TierOps()
+        self._busy: set[BlockHash] = set()  # keys loaded by the step being planned
+
+    @property
+    def enabled(self) -> bool:
+        return self.host is not None or self.disk is not None or self.store is not None
+
+    def local(self) -> list[LocalTier]:
+        return [t for t in (self.host, self.disk) if t is not None]
+
+    def stats(self) -> dict[str, TierStats]:
+        out = {t.name: t.stats for t in self.local()}
+        if self.store is not None:
+            out[STORE] = self.store_stats
+        return out
+
+    # ---- planning ---------------------------------------------------------------------
+    def demote(self, block: int, key: BlockHash) -> None:
+        """A full cached device block is being reused: save it to every tier that lacks it.
+        A key found in a tier for this step is skipped: if it is being loaded, its device block
+        holds the bytes only once the load has run (and a tier holds it: it was found there)."""
+        if key in self._busy:
+            return
+        for tier in self.local():
+            present = key in tier
+            admitted = tier.admit(key, self._busy)
+            if admitted is None or present:
+                continue
+            slot, dropped = admitted
+            if dropped is not None:
+                self._forget(tier, dropped)
+            self._ops.saves.append(TierOp(tier.name, key, block, slot))
+            tier.stats.saved += 1
+        if self.store is not None and not self.store.leading([key]):
+            self._ops.saves.append(TierOp(STORE, key, block))
+            self.store.saved([key])
+            self.store_stats.saved += 1
+
+    def _forget(self, tier: LocalTier, key: BlockHash) -> None:
+        """`tier` evicted `key`: cancel its save if this step has not run it yet, else have the
+        mover delete it (a host row needs nothing: the save that evicted it overwrites it)."""
+        saves = self._ops.saves
+        for i, op in enumerate(saves):
+            if op.tier == tier.name and op.key == key:
+                del saves[i]
+                tier.stats.saved -= 1
+                return
+        if not tier.slotted:
+            self._ops.drops.append(TierOp(tier.name, key, -1))
+
+    def find(self, keys: Sequence[BlockHash]) -> list[TierHit]:
+        """The leading run of `keys` held in some lower tier (each block from the fastest tier
+        that has it), stopping at the first block no tier holds."""
+        hits: list[TierHit] = []
+        local = self.local()
+        for key in keys:
+            tier = next((t for t in local if key in t), None)
+            if tier is None:
+                break
+            hits.append(TierHit(tier.name, key, tier.slot_of(key)))
+        if self.store is not None and len(hits) < len(keys):
+            rest = keys[len(hits):]
+            hits.extend(TierHit(STORE, key) for key in rest[:self.store.leading(rest)])
+        # Held until the step after next: the allocation that makes room for loading them
+        # must not evict them from their tier first.
+        self._busy.update(h.key for h in hits)
+        return hits
+
+    def load(self, hits: Sequence[TierHit], blocks: Sequence[int]) -> None:
+        """Plan to copy each hit into the device block beside it (in this step, before compute)."""
+        for hit, block in zip(hits, blocks, strict=True):
+            self._busy.add(hit.key)
+            self._ops.loads.append(TierOp(hit.tier, hit.key, block, hit.slot))
+            if hit.tier == STORE:
+                self.store_stats.loaded += 1
+            else:
+                tier = self.host if hit.tier == HOST else self.disk
+                assert tier is not None
+                tier.touch(hit.key)
+                tier.stats.loaded += 1
+
+    def take_ops(self) -> TierOps:
+        """The moves planned since the last call, for the step about to be planned; keys loaded
+        by the previous step may be evicted again."""
+        ops, self._ops = self._ops, TierOps()
+        self._busy = {op.key for op in ops.loads}
+        return ops
+
+    def pending(self) -> TierOps:
+        return self._ops
+
+    def clear(self) -> None:
+        """Forget every local key (the weights changed): pending saves are cancelled and the
+        next step's moves drop what the tiers held."""
+        ops = TierOps()
+        for tier in self.local():
+            ops.drops.extend(TierOp(tier.name, key, -1) for key in tier.clear())
+        self._ops = ops
+        self._busy = set()
+
+    def check_invariants(self) -> None:
+        for tier in self.local():
+            tier.check_invariants()

@@ -1,0 +1,41 @@
+"""Load or recompute: how much of a prefix found in a lower KV tier to copy back.
+
+A prefix the device pool lost may still sit in host memory, on disk or in the shared store.
+Copying it back costs its bytes over that tier's link; recomputing costs prefill time, which
+grows faster than linearly with the context. Which is cheaper depends on the tier (host memory
+nearly always wins; a slow disk or a far store may not for short prefixes) and on where the
+prefix starts, so it is priced per request: the scheduler loads the leading run of hits (cut at
+a tier boundary) that saves the most time, or nothing when no cut saves any.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from typing import Optional, Sequence
+
+from sloserve.kv.tiers import TierHit
+from sloserve.sched.costs import StepCostEstimator, TierCostEstimator, prefill_time
+
+
+def choose_tier_prefix(hits: Sequence[TierHit], start: int, num_tokens: int, block_size: int,
+                       estimator: Optional[StepCostEstimator], tier_cost: Optional[TierCostEstimator],
+                       chunk: int) -> int:
+    """How many leading `hits` to load for a request with `num_tokens` tokens of which `start`
+    are already on the device. Unpriced (no estimator or no tier costs), loading is taken to win."""
+    if not hits:
+        return 0
+    if estimator is None or tier_cost is None:
+        return len(hits)
+    full = prefill_time(estimator, start, num_tokens - start, chunk)
+    best_k, best_gain = 0, 0.0
+    moved: Counter[str] = Counter()
+    for i, hit in enumerate(hits):
+        moved[hit.tier] += 1
+        if i + 1 < len(hits) and hits[i + 1].tier == hit.tier:
+            continue  # price only where the tier changes, and at the end
+        k = i + 1
+        skipped = start + k * block_size
+        load_s = sum(tier_cost.tier_time(tier, n) for tier, n in moved.items())
+        gain = full - prefill_time(estimator, skipped, num_tokens - skipped, chunk) - load_s
+        if gain > best_gain:
+            best_k, best_gain = k, gain
+    return best_k

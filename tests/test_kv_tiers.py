@@ -1,0 +1,256 @@
+"""The prefix cache's lower tiers (host memory, disk, shared store), without a model.
+
+A shadow executor keeps (salt, token) in every device slot and in every tier entry and moves them
+exactly as the engine's movers move K/V (drops, saves, then loads, before the step's writes).
+Before sampling it reads each request's whole context back through its block table: a block
+loaded from the wrong slot, saved after being overwritten, evicted while loaded, or served to
+another tenant shows up as an assertion. Property tests drive it with random multi-turn traffic
+on a device pool small enough to evict all the time."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from sched_helpers import VOCAB
+from sloserve.config import SchedulerConfig
+from sloserve.kv.manager import KVCacheManager
+from sloserve.kv.tiers import DISK, HOST, STORE, KVTiers, LocalTier, TierHit
+from sloserve.sched.costs import LinkSwapCost, StepLoad, TierLinkCosts
+from sloserve.sched.plan import StepPlan, StepResult
+from sloserve.sched.scheduler import Scheduler
+from sloserve.sched.tier_loads import choose_tier_prefix
+from sloserve.types import Request, SamplingParams
+
+BS = 4
+
+
+class DictStore:
+    """A shared store as a dict (the fleet-wide component the simulator also uses this way)."""
+
+    def __init__(self) -> None:
+        self.keys: set[int] = set()
+
+    def leading(self, keys) -> int:
+        n = 0
+        for k in keys:
+            if k not in self.keys:
+                break
+            n += 1
+        return n
+
+    def saved(self, keys) -> None:
+        self.keys.update(keys)
+
+
+class TieredShadow:
+    """Device blocks, host slots, disk files and store entries holding (salt, token) per slot."""
+
+    def __init__(self, num_blocks: int, store_data: dict):
+        self.device = [[None] * BS for _ in range(num_blocks)]
+        self.host: dict[int, list] = {}
+        self.disk: dict[int, list] = {}
+        self.store = store_data  # shared between instances
+        self.loads = {HOST: 0, DISK: 0, STORE: 0}
+
+    def _tier(self, name: str):
+        return {HOST: self.host, DISK: self.disk, STORE: self.store}[name]
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        ops = plan.tier_ops
+        for op in ops.drops:
+            if op.tier == DISK:
+                del self.disk[op.key]
+            elif op.tier == HOST:
+                self.host.pop(op.slot, None)
+        for op in ops.saves:
+            content = list(self.device[op.block])
+            assert None not in content, f"saving a block that is not full: {content}"
+            self._tier(op.tier)[op.slot if op.tier == HOST else op.key] = (op.key, content)
+        for op in ops.loads:
+            key, content = self._tier(op.tier)[op.slot if op.tier == HOST else op.key]
+            assert key == op.key, f"{op.tier} slot {op.slot} holds another block"
+            self.device[op.block] = list(content)
+            self.loads[op.tier] += 1
+        for op in plan.copies:
+            self.device[op.dst] = list(self.device[op.src])
+        out = {}
+        for s in plan.scheduled:
+            req = s.request
+            for pos in range(s.start, s.context_len):
+                self.device[s.block_table[pos // BS]][pos % BS] = (req.cache_salt, req.token_slice(pos, pos + 1)[0])
+            if s.samples:
+                seen = [self.device[s.block_table[p // BS]][p % BS] for p in range(s.context_len)]
+                want = [(req.cache_salt, t) for t in req.token_slice(0, s.context_len)]
+                assert seen == want, f"{req.request_id}: KV does not hold its tokens"
+                out[req.request_id] = hash(tuple(seen)) % (VOCAB - 1)
+        return StepResult(out, duration_s=0.01)
+
+
+def tiered_scheduler(num_blocks: int, tiers: KVTiers, tier_cost=None, estimator=None) -> Scheduler:
+    kv = KVCacheManager(num_blocks, BS, enable_prefix_caching=True, watermark=0.0, tiers=tiers)
+    cfg = SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=4, policy="fcfs")
+    return Scheduler(cfg, kv, num_blocks * BS, eos_token_ids=(), estimator=estimator, tier_cost=tier_cost)
+
+
+def run(sched: Scheduler, shadow: TieredShadow, requests: list[Request], max_steps: int = 5000) -> dict[str, list[int]]:
+    for r in requests:
+        sched.add_request(r)
+    done: dict[str, list[int]] = {}
+    now = 0.0
+    for _ in range(max_steps):
+        if not sched.has_unfinished():
+            break
+        plan = sched.schedule(now)
+        result = shadow.execute(plan)
+        now += result.duration_s
+        for r in sched.update(plan, result, now):
+            if r.is_finished:
+                done[r.request_id] = list(r.output_token_ids)
+        sched.kv.check_invariants()
+    assert not sched.has_unfinished(), "did not finish"
+    return done
+
+
+def conversation(rid: str, turns: int, system: list[int], salt: str, turn_len: int = 6, out: int = 3) -> list[Request]:
+    """One request per turn; each prompt extends the previous one (its answer guessed as fixed tokens)."""
+    reqs, history = [], list(system)
+    for t in range(turns):
+        history = history + [(hash((rid, t, i)) % (VOCAB - 1)) for i in range(turn_len)]
+        reqs.append(Request(f"{rid}-{t}", list(history), SamplingParams(max_tokens=out, temperature=0.0),
+                            tenant=salt))
+        history = history + [7] * out
+    return reqs
+
+
+# ---- the tier bookkeeping ------------------------------------------------------------------------
+def test_local_tier_is_lru_with_slots_and_skips_busy_keys():
+    tier = LocalTier(HOST, 2, slotted=True)
+    assert tier.admit(1, set())[1] is None
+    slot2, dropped = tier.admit(2, set())
+    assert dropped is None and {tier.slot_of(1), slot2} == {0, 1}
+    tier.touch(1)  # 2 is now the least recently used
+    slot3, dropped = tier.admit(3, set())
+    assert dropped == 2 and slot3 == slot2
+    assert tier.admit(4, busy={1, 3}) is None  # every resident key is being loaded
+    tier.check_invariants()
+    assert LocalTier(DISK, 0).admit(5, set()) is None
+
+
+def test_seed_keeps_the_newest_within_capacity():
+    tier = LocalTier(DISK, 2)
+    assert tier.seed([10, 11, 12]) == [10]
+    assert tier.keys() == [11, 12]
+
+
+def test_demote_writes_through_every_lower_tier_once():
+    store = DictStore()
+    tiers = KVTiers(host_blocks=2, disk_blocks=4, store=store)
+    tiers.demote(5, 100)
+    tiers.demote(6, 100)  # the same key again: already everywhere
+    ops = tiers.take_ops()
+    assert sorted((op.tier, op.key, op.block) for op in ops.saves) == [(DISK, 100, 5), (HOST, 100, 5), (STORE, 100, 5)]
+    assert tiers.find([100, 101]) == [TierHit(HOST, 100, tiers.host.slot_of(100))]
+    store.saved([101])
+    assert [h.tier for h in tiers.find([100, 101, 102])] == [HOST, STORE]
+
+
+def test_evicted_cached_blocks_are_demoted_and_a_miss_on_device_loads_them_back():
+    shadow_store: dict = {}
+    tiers = KVTiers(host_blocks=64)
+    sched = tiered_scheduler(12, tiers)
+    shadow = TieredShadow(12, shadow_store)
+    first = conversation("a", 1, list(range(1, 17)), "t")
+    run(sched, shadow, first)
+    # Other traffic pushes the first prompt's blocks out of the 12-block device pool.
+    run(sched, shadow, conversation("b", 1, list(range(100, 130)), "t"))
+    assert tiers.host.stats.saved > 0
+    again = Request("a-again", list(first[0].prompt_token_ids), SamplingParams(max_tokens=3, temperature=0.0),
+                    tenant="t")
+    out = run(sched, shadow, [again])
+    # 22-token prompt: (22 - 1) // 4 = 5 blocks may be hits; what the device lost comes from the host tier.
+    assert again.num_cached_tokens == 5 * BS
+    assert shadow.loads[HOST] == 3 and sched.stats.num_tier_loads == 3
+    assert out["a-again"] == run(tiered_scheduler(12, KVTiers()), TieredShadow(12, {}),
+                                 [Request("x", list(first[0].prompt_token_ids), SamplingParams(max_tokens=3, temperature=0.0),
+                                          tenant="t")])["x"]
+
+
+def test_a_second_instance_loads_what_the_first_saved_in_the_shared_store():
+    store, store_data = DictStore(), {}
+    one, shadow_one = tiered_scheduler(12, KVTiers(store=store)), TieredShadow(12, store_data)
+    run(one, shadow_one, conversation("a", 1, list(range(1, 17)), "t"))
+    for other in "bc":  # evict (and so publish) all of a's blocks
+        run(one, shadow_one, conversation(other, 1, list(range(100, 130)), other))
+    two, shadow_two = tiered_scheduler(8, KVTiers(store=store)), TieredShadow(8, store_data)
+    same = conversation("a", 1, list(range(1, 17)), "t")[0]
+    run(two, shadow_two, [same])
+    assert shadow_two.loads[STORE] == 5 and same.num_cached_tokens == 5 * BS
+    other_tenant = conversation("a", 1, list(range(1, 17)), "u")[0]
+    run(two, shadow_two, [other_tenant])
+    assert shadow_two.loads[STORE] == 5 and other_tenant.num_cached_tokens == 0  # another salt: no hit
+
+
+class FixedTierCost:
+    """Per-block load times by tier (the engine measures them; here they are chosen)."""
+
+    def __init__(self, per_block: dict[str, float]):
+        self.per_block = per_block
+
+    def tier_time(self, tier: str, num_blocks: int) -> float:
+        return self.per_block[tier] * num_blocks
+
+
+class PerTokenCost:
+    def estimate(self, load: StepLoad) -> float:
+        return 0.0 if load.num_tokens <= 0 else 1e-3 + 1e-3 * load.num_tokens
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    convs=st.lists(st.tuples(st.integers(0, 2), st.sampled_from("tu"), st.integers(1, 3)), min_size=2, max_size=6),
+    host=st.integers(0, 16), disk=st.integers(0, 16), use_store=st.booleans(), priced=st.booleans(),
+    device=st.integers(12, 20),
+)
+def test_tiers_never_change_what_a_request_reads(convs, host, disk, use_store, priced, device):
+    systems = [list(range(1, 9)), list(range(50, 62)), []]
+    chats = [conversation(f"c{i}", turns, systems[system], tenant, turn_len=5, out=2)
+             for i, (system, tenant, turns) in enumerate(convs)]
+    # Round robin over the conversations: each turn finds its history pushed down the tiers.
+    requests = [r for turn in itertools.zip_longest(*chats) for r in turn if r is not None]
+    store = DictStore() if use_store else None
+    cost = FixedTierCost({HOST: 1e-4, DISK: 3e-3, STORE: 2e-2}) if priced else None
+    sched = tiered_scheduler(device, KVTiers(host, disk, store), tier_cost=cost, estimator=PerTokenCost() if priced else None)
+    shadow = TieredShadow(device, {})
+    out: dict[str, list[int]] = {}
+    for r in requests:  # one turn after another, as a chat client sends them
+        out.update(run(sched, shadow, [r]))
+    plain = tiered_scheduler(device, KVTiers())
+    plain_shadow = TieredShadow(device, {})
+    expected: dict[str, list[int]] = {}
+    for r in conversation_copies(requests):
+        expected.update(run(plain, plain_shadow, [r]))
+    assert out == expected
+    for key, content in shadow.host.values():
+        for other in (shadow.disk, shadow.store):
+            if key in other:
+                assert other[key] == (key, content)
+
+
+def conversation_copies(requests: list[Request]) -> list[Request]:
+    return [Request(r.request_id, list(r.prompt_token_ids), r.sampling_params, tenant=r.tenant) for r in requests]
+
+
+def test_load_or_recompute_is_priced_per_tier():
+    hits = [TierHit(HOST, 1), TierHit(HOST, 2), TierHit(DISK, 3), TierHit(DISK, 4)]
+    est = PerTokenCost()  # 1 ms per token plus 1 ms per step
+    cheap = FixedTierCost({HOST: 1e-4, DISK: 1e-4})
+    assert choose_tier_prefix(hits, 0, 40, BS, est, cheap, 64) == 4
+    slow_disk = FixedTierCost({HOST: 1e-4, DISK: 1.0})  # a disk block costs more than its 4 tokens
+    assert choose_tier_prefix(hits, 0, 40, BS, est, slow_disk, 64) == 2
+    assert choose_tier_prefix(hits, 0, 40, BS, est, FixedTierCost({HOST: 1.0, DISK: 1.0}), 64) == 0
+    assert choose_tier_prefix(hits, 0, 40, BS, None, None, 64) == 4  # unpriced: load
+    links = TierLinkCosts({HOST: LinkSwapCost(1000.0, 1e6)})
+    assert links.tier_time(HOST, 2) == pytest.approx(2e-3) and links.tier_time(DISK, 1) == float("inf")
