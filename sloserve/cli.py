@@ -33,9 +33,21 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-speculative-tokens", type=int, default=4, help="drafts per request and step, at most")
     g.add_argument("--speculative-max-batch", type=int, default=8, help="no drafts in steps with more decodes")
     g.add_argument("--swap-space", type=float, default=4.0, metavar="GIB", help="host memory for swapped-out KV")
+    add_kv_tier_args(g)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--no-native-kernels", action="store_true", help="use the portable attention path only")
     g.add_argument("--step-trace", metavar="FILE", help="write one JSON line per engine step (timings and load)")
+
+
+def add_kv_tier_args(g) -> None:
+    """The prefix cache's lower tiers: the same options on every command that runs an engine or a simulation."""
+    g.add_argument("--kv-host-gib", type=float, default=0.0, metavar="GIB",
+                   help="host memory for prefix-cache blocks evicted from the device (0: none)")
+    g.add_argument("--kv-disk-dir", default=None, metavar="DIR",
+                   help="local-disk tier of the prefix cache (kept across restarts; per worker subdirectory)")
+    g.add_argument("--kv-disk-gib", type=float, default=4.0, metavar="GIB", help="size bound of --kv-disk-dir")
+    g.add_argument("--kv-store", default=None, metavar="URL",
+                   help="shared KV store of the fleet, e.g. redis://127.0.0.1:6379/0 (see `sloserve kv-store`)")
 
 
 def engine_config_from_args(args: argparse.Namespace):
@@ -48,7 +60,9 @@ def engine_config_from_args(args: argparse.Namespace):
         max_model_len=args.max_model_len, seed=args.seed, native_kernels=not args.no_native_kernels,
         step_trace=args.step_trace,
         cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks, kv_cache_gib=args.kv_cache_gib,
-                          enable_prefix_caching=not args.no_prefix_caching, swap_space_gib=args.swap_space),
+                          enable_prefix_caching=not args.no_prefix_caching, swap_space_gib=args.swap_space,
+                          host_tier_gib=args.kv_host_gib, disk_tier_dir=args.kv_disk_dir,
+                          disk_tier_gib=args.kv_disk_gib, kv_store_url=args.kv_store),
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                                   enable_chunked_prefill=not args.no_chunked_prefill, policy=args.scheduling_policy,
                                   preemption_mode=args.preemption_mode, speculative=args.speculative,

@@ -72,6 +72,14 @@ class CacheConfig:
     # preemption_mode is "swap" or "auto"). Sized per device as vLLM's --swap-space; or by blocks.
     swap_space_gib: float = 4.0
     num_host_blocks: Optional[int] = None
+    # Lower tiers of the prefix cache (kv/tiers.py): full blocks evicted from the device pool
+    # are written through to each, and a prefix found there is loaded back when that costs
+    # less than recomputing it. Host memory; a bounded directory on local disk that survives
+    # a restart; a shared store every instance reaches (a Valkey/Redis URL).
+    host_tier_gib: float = 0.0
+    disk_tier_dir: Optional[str] = None
+    disk_tier_gib: float = 4.0
+    kv_store_url: Optional[str] = None
 
     def validate(self) -> None:
         if self.block_size <= 0:
@@ -86,6 +94,10 @@ class CacheConfig:
             raise ValueError(f"swap_space_gib must be >= 0, got {self.swap_space_gib}")
         if self.num_host_blocks is not None and self.num_host_blocks < 0:
             raise ValueError(f"num_host_blocks must be >= 0, got {self.num_host_blocks}")
+        if self.host_tier_gib < 0 or self.disk_tier_gib < 0:
+            raise ValueError("--kv-host-gib and --kv-disk-gib must be >= 0")
+        if (self.host_tier_gib > 0 or self.disk_tier_dir or self.kv_store_url) and not self.enable_prefix_caching:
+            raise ValueError("KV tiers hold the prefix cache: they need prefix caching on")
 
     def host_blocks(self, bytes_per_block: float) -> int:
         """Blocks of the host swap tier: `num_host_blocks`, else what `swap_space_gib` holds."""

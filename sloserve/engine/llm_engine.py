@@ -21,14 +21,16 @@ from sloserve.engine.model import KVCache, LlamaModel
 from sloserve.engine.outputs import RequestMetrics, RequestOutput, TokenLogprob
 from sloserve.engine.precision_probe import choose_cpu_dtype, quantized_max_rows
 from sloserve.engine.quant import resolve_quantization
-from sloserve.engine.runner import KVTransferError, ModelRunner
+from sloserve.engine.kv_tiers import DiskKVTier, TierMovers, kv_fingerprint, model_identity
+from sloserve.engine.runner import KVTransferError, ModelRunner, TierLoadFailed
 from sloserve.engine.step_trace import StepRecord, StepTraceWriter
 from sloserve.engine.stop_strings import StopMatcher
 from sloserve.engine.swap import HostKVPool, measure_link_bandwidth
 from sloserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from sloserve.engine.weights import load_model
 from sloserve.kv.manager import KVCacheManager
-from sloserve.sched.costs import LinkSwapCost, OnlineStepEstimator, StepCostEstimator, StepLoad
+from sloserve.kv.tiers import DISK, HOST, KVTiers
+from sloserve.sched.costs import LinkSwapCost, OnlineStepEstimator, StepCostEstimator, StepLoad, TierLinkCosts
 from sloserve.sched.plan import ScheduledRequest, StepPlan, StepResult
 from sloserve.sched.scheduler import Scheduler
 from sloserve.types import DEFAULT_QOS, FinishReason, QoSClass, Request, RequestStatus, SamplingParams
@@ -36,6 +38,8 @@ from sloserve.types import DEFAULT_QOS, FinishReason, QoSClass, Request, Request
 logger = logging.getLogger(__name__)
 
 Prompt = Union[str, list[int]]
+# First guess of the disk tier's read/write speed (bytes/s), refined from every measured move.
+DISK_BANDWIDTH_PRIOR = 1e9
 
 
 def resolve_device(name: str) -> torch.device:
@@ -142,19 +146,22 @@ class LLMEngine:
             raise ValueError("without chunked prefill, max_num_batched_tokens must cover max_model_len")
 
         num_host_blocks = 0 if sched_cfg.preemption_mode == "recompute" else cache.host_blocks(per_block)
-        self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching, cache.watermark,
-                                 num_host_blocks=num_host_blocks)
         self.kv_cache = KVCache(self.model_config, num_blocks, cache.block_size, self.dtype, self.device)
+        link_bandwidth = measure_link_bandwidth(self.device) if num_host_blocks or cache.host_tier_gib else 0.0
+        tiers, self.tier_movers, self.tier_cost = self._make_tiers(config, per_block, link_bandwidth)
+        self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching, cache.watermark,
+                                 num_host_blocks=num_host_blocks, tiers=tiers)
         self.host_pool: Optional[HostKVPool] = None
         self.swap_cost: Optional[LinkSwapCost] = None
         if num_host_blocks:
             self.host_pool = HostKVPool(self.kv_cache, num_host_blocks)
-            self.swap_cost = LinkSwapCost(per_block, measure_link_bandwidth(self.device))
+            self.swap_cost = LinkSwapCost(per_block, link_bandwidth)
         self.step_estimator = step_estimator if step_estimator is not None else OnlineStepEstimator()
         eos = tuple(self.model_config.eos_token_ids)
         self.scheduler = Scheduler(sched_cfg, self.kv, context, eos, estimator=self.step_estimator,
-                                   swap_cost=self.swap_cost)
-        self.runner = ModelRunner(self.model, self.kv_cache, eos, seed=config.seed, host_pool=self.host_pool)
+                                   swap_cost=self.swap_cost, tier_cost=self.tier_cost)
+        self.runner = ModelRunner(self.model, self.kv_cache, eos, seed=config.seed, host_pool=self.host_pool,
+                                  tier_movers=self.tier_movers)
         self._tracked: dict[str, _Tracked] = {}
         self._ids = itertools.count()
         self._trace = StepTraceWriter(config.step_trace) if config.step_trace else None
@@ -163,6 +170,33 @@ class LLMEngine:
             "context %d", self.model_name, str(self.dtype).removeprefix("torch."), self.quantization,
             self.model.weight_bytes / 1e6, dense_above or "-", self.device, num_blocks, cache.block_size, context,
         )
+
+    def _make_tiers(self, config: EngineConfig, per_block: int,
+                    link_bandwidth: float) -> tuple[KVTiers, Optional[TierMovers], Optional[TierLinkCosts]]:
+        """The prefix cache's lower tiers: bookkeeping for the KV manager, byte movers for the
+        runner, and the per-tier link costs the scheduler weighs loading against recomputing by."""
+        cache = config.cache
+        host_blocks = int(cache.host_tier_gib * 2**30 // per_block)
+        disk = None
+        disk_blocks = 0
+        if cache.disk_tier_dir:
+            fingerprint = kv_fingerprint(model_identity(config.model, self.model_name), self.dtype,
+                                         self.quantization, self.kv_cache)
+            disk = DiskKVTier(cache.disk_tier_dir, fingerprint, self.kv_cache)
+            disk_blocks = int(cache.disk_tier_gib * 2**30 // per_block)
+        tiers = KVTiers(host_blocks, disk_blocks)
+        if not (host_blocks or disk):
+            return tiers, None, None
+        links = {}
+        if host_blocks:
+            links[HOST] = LinkSwapCost(per_block, link_bandwidth)
+        if disk is not None and tiers.disk is not None:
+            stale = tiers.disk.seed(disk.stored_keys())
+            disk.delete(stale)
+            links[DISK] = LinkSwapCost(per_block, DISK_BANDWIDTH_PRIOR, latency_s=1e-4)
+            logger.info("disk KV tier %s: %d blocks found (%d over the bound removed)", disk.dir,
+                        len(tiers.disk), len(stale))
+        return tiers, TierMovers(self.kv_cache, host_blocks, disk), TierLinkCosts(links)
 
     # ---- requests ----------------------------------------------------------------
     def tokenize_prompt(self, prompt: Prompt) -> list[int]:
@@ -362,7 +396,11 @@ class LLMEngine:
         scheduled = self.clock()
         failed: dict[str, str] = {}
         try:
-            result = self.runner.execute(plan)
+            try:
+                result = self.runner.execute(plan)
+            except TierLoadFailed as lost:
+                plan = self._recompute_lost_loads(plan, lost.failed_blocks)
+                result = self.runner.execute(plan)
         except KVTransferError:
             raise  # the KV pool itself is in doubt: an engine fault
         except Exception as exc:
@@ -389,10 +427,16 @@ class LLMEngine:
         return outputs
 
     def close(self) -> None:
-        """Flush and close the step trace (the engine stays usable, untraced)."""
+        """Flush and close the step trace (the engine stays usable, untraced), and write the
+        device's cached prefixes to the disk tier, so a restart on the same directory finds them."""
         if self._trace is not None:
             self._trace.close()
             self._trace = None
+        if self.tier_movers is not None and self.tier_movers.disk is not None:
+            self.kv.persist(DISK)
+            report = self.tier_movers.run(self.kv.take_tier_ops())
+            logger.info("wrote %d cached KV blocks to the disk tier in %.2f s", report.blocks.get(DISK, 0),
+                        report.total_s)
 
     def _isolate_failures(self, plan: StepPlan, exc: Exception) -> tuple[StepPlan, StepResult, dict[str, str]]:
         """The step's compute failed: re-run each scheduled request alone, so one request's bad
@@ -422,14 +466,32 @@ class LLMEngine:
             raise exc  # several requests that each fail alone: the engine, not their input
         return StepPlan(plan.step_id, plan.now, kept, preempted=plan.preempted), result, failed
 
+    def _recompute_lost_loads(self, plan: StepPlan, failed_blocks: set[int]) -> StepPlan:
+        """Tier loads into `failed_blocks` did not arrive: forget those blocks as cached, send
+        every planned request that would read one back to the queue to recompute, and return
+        the rest of the plan (its KV moves have run)."""
+        self.kv.forget_blocks(failed_blocks)
+        bs = self.kv.block_size
+        kept, lost = [], []
+        for item in plan.scheduled:
+            reads = item.block_table[:-(-item.start // bs)]
+            (lost if failed_blocks.intersection(reads) else kept).append(item)
+        self.scheduler.requeue_for_recompute([item.request for item in lost], self.clock())
+        logger.warning("step %d: %d requests recompute a prefix whose tier load failed", plan.step_id, len(lost))
+        return StepPlan(plan.step_id, plan.now, kept, preempted=plan.preempted + [i.request_id for i in lost])
+
     def _learn_costs(self, plan, duration_s: float) -> None:
         """Feed measured times back to the estimators the scheduler prices decisions with."""
         swap_s, swap_blocks = self.runner.last_swap_s, self.runner.last_swap_blocks
         if self.swap_cost is not None and swap_blocks:
             self.swap_cost.observe(swap_blocks, swap_s)
+        tiers = self.runner.last_tier_report
+        if self.tier_cost is not None:
+            for tier, blocks in tiers.blocks.items():
+                self.tier_cost.observe(tier, blocks, tiers.seconds[tier])
         observe = getattr(self.step_estimator, "observe", None)
         if observe is not None and not plan.is_empty:
-            observe(StepLoad.of_plan(plan), duration_s - swap_s)
+            observe(StepLoad.of_plan(plan), duration_s - swap_s - tiers.total_s)
 
     def _take_tokens(self, tracked: _Tracked, now: float) -> None:
         """Detokenize the request's new tokens one by one (several when drafts were accepted),

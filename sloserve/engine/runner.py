@@ -8,6 +8,7 @@ import torch
 
 from sloserve.engine.model import ForwardBatch, KVCache, LlamaModel, PrefillSpan
 from sloserve.engine.sampler import Sampler, SamplingRow
+from sloserve.engine.kv_tiers import TierMoveReport, TierMovers
 from sloserve.engine.swap import HostKVPool
 from sloserve.sched.plan import ScheduledRequest, StepPlan, StepResult
 
@@ -35,12 +36,24 @@ class KVTransferError(RuntimeError):
     computed: the pool's contents are unknown, so this is an engine fault, not a request's."""
 
 
+class TierLoadFailed(RuntimeError):
+    """Some prefix blocks could not be loaded from a lower tier (a file gone, the store lost a
+    key). Raised after every KV move of the step ran and before any compute: the engine sends
+    the requests that would read those blocks back to recompute them and runs the rest."""
+
+    def __init__(self, failed_blocks: set[int]):
+        super().__init__(f"{len(failed_blocks)} KV blocks did not load from their tier")
+        self.failed_blocks = failed_blocks
+
+
 class ModelRunner:
     def __init__(self, model: LlamaModel, kv_cache: KVCache, eos_token_ids: tuple[int, ...], seed: int = 0,
-                 host_pool: Optional[HostKVPool] = None):
+                 host_pool: Optional[HostKVPool] = None, tier_movers: Optional[TierMovers] = None):
         self.model = model
         self.kv_cache = kv_cache
         self.host_pool = host_pool  # the swap tier; None when preemption only recomputes
+        self.tier_movers = tier_movers  # the prefix cache's lower tiers; None without them
+        self.last_tier_report = TierMoveReport()
         self.last_swap_s = 0.0  # time the last step spent copying KV to/from the host tier
         self.last_swap_blocks = 0
         self.block_size = kv_cache.block_size
@@ -60,14 +73,23 @@ class ModelRunner:
         same tokens, and another instance continuing the request draws what this one would."""
         t0 = time.perf_counter()
         self.last_swap_s, self.last_swap_blocks = 0.0, 0
+        report = TierMoveReport()
         try:
+            if plan.tier_ops:
+                if self.tier_movers is None:
+                    raise RuntimeError("the plan moves KV to or from lower tiers but the engine has none")
+                report = self.tier_movers.run(plan.tier_ops)
             if plan.swap_out or plan.swap_in:
+                t_swap = time.perf_counter()
                 self._swap(plan)
-                self.last_swap_s = time.perf_counter() - t0
+                self.last_swap_s = time.perf_counter() - t_swap
             if plan.copies:
                 self.kv_cache.copy_blocks([(op.src, op.dst) for op in plan.copies])
         except Exception as exc:
             raise KVTransferError(f"KV block transfer failed: {exc!r}") from exc
+        self.last_tier_report = report
+        if report.failed_blocks:
+            raise TierLoadFailed(report.failed_blocks)
         if plan.is_empty:
             return StepResult({}, time.perf_counter() - t0)
         return self._compute(plan, t0)

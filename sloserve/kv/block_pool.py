@@ -117,6 +117,10 @@ class BlockPool:
         """Forget every free cached block (e.g. after weights change)."""
         self.evict_cached(self.num_blocks)
 
+    def uncache(self, block: Block) -> None:
+        """Stop finding `block` by its key (its bytes are wrong); any references stay."""
+        self._uncache(block)
+
     def _uncache(self, block: Block) -> None:
         if block.block_hash is not None:
             if self.cached.get(block.block_hash) == block.block_id:

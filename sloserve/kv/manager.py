@@ -145,6 +145,22 @@ class KVCacheManager:
         self.tiers.load(hits, ids)
         self.cache_blocks(request)
 
+    def forget_blocks(self, block_ids) -> None:
+        """The bytes of these device blocks are not what their keys say (a tier load failed):
+        stop serving them as cached prefixes, here and from the tier they came from."""
+        for block_id in block_ids:
+            block = self.pool.blocks[block_id]
+            if block.block_hash is not None:
+                self.tiers.lost(block.block_hash)
+                self.pool.uncache(block)
+
+    def persist(self, tier: str) -> None:
+        """Demote every cached device block to `tier` now (a disk tier at shutdown: the prefix
+        cache outlives the process). The moves are in the next `take_tier_ops`."""
+        for block in self.pool.blocks:
+            if block.block_hash is not None:
+                self.tiers.demote(block.block_id, block.block_hash, only=tier)
+
     def take_tier_ops(self) -> TierOps:
         """Tier moves planned since the last step: the executor runs them before this one."""
         return self.tiers.take_ops()

@@ -127,6 +127,11 @@ class LocalTier:
         self._keys[key] = slot
         return slot, dropped
 
+    def discard(self, key: BlockHash) -> None:
+        slot = self._keys.pop(key, None)
+        if slot is not None and self.slotted:
+            self._free_slots.append(slot)
+
     def seed(self, keys: Iterable[BlockHash]) -> list[BlockHash]:
         """Register keys already stored (a disk tier found at start-up), oldest first. Returns
         those beyond the capacity (the oldest), which the caller should delete."""
@@ -190,13 +195,15 @@ class KVTiers:
         return out
 
     # ---- planning ---------------------------------------------------------------------
-    def demote(self, block: int, key: BlockHash) -> None:
+    def demote(self, block: int, key: BlockHash, only: Optional[str] = None) -> None:
         """A full cached device block is being reused: save it to every tier that lacks it.
         A key found in a tier for this step is skipped: if it is being loaded, its device block
         holds the bytes only once the load has run (and a tier holds it: it was found there)."""
         if key in self._busy:
             return
         for tier in self.local():
+            if only is not None and tier.name != only:
+                continue
             present = key in tier
             admitted = tier.admit(key, self._busy)
             if admitted is None or present:
@@ -206,7 +213,7 @@ class KVTiers:
                 self._forget(tier, dropped)
             self._ops.saves.append(TierOp(tier.name, key, block, slot))
             tier.stats.saved += 1
-        if self.store is not None and not self.store.leading([key]):
+        if self.store is not None and only in (None, STORE) and not self.store.leading([key]):
             self._ops.saves.append(TierOp(STORE, key, block))
             self.store.saved([key])
             self.store_stats.saved += 1
@@ -253,6 +260,16 @@ class KVTiers:
                 assert tier is not None
                 tier.touch(hit.key)
                 tier.stats.loaded += 1
+
+    def lost(self, key: BlockHash) -> None:
+        """A load of `key` failed (its file vanished, the store dropped it): no tier is trusted
+        with it any more, so the retry recomputes it."""
+        for tier in self.local():
+            tier.discard(key)
+        if self.store is not None:
+            forget = getattr(self.store, "forget", None)
+            if forget is not None:
+                forget([key])
 
     def take_ops(self) -> TierOps:
         """The moves planned since the last call, for the step about to be planned; keys loaded

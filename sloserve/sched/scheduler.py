@@ -184,6 +184,21 @@ class Scheduler:
         if request is not None:
             self._finish(request, reason, now)
 
+    def requeue_for_recompute(self, requests: list[Request], now: float) -> None:
+        """Send running requests back to the queue without their KV (the step they were planned
+        in could not give them the prefix it loaded): preemption by recompute, between steps."""
+        for request in requests:
+            if request.status is not RequestStatus.RUNNING:
+                continue
+            self.running.remove(request)
+            self.kv.free(request)
+            request.num_computed_tokens = 0
+            request.status = RequestStatus.PREEMPTED
+            request.num_preemptions += 1
+            self.stats.num_preemptions += 1
+            self.stats.num_recomputes += 1
+            self._enqueue_waiting(request, now)
+
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 

@@ -1,0 +1,186 @@
+"""The byte movers of the prefix cache's lower tiers (host memory, local disk), for the real engine.
+
+The KV manager (kv/tiers.py) decides which block goes where and emits `TierOps`; this module
+owns the bytes. The host tier is a CPU tensor laid out like the device cache, one row per block
+(pinned on CUDA). The disk tier is a directory of one file per block, named by the block's key,
+under a subdirectory named by a fingerprint of everything that decides the KV's bytes (model
+file, dtype, weight quantization, block and head shapes): a worker restarted on the same
+directory finds its blocks again, and a different model never reads them. Files are written to a
+temporary name and renamed, so a crash mid-write leaves no torn block.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from sloserve.engine.model import KVCache
+from sloserve.engine.swap import HostKVPool
+from sloserve.kv.hashing import BlockHash
+from sloserve.kv.tiers import DISK, HOST, STORE, TierOps
+
+logger = logging.getLogger(__name__)
+
+_SUFFIX = ".kv"
+
+
+def kv_fingerprint(model_id: str, dtype: torch.dtype, quantization: str, kv_cache: KVCache) -> str:
+    """A short name for "KV computed by this model in this precision, in this block layout"."""
+    text = "|".join([model_id, str(dtype), quantization, str(tuple(kv_cache.data.shape[:2])),
+                     str(tuple(kv_cache.data.shape[3:])), str(kv_cache.block_size)])
+    return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+
+
+def model_identity(path: Optional[str], name: str) -> str:
+    """What names the weights: the file's resolved path, size and modification time."""
+    if path and os.path.exists(path):
+        st = os.stat(path)
+        return f"{os.path.realpath(path)}:{st.st_size}:{st.st_mtime_ns}"
+    return name
+
+
+class DiskKVTier:
+    """Blocks as files `<root>/<fingerprint>/<key hex>.kv`, raw bytes in the cache's layout."""
+
+    def __init__(self, root: str | os.PathLike, fingerprint: str, kv_cache: KVCache) -> None:
+        self.dir = Path(root) / fingerprint
+        self.dir.mkdir(parents=True, exist_ok=True)
+        L, two, _, heads, dim = kv_cache.data.shape
+        self.block_shape = (L, two, kv_cache.block_size, heads, dim)
+        self.dtype = kv_cache.data.dtype
+        self.bytes_per_block = L * two * kv_cache.block_size * heads * dim * kv_cache.data.element_size()
+        for tmp in self.dir.glob("*.tmp"):  # torn writes of a crashed run
+            tmp.unlink(missing_ok=True)
+
+    def path(self, key: BlockHash) -> Path:
+        return self.dir / f"{key:032x}{_SUFFIX}"
+
+    def stored_keys(self) -> list[BlockHash]:
+        """Keys of the complete blocks on disk, oldest first (the LRU order to seed)."""
+        found = []
+        for entry in os.scandir(self.dir):
+            if entry.name.endswith(_SUFFIX):
+                try:
+                    st = entry.stat()
+                    key = int(entry.name[:-len(_SUFFIX)], 16)
+                except (OSError, ValueError):
+                    continue
+                if st.st_size == self.bytes_per_block:
+                    found.append((st.st_mtime_ns, key))
+        return [key for _, key in sorted(found)]
+
+    def save(self, blocks: torch.Tensor, keys: list[BlockHash]) -> None:
+        """`blocks`: (n, *block_shape) on the CPU, one per key."""
+        data = blocks.contiguous().view(torch.uint8).numpy()
+        for i, key in enumerate(keys):
+            final = self.path(key)
+            tmp = final.with_suffix(".tmp")
+            with open(tmp, "wb") as f:
+                f.write(memoryview(data[i]))
+            os.replace(tmp, final)
+
+    def load(self, keys: list[BlockHash]) -> torch.Tensor:
+        """(n, *block_shape) on the CPU. Raises OSError when a file is missing or short."""
+        out = torch.empty((len(keys), *self.block_shape), dtype=self.dtype)
+        raw = out.view(torch.uint8).numpy()
+        for i, key in enumerate(keys):
+            with open(self.path(key), "rb") as f:
+                if f.readinto(memoryview(raw[i]).cast("B")) != self.bytes_per_block:
+                    raise OSError(f"KV block file {self.path(key)} is short")
+        return out
+
+    def delete(self, keys: list[BlockHash]) -> None:
+        for key in keys:
+            self.path(key).unlink(missing_ok=True)
+
+
+@dataclass
+class TierMoveReport:
+    """What one step's tier moves did: blocks and seconds per tier, and loads that failed
+    (device blocks whose bytes did not arrive: the engine recomputes their requests)."""
+
+    blocks: dict[str, int] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)
+    failed_blocks: set[int] = field(default_factory=set)
+
+    @property
+    def total_s(self) -> float:
+        return sum(self.seconds.values())
+
+
+class TierMovers:
+    """Carries out a step's `TierOps` on the engine's KV cache: drops, saves, then loads."""
+
+    def __init__(self, kv_cache: KVCache, host_blocks: int = 0, disk: Optional[DiskKVTier] = None,
+                 store=None) -> None:
+        self.kv_cache = kv_cache
+        self.host = HostKVPool(kv_cache, host_blocks) if host_blocks > 0 else None
+        self.disk = disk
+        self.store = store  # a KVStoreClient (engine/kv_store.py) or None
+
+    def _blocks(self) -> torch.Tensor:
+        return HostKVPool._blocks(self.kv_cache)
+
+    def run(self, ops: TierOps) -> TierMoveReport:
+        report = TierMoveReport()
+        if not ops:
+            return report
+
+        def timed(tier: str, n: int, t0: float) -> None:
+            report.blocks[tier] = report.blocks.get(tier, 0) + n
+            report.seconds[tier] = report.seconds.get(tier, 0.0) + time.perf_counter() - t0
+
+        drops = [op.key for op in ops.drops if op.tier == DISK]
+        if drops and self.disk is not None:
+            self.disk.delete(drops)
+        by_tier: dict[str, list] = {HOST: [], DISK: [], STORE: []}
+        for op in ops.saves:
+            by_tier[op.tier].append(op)
+        if by_tier[HOST] and self.host is not None:
+            t0 = time.perf_counter()
+            self.host.swap_out(self.kv_cache, [(op.block, op.slot) for op in by_tier[HOST]])
+            timed(HOST, len(by_tier[HOST]), t0)
+        for tier, target in ((DISK, self.disk), (STORE, self.store)):
+            saves = by_tier[tier]
+            if saves and target is not None:
+                t0 = time.perf_counter()
+                idx = torch.tensor([op.block for op in saves], dtype=torch.long, device=self.kv_cache.data.device)
+                data = self._blocks().index_select(2, idx).to("cpu").permute(2, 0, 1, 3, 4, 5)
+                try:
+                    target.save(data, [op.key for op in saves])
+                except OSError as exc:  # a full disk or a lost store loses cache, never a request
+                    logger.warning("saving %d KV blocks to the %s tier failed: %s", len(saves), tier, exc)
+                timed(tier, len(saves), t0)
+        loads: dict[str, list] = {HOST: [], DISK: [], STORE: []}
+        for op in ops.loads:
+            loads[op.tier].append(op)
+        if loads[HOST] and self.host is not None:
+            t0 = time.perf_counter()
+            self.host.swap_in(self.kv_cache, [(op.slot, op.block) for op in loads[HOST]])
+            timed(HOST, len(loads[HOST]), t0)
+        for tier, source in ((DISK, self.disk), (STORE, self.store)):
+            todo = loads[tier]
+            if not todo:
+                continue
+            t0 = time.perf_counter()
+            try:
+                if source is None:
+                    raise OSError(f"no {tier} tier")
+                data = source.load([op.key for op in todo])
+            except OSError as exc:
+                logger.warning("loading %d KV blocks from the %s tier failed (recomputing them): %s",
+                               len(todo), tier, exc)
+                report.failed_blocks.update(op.block for op in todo)
+                continue
+            idx = torch.tensor([op.block for op in todo], dtype=torch.long, device=self.kv_cache.data.device)
+            self._blocks()[:, :, idx] = data.permute(1, 2, 0, 3, 4, 5).to(self.kv_cache.data.device)
+            timed(tier, len(todo), t0)
+        if self.kv_cache.data.device.type == "cuda":
+            torch.cuda.synchronize(self.kv_cache.data.device)
+        return report
