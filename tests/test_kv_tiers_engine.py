@@ -9,7 +9,7 @@ import pytest
 from engine_helpers import EXACT
 from sloserve import LLM
 from sloserve.config import CacheConfig, EngineConfig, SchedulerConfig
-from sloserve.kv.tiers import DISK, HOST
+from sloserve.kv.tiers import DISK, HOST, STORE
 from sloserve.types import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -74,3 +74,50 @@ def test_disk_tier_survives_a_restart_and_a_lost_file_is_recomputed(recomputed, 
     assert third.engine.scheduler.stats.num_recomputes >= 1
     third.engine.kv.check_invariants()
     assert third.engine.kv.pool.num_used == 0
+
+
+@pytest.fixture(scope="module")
+def kv_store():
+    """`sloserve kv-store` on a free loopback port, as a user starts it."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    import redis
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "sloserve.cli", "kv-store", "--port", str(port),
+                             "--max-memory-gib", "0.25"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    url = f"redis://127.0.0.1:{port}/0"
+    client = redis.Redis.from_url(url)
+    for _ in range(100):
+        try:
+            client.ping()
+            break
+        except redis.exceptions.ConnectionError:
+            time.sleep(0.05)
+    else:
+        proc.kill()
+        raise AssertionError(proc.communicate()[0].decode())
+    assert client.config_get("maxmemory-policy")["maxmemory-policy"] == "allkeys-lru"
+    yield url
+    proc.terminate()
+    proc.wait(10)
+
+
+def test_a_second_engine_serves_a_prefix_the_first_put_in_the_shared_store(recomputed, kv_store):
+    first = LLM(config=config(12, kv_store_url=kv_store))
+    assert chat(first) == recomputed  # its evictions publish turn one's blocks
+    assert first.engine.kv.tiers.stats()[STORE].saved > 0
+    second = LLM(config=config(12, kv_store_url=kv_store))
+    assert second.generate([SECOND], GREEDY)[0].token_ids == recomputed
+    assert second.engine.kv.tiers.stats()[STORE].loaded >= 3
+    second.engine.kv.check_invariants()
+
+
+def test_an_unreachable_store_is_a_clear_error():
+    with pytest.raises(ValueError, match="cannot reach the KV store"):
+        LLM(config=config(12, kv_store_url="redis://127.0.0.1:1/0"))

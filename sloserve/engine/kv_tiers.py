@@ -38,11 +38,11 @@ def kv_fingerprint(model_id: str, dtype: torch.dtype, quantization: str, kv_cach
 
 
 def model_identity(path: Optional[str], name: str) -> str:
-    """What names the weights: the file's resolved path, size and modification time."""
-    if path and os.path.exists(path):
-        st = os.stat(path)
-        return f"{os.path.realpath(path)}:{st.st_size}:{st.st_mtime_ns}"
-    return name
+    """What names the weights on every host of a fleet: the file's name and size (not its path,
+    which differs between hosts), or the model's name for the embedded default."""
+    if path and os.path.isfile(path):
+        return f"{os.path.basename(path)}:{os.path.getsize(path)}"
+    return f"{path or ''}:{name}"
 
 
 class DiskKVTier:

@@ -21,6 +21,7 @@ from sloserve.engine.model import KVCache, LlamaModel
 from sloserve.engine.outputs import RequestMetrics, RequestOutput, TokenLogprob
 from sloserve.engine.precision_probe import choose_cpu_dtype, quantized_max_rows
 from sloserve.engine.quant import resolve_quantization
+from sloserve.engine.kv_store import KVStoreClient
 from sloserve.engine.kv_tiers import DiskKVTier, TierMovers, kv_fingerprint, model_identity
 from sloserve.engine.runner import KVTransferError, ModelRunner, TierLoadFailed
 from sloserve.engine.step_trace import StepRecord, StepTraceWriter
@@ -29,7 +30,7 @@ from sloserve.engine.swap import HostKVPool, measure_link_bandwidth
 from sloserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from sloserve.engine.weights import load_model
 from sloserve.kv.manager import KVCacheManager
-from sloserve.kv.tiers import DISK, HOST, KVTiers
+from sloserve.kv.tiers import DISK, HOST, STORE, KVTiers
 from sloserve.sched.costs import LinkSwapCost, OnlineStepEstimator, StepCostEstimator, StepLoad, TierLinkCosts
 from sloserve.sched.plan import ScheduledRequest, StepPlan, StepResult
 from sloserve.sched.scheduler import Scheduler
@@ -40,6 +41,7 @@ logger = logging.getLogger(__name__)
 Prompt = Union[str, list[int]]
 # First guess of the disk tier's read/write speed (bytes/s), refined from every measured move.
 DISK_BANDWIDTH_PRIOR = 1e9
+STORE_BANDWIDTH_PRIOR = 5e8  # the shared store, over the network (loopback is faster; refined the same way)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -177,15 +179,19 @@ class LLMEngine:
         runner, and the per-tier link costs the scheduler weighs loading against recomputing by."""
         cache = config.cache
         host_blocks = int(cache.host_tier_gib * 2**30 // per_block)
-        disk = None
+        disk = store = None
         disk_blocks = 0
+        fingerprint = kv_fingerprint(model_identity(config.model, self.model_name), self.dtype,
+                                     self.quantization, self.kv_cache)
         if cache.disk_tier_dir:
-            fingerprint = kv_fingerprint(model_identity(config.model, self.model_name), self.dtype,
-                                         self.quantization, self.kv_cache)
             disk = DiskKVTier(cache.disk_tier_dir, fingerprint, self.kv_cache)
             disk_blocks = int(cache.disk_tier_gib * 2**30 // per_block)
-        tiers = KVTiers(host_blocks, disk_blocks)
-        if not (host_blocks or disk):
+        if cache.kv_store_url:
+            L, two, _, heads, dim = self.kv_cache.data.shape
+            store = KVStoreClient(cache.kv_store_url, fingerprint, (L, two, cache.block_size, heads, dim),
+                                  self.kv_cache.data.dtype)
+        tiers = KVTiers(host_blocks, disk_blocks, store)
+        if not tiers.enabled:
             return tiers, None, None
         links = {}
         if host_blocks:
@@ -196,7 +202,9 @@ class LLMEngine:
             links[DISK] = LinkSwapCost(per_block, DISK_BANDWIDTH_PRIOR, latency_s=1e-4)
             logger.info("disk KV tier %s: %d blocks found (%d over the bound removed)", disk.dir,
                         len(tiers.disk), len(stale))
-        return tiers, TierMovers(self.kv_cache, host_blocks, disk), TierLinkCosts(links)
+        if store is not None:
+            links[STORE] = LinkSwapCost(per_block, STORE_BANDWIDTH_PRIOR, latency_s=5e-4)
+        return tiers, TierMovers(self.kv_cache, host_blocks, disk, store), TierLinkCosts(links)
 
     # ---- requests ----------------------------------------------------------------
     def tokenize_prompt(self, prompt: Prompt) -> list[int]:

@@ -19,7 +19,7 @@ from typing import Optional, Sequence
 
 import uvicorn
 
-from sloserve.config import EngineConfig, PoolSettings, pd_roles
+from sloserve.config import CacheConfig, EngineConfig, PoolSettings, pd_roles
 from sloserve.server.front_handoff import TRANSFERS
 from sloserve.server.connections import DrainingServer
 
@@ -115,6 +115,14 @@ def scale_planner(config, num_instances: int):
                         config.scale_down_delay_s)
 
 
+def worker_cache(cache: CacheConfig, index: int) -> CacheConfig:
+    """Worker `index`'s KV cache settings: its own subdirectory of the disk tier (one writer per
+    directory; a restarted worker finds its own blocks; the shared tier is the store)."""
+    if not cache.disk_tier_dir:
+        return cache
+    return dataclasses.replace(cache, disk_tier_dir=os.path.join(cache.disk_tier_dir, f"worker-{index}"))
+
+
 def front_capacity(engine_config: EngineConfig, max_queue: int, instances: int) -> int:
     """The front's default bound on requests in flight: what all workers together admit."""
     return instances * (engine_config.scheduler.max_num_seqs + max_queue)
@@ -199,10 +207,11 @@ def run_multi(engine_config: EngineConfig, settings, *, instances: int, router: 
     salt_secret = settings.cache_salt_secret or os.environ.get(CACHE_SECRET_ENV) or secrets.token_urlsafe(32)
     pools = {"prefill": prefill_pool, "decode": decode_pool, "mixed": PoolSettings()}
     specs = [WorkerSpec(dataclasses.replace(engine_config, num_threads=per_worker,
-                                            scheduler=pools[role].apply(engine_config.scheduler)),
+                                            scheduler=pools[role].apply(engine_config.scheduler),
+                                            cache=worker_cache(engine_config.cache, index)),
                         qos_config, list(api_keys), list(settings.served_model_names), settings.max_queue, log_level,
                         fleet_secret, cache_secret=salt_secret, options=worker_options(settings))
-             for role in roles]
+             for index, role in enumerate(roles)]
     for spec in specs:
         spec.engine.scheduler.validate()
     spawn = make_spawner(specs, backend, per_worker, ray_address)
