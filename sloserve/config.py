@@ -77,8 +77,8 @@ class CacheConfig:
     # less than recomputing it. Host memory; a bounded directory on local disk that survives
     # a restart; a shared store every instance reaches (a Valkey/Redis URL).
     host_tier_gib: float = 0.0
-    disk_tier_dir: Optional[str] = None
-    disk_tier_gib: float = 4.0
+    disk_tier_dir: Optional[str] = None  # the engine's disk tier (the simulator needs only its size)
+    disk_tier_gib: float = 0.0
     kv_store_url: Optional[str] = None
 
     def validate(self) -> None:
@@ -96,6 +96,8 @@ class CacheConfig:
             raise ValueError(f"num_host_blocks must be >= 0, got {self.num_host_blocks}")
         if self.host_tier_gib < 0 or self.disk_tier_gib < 0:
             raise ValueError("--kv-host-gib and --kv-disk-gib must be >= 0")
+        if self.disk_tier_dir and not self.disk_tier_gib > 0:
+            raise ValueError("--kv-disk-dir needs --kv-disk-gib > 0")
         if (self.host_tier_gib > 0 or self.disk_tier_dir or self.kv_store_url) and not self.enable_prefix_caching:
             raise ValueError("KV tiers hold the prefix cache: they need prefix caching on")
 

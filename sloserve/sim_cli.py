@@ -86,6 +86,13 @@ def add_fleet_args(p: argparse.ArgumentParser) -> None:
     f.add_argument("--swap-space", type=float, default=4.0, metavar="GIB",
                    help="host memory per device for swapped-out KV (with --preemption-mode swap/auto)")
     f.add_argument("--no-fast-forward", action="store_true", help="one event per step (slower, same decisions)")
+    t = p.add_argument_group("KV tiers (the prefix cache below device memory)")
+    t.add_argument("--kv-host-gib", type=float, default=0.0, metavar="GIB",
+                   help="host memory per instance for cached blocks evicted from the device")
+    t.add_argument("--kv-disk-gib", type=float, default=0.0, metavar="GIB", help="local NVMe per instance")
+    t.add_argument("--kv-store-gib", type=float, default=0.0, metavar="GIB",
+                   help="a shared KV store every instance reaches (fleet-wide size)")
+    t.add_argument("--kv-store-link", default=DEFAULT_LINK, help=f"link to the shared store: one of {sorted(LINKS)}")
     a = p.add_argument_group("autoscaling")
     from sloserve.cluster.autoscale import AUTOSCALERS
     from sloserve.cluster.forecast import FORECASTERS
@@ -110,6 +117,7 @@ def add_fleet_args(p: argparse.ArgumentParser) -> None:
 
 def fleet_config_from_args(args: argparse.Namespace):
     from sloserve.config import CacheConfig, SchedulerConfig
+    from sloserve.sim.hardware import DEFAULT_LINK
     from sloserve.simulation import FleetConfig, PoolSettings
 
     low, high = parse_instances(args.instances, getattr(args, "autoscale", None))
@@ -118,7 +126,9 @@ def fleet_config_from_args(args: argparse.Namespace):
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                                   policy=args.scheduler, preemption_mode=args.preemption_mode),
         cache=CacheConfig(block_size=args.block_size, enable_prefix_caching=not args.no_prefix_caching,
-                          swap_space_gib=args.swap_space),
+                          swap_space_gib=args.swap_space, host_tier_gib=getattr(args, "kv_host_gib", 0.0),
+                          disk_tier_gib=getattr(args, "kv_disk_gib", 0.0)),
+        kv_store_gib=getattr(args, "kv_store_gib", 0.0), kv_store_link=getattr(args, "kv_store_link", DEFAULT_LINK),
         profile=args.profile, num_blocks=args.num_blocks, fast_forward=not args.no_fast_forward,
         predictor=(("default" if args.router == "predicted-load" else None) if args.predictor == "auto"
                    else args.predictor),

@@ -14,10 +14,12 @@ from sloserve.cluster.controller import FleetController
 from sloserve.cluster.migration import MoveCosts, make_migration_policy, parse_migration
 from sloserve.cluster.routers import RouterOptions, make_router
 from sloserve.config import CacheConfig, ModelConfig, PoolSettings, SchedulerConfig, parse_pd, pd_roles  # noqa: F401 (parse_pd: re-exported)
+from sloserve.kv.tiers import DISK, STORE, KVTiers
 from sloserve.sim.catalog import get_model
 from sloserve.sim.cost import CostModel, Profile, ProfiledCostModel, RooflineCostModel
 from sloserve.sim.hardware import DEFAULT_LINK, get_hardware, get_link
 from sloserve.sim.instance import SimInstance, kv_blocks_for
+from sloserve.sim.kv_store import SimKVStore
 from sloserve.sim.prompts import SyntheticPrompt
 from sloserve.sim.simulator import SimResult, Simulator
 from sloserve.types import DEFAULT_QOS, QoSClass, Request, SamplingParams
@@ -81,6 +83,10 @@ class FleetConfig:
     target_utilization: float = 0.8
     forecaster: str = "seasonal-naive"
     scaling_history: Optional[object] = None  # a workload.series.Series of demand before the run (predictive)
+    # The fleet's shared KV store (kv/tiers.py, sim/kv_store.py): its size (0: none) and the link
+    # each instance reaches it over. Per-instance host and disk tiers are sized in `cache`.
+    kv_store_gib: float = 0.0
+    kv_store_link: str = DEFAULT_LINK
 
     def validate(self) -> None:
         if self.pd is not None:
@@ -95,6 +101,9 @@ class FleetConfig:
             raise ValueError("--migration-interval must be > 0")
         parse_migration(self.migration)
         get_link(self.link)
+        get_link(self.kv_store_link)
+        if self.kv_store_gib < 0:
+            raise ValueError("--kv-store-gib must be >= 0")
         self.scheduler.validate()
         self.cache.validate()
         if self.pd is not None:
@@ -171,6 +180,29 @@ def host_blocks_for(cfg: FleetConfig, model: ModelConfig) -> int:
     return cfg.cache.host_blocks(per_device_block)
 
 
+def kv_tiers_for(cfg: FleetConfig, model: ModelConfig, cost: CostModel, store: Optional[SimKVStore]) -> Optional[KVTiers]:
+    """One instance's lower prefix-cache tiers (None without any), and their copy prices on `cost`:
+    host memory over the swap link, the host's NVMe, the shared store over `kv_store_link` (each
+    tensor-parallel rank pulls its shard over its own NIC)."""
+    block_bytes = cfg.cache.block_size * model.kv_bytes_per_token(cfg.dtype_bytes)
+    host = int(cfg.cache.host_tier_gib * 2**30 // block_bytes)
+    disk = int(cfg.cache.disk_tier_gib * 2**30 // block_bytes)
+    if not (host or disk or store is not None):
+        return None
+    if not cfg.cache.enable_prefix_caching:
+        raise ValueError("KV tiers hold the prefix cache: they need prefix caching on")
+    cost.tier_s_per_block = {DISK: block_bytes / get_hardware(cfg.hardware).disk_bandwidth,
+                             STORE: block_bytes / cfg.tp / get_link(cfg.kv_store_link)}
+    return KVTiers(host, disk, store)
+
+
+def shared_store_for(cfg: FleetConfig) -> Optional[SimKVStore]:
+    if not cfg.kv_store_gib > 0:
+        return None
+    model = get_model(cfg.model)
+    return SimKVStore(int(cfg.kv_store_gib * 2**30 // (cfg.cache.block_size * model.kv_bytes_per_token(cfg.dtype_bytes))))
+
+
 def make_predictions(cfg: FleetConfig) -> Optional["PredictionBook"]:
     """The run's prediction book (one per run: online updates must not leak across runs)."""
     if cfg.predictor is None or cfg.predictor == "none":
@@ -186,12 +218,14 @@ def build_fleet(cfg: FleetConfig, predictions: Optional["PredictionBook"] = None
     cfg.validate()
     roles = fleet_roles(cfg)
     instances = []
+    store = shared_store_for(cfg)
     for i, role in enumerate(roles):
         pool = pool_config(cfg, role)
         cost, model, blocks = build_cost_model(pool)
         context = min(pool.max_model_len or model.max_position_embeddings, blocks * pool.cache.block_size)
         instances.append(SimInstance(i, cost, blocks, context, pool.scheduler, pool.cache,
-                                     fast_forward=pool.fast_forward, num_host_blocks=host_blocks_for(pool, model)))
+                                     fast_forward=pool.fast_forward, num_host_blocks=host_blocks_for(pool, model),
+                                     tiers=kv_tiers_for(pool, model, cost, store)))
     options = RouterOptions(seed=cfg.router_seed, epsilon=cfg.router_epsilon,
                             predictions=predictions.lookup if predictions is not None else None)
     decode_router = make_router(cfg.decode_router, options) if cfg.pd is not None else None

@@ -254,3 +254,31 @@ def test_load_or_recompute_is_priced_per_tier():
     assert choose_tier_prefix(hits, 0, 40, BS, None, None, 64) == 4  # unpriced: load
     links = TierLinkCosts({HOST: LinkSwapCost(1000.0, 1e6)})
     assert links.tier_time(HOST, 2) == pytest.approx(2e-3) and links.tier_time(DISK, 1) == float("inf")
+
+
+# ---- the simulator: the same tiers, priced on the hardware's links -------------------------------
+def test_simulated_fleet_serves_mooncake_prefixes_from_the_shared_store():
+    from sloserve.config import CacheConfig
+    from sloserve.simulation import FleetConfig, build_fleet, sim_requests, simulate
+    from sloserve.workload.build import WorkloadSpec, build_stream
+
+    stream = build_stream(WorkloadSpec(name="mooncake-conv", replay=True, duration_s=60.0))
+
+    def run_fleet(**kw):
+        cfg = FleetConfig(instances=2, router="round-robin", num_blocks=2000,
+                          scheduler=SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=64), **kw)
+        sim = build_fleet(cfg)
+        records, _ = simulate(sim, sim_requests(stream))
+        hits = sum(i.kv.stats.hits for i in sim.instances) / sum(i.kv.stats.queries for i in sim.instances)
+        for i in sim.instances:
+            i.kv.check_invariants()
+        return records, hits, sim
+
+    plain, plain_hits, _ = run_fleet()
+    shared, shared_hits, sim = run_fleet(kv_store_gib=500.0, cache=CacheConfig(host_tier_gib=16.0))
+    loads = sum(i.scheduler.stats.num_tier_loads for i in sim.instances)
+    assert loads > 0 and shared_hits > plain_hits
+    served = [r.request_id for r in shared if r.ttft_s is not None]
+    assert served == [r.request_id for r in plain if r.ttft_s is not None] and len(served) > 100
+    mean = lambda rs: sum(r.ttft_s for r in rs if r.ttft_s is not None) / len(served)  # noqa: E731
+    assert mean(shared) < mean(plain)

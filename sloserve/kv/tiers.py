@@ -48,9 +48,6 @@ class TierOps:
     def __bool__(self) -> bool:
         return bool(self.drops or self.saves or self.loads)
 
-    def count(self, tier: str) -> int:
-        """Blocks this step moves to or from `tier` (what prices the step's copies)."""
-        return sum(1 for op in self.saves if op.tier == tier) + sum(1 for op in self.loads if op.tier == tier)
 
 
 @dataclass

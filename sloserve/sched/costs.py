@@ -27,8 +27,11 @@ class StepLoad:
     prefill_attention: float = 0.0  # sum over chunks of n * (start + (n + 1) / 2): attended (query, key) pairs
     prefill_context: int = 0  # sum over chunks of start + n: KV the chunks read
     swap_blocks: int = 0  # KV blocks copied between device and host before the step (either way; swap and host tier)
-    disk_blocks: int = 0  # KV blocks saved to or loaded from the local-disk tier
-    store_blocks: int = 0  # KV blocks saved to or loaded from the shared store
+    disk_blocks: int = 0  # KV blocks loaded from the local-disk tier (on the step's critical path)
+    store_blocks: int = 0  # KV blocks loaded from the shared store
+    # Blocks saved to the (host, disk, store) tiers: written behind the step's compute (a copy
+    # stream, background writers), so they cost time only when they outlast it.
+    saves: tuple[int, int, int] = (0, 0, 0)
 
     @staticmethod
     def prefill(num_tokens: int, start: int = 0, samples: bool = True) -> "StepLoad":
@@ -48,7 +51,8 @@ class StepLoad:
                         self.num_decodes + other.num_decodes, self.decode_context + other.decode_context,
                         self.prefill_attention + other.prefill_attention,
                         self.prefill_context + other.prefill_context, self.swap_blocks + other.swap_blocks,
-                        self.disk_blocks + other.disk_blocks, self.store_blocks + other.store_blocks)
+                        self.disk_blocks + other.disk_blocks, self.store_blocks + other.store_blocks,
+                        tuple(a + b for a, b in zip(self.saves, other.saves)))  # type: ignore[arg-type]
 
     @staticmethod
     def of_plan(plan: StepPlan) -> "StepLoad":
@@ -70,8 +74,14 @@ class StepLoad:
         tier = plan.tier_ops
         if not tier:
             return StepLoad(tokens, sampled, decodes, dctx, pattn, pctx, len(plan.swap_out) + len(plan.swap_in))
-        return StepLoad(tokens, sampled, decodes, dctx, pattn, pctx,
-                        len(plan.swap_out) + len(plan.swap_in) + tier.count(HOST), tier.count(DISK), tier.count(STORE))
+        loads = {HOST: 0, DISK: 0, STORE: 0}
+        saves = {HOST: 0, DISK: 0, STORE: 0}
+        for op in tier.loads:
+            loads[op.tier] += 1
+        for op in tier.saves:
+            saves[op.tier] += 1
+        return StepLoad(tokens, sampled, decodes, dctx, pattn, pctx, len(plan.swap_out) + len(plan.swap_in) + loads[HOST],
+                        loads[DISK], loads[STORE], (saves[HOST], saves[DISK], saves[STORE]))
 
 
 @runtime_checkable

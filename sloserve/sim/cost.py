@@ -11,9 +11,11 @@ import math
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Optional
+from types import MappingProxyType
+from typing import Mapping, Optional
 
 from sloserve.config import ModelConfig
+from sloserve.kv.tiers import DISK, HOST, STORE
 from sloserve.sched.costs import StepLoad
 from sloserve.sched.plan import StepPlan
 from sloserve.sim.hardware import HardwareSpec
@@ -28,9 +30,42 @@ class CostModel(ABC):
     def step_time(self, shape: StepLoad) -> float:
         """Seconds the step takes (swap copies included)."""
 
+    # Seconds per KV block to or from the prefix cache's disk tier and shared store (set by the
+    # fleet builder from the hardware's disk and the store's link; the host tier is the swap link).
+    tier_s_per_block: Mapping[str, float] = MappingProxyType({})
+
     def swap_time(self, num_blocks: int) -> float:
         """Seconds to copy `num_blocks` KV blocks one way between device and host (0: not modelled)."""
         return 0.0
+
+    def tier_time(self, tier: str, num_blocks: int) -> float:
+        """The scheduler's TierCostEstimator: one-way copy time of `num_blocks` to or from `tier`."""
+        if tier == HOST:
+            return self.swap_time(num_blocks)
+        per = self.tier_s_per_block.get(tier)
+        return math.inf if per is None else num_blocks * per
+
+    def kv_ops_time(self, shape: StepLoad) -> float:
+        """Seconds of the step's KV copies that run before its compute (swaps, tier loads)."""
+        t = self.swap_time(shape.swap_blocks) if shape.swap_blocks else 0.0
+        if shape.disk_blocks:
+            t += self.tier_time(DISK, shape.disk_blocks)
+        if shape.store_blocks:
+            t += self.tier_time(STORE, shape.store_blocks)
+        return t
+
+    def save_time(self, shape: StepLoad) -> float:
+        """Seconds of the step's tier saves, which overlap its compute (tiers are written at once)."""
+        host, disk, store = shape.saves
+        if not (host or disk or store):
+            return 0.0
+        return max(self.tier_time(HOST, host), self.tier_time(DISK, disk) if disk else 0.0,
+                   self.tier_time(STORE, store) if store else 0.0)
+
+    def with_saves(self, compute_s: float, shape: StepLoad) -> float:
+        """The step's time when its saves run behind its compute: they show only if longer."""
+        saves = self.save_time(shape)
+        return compute_s if saves <= compute_s else saves
 
     def plan_time(self, plan: StepPlan) -> float:
         return self.step_time(StepLoad.of_plan(plan))
@@ -128,11 +163,12 @@ class RooflineCostModel(CostModel):
 
     def step_time(self, shape: StepLoad) -> float:
         if shape.num_tokens == 0:
-            return self.swap_time(shape.swap_blocks)
+            return self.kv_ops_time(shape) + self.save_time(shape)
         t_linear, t_comm = self._linear_and_comm(shape.num_tokens, shape.num_sampled)
         t_attn = self._attention_time(shape.decode_context + shape.prefill_attention,
                                       shape.decode_context + shape.prefill_context + shape.num_tokens)
-        return t_linear + t_attn + t_comm + self.eff.step_overhead_s + self.swap_time(shape.swap_blocks)
+        compute = t_linear + t_attn + t_comm + self.eff.step_overhead_s
+        return self.with_saves(compute, shape) + self.kv_ops_time(shape)
 
 
 ATTENTION_FEATURES = ("num_sampled", "decode_context", "prefill_attention")
@@ -216,9 +252,9 @@ class ProfiledCostModel(CostModel):
 
     def step_time(self, shape: StepLoad) -> float:
         if shape.num_tokens == 0:
-            return self.swap_time(shape.swap_blocks)
+            return self.kv_ops_time(shape) + self.save_time(shape)
         t = sum(c * f for c, f in zip(self.coefficients, features(shape, self.knots)))
-        return max(t, 0.0) + self.swap_time(shape.swap_blocks)
+        return self.with_saves(max(t, 0.0), shape) + self.kv_ops_time(shape)
 
 
 def fit_nonnegative(rows: list[list[float]], targets: list[float], iterations: int = 2000) -> list[float]:

@@ -15,6 +15,10 @@ class HardwareSpec:
     mem_bytes: float  # device memory capacity
     interconnect_bandwidth: float  # bytes/s per device for tensor-parallel all-reduce (NVLink / PCIe)
     host_link_bandwidth: float  # bytes/s between device and host memory (swap / offload)
+    # bytes/s of the host's local NVMe, which the prefix cache's disk tier reads and writes: one
+    # PCIe Gen4 x4 data-centre SSD reads ~7 GB/s sequentially (Samsung PM9A3 / Micron 7450 class
+    # datasheets: 6.5-7 GB/s read, 3.5-5 GB/s write). One instance per SSD is assumed.
+    disk_bandwidth: float = 6.5e9
 
 
 HARDWARE: dict[str, HardwareSpec] = {

@@ -13,6 +13,7 @@ from typing import Optional
 
 from sloserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from sloserve.kv.manager import KVCacheManager
+from sloserve.kv.tiers import KVTiers
 from sloserve.sched.plan import DecodeRunPlan, StepPlan, StepResult
 from sloserve.sched.live_state import LiveInstanceState, Moment
 from sloserve.sched.scheduler import Scheduler
@@ -72,16 +73,16 @@ class SimInstance:
     def __init__(self, instance_id: int, cost_model: CostModel, num_blocks: int, max_model_len: int,
                  scheduler_config: SchedulerConfig, cache_config: Optional[CacheConfig] = None,
                  trace: bool = False, fast_forward: bool = True, max_run_steps: int = 64,
-                 num_host_blocks: int = 0):
+                 num_host_blocks: int = 0, tiers: Optional[KVTiers] = None):
         cache = cache_config or CacheConfig()
         self.instance_id = instance_id
         self.cost_model = cost_model
         self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching, cache.watermark,
-                                 num_host_blocks=num_host_blocks)
+                                 num_host_blocks=num_host_blocks, tiers=tiers)
         # No EOS: a simulated request ends at its recorded length, never on a placeholder token.
-        # The cost model doubles as the scheduler's step and swap estimator.
+        # The cost model doubles as the scheduler's step, swap and tier-load estimator.
         self.scheduler = Scheduler(scheduler_config, self.kv, max_model_len, eos_token_ids=(),
-                                   estimator=cost_model, swap_cost=cost_model)
+                                   estimator=cost_model, swap_cost=cost_model, tier_cost=cost_model)
         self.current: Optional[StepPlan] = None
         self.run: Optional[DecodeRun] = None
         self.fast_forward = fast_forward and not trace
