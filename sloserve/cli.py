@@ -41,6 +41,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def add_kv_tier_args(g) -> None:
     """The prefix cache's lower tiers: the same options on every command that runs an engine or a simulation."""
+    g.add_argument("--kv-dtype", default="auto", choices=["auto", "float32", "bfloat16", "int8"],
+                   help="what the KV cache stores (int8: per-token scales, dequantized in attention)")
     g.add_argument("--kv-host-gib", type=float, default=0.0, metavar="GIB",
                    help="host memory for prefix-cache blocks evicted from the device (0: none)")
     g.add_argument("--kv-disk-dir", default=None, metavar="DIR",
@@ -61,7 +63,7 @@ def engine_config_from_args(args: argparse.Namespace):
         step_trace=args.step_trace,
         cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks, kv_cache_gib=args.kv_cache_gib,
                           enable_prefix_caching=not args.no_prefix_caching, swap_space_gib=args.swap_space,
-                          host_tier_gib=args.kv_host_gib, disk_tier_dir=args.kv_disk_dir,
+                          kv_dtype=args.kv_dtype, host_tier_gib=args.kv_host_gib, disk_tier_dir=args.kv_disk_dir,
                           disk_tier_gib=args.kv_disk_gib, kv_store_url=args.kv_store),
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                                   enable_chunked_prefill=not args.no_chunked_prefill, policy=args.scheduling_policy,

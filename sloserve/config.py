@@ -76,6 +76,9 @@ class CacheConfig:
     # are written through to each, and a prefix found there is loaded back when that costs
     # less than recomputing it. Host memory; a bounded directory on local disk that survives
     # a restart; a shared store every instance reaches (a Valkey/Redis URL).
+    # What the KV cache stores: "auto" (the compute dtype), "float32", "bfloat16", or "int8"
+    # (per-token, per-head absmax scales; dequantized inside attention).
+    kv_dtype: str = "auto"
     host_tier_gib: float = 0.0
     disk_tier_dir: Optional[str] = None  # the engine's disk tier (the simulator needs only its size)
     disk_tier_gib: float = 0.0
@@ -96,6 +99,8 @@ class CacheConfig:
             raise ValueError(f"num_host_blocks must be >= 0, got {self.num_host_blocks}")
         if self.host_tier_gib < 0 or self.disk_tier_gib < 0:
             raise ValueError("--kv-host-gib and --kv-disk-gib must be >= 0")
+        if self.kv_dtype not in ("auto", "float32", "bfloat16", "int8"):
+            raise ValueError(f"--kv-dtype must be auto, float32, bfloat16 or int8, got {self.kv_dtype!r}")
         if self.disk_tier_dir and not self.disk_tier_gib > 0:
             raise ValueError("--kv-disk-dir needs --kv-disk-gib > 0")
         if (self.host_tier_gib > 0 or self.disk_tier_dir or self.kv_store_url) and not self.enable_prefix_caching:

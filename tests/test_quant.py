@@ -14,10 +14,11 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as Q
 
 from engine_helpers import EXACT
-from sloserve.config import EngineConfig
+from sloserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from sloserve.engine.llm import LLM
 from sloserve.engine.precision_probe import choose_cpu_dtype, quantized_max_rows
-from sloserve.engine.quality import TOLERANCES, greedy_agreement, load_texts, perplexity, top1_agreement
+from sloserve.engine.quality import (KV_TOLERANCES, TOLERANCES, chunked_next_token_logits, greedy_agreement, load_texts,
+                                     perplexity, top1_agreement)
 from sloserve.engine.quant import (DenseLinear, GroupAffine4, Int4Linear, Int8Linear, RowDispatchLinear,
                                    resolve_quantization)
 from sloserve.engine.weights import load_model
@@ -169,3 +170,36 @@ def test_the_default_server_serves_the_fast_precision(tmp_path):
         assert "weights int4" in server.log()
     finally:
         server.kill()
+
+
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "int8"])
+def test_kv_cache_precision_stays_within_its_tolerance(llm, heldout_ids, kv_dtype):
+    """The float32 model reading its context from a bf16 or int8 cache (chunked prefills, so
+    every chunk after the first reads the cache) against reading it from a float32 cache."""
+    model, texts = llm.engine.model, [ids[:96] for ids in heldout_ids[:4]]
+    stored = {"bfloat16": torch.bfloat16, "int8": torch.int8}[kv_dtype]
+    tolerance = KV_TOLERANCES[kv_dtype]
+    nll = {None: 0.0, stored: 0.0}
+    same = total = 0
+    for ids in texts:
+        targets = torch.tensor(ids[1:]).unsqueeze(1)
+        logits = {kv: chunked_next_token_logits(model, ids, kv, 32) for kv in nll}
+        for kv, lg in logits.items():
+            nll[kv] -= float(torch.log_softmax(lg, -1).gather(1, targets).sum())
+        same += int((logits[None].argmax(-1) == logits[stored].argmax(-1)).sum())
+        total += len(ids) - 1
+    assert np.exp((nll[stored] - nll[None]) / total) <= tolerance.max_perplexity_ratio  # the perplexity ratio
+    assert same / total >= tolerance.min_top1_agreement
+
+
+def test_int8_kv_cache_holds_more_tokens_and_generates_what_float32_does(llm, heldout_ids):
+    prompts = [ids[:40] for ids in heldout_ids[:3]]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    small = dict(dtype="float32", quantization="none", scheduler=SchedulerConfig(max_num_batched_tokens=16))
+    fp32 = LLM(config=EngineConfig(**small, cache=CacheConfig(kv_cache_gib=0.05)))
+    int8 = LLM(config=EngineConfig(**small, cache=CacheConfig(kv_cache_gib=0.05, kv_dtype="int8")))
+    # 64 + 4 bytes per head and token against 256: 3.76x the tokens in the same memory.
+    assert int8.engine.kv.num_blocks >= 3.7 * fp32.engine.kv.num_blocks
+    ref = [o.token_ids for o in fp32.generate(prompts, params)]
+    got = [o.token_ids for o in int8.generate(prompts, params)]
+    assert greedy_agreement(ref, got).prefix_fraction >= 0.9

@@ -132,7 +132,9 @@ class LLMEngine:
         del loaded
 
         cache = config.cache
-        per_block = cache.block_size * self.model_config.kv_bytes_per_token(torch.finfo(self.dtype).bits // 8)
+        kv_dtype = torch.int8 if cache.kv_dtype == "int8" else (
+            self.dtype if cache.kv_dtype == "auto" else resolve_dtype(cache.kv_dtype, self.device))
+        per_block = cache.block_size * KVCache.bytes_per_token(self.model_config, kv_dtype)
         num_blocks = cache.num_blocks or max(1, int(cache.kv_cache_gib * 2**30 // per_block))
         context = config.max_model_len or self.model_config.max_position_embeddings
         if context > self.model_config.max_position_embeddings:
@@ -148,7 +150,7 @@ class LLMEngine:
             raise ValueError("without chunked prefill, max_num_batched_tokens must cover max_model_len")
 
         num_host_blocks = 0 if sched_cfg.preemption_mode == "recompute" else cache.host_blocks(per_block)
-        self.kv_cache = KVCache(self.model_config, num_blocks, cache.block_size, self.dtype, self.device)
+        self.kv_cache = KVCache(self.model_config, num_blocks, cache.block_size, self.dtype, self.device, kv_dtype)
         link_bandwidth = measure_link_bandwidth(self.device) if num_host_blocks or cache.host_tier_gib else 0.0
         tiers, self.tier_movers, self.tier_cost = self._make_tiers(config, per_block, link_bandwidth)
         self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching, cache.watermark,

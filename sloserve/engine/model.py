@@ -41,24 +41,70 @@ class ForwardBatch:
     sample_indices: torch.Tensor  # [S] long: flat token indices whose logits are wanted
 
 
-class KVCache:
-    """K and V for every layer, as flat slot arrays: slot = block_id * block_size + offset."""
+KV_DTYPES = ("auto", "float32", "bfloat16", "int8")
+_SCALE_BYTES = 4  # an int8 slot's float32 scale, stored in the slot's own bytes
 
-    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device):
-        shape = (config.num_layers, 2, num_blocks * block_size, config.num_kv_heads, config.head_dim)
-        self.data = torch.zeros(shape, dtype=dtype, device=device)
+
+class KVCache:
+    """K and V for every layer, as flat slot arrays: slot = block_id * block_size + offset.
+
+    With `quantized` (the int8 cache) every slot holds a head's int8 values followed by its
+    float32 scale (symmetric, absmax / 127, one per token and head), as raw bytes in one int8
+    tensor: every byte mover (swap, tiers, migration, copy-on-write) moves blocks of `data` and
+    needs no second tensor. The scale is per token, not per block: blocks fill one decode token
+    at a time, so a block-wide scale would have to be fixed before the block's later tokens
+    exist. Reads dequantize inside attention, block by block as they are gathered.
+    """
+
+    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device,
+                 kv_dtype: Optional[torch.dtype] = None):
+        """`dtype`: what attention computes in; `kv_dtype`: what the cache stores (default the same;
+        torch.int8 for the quantized cache, or another float type, cast on write and read)."""
+        hd = config.head_dim
+        self.head_dim = hd
+        self.compute_dtype = dtype
+        self.storage_dtype = kv_dtype or dtype
+        self.quantized = self.storage_dtype == torch.int8
+        width = hd + _SCALE_BYTES if self.quantized else hd
+        shape = (config.num_layers, 2, num_blocks * block_size, config.num_kv_heads, width)
+        self.data = torch.zeros(shape, dtype=self.storage_dtype, device=device)
         self.block_size = block_size
         self.num_blocks = num_blocks
 
+    @property
+    def native(self) -> bool:
+        """The cache holds exactly what attention computes with (the fused decode kernel reads it as is)."""
+        return self.storage_dtype == self.compute_dtype
+
+    @staticmethod
+    def bytes_per_token(config: ModelConfig, kv_dtype: torch.dtype) -> int:
+        """Bytes one token's K and V take in every layer, stored as `kv_dtype`."""
+        per_head = (config.head_dim + _SCALE_BYTES if kv_dtype == torch.int8
+                    else config.head_dim * torch.finfo(kv_dtype).bits // 8)
+        return 2 * config.num_layers * config.num_kv_heads * per_head
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store the new tokens' K and V [T, kv_heads, head_dim] at `slots`."""
+        if not self.quantized:
+            self.data[layer, 0].index_copy_(0, slots, k.to(self.storage_dtype))
+            self.data[layer, 1].index_copy_(0, slots, v.to(self.storage_dtype))
+            return
+        for kind, x in ((0, k), (1, v)):
+            self.data[layer, kind].index_copy_(0, slots, quantize_int8(x))
+
     def gather(self, layer: int, kind: int, block_ids: torch.Tensor) -> torch.Tensor:
-        """K (kind 0) or V (kind 1) of whole blocks, [*block_ids.shape[:-1], W * block_size, kv_heads, head_dim].
+        """K (kind 0) or V (kind 1) of whole blocks, [*block_ids.shape[:-1], W * block_size, kv_heads, head_dim],
+        in the compute dtype.
 
         Gathering whole blocks (one contiguous row each) instead of single slots makes this a
         memcpy-speed copy; slot-wise advanced indexing was the slowest op of a decode step.
         """
         flat = self.data[layer, kind].view(self.num_blocks, -1)
         rows = flat.index_select(0, block_ids.reshape(-1))
-        return rows.view(*block_ids.shape[:-1], block_ids.shape[-1] * self.block_size, *self.data.shape[-2:])
+        rows = rows.view(*block_ids.shape[:-1], block_ids.shape[-1] * self.block_size, *self.data.shape[-2:])
+        if self.quantized:
+            return dequantize_int8(rows, self.head_dim, self.compute_dtype)
+        return rows if self.native else rows.to(self.compute_dtype)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy whole blocks src -> dst in every layer (copy-on-write)."""
@@ -69,6 +115,20 @@ class KVCache:
         src = torch.cat([s * bs + offsets for s, _ in pairs])
         dst = torch.cat([d * bs + offsets for _, d in pairs])
         self.data[:, :, dst] = self.data[:, :, src]
+
+
+def quantize_int8(x: torch.Tensor) -> torch.Tensor:
+    """[..., hd] floats -> [..., hd + 4] int8: symmetric per-row values, then the row's float32 scale's bytes."""
+    xf = x.float()
+    scale = xf.abs().amax(dim=-1, keepdim=True).clamp_min(1e-8) / 127.0
+    q = torch.round(xf / scale).clamp_(-127, 127).to(torch.int8)
+    return torch.cat([q, scale.view(torch.int8)], dim=-1)
+
+
+def dequantize_int8(rows: torch.Tensor, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
+    """The inverse of quantize_int8 (up to rounding), in `dtype`."""
+    scale = rows[..., head_dim:].contiguous().view(torch.float32)
+    return (rows[..., :head_dim].float() * scale).to(dtype)
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -218,7 +278,7 @@ class LlamaModel:
 
     def _decode_attention(self, li: int, q: torch.Tensor, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
         """[D, nh, hd] attention of the batch's decodes to their cached context."""
-        if self.decode_attention is not None:
+        if self.decode_attention is not None and kv_cache.native:
             return self.decode_attention(
                 q.contiguous(), kv_cache.data[li, 0], kv_cache.data[li, 1], batch.decode_blocks,
                 batch.decode_context_lens, kv_cache.block_size, self.scale, self.config.sliding_window or 0,
@@ -262,9 +322,7 @@ class LlamaModel:
                 q = qkv[:, :self.q_size].view(T, nh, hd)
                 k = qkv[:, self.q_size:self.q_size + self.kv_size].view(T, nkv, hd)
             v = qkv[:, self.q_size + self.kv_size:].view(T, nkv, hd)
-            k_cache, v_cache = kv_cache.data[li, 0], kv_cache.data[li, 1]
-            k_cache.index_copy_(0, batch.slot_mapping, k)
-            v_cache.index_copy_(0, batch.slot_mapping, v)
+            kv_cache.write(li, batch.slot_mapping, k, v)
             if D == T:  # decodes only: their attention is the whole output
                 attn = self._decode_attention(li, q, batch, kv_cache)
             else:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Container, Optional, Sequence
 
 from sloserve.kv.block_pool import Block, BlockPool
 from sloserve.kv.hashing import BlockHash, hash_packed_blocks, pack_tokens
@@ -24,6 +24,18 @@ class CopyOp:
 
     src: int
     dst: int
+
+
+class AnyOf:
+    """A container holding what any of `parts` holds (no copy: each part stays live)."""
+
+    __slots__ = ("parts",)
+
+    def __init__(self, parts: Sequence[Container]) -> None:
+        self.parts = parts
+
+    def __contains__(self, key: object) -> bool:
+        return any(key in part for part in self.parts)
 
 
 @dataclass
@@ -160,6 +172,23 @@ class KVCacheManager:
         for block in self.pool.blocks:
             if block.block_hash is not None:
                 self.tiers.demote(block.block_id, block.block_hash, only=tier)
+
+    def held_keys(self) -> Container[BlockHash]:
+        """Every block key this instance serves without recomputing: the device's cached blocks
+        and its local tiers' (what prefix-aware routers match a prompt against)."""
+        local = self.tiers.local()
+        return AnyOf((self.pool.cached, *local)) if local else self.pool.cached
+
+    def newest_held_keys(self, max_keys: int) -> list[BlockHash]:
+        """Up to `max_keys` held keys, the device's newest first, then each lower tier's."""
+        if not self.enable_prefix_caching or max_keys <= 0:
+            return []
+        keys = list(self.pool.cached)[-max_keys:]
+        for tier in self.tiers.local():
+            if len(keys) >= max_keys:
+                break
+            keys.extend(tier.keys()[-(max_keys - len(keys)):])
+        return keys
 
     def take_tier_ops(self) -> TierOps:
         """Tier moves planned since the last step: the executor runs them before this one."""

@@ -110,7 +110,7 @@ class LiveInstanceState(_LoadMeasures):
     @_per_moment
     def prefix_index(self) -> Optional[PrefixIndex]:
         kv = self._current().kv
-        return KeySetIndex(kv.pool.cached) if kv.enable_prefix_caching else None
+        return KeySetIndex(kv.held_keys()) if kv.enable_prefix_caching else None
 
     @_per_moment
     def queued_prefill_tokens(self) -> int:

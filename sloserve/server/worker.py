@@ -43,7 +43,8 @@ MAX_PUBLISHED_KEYS = 8192  # most recently cached blocks; enough to find every l
 
 
 def state_payload(core: Any, max_keys: int = MAX_PUBLISHED_KEYS) -> dict:
-    """The scheduler's snapshot and the newest cached block keys, as JSON.
+    """The scheduler's snapshot and the newest cached block keys (device, then host and disk
+    tiers), as JSON.
 
     The engine thread owns these structures; reading them from the HTTP thread can race with
     a step that changes them, so a read that trips over a concurrent change is retried (the
@@ -51,8 +52,7 @@ def state_payload(core: Any, max_keys: int = MAX_PUBLISHED_KEYS) -> dict:
     for attempt in range(5):
         try:
             state = core.scheduler.snapshot(core.clock())
-            cached = core.kv.pool.cached
-            keys = list(cached.keys())[-max_keys:] if core.kv.enable_prefix_caching else []
+            keys = core.kv.newest_held_keys(max_keys)  # the device's cache, then its lower local tiers
             break
         except RuntimeError:  # "changed size during iteration"
             if attempt == 4:
