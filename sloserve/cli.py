@@ -28,6 +28,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--scheduling-policy", default="fcfs", help="fcfs, priority, edf, slo or vtc")
     g.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap", "auto"],
                    help="preempt by recompute, by swap to host memory, or per victim by cost (auto)")
+    g.add_argument("--preemption-victim", default="rank", choices=["rank", "slack"],
+                   help="under memory pressure preempt the lowest-ranked request, or the one with the most SLO slack")
     g.add_argument("--speculative", default="off", choices=["off", "prompt-lookup"],
                    help="speculative decoding with drafts from the request's own tokens, per step when it pays")
     g.add_argument("--num-speculative-tokens", type=int, default=4, help="drafts per request and step, at most")
@@ -67,7 +69,8 @@ def engine_config_from_args(args: argparse.Namespace):
                           disk_tier_gib=args.kv_disk_gib, kv_store_url=args.kv_store),
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                                   enable_chunked_prefill=not args.no_chunked_prefill, policy=args.scheduling_policy,
-                                  preemption_mode=args.preemption_mode, speculative=args.speculative,
+                                  preemption_mode=args.preemption_mode, preemption_victim=args.preemption_victim,
+                                  speculative=args.speculative,
                                   num_speculative_tokens=args.num_speculative_tokens,
                                   speculative_max_batch=args.speculative_max_batch),
     )

@@ -128,6 +128,9 @@ class SchedulerConfig:
     # prefill later), "swap" (copy the KV to the host tier and back), or "auto" (per victim,
     # whichever the cost estimates say is cheaper).
     preemption_mode: str = "recompute"
+    # Which running request is preempted when blocks run short: "rank" (the lowest-ranked in
+    # policy order) or "slack" (the one with the most SLO slack: sched/rotation.py).
+    preemption_victim: str = "rank"
     # Size each step's prefill tokens from the TBT slack of the running decodes; None = the
     # policy's default (on for `slo`). Needs a step-cost estimator.
     dynamic_chunking: Optional[bool] = None
@@ -147,6 +150,8 @@ class SchedulerConfig:
             raise ValueError("max_num_seqs must be positive")
         if self.long_prefill_token_threshold < 0:
             raise ValueError("long_prefill_token_threshold must be >= 0")
+        if self.preemption_victim not in ("rank", "slack"):
+            raise ValueError(f"preemption_victim must be rank or slack, got {self.preemption_victim!r}")
         if self.preemption_mode not in ("recompute", "swap", "auto"):
             raise ValueError(f"preemption_mode must be recompute, swap or auto, got {self.preemption_mode!r}")
         if self.min_prefill_chunk < 1:

@@ -83,6 +83,8 @@ def add_fleet_args(p: argparse.ArgumentParser) -> None:
     f.add_argument("--no-prefix-caching", action="store_true")
     f.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap", "auto"],
                    help="preempt by recompute, swap to host memory, or per victim by cost (auto)")
+    f.add_argument("--preemption-victim", default="rank", choices=["rank", "slack"],
+                   help="under memory pressure preempt the lowest-ranked request, or the one with the most SLO slack")
     f.add_argument("--swap-space", type=float, default=4.0, metavar="GIB",
                    help="host memory per device for swapped-out KV (with --preemption-mode swap/auto)")
     f.add_argument("--no-fast-forward", action="store_true", help="one event per step (slower, same decisions)")
@@ -124,7 +126,8 @@ def fleet_config_from_args(args: argparse.Namespace):
     return FleetConfig(
         instances=high, min_instances=low, hardware=args.hardware, model=args.model, tp=args.tp, router=args.router,
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-                                  policy=args.scheduler, preemption_mode=args.preemption_mode),
+                                  policy=args.scheduler, preemption_mode=args.preemption_mode,
+                                  preemption_victim=getattr(args, "preemption_victim", "rank")),
         cache=CacheConfig(block_size=args.block_size, enable_prefix_caching=not args.no_prefix_caching,
                           swap_space_gib=args.swap_space, host_tier_gib=getattr(args, "kv_host_gib", 0.0),
                           disk_tier_gib=getattr(args, "kv_disk_gib", 0.0)),

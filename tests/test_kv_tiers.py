@@ -54,6 +54,7 @@ class TieredShadow:
         self.disk: dict[int, list] = {}
         self.store = store_data  # shared between instances
         self.loads = {HOST: 0, DISK: 0, STORE: 0}
+        self.swap_space: dict[int, list] = {}  # the host swap pool, apart from the host tier
 
     def _tier(self, name: str):
         return {HOST: self.host, DISK: self.disk, STORE: self.store}[name]
@@ -69,6 +70,10 @@ class TieredShadow:
             content = list(self.device[op.block])
             assert None not in content, f"saving a block that is not full: {content}"
             self._tier(op.tier)[op.slot if op.tier == HOST else op.key] = (op.key, content)
+        for dev, host in plan.swap_out:  # the runner's order: saves, swaps, loads, copies
+            self.swap_space[host] = list(self.device[dev])
+        for host, dev in plan.swap_in:
+            self.device[dev] = list(self.swap_space[host])
         for op in ops.loads:
             key, content = self._tier(op.tier)[op.slot if op.tier == HOST else op.key]
             assert key == op.key, f"{op.tier} slot {op.slot} holds another block"
@@ -89,9 +94,11 @@ class TieredShadow:
         return StepResult(out, duration_s=0.01)
 
 
-def tiered_scheduler(num_blocks: int, tiers: KVTiers, tier_cost=None, estimator=None) -> Scheduler:
-    kv = KVCacheManager(num_blocks, BS, enable_prefix_caching=True, watermark=0.0, tiers=tiers)
-    cfg = SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=4, policy="fcfs")
+def tiered_scheduler(num_blocks: int, tiers: KVTiers, tier_cost=None, estimator=None, mode: str = "recompute",
+                     max_seqs: int = 4) -> Scheduler:
+    kv = KVCacheManager(num_blocks, BS, enable_prefix_caching=True, watermark=0.0, tiers=tiers,
+                        num_host_blocks=0 if mode == "recompute" else 32)
+    cfg = SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=max_seqs, policy="fcfs", preemption_mode=mode)
     return Scheduler(cfg, kv, num_blocks * BS, eos_token_ids=(), estimator=estimator, tier_cost=tier_cost)
 
 
@@ -212,9 +219,9 @@ class PerTokenCost:
 @given(
     convs=st.lists(st.tuples(st.integers(0, 2), st.sampled_from("tu"), st.integers(1, 3)), min_size=2, max_size=6),
     host=st.integers(0, 16), disk=st.integers(0, 16), use_store=st.booleans(), priced=st.booleans(),
-    device=st.integers(12, 20),
+    device=st.integers(12, 20), mode=st.sampled_from(["recompute", "swap"]), concurrent=st.booleans(),
 )
-def test_tiers_never_change_what_a_request_reads(convs, host, disk, use_store, priced, device):
+def test_tiers_never_change_what_a_request_reads(convs, host, disk, use_store, priced, device, mode, concurrent):
     systems = [list(range(1, 9)), list(range(50, 62)), []]
     chats = [conversation(f"c{i}", turns, systems[system], tenant, turn_len=5, out=2)
              for i, (system, tenant, turns) in enumerate(convs)]
@@ -222,11 +229,15 @@ def test_tiers_never_change_what_a_request_reads(convs, host, disk, use_store, p
     requests = [r for turn in itertools.zip_longest(*chats) for r in turn if r is not None]
     store = DictStore() if use_store else None
     cost = FixedTierCost({HOST: 1e-4, DISK: 3e-3, STORE: 2e-2}) if priced else None
-    sched = tiered_scheduler(device, KVTiers(host, disk, store), tier_cost=cost, estimator=PerTokenCost() if priced else None)
+    sched = tiered_scheduler(device, KVTiers(host, disk, store), tier_cost=cost,
+                             estimator=PerTokenCost() if priced else None, mode=mode)
     shadow = TieredShadow(device, {})
     out: dict[str, list[int]] = {}
-    for r in requests:  # one turn after another, as a chat client sends them
-        out.update(run(sched, shadow, [r]))
+    if concurrent:  # every turn at once: preemptions (swap or recompute) interleave with the tier moves
+        out.update(run(sched, shadow, requests))
+    else:
+        for r in requests:  # one turn after another, as a chat client sends them
+            out.update(run(sched, shadow, [r]))
     plain = tiered_scheduler(device, KVTiers())
     plain_shadow = TieredShadow(device, {})
     expected: dict[str, list[int]] = {}
@@ -282,3 +293,45 @@ def test_simulated_fleet_serves_mooncake_prefixes_from_the_shared_store():
     assert served == [r.request_id for r in plain if r.ttft_s is not None] and len(served) > 100
     mean = lambda rs: sum(r.ttft_s for r in rs if r.ttft_s is not None) / len(served)  # noqa: E731
     assert mean(shared) < mean(plain)
+
+
+# ---- rotation: which request yields its KV under pressure ----------------------------------------
+def test_slack_victim_is_the_request_with_most_time_in_hand_and_late_ones_go_first():
+    from sloserve.sched.rotation import pick_victim, slo_slack
+    from sloserve.types import QoSClass
+
+    qos = QoSClass("i", ttft_target_s=1.0, tbt_target_s=0.1)
+
+    def req(rid, first=None, outputs=0, arrival=0.0):
+        r = Request(rid, [1, 2, 3], SamplingParams(max_tokens=50), arrival_time=arrival, qos=qos)
+        r.first_token_time = first
+        r.output_token_ids = [5] * outputs
+        return r
+
+    waiting_first = req("a", arrival=9.5)  # TTFT due at 10.5: 0.5 s in hand at t=10
+    ahead = req("b", first=5.0, outputs=60)  # 60 tokens since t=5: next due at 11.0, 1.0 s in hand
+    behind = req("c", first=2.0, outputs=10)  # next was due at 3.0: already behind its pace
+    assert slo_slack(waiting_first, 10.0) == pytest.approx(0.5) and slo_slack(ahead, 10.0) == pytest.approx(1.0)
+    running = [waiting_first, ahead]  # policy order
+    assert pick_victim(running, "rank", 10.0) is ahead
+    assert pick_victim([ahead, waiting_first], "rank", 10.0) is waiting_first
+    assert pick_victim([ahead, waiting_first], "slack", 10.0) is ahead
+    assert pick_victim([ahead, waiting_first], "slack", 10.0, restore_s=lambda r: 0.8 if r is ahead else 0) \
+        is waiting_first  # its restore eats most of its slack
+    assert pick_victim([behind, ahead, waiting_first], "slack", 10.0) is behind
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_slack_rotation_keeps_every_request_correct_under_pressure(mode):
+    from sched_helpers import make_request
+
+    kv = KVCacheManager(10, BS, enable_prefix_caching=True, watermark=0.0, num_host_blocks=64)
+    cfg = SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=8, preemption_mode=mode, preemption_victim="slack")
+    sched = Scheduler(cfg, kv, 40, eos_token_ids=(), estimator=PerTokenCost(),
+                      swap_cost=LinkSwapCost(1000.0, 1e9))
+    from sloserve.types import QoSClass
+
+    qos = QoSClass("i", ttft_target_s=0.5, tbt_target_s=0.05)
+    requests = [make_request(f"r{i}", 6 + i % 5, max_tokens=8, qos=qos) for i in range(8)]
+    out = run(sched, TieredShadow(10, {}), requests)
+    assert len(out) == 8 and sched.stats.num_preemptions > 0

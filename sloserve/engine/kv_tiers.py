@@ -128,14 +128,19 @@ class TierMovers:
         return HostKVPool._blocks(self.kv_cache)
 
     def run(self, ops: TierOps) -> TierMoveReport:
+        """Every move of `ops` (no swaps in between): saves, then loads."""
         report = TierMoveReport()
-        if not ops:
-            return report
+        self.save(ops, report)
+        self.load(ops, report)
+        return report
 
-        def timed(tier: str, n: int, t0: float) -> None:
-            report.blocks[tier] = report.blocks.get(tier, 0) + n
-            report.seconds[tier] = report.seconds.get(tier, 0.0) + time.perf_counter() - t0
+    @staticmethod
+    def _timed(report: TierMoveReport, tier: str, n: int, t0: float) -> None:
+        report.blocks[tier] = report.blocks.get(tier, 0) + n
+        report.seconds[tier] = report.seconds.get(tier, 0.0) + time.perf_counter() - t0
 
+    def save(self, ops: TierOps, report: TierMoveReport) -> None:
+        """Drops and saves: they read device blocks that this step may reuse, so they run first."""
         drops = [op.key for op in ops.drops if op.tier == DISK]
         if drops and self.disk is not None:
             self.disk.delete(drops)
@@ -145,7 +150,7 @@ class TierMovers:
         if by_tier[HOST] and self.host is not None:
             t0 = time.perf_counter()
             self.host.swap_out(self.kv_cache, [(op.block, op.slot) for op in by_tier[HOST]])
-            timed(HOST, len(by_tier[HOST]), t0)
+            self._timed(report, HOST, len(by_tier[HOST]), t0)
         for tier, target in ((DISK, self.disk), (STORE, self.store)):
             saves = by_tier[tier]
             if saves and target is not None:
@@ -156,14 +161,18 @@ class TierMovers:
                     target.save(data, [op.key for op in saves])
                 except OSError as exc:  # a full disk or a lost store loses cache, never a request
                     logger.warning("saving %d KV blocks to the %s tier failed: %s", len(saves), tier, exc)
-                timed(tier, len(saves), t0)
+                self._timed(report, tier, len(saves), t0)
+
+    def load(self, ops: TierOps, report: TierMoveReport) -> None:
+        """Loads: they write device blocks, so they run after every read of the step (saves,
+        swap-outs). A load that fails marks its device block in `report.failed_blocks`."""
         loads: dict[str, list] = {HOST: [], DISK: [], STORE: []}
         for op in ops.loads:
             loads[op.tier].append(op)
         if loads[HOST] and self.host is not None:
             t0 = time.perf_counter()
             self.host.swap_in(self.kv_cache, [(op.slot, op.block) for op in loads[HOST]])
-            timed(HOST, len(loads[HOST]), t0)
+            self._timed(report, HOST, len(loads[HOST]), t0)
         for tier, source in ((DISK, self.disk), (STORE, self.store)):
             todo = loads[tier]
             if not todo:
@@ -180,7 +189,6 @@ class TierMovers:
                 continue
             idx = torch.tensor([op.block for op in todo], dtype=torch.long, device=self.kv_cache.data.device)
             self._blocks()[:, :, idx] = data.permute(1, 2, 0, 3, 4, 5).to(self.kv_cache.data.device)
-            timed(tier, len(todo), t0)
+            self._timed(report, tier, len(todo), t0)
         if self.kv_cache.data.device.type == "cuda":
             torch.cuda.synchronize(self.kv_cache.data.device)
-        return report

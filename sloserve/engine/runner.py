@@ -75,14 +75,19 @@ class ModelRunner:
         self.last_swap_s, self.last_swap_blocks = 0.0, 0
         report = TierMoveReport()
         try:
+            # Reads of this step's device blocks first (tier saves, swap-outs), then writes
+            # (swap-ins, tier loads, copies), then the forward.
+            movers = self.tier_movers
+            if plan.tier_ops and movers is None:
+                raise RuntimeError("the plan moves KV to or from lower tiers but the engine has none")
             if plan.tier_ops:
-                if self.tier_movers is None:
-                    raise RuntimeError("the plan moves KV to or from lower tiers but the engine has none")
-                report = self.tier_movers.run(plan.tier_ops)
+                movers.save(plan.tier_ops, report)
             if plan.swap_out or plan.swap_in:
                 t_swap = time.perf_counter()
                 self._swap(plan)
                 self.last_swap_s = time.perf_counter() - t_swap
+            if plan.tier_ops:
+                movers.load(plan.tier_ops, report)
             if plan.copies:
                 self.kv_cache.copy_blocks([(op.src, op.dst) for op in plan.copies])
         except Exception as exc:

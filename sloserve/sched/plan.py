@@ -56,9 +56,9 @@ class StepPlan:
     # handed to another request in this very step; then swap_in (host block, device block).
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
-    # Prefix-cache tier moves (kv/tiers.py). They run first of all: drops and saves read or
-    # forget what the tiers and the device blocks hold now; loads write device blocks after
-    # the swap-outs have read theirs.
+    # Prefix-cache tier moves (kv/tiers.py). Drops and saves run first of all (they read the
+    # device blocks this step reuses), then the swaps, then the loads (they write device blocks
+    # a swap-out of this step may have read), then the copies.
     tier_ops: TierOps = field(default_factory=TierOps)
 
     @property

@@ -28,12 +28,13 @@ from sloserve.config import SchedulerConfig
 from sloserve.kv.manager import CopyOp, KVCacheManager
 from sloserve.kv.tiers import TierHit
 from sloserve.sched.chunking import prefill_token_cap, tbt_slack
-from sloserve.sched.costs import StepCostEstimator, StepLoad, SwapCostEstimator, TierCostEstimator
+from sloserve.sched.costs import StepCostEstimator, StepLoad, SwapCostEstimator, TierCostEstimator, prefill_time
 from sloserve.sched.drafts import make_proposer
 from sloserve.sched.live_state import LiveInstanceState, Moment
 from sloserve.sched.plan import DecodeRunPlan, ScheduledRequest, StepPlan, StepResult
 from sloserve.sched.policies import SchedulingPolicy, make_policy
 from sloserve.sched.preemption import SWAP, PreemptionChoice, choose_preemption
+from sloserve.sched.rotation import pick_victim
 from sloserve.sched.tier_loads import choose_tier_prefix
 from sloserve.sched.speculation import Speculator
 from sloserve.sched.state import InstanceState
@@ -389,7 +390,7 @@ class Scheduler:
             ops = self.kv.allocate_slots(request, n)
             if ops is not None:
                 break
-            victim = self._pick_victim()
+            victim = self._pick_victim(step.now)
             self._preempt(victim, step)
             if victim is request:
                 return
@@ -638,8 +639,14 @@ class Scheduler:
         return ScheduledRequest(request, request.num_computed_tokens, n, self.kv.block_table(request.request_id),
                                 samples)
 
-    def _pick_victim(self) -> Request:
-        return self.running[-1]  # the lowest-ranked running request
+    def _pick_victim(self, now: float) -> Request:
+        return pick_victim(self.running, self.config.preemption_victim, now, self._restore_s)
+
+    def _restore_s(self, request: Request) -> float:
+        """Least time to bring a preempted request back: its KV swapped out and in, or recomputed."""
+        if self.config.preemption_mode != "recompute" and self.swap_cost is not None:
+            return 2.0 * self.swap_cost.swap_time(self.kv.blocks_to_swap(request))
+        return prefill_time(self.estimator, 0, request.num_computed_tokens, self._chunk_cap())
 
     def _preempt(self, victim: Request, step: _StepBuild) -> None:
         """Take a running request off the device: swap its KV to the host tier or drop it for
