@@ -70,6 +70,9 @@ class TieredShadow:
             content = list(self.device[op.block])
             assert None not in content, f"saving a block that is not full: {content}"
             self._tier(op.tier)[op.slot if op.tier == HOST else op.key] = (op.key, content)
+        for op in ops.promotes:  # (behind the step on the engine; before this step's loads either way)
+            key, content = self._tier(op.tier)[op.key]
+            self.host[op.slot] = (key, list(content))
         for dev, host in plan.swap_out:  # the runner's order: saves, swaps, loads, copies
             self.swap_space[host] = list(self.device[dev])
         for host, dev in plan.swap_in:

@@ -23,9 +23,9 @@ OTHERS = [f"Write a list of {n} fruits that grow in cold climates and say why ea
           for n in range(3, 9)]
 
 
-def config(num_blocks: int, **cache) -> EngineConfig:
+def config(num_blocks: int, max_seqs: int = 64, **cache) -> EngineConfig:
     return EngineConfig(**EXACT, num_threads=1, cache=CacheConfig(num_blocks=num_blocks, **cache),
-                        scheduler=SchedulerConfig(max_num_batched_tokens=64))
+                        scheduler=SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=max_seqs))
 
 
 def chat(llm: LLM) -> list[int]:
@@ -65,6 +65,15 @@ def test_disk_tier_survives_a_restart_and_a_lost_file_is_recomputed(recomputed, 
     out = again.generate([SECOND], GREEDY)[0]
     assert out.token_ids == recomputed
     assert again.engine.kv.tiers.stats()[DISK].loaded >= 3
+
+    # With a host tier too, a request waiting behind another has its prefix prefetched from disk
+    # into host memory (on a background thread) and is admitted with host loads.
+    waiting = LLM(config=config(12, disk_tier_dir=str(tmp_path), disk_tier_gib=0.05, host_tier_gib=0.05,
+                                max_seqs=1))
+    outs = waiting.generate([OTHERS[0], SECOND], GREEDY)
+    assert outs[1].token_ids == recomputed
+    assert waiting.engine.scheduler.stats.num_tier_prefetches >= 3
+    assert waiting.engine.kv.tiers.stats()[HOST].loaded >= 3
 
     # Delete every stored block behind the tier's back: the load fails, the request recomputes.
     third = LLM(config=config(12, disk_tier_dir=str(tmp_path), disk_tier_gib=0.05))

@@ -14,6 +14,7 @@ import hashlib
 import logging
 import os
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -108,6 +109,7 @@ class TierMoveReport:
     blocks: dict[str, int] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
     failed_blocks: set[int] = field(default_factory=set)
+    lost_keys: set[int] = field(default_factory=set)  # prefetches that did not arrive: no tier holds them now
 
     @property
     def total_s(self) -> float:
@@ -123,15 +125,52 @@ class TierMovers:
         self.host = HostKVPool(kv_cache, host_blocks) if host_blocks > 0 else None
         self.disk = disk
         self.store = store  # a KVStoreClient (engine/kv_store.py) or None
+        # Prefetches into host memory run on this thread behind the step's compute; the next
+        # step's KV moves wait for them first (they may read or reuse those host rows).
+        self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-prefetch") \
+            if self.host is not None and (disk is not None or store is not None) else None
+        self._promoting: Optional[Future] = None
+        self._bad_host_keys: set[int] = set()
+
+    def finish_prefetches(self, report: TierMoveReport) -> None:
+        """Wait for the previous step's prefetches; keys that did not arrive are lost."""
+        if self._promoting is None:
+            return
+        future, self._promoting = self._promoting, None
+        bad, seconds, count = future.result()  # (ran behind a step: not this step's time)
+        self._bad_host_keys |= bad
+        report.lost_keys |= bad
+        logger.debug("prefetched %d KV blocks into host memory in %.3f s", count, seconds)
+
+    def _promote(self, promotes: list) -> tuple[set[int], float, int]:
+        t0 = time.perf_counter()
+        bad: set[int] = set()
+        assert self.host is not None
+        for tier, source in ((DISK, self.disk), (STORE, self.store)):
+            todo = [op for op in promotes if op.tier == tier]
+            if not todo:
+                continue
+            try:
+                if source is None:
+                    raise OSError(f"no {tier} tier")
+                data = source.load([op.key for op in todo])
+            except OSError as exc:
+                logger.warning("prefetching %d KV blocks from the %s tier failed: %s", len(todo), tier, exc)
+                bad.update(op.key for op in todo)
+                continue
+            slots = torch.tensor([op.slot for op in todo], dtype=torch.long)
+            self.host.data[:, :, slots] = data.permute(1, 2, 0, 3, 4, 5)
+        return bad, time.perf_counter() - t0, len(promotes)
 
     def _blocks(self) -> torch.Tensor:
         return HostKVPool._blocks(self.kv_cache)
 
     def run(self, ops: TierOps) -> TierMoveReport:
-        """Every move of `ops` (no swaps in between): saves, then loads."""
+        """Every move of `ops` (no swaps in between): saves, then loads; prefetches are waited for."""
         report = TierMoveReport()
         self.save(ops, report)
         self.load(ops, report)
+        self.finish_prefetches(report)
         return report
 
     @staticmethod
@@ -140,7 +179,9 @@ class TierMovers:
         report.seconds[tier] = report.seconds.get(tier, 0.0) + time.perf_counter() - t0
 
     def save(self, ops: TierOps, report: TierMoveReport) -> None:
-        """Drops and saves: they read device blocks that this step may reuse, so they run first."""
+        """Drops and saves: they read device blocks that this step may reuse, so they run first
+        (after the previous step's prefetches, whose host rows a save may reuse)."""
+        self.finish_prefetches(report)
         drops = [op.key for op in ops.drops if op.tier == DISK]
         if drops and self.disk is not None:
             self.disk.delete(drops)
@@ -168,7 +209,11 @@ class TierMovers:
         swap-outs). A load that fails marks its device block in `report.failed_blocks`."""
         loads: dict[str, list] = {HOST: [], DISK: [], STORE: []}
         for op in ops.loads:
+            if op.tier == HOST and op.key in self._bad_host_keys:
+                report.failed_blocks.add(op.block)  # its prefetch never arrived
+                continue
             loads[op.tier].append(op)
+        self._bad_host_keys.clear()
         if loads[HOST] and self.host is not None:
             t0 = time.perf_counter()
             self.host.swap_in(self.kv_cache, [(op.slot, op.block) for op in loads[HOST]])
@@ -192,3 +237,5 @@ class TierMovers:
             self._timed(report, tier, len(todo), t0)
         if self.kv_cache.data.device.type == "cuda":
             torch.cuda.synchronize(self.kv_cache.data.device)
+        if ops.promotes and self._background is not None:
+            self._promoting = self._background.submit(self._promote, list(ops.promotes))

@@ -409,8 +409,10 @@ class LLMEngine:
             try:
                 result = self.runner.execute(plan)
             except TierLoadFailed as lost:
+                self._forget_lost_prefetches()
                 plan = self._recompute_lost_loads(plan, lost.failed_blocks)
                 result = self.runner.execute(plan)
+            self._forget_lost_prefetches()
         except KVTransferError:
             raise  # the KV pool itself is in doubt: an engine fault
         except Exception as exc:
@@ -475,6 +477,13 @@ class LLMEngine:
         if not kept and len(plan.scheduled) > 1:
             raise exc  # several requests that each fail alone: the engine, not their input
         return StepPlan(plan.step_id, plan.now, kept, preempted=plan.preempted), result, failed
+
+    def _forget_lost_prefetches(self) -> None:
+        """Blocks whose prefetch into host memory failed are in no tier any more."""
+        lost = self.runner.last_tier_report.lost_keys
+        for key in lost:
+            self.kv.tiers.lost(key)
+        lost.clear()
 
     def _recompute_lost_loads(self, plan: StepPlan, failed_blocks: set[int]) -> StepPlan:
         """Tier loads into `failed_blocks` did not arrive: forget those blocks as cached, send

@@ -190,6 +190,20 @@ class KVCacheManager:
             keys.extend(tier.keys()[-(max_keys - len(keys)):])
         return keys
 
+    def prefetch_from_tiers(self, request: Request) -> int:
+        """Stage a waiting request's prefix blocks that sit on disk or in the store into the host
+        tier ahead of its admission (HiCache's prefetch). Returns the blocks planned."""
+        if self.tiers.host is None or not (self.tiers.disk is not None or self.tiers.store is not None):
+            return 0
+        if not self.enable_prefix_caching or request.request_id in self._tables:
+            return 0
+        device = 0
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hashes = self.request_hashes(request)[:max_blocks]
+        while device < len(hashes) and self.pool.lookup(hashes[device]) is not None:
+            device += 1
+        return self.tiers.prefetch(self.tiers.find(hashes[device:]))
+
     def take_tier_ops(self) -> TierOps:
         """Tier moves planned since the last step: the executor runs them before this one."""
         return self.tiers.take_ops()

@@ -43,10 +43,13 @@ class TierOps:
 
     drops: list[TierOp] = field(default_factory=list)
     saves: list[TierOp] = field(default_factory=list)
+    # Prefetches of a waiting request's prefix from disk or the store into the host tier
+    # (`tier` is the source, `slot` the host row; `block` is -1): they run behind the step.
+    promotes: list[TierOp] = field(default_factory=list)
     loads: list[TierOp] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.drops or self.saves or self.loads)
+        return bool(self.drops or self.saves or self.promotes or self.loads)
 
 
 
@@ -268,11 +271,33 @@ class KVTiers:
             if forget is not None:
                 forget([key])
 
+    def prefetch(self, hits: Sequence[TierHit]) -> int:
+        """Copy the disk or store hits of a request still waiting into the host tier, so its
+        admission loads them over the fast link. Returns how many were planned."""
+        host = self.host
+        if host is None:
+            return 0
+        n = 0
+        for hit in hits:
+            if hit.tier == HOST or hit.key in host:
+                continue
+            admitted = host.admit(hit.key, self._busy)
+            if admitted is None:
+                break
+            slot, dropped = admitted
+            if dropped is not None:
+                self._forget(host, dropped)
+            self._busy.add(hit.key)
+            self._ops.promotes.append(TierOp(hit.tier, hit.key, -1, slot))
+            host.stats.saved += 1
+            n += 1
+        return n
+
     def take_ops(self) -> TierOps:
-        """The moves planned since the last call, for the step about to be planned; keys loaded
-        by the previous step may be evicted again."""
+        """The moves planned since the last call, for the step about to be planned. Keys loaded
+        or prefetched by it stay unevictable until the next call; the previous step's are free."""
         ops, self._ops = self._ops, TierOps()
-        self._busy = {op.key for op in ops.loads}
+        self._busy = {op.key for op in ops.loads} | {op.key for op in ops.promotes}
         return ops
 
     def pending(self) -> TierOps:

@@ -80,6 +80,8 @@ class StepLoad:
             loads[op.tier] += 1
         for op in tier.saves:
             saves[op.tier] += 1
+        for op in tier.promotes:  # behind the step too, bound by the source tier's link
+            saves[op.tier] += 1
         return StepLoad(tokens, sampled, decodes, dctx, pattn, pctx, len(plan.swap_out) + len(plan.swap_in) + loads[HOST],
                         loads[DISK], loads[STORE], (saves[HOST], saves[DISK], saves[STORE]))
 

@@ -58,6 +58,7 @@ class SchedulerStats:
     num_migrated_out: int = 0  # requests handed to another instance with their KV
     num_migrated_in: int = 0
     num_tier_loads: int = 0  # prefix blocks copied back from a lower KV tier instead of recomputed
+    num_tier_prefetches: int = 0  # of those, blocks staged from disk or the store into host memory while waiting
 
     @property
     def mean_batch_size(self) -> float:
@@ -99,6 +100,10 @@ class _StepBuild:
                 self.prefill_left += item.num_new_tokens
 
 
+# Waiting requests whose prefixes are staged into host memory ahead of admission, per step.
+PREFETCH_AHEAD = 4
+
+
 class Scheduler:
     def __init__(
         self,
@@ -125,6 +130,9 @@ class Scheduler:
         self.estimator = estimator
         self.swap_cost = swap_cost
         self.tier_cost = tier_cost
+        tiers = kv.tiers
+        self._prefetch = tiers.host is not None and (tiers.disk is not None or tiers.store is not None)
+        self._prefetched: set[str] = set()  # waiting requests whose prefix was staged already
         self.policy.bind(estimator, self._chunk_cap())
         # The policy, when it wants service reports (fair sharing); None keeps every hot loop free of them.
         self._tracker: Optional[SchedulingPolicy] = self.policy if self.policy.tracks_service else None
@@ -307,6 +315,8 @@ class Scheduler:
                     break  # head-of-line: later requests wait behind it rather than overtake
         if self.speculator is not None and step.budget > 0:
             self._plan_drafts(decodes, step)
+        if self._prefetch:
+            self._prefetch_waiting()
 
         scheduled = [step.planned[r.request_id] for r in self.running if r.request_id in step.planned]
         self._step_id += 1
@@ -325,6 +335,16 @@ class Scheduler:
             swap_in=step.swap_in,
             tier_ops=self.kv.take_tier_ops(),
         )
+
+    def _prefetch_waiting(self) -> None:
+        """Stage the prefixes of the next few waiting requests from disk or the store into host
+        memory while they wait (each request once), so their admission loads over the fast link."""
+        for request in self.waiting[:PREFETCH_AHEAD]:
+            rid = request.request_id
+            if rid in self._prefetched or request.status is RequestStatus.SWAPPED:
+                continue
+            self._prefetched.add(rid)
+            self.stats.num_tier_prefetches += self.kv.prefetch_from_tiers(request)
 
     def _plan_prefills_interleaved(self, prefills: list[Request], step: _StepBuild) -> None:
         seqs, now = self._seq, step.now
@@ -693,6 +713,7 @@ class Scheduler:
         return None
 
     def _finish(self, request: Request, reason: FinishReason, now: float) -> None:
+        self._prefetched.discard(request.request_id)
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
         elif request.status is RequestStatus.MIGRATING:
