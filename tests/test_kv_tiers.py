@@ -338,3 +338,25 @@ def test_slack_rotation_keeps_every_request_correct_under_pressure(mode):
     requests = [make_request(f"r{i}", 6 + i % 5, max_tokens=8, qos=qos) for i in range(8)]
     out = run(sched, TieredShadow(10, {}), requests)
     assert len(out) == 8 and sched.stats.num_preemptions > 0
+
+
+def test_prefix_affinity_routes_to_the_instance_whose_host_tier_holds_the_prefix():
+    from sloserve.cluster.routers.prefix_affinity import PrefixAffinityRouter
+    from sloserve.sched.state import InstanceState, KeySetIndex
+
+    prompt = list(range(1, 23))
+    instances = []
+    for host in (0, 64):  # the same traffic on both; only the second keeps evicted blocks in host memory
+        sched = tiered_scheduler(12, KVTiers(host_blocks=host))
+        shadow = TieredShadow(12, {})
+        run(sched, shadow, [Request("a", list(prompt), SamplingParams(max_tokens=3, temperature=0.0), tenant="t")])
+        run(sched, shadow, conversation("b", 1, list(range(100, 130)), "t"))  # evicts a's prefix from the device
+        instances.append(sched.kv)
+    probe = Request("probe", list(prompt), SamplingParams(max_tokens=3), tenant="t")
+    hashes = instances[1].request_hashes(probe)[:5]
+    held = instances[1].held_keys()
+    assert any(instances[1].pool.lookup(h) is None for h in hashes) and all(h in held for h in hashes)
+    assert len(instances[1].newest_held_keys(1000)) > len(instances[0].newest_held_keys(1000))
+    states = [InstanceState(0, 0, 0, 0, 12, 12, 0, 0.0, float("inf"), block_size=BS,
+                            prefix_index=KeySetIndex(kv.held_keys())) for kv in instances]
+    assert PrefixAffinityRouter().route(probe, states) == 1
