@@ -16,6 +16,7 @@ for a back-off period, and a load that misses makes its requests recompute (engi
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import OrderedDict
 from typing import Iterable, Sequence
@@ -47,6 +48,7 @@ class KVStoreClient:
         self.dtype = dtype
         self.bytes_per_block = int(np.prod(block_shape)) * torch.empty((), dtype=dtype).element_size()
         self._known: OrderedDict[BlockHash, None] = OrderedDict()
+        self._lock = threading.Lock()  # saves run on the engine's tier thread, lookups on its step thread
         self._remember = remember
         self._backoff_s = backoff_s
         self._down_until = 0.0
@@ -64,8 +66,9 @@ class KVStoreClient:
     # ---- the SharedIndex the KV manager asks --------------------------------------------
     def leading(self, keys: Sequence[BlockHash]) -> int:
         n = 0
-        while n < len(keys) and keys[n] in self._known:
-            n += 1
+        with self._lock:
+            while n < len(keys) and keys[n] in self._known:
+                n += 1
         if n == len(keys) or not self._up():
             return n
         rest = keys[n:]
@@ -88,15 +91,17 @@ class KVStoreClient:
         self._note(keys)
 
     def forget(self, keys: Iterable[BlockHash]) -> None:
-        for key in keys:
-            self._known.pop(key, None)
+        with self._lock:
+            for key in keys:
+                self._known.pop(key, None)
 
     def _note(self, keys: Iterable[BlockHash]) -> None:
-        for key in keys:
-            self._known[key] = None
-            self._known.move_to_end(key)
-        while len(self._known) > self._remember:
-            self._known.popitem(last=False)
+        with self._lock:
+            for key in keys:
+                self._known[key] = None
+                self._known.move_to_end(key)
+            while len(self._known) > self._remember:
+                self._known.popitem(last=False)
 
     # ---- the byte mover the engine's TierMovers calls -----------------------------------
     def save(self, blocks: torch.Tensor, keys: list[BlockHash]) -> None:

@@ -125,25 +125,32 @@ class TierMovers:
         self.host = HostKVPool(kv_cache, host_blocks) if host_blocks > 0 else None
         self.disk = disk
         self.store = store  # a KVStoreClient (engine/kv_store.py) or None
-        # Prefetches into host memory run on this thread behind the step's compute; the next
-        # step's KV moves wait for them first (they may read or reuse those host rows).
-        self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-prefetch") \
-            if self.host is not None and (disk is not None or store is not None) else None
-        self._promoting: Optional[Future] = None
+        # Disk and store writes, and prefetches into host memory, run on this thread behind the
+        # step's compute, in submission order; the next step's moves wait for them first (a drop
+        # may delete a file being written, a save may reuse a host row being filled), and so
+        # does a load from disk or the store in the same step (it may read a block just saved).
+        self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-tiers") \
+            if disk is not None or store is not None else None
+        self._pending: list[Future] = []
         self._bad_host_keys: set[int] = set()
 
-    def finish_prefetches(self, report: TierMoveReport) -> None:
-        """Wait for the previous step's prefetches; keys that did not arrive are lost."""
-        if self._promoting is None:
-            return
-        future, self._promoting = self._promoting, None
-        bad, seconds, count = future.result()  # (ran behind a step: not this step's time)
-        self._bad_host_keys |= bad
-        report.lost_keys |= bad
-        logger.debug("prefetched %d KV blocks into host memory in %.3f s", count, seconds)
+    def finish_background(self, report: TierMoveReport) -> None:
+        """Wait for the writes and prefetches in flight; prefetched keys that did not arrive are lost."""
+        pending, self._pending = self._pending, []
+        for future in pending:
+            bad = future.result()  # (ran behind a step: not this step's time)
+            if bad:
+                self._bad_host_keys |= bad
+                report.lost_keys |= bad
 
-    def _promote(self, promotes: list) -> tuple[set[int], float, int]:
-        t0 = time.perf_counter()
+    def _write(self, target, data: torch.Tensor, keys: list, tier: str) -> set[int]:
+        try:
+            target.save(data, keys)
+        except OSError as exc:  # a full disk or a lost store loses cache, never a request
+            logger.warning("saving %d KV blocks to the %s tier failed: %s", len(keys), tier, exc)
+        return set()
+
+    def _promote(self, promotes: list) -> set[int]:
         bad: set[int] = set()
         assert self.host is not None
         for tier, source in ((DISK, self.disk), (STORE, self.store)):
@@ -160,7 +167,7 @@ class TierMovers:
                 continue
             slots = torch.tensor([op.slot for op in todo], dtype=torch.long)
             self.host.data[:, :, slots] = data.permute(1, 2, 0, 3, 4, 5)
-        return bad, time.perf_counter() - t0, len(promotes)
+        return bad
 
     def _blocks(self) -> torch.Tensor:
         return HostKVPool._blocks(self.kv_cache)
@@ -170,7 +177,7 @@ class TierMovers:
         report = TierMoveReport()
         self.save(ops, report)
         self.load(ops, report)
-        self.finish_prefetches(report)
+        self.finish_background(report)
         return report
 
     @staticmethod
@@ -180,8 +187,9 @@ class TierMovers:
 
     def save(self, ops: TierOps, report: TierMoveReport) -> None:
         """Drops and saves: they read device blocks that this step may reuse, so they run first
-        (after the previous step's prefetches, whose host rows a save may reuse)."""
-        self.finish_prefetches(report)
+        (after the previous step's background work). Disk and store writes copy the blocks out
+        now and write them behind the step."""
+        self.finish_background(report)
         drops = [op.key for op in ops.drops if op.tier == DISK]
         if drops and self.disk is not None:
             self.disk.delete(drops)
@@ -194,20 +202,17 @@ class TierMovers:
             self._timed(report, HOST, len(by_tier[HOST]), t0)
         for tier, target in ((DISK, self.disk), (STORE, self.store)):
             saves = by_tier[tier]
-            if saves and target is not None:
-                t0 = time.perf_counter()
+            if saves and target is not None and self._background is not None:
                 idx = torch.tensor([op.block for op in saves], dtype=torch.long, device=self.kv_cache.data.device)
-                data = self._blocks().index_select(2, idx).to("cpu").permute(2, 0, 1, 3, 4, 5)
-                try:
-                    target.save(data, [op.key for op in saves])
-                except OSError as exc:  # a full disk or a lost store loses cache, never a request
-                    logger.warning("saving %d KV blocks to the %s tier failed: %s", len(saves), tier, exc)
-                self._timed(report, tier, len(saves), t0)
+                data = self._blocks().index_select(2, idx).to("cpu").permute(2, 0, 1, 3, 4, 5)  # a copy
+                self._pending.append(self._background.submit(self._write, target, data, [op.key for op in saves], tier))
 
     def load(self, ops: TierOps, report: TierMoveReport) -> None:
         """Loads: they write device blocks, so they run after every read of the step (saves,
         swap-outs). A load that fails marks its device block in `report.failed_blocks`."""
         loads: dict[str, list] = {HOST: [], DISK: [], STORE: []}
+        if any(op.tier != HOST for op in ops.loads):
+            self.finish_background(report)  # a block saved in this very step is read back
         for op in ops.loads:
             if op.tier == HOST and op.key in self._bad_host_keys:
                 report.failed_blocks.add(op.block)  # its prefetch never arrived
@@ -237,5 +242,5 @@ class TierMovers:
             self._timed(report, tier, len(todo), t0)
         if self.kv_cache.data.device.type == "cuda":
             torch.cuda.synchronize(self.kv_cache.data.device)
-        if ops.promotes and self._background is not None:
-            self._promoting = self._background.submit(self._promote, list(ops.promotes))
+        if ops.promotes and self._background is not None and self.host is not None:
+            self._pending.append(self._background.submit(self._promote, list(ops.promotes)))
