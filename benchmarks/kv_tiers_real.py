@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import tempfile
@@ -29,24 +28,17 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from sloserve.config import CacheConfig, EngineConfig, SchedulerConfig
-from sloserve.engine.llm_engine import LLMEngine
-from sloserve.types import SamplingParams
-from sloserve.workload.traces import load_sharegpt, shared_path
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from migration_downtime import cpu_model  # noqa: E402  (the CPU's model name, as every real benchmark writes it)
+
+from sloserve.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
+from sloserve.engine.llm_engine import LLMEngine  # noqa: E402
+from sloserve.types import SamplingParams  # noqa: E402
+from sloserve.workload.traces import load_sharegpt, shared_path  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 FOLLOW_UPS = ["Can you say that more briefly?", "Give me one concrete example.", "What is the main risk here?",
               "How would you explain it to a child?", "Summarise your answer in one line."]
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def engine(num_blocks: int, threads: int, **cache) -> LLMEngine:

@@ -150,19 +150,25 @@ class TierMovers:
             logger.warning("saving %d KV blocks to the %s tier failed: %s", len(keys), tier, exc)
         return set()
 
+    def _read(self, tier: str, todo: list, what: str) -> Optional[torch.Tensor]:
+        """The blocks of `todo` from the disk or the store, (n, *block_shape) on the CPU; None
+        (logged) when any of them cannot be read."""
+        source = self.disk if tier == DISK else self.store
+        try:
+            if source is None:
+                raise OSError(f"no {tier} tier")
+            return source.load([op.key for op in todo])
+        except OSError as exc:
+            logger.warning("%s %d KV blocks from the %s tier failed: %s", what, len(todo), tier, exc)
+            return None
+
     def _promote(self, promotes: list) -> set[int]:
         bad: set[int] = set()
         assert self.host is not None
-        for tier, source in ((DISK, self.disk), (STORE, self.store)):
+        for tier in (DISK, STORE):
             todo = [op for op in promotes if op.tier == tier]
-            if not todo:
-                continue
-            try:
-                if source is None:
-                    raise OSError(f"no {tier} tier")
-                data = source.load([op.key for op in todo])
-            except OSError as exc:
-                logger.warning("prefetching %d KV blocks from the %s tier failed: %s", len(todo), tier, exc)
+            data = self._read(tier, todo, "prefetching") if todo else None
+            if data is None:
                 bad.update(op.key for op in todo)
                 continue
             slots = torch.tensor([op.slot for op in todo], dtype=torch.long)
@@ -223,18 +229,13 @@ class TierMovers:
             t0 = time.perf_counter()
             self.host.swap_in(self.kv_cache, [(op.slot, op.block) for op in loads[HOST]])
             self._timed(report, HOST, len(loads[HOST]), t0)
-        for tier, source in ((DISK, self.disk), (STORE, self.store)):
+        for tier in (DISK, STORE):
             todo = loads[tier]
             if not todo:
                 continue
             t0 = time.perf_counter()
-            try:
-                if source is None:
-                    raise OSError(f"no {tier} tier")
-                data = source.load([op.key for op in todo])
-            except OSError as exc:
-                logger.warning("loading %d KV blocks from the %s tier failed (recomputing them): %s",
-                               len(todo), tier, exc)
+            data = self._read(tier, todo, "loading (recomputing instead)")
+            if data is None:
                 report.failed_blocks.update(op.block for op in todo)
                 continue
             idx = torch.tensor([op.block for op in todo], dtype=torch.long, device=self.kv_cache.data.device)
