@@ -213,6 +213,12 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                 "capacity_rps": fleet.capacity_rps, "cold_start_s": fleet.cold_start_s if fleet.autoscale else None,
                 "scaling": result.scaling,
                 "preemptions": sum(i.scheduler.stats.num_preemptions for i in sim.instances),
+                "prefix_hit_rate": (sum(i.kv.stats.hits for i in sim.instances)
+                                    / max(1, sum(i.kv.stats.queries for i in sim.instances))),
+                "kv_tiers": {"host_gib": fleet.cache.host_tier_gib, "disk_gib": fleet.cache.disk_tier_gib,
+                             "store_gib": fleet.kv_store_gib,
+                             "loads": sum(i.scheduler.stats.num_tier_loads for i in sim.instances),
+                             "prefetches": sum(i.scheduler.stats.num_tier_prefetches for i in sim.instances)},
                 "num_requests": len(stream), "completed": result.num_finished, "rejected": len(stream) - result.num_finished,
                 "sim_end_s": result.end_time, "wall_s": wall, "events": result.num_events,
                 "speedup_vs_real_time": result.end_time / wall if wall > 0 else None,

@@ -48,6 +48,8 @@ ROWS = (
 CONFIG_ROWS = (
     ("instance-hours", lambda c: (c.get("scaling") or {}).get("instance_hours"), False),
     ("cold starts", lambda c: (c.get("scaling") or {}).get("cold_starts"), False),
+    ("prefix hit rate", lambda c: c.get("prefix_hit_rate"), True),
+    ("KV tier loads", lambda c: (c.get("kv_tiers") or {}).get("loads"), True),
 )
 
 
