@@ -167,6 +167,11 @@ class Request:
     cache_salt: Optional[str] = None
     priority: Optional[int] = None  # overrides qos.priority when set
     predicted_output_len: Optional[int] = None
+    # What the scheduler expects at arrival (policies that price prefills ask for it): prompt
+    # tokens a prefix hit will skip, on the device or in a lower KV tier, and the seconds
+    # loading the tier's part will take. An estimate: the caches may change before admission.
+    expected_cached_tokens: int = 0
+    expected_load_s: float = 0.0
     max_output_tokens: Optional[int] = None  # max_tokens clipped to the context window
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING

@@ -360,3 +360,27 @@ def test_prefix_affinity_routes_to_the_instance_whose_host_tier_holds_the_prefix
     states = [InstanceState(0, 0, 0, 0, 12, 12, 0, 0.0, float("inf"), block_size=BS,
                             prefix_index=KeySetIndex(kv.held_keys())) for kv in instances]
     assert PrefixAffinityRouter().route(probe, states) == 1
+
+
+def test_the_slo_policy_expects_a_tier_hit_and_prices_its_load():
+    from sloserve.types import QoSClass
+
+    kv = KVCacheManager(12, BS, enable_prefix_caching=True, watermark=0.0, tiers=KVTiers(host_blocks=64))
+    cost = FixedTierCost({HOST: 0.002})
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=4, policy="slo"), kv, 48,
+                      eos_token_ids=(), estimator=PerTokenCost(), tier_cost=cost)
+    shadow = TieredShadow(12, {})
+    prompt = list(range(1, 23))
+    run(sched, shadow, [Request("a", list(prompt), SamplingParams(max_tokens=3, temperature=0.0), tenant="t")])
+    for other in "bc":
+        run(sched, shadow, conversation(other, 1, list(range(100, 130)), "t"))
+    qos = QoSClass("i", ttft_target_s=1.0, tbt_target_s=0.1)
+    again = Request("a2", list(prompt), SamplingParams(max_tokens=3, temperature=0.0), tenant="t", qos=qos)
+    fresh = Request("f", list(range(500, 522)), SamplingParams(max_tokens=3, temperature=0.0), tenant="t", qos=qos)
+    sched.add_request(again)
+    sched.add_request(fresh)
+    assert again.expected_cached_tokens == 5 * BS and fresh.expected_cached_tokens == 0
+    loaded = 5 - sum(kv.pool.lookup(h) is not None for h in kv.request_hashes(again)[:5])
+    assert again.expected_load_s == pytest.approx(0.002 * loaded)
+    policy = sched.policy
+    assert policy.min_prefill_time(again) < policy.min_prefill_time(fresh)

@@ -18,6 +18,7 @@ SLO-aware decisions need come from an injected estimator (sched/costs.py).
 from __future__ import annotations
 
 import bisect
+from collections import Counter
 import heapq
 import logging
 import math
@@ -177,7 +178,24 @@ class Scheduler:
         self._next_seq += 1
         if self._tracker is not None:
             self._tracker.on_arrival(request)
+        if self.policy.prices_prefills and self.kv.enable_prefix_caching:
+            self._expect_prefix(request)
         self._enqueue_waiting(request, now=request.arrival_time)
+
+    def _expect_prefix(self, request: Request) -> None:
+        """What the request's prompt would hit now: on the device, and in lower tiers (the part
+        `choose_tier_prefix` would load, with its load time), for the policy's TTFT estimates."""
+        blocks, cached = self.kv.get_computed_blocks(request)
+        hits = self.kv.find_in_tiers(request, len(blocks))
+        load_s = 0.0
+        if hits:
+            hits = hits[:choose_tier_prefix(hits, cached, request.num_tokens, self.kv.block_size,
+                                            self.estimator, self.tier_cost, self._chunk_cap())]
+            if self.tier_cost is not None:
+                per_tier = Counter(h.tier for h in hits)
+                load_s = sum(self.tier_cost.tier_time(tier, n) for tier, n in per_tier.items())
+        request.expected_cached_tokens = cached + len(hits) * self.kv.block_size
+        request.expected_load_s = load_s
 
     def abort_request(self, request_id: str, now: float = 0.0) -> bool:
         """Stop a request wherever it is and free its blocks. False if unknown or done."""

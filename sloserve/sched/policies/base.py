@@ -34,6 +34,9 @@ class SchedulingPolicy(ABC):
     preempts_for_admission: ClassVar[bool] = False
     dynamic_chunking: ClassVar[bool] = False
     tracks_service: ClassVar[bool] = False
+    # Orders by estimated prefill time: the scheduler estimates each arrival's prefix hits
+    # (request.expected_cached_tokens / expected_load_s) for it.
+    prices_prefills: ClassVar[bool] = False
 
     def bind(self, estimator: Optional[StepCostEstimator], max_chunk: int) -> None:
         """Called once by the scheduler: the step-cost estimator (or None) and the largest

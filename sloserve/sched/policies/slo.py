@@ -32,7 +32,8 @@ class SLOPolicy(SchedulingPolicy):
       the running decodes (dynamic chunking).
 
     The least remaining prefill time comes from the injected step-cost estimator (full-budget
-    chunks, nothing else in the step; prefix-cache hits not counted). Without an estimator it
+    chunks, nothing else in the step), after the prefix the scheduler expected the request to
+    hit at its arrival, plus the time to load that prefix's lower-tier part. Without an estimator it
     is 0, so a request is relegated only once its deadline has passed.
     """
 
@@ -41,6 +42,7 @@ class SLOPolicy(SchedulingPolicy):
     interleave_prefills = True
     preempts_for_admission = True
     dynamic_chunking = True
+    prices_prefills = True
 
     def __init__(self, work_weight: float = 2.0) -> None:
         self.work_weight = work_weight
@@ -66,10 +68,15 @@ class SLOPolicy(SchedulingPolicy):
 
     # ---- the pieces of the key -------------------------------------------------------
     def min_prefill_time(self, request: Request) -> float:
-        """Least time until this request's first token if it ran alone from now on."""
+        """Least time until this request's first token if it ran alone from now on: a request
+        not yet admitted skips the prefix the scheduler expects it to hit, and pays for loading
+        the part of it that sits in a lower KV tier."""
         start, end = request.num_computed_tokens, request.num_prompt_tokens
+        load_s = 0.0
+        if request.first_scheduled_time is None and request.expected_cached_tokens > start:
+            start, load_s = request.expected_cached_tokens, request.expected_load_s
         if self._estimator is None or end <= start:
-            return 0.0
+            return load_s
         if self._version is not None and self._version != self._estimator.num_observed:  # type: ignore[attr-defined]
             self._refresh()
         cached = self._prefill_cache.get((start, end))
@@ -77,7 +84,7 @@ class SLOPolicy(SchedulingPolicy):
             if len(self._prefill_cache) >= _CACHE_LIMIT:
                 self._prefill_cache.clear()
             cached = self._prefill_cache[(start, end)] = prefill_time(self._estimator, start, end - start, self._chunk)
-        return cached
+        return cached + load_s
 
     def is_relegated(self, request: Request, now: float) -> bool:
         """True only when the TTFT deadline is already unmeetable."""
