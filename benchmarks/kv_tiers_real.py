@@ -83,6 +83,44 @@ def run_chats(eng: LLMEngine, firsts: list[str], turns: int, max_tokens: int, pr
     return results, histories
 
 
+class KVStore:
+    def __init__(self, proc, url: str):
+        self.proc, self.url = proc, url
+
+
+def start_kv_store() -> KVStore:
+    """`sloserve kv-store` on a free loopback port (the shared tier's Valkey/Redis server)."""
+    import socket
+    import subprocess
+
+    import redis
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "sloserve.cli", "kv-store", "--port", str(port),
+                             "--max-memory-gib", "2"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"redis://127.0.0.1:{port}/0"
+    for _ in range(200):
+        try:
+            redis.Redis.from_url(url).ping()
+            return KVStore(proc, url)
+        except redis.exceptions.ConnectionError:
+            time.sleep(0.05)
+    proc.kill()
+    raise SystemExit("kv_tiers_real: the KV store did not start (is redis-server installed? `make install`)")
+
+
+def measured_links(eng: LLMEngine) -> dict:
+    """Each tier's copy speed as the engine measured it while serving (GB/s, one way: a moving
+    average over its loads, from a first guess); tiers nothing was loaded from are left out."""
+    if eng.tier_cost is None:
+        return {}
+    stats = eng.kv.tiers.stats()
+    return {tier: link.bandwidth / 1e9 for tier, link in eng.tier_cost.links.items()
+            if tier in stats and stats[tier].loaded > 0}
+
+
 def summary(results: list[dict], eng: LLMEngine) -> dict:
     ttfts = sorted(r["ttft_s"] for r in results)
     later = [r for r in results if r["turn"] > 0]
@@ -113,10 +151,12 @@ def main() -> int:
               if r.prompt_text and len(r.prompt_text) > args.first_turn_chars // 2][:args.conversations]
     console = Console()
     disk_dir = Path(tempfile.mkdtemp(prefix="sloserve-kv-bench-"))
+    store = start_kv_store()
     layouts = {"device": {}, "+host": {"host_tier_gib": args.host_gib},
                "+disk": {"disk_tier_dir": str(disk_dir), "disk_tier_gib": args.disk_gib},
                "+host+disk": {"host_tier_gib": args.host_gib, "disk_tier_dir": str(disk_dir / "both"),
-                              "disk_tier_gib": args.disk_gib}}
+                              "disk_tier_gib": args.disk_gib},
+               "+store": {"kv_store_url": store.url}}
     out = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "cpu": cpu_model(),
            "args": vars(args), "layouts": {}}
     per_run = args.conversations * args.turns
@@ -129,7 +169,8 @@ def main() -> int:
             tokens = [r["tokens"] for r in results]
             if reference is None:
                 reference, ref_histories = tokens, histories
-            out["layouts"][name] = {**summary(results, eng), "same_tokens_as_device": tokens == reference}
+            out["layouts"][name] = {**summary(results, eng), "same_tokens_as_device": tokens == reference,
+                                    "measured_link_gb_s": measured_links(eng)}
             eng.close()  # the +disk engine writes its device cache to the disk tier here
             del eng
         # One more turn of every conversation: a restarted engine on +disk's directory, and a cold one.
@@ -139,15 +180,18 @@ def main() -> int:
                                    histories=[list(h) for h in ref_histories])
             out["layouts"][name] = summary(results, eng)
             del eng
+    store.proc.terminate()
     table = Table(title=f"{args.conversations} conversations x {args.turns} turns, {args.num_blocks}-block device pool "
                         f"({out['cpu']})")
-    for col in ("layout", "prefix hit", "later turns hit", "TTFT mean ms", "p50 ms", "p90 ms", "tier loads", "same tokens"):
+    for col in ("layout", "prefix hit", "later turns hit", "TTFT mean ms", "p50 ms", "p90 ms", "tier loads", "same tokens",
+                "measured GB/s"):
         table.add_column(col, justify="right")
     for name, s in out["layouts"].items():
         table.add_row(name, f"{100 * s['prefix_hit_rate']:.1f}%",
                       "-" if s["later_turn_hit_rate"] is None else f"{100 * s['later_turn_hit_rate']:.1f}%",
                       f"{1e3 * s['ttft_mean_s']:.0f}", f"{1e3 * s['ttft_p50_s']:.0f}", f"{1e3 * s['ttft_p90_s']:.0f}",
-                      str(s["tier_loads"]), str(s.get("same_tokens_as_device", "-")))
+                      str(s["tier_loads"]), str(s.get("same_tokens_as_device", "-")),
+                      " ".join(f"{k} {v:.2f}" for k, v in s.get("measured_link_gb_s", {}).items()) or "-")
     console.print(table)
     RESULTS.mkdir(exist_ok=True)
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
