@@ -172,6 +172,7 @@ class Request:
     # loading the tier's part will take. An estimate: the caches may change before admission.
     expected_cached_tokens: int = 0
     expected_load_s: float = 0.0
+    resume_after: float = 0.0  # rotated out for its SLO slack: not readmitted before this (sched/rotation.py)
     max_output_tokens: Optional[int] = None  # max_tokens clipped to the context window
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING

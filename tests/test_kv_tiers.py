@@ -22,7 +22,7 @@ from sloserve.sched.costs import LinkSwapCost, StepLoad, TierLinkCosts
 from sloserve.sched.plan import StepPlan, StepResult
 from sloserve.sched.scheduler import Scheduler
 from sloserve.sched.tier_loads import choose_tier_prefix
-from sloserve.types import Request, SamplingParams
+from sloserve.types import Request, RequestStatus, SamplingParams
 
 BS = 4
 
@@ -384,3 +384,34 @@ def test_the_slo_policy_expects_a_tier_hit_and_prices_its_load():
     assert again.expected_load_s == pytest.approx(0.002 * loaded)
     policy = sched.policy
     assert policy.min_prefill_time(again) < policy.min_prefill_time(fresh)
+
+
+def test_a_rotated_out_request_sits_out_half_its_slack_while_others_run():
+    from sched_helpers import make_request
+    from sloserve.types import QoSClass
+
+    kv = KVCacheManager(6, BS, enable_prefix_caching=False, watermark=0.0)
+    cfg = SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=8, preemption_victim="slack")
+    sched = Scheduler(cfg, kv, 24, eos_token_ids=())
+    relaxed = QoSClass("batch", ttft_target_s=100.0, tbt_target_s=10.0)
+    urgent = QoSClass("interactive", ttft_target_s=0.5, tbt_target_s=0.05)
+    slow = make_request("slow", 8, max_tokens=12, qos=relaxed)
+    sched.add_request(slow)
+    step = sched.schedule(0.0)
+    sched.update(step, StepResult({"slow": 1}), 0.01)
+    fast = make_request("fast", 8, max_tokens=12, arrival=0.01, qos=urgent)
+    sched.add_request(fast)
+    preempted_at = None
+    now = 0.01
+    for _ in range(40):  # 6 blocks of 4 tokens cannot hold both: the relaxed one yields
+        plan = sched.schedule(now)
+        if "slow" in plan.preempted:
+            preempted_at = now
+        now += 0.01
+        sched.update(plan, StepResult({s.request_id: 1 for s in plan.scheduled if s.samples}), now)
+        if preempted_at is not None and slow.status is not RequestStatus.RUNNING and sched.running:
+            assert slow.resume_after > now  # sits out while the urgent one runs
+        if not sched.has_unfinished():
+            break
+    assert preempted_at is not None and slow.resume_after > preempted_at
+    assert fast.is_finished and slow.is_finished

@@ -35,7 +35,7 @@ from sloserve.sched.live_state import LiveInstanceState, Moment
 from sloserve.sched.plan import DecodeRunPlan, ScheduledRequest, StepPlan, StepResult
 from sloserve.sched.policies import SchedulingPolicy, make_policy
 from sloserve.sched.preemption import SWAP, PreemptionChoice, choose_preemption
-from sloserve.sched.rotation import pick_victim
+from sloserve.sched.rotation import pick_victim, slo_slack
 from sloserve.sched.tier_loads import choose_tier_prefix
 from sloserve.sched.speculation import Speculator
 from sloserve.sched.state import InstanceState
@@ -328,8 +328,9 @@ class Scheduler:
                     break
                 if request.status is RequestStatus.RUNNING:
                     self._plan_running(request, step)
-            while self.waiting and step.budget > 0 and not step.preempted:
-                if not self._admit(self.waiting[0], step):
+            while step.budget > 0 and not step.preempted:
+                head = self._next_waiting(step.now)
+                if head is None or not self._admit(head, step):
                     break  # head-of-line: later requests wait behind it rather than overtake
         if self.speculator is not None and step.budget > 0:
             self._plan_drafts(decodes, step)
@@ -383,8 +384,21 @@ class Scheduler:
             elif admitting and request.request_id not in step.preempted and not request.is_finished:
                 if blocked is not None and request.effective_priority >= blocked:
                     continue
+                if self._deferred(request, now):
+                    continue
                 if not self._admit(request, step):
                     blocked = request.effective_priority
+
+    def _deferred(self, request: Request, now: float) -> bool:
+        """A request rotated out for its slack sits out until half of it is spent (while others
+        run: with nothing running it may come back at once, so the instance never idles)."""
+        return request.resume_after > now and bool(self.running)
+
+    def _next_waiting(self, now: float) -> Optional[Request]:
+        for request in self.waiting:
+            if not self._deferred(request, now):
+                return request
+        return None
 
     def _plan_drafts(self, decodes: list[Request], step: _StepBuild) -> None:
         """Speculation: give the decodes of a pure-decode step draft tokens from the budget it
@@ -691,6 +705,8 @@ class Scheduler:
         recompute, as the preemption mode and the costs decide. Gives back the budget it had
         taken in this step."""
         rid = victim.request_id
+        rotating = self.config.preemption_victim == "slack"
+        slack = slo_slack(victim, step.now) - self._restore_s(victim) if rotating else 0.0
         self.running.remove(victim)
         choice = choose_preemption(
             self.config.preemption_mode, victim.num_computed_tokens, self.kv.blocks_to_swap(victim),
@@ -708,6 +724,8 @@ class Scheduler:
             victim.status = RequestStatus.PREEMPTED
             self.stats.num_recomputes += 1
         self.last_preemption = choice
+        if rotating:  # it yields until half its slack is spent
+            victim.resume_after = step.now + slack / 2 if 0 < slack < math.inf else step.now
         victim.num_preemptions += 1
         self.stats.num_preemptions += 1
         logger.debug("preempted %s by %s (%d tokens computed)", rid, "swap" if pairs else "recompute",
