@@ -210,7 +210,7 @@ class FixedTierCost:
         self.per_block = per_block
 
     def tier_time(self, tier: str, num_blocks: int) -> float:
-        return self.per_block[tier] * num_blocks
+        return self.per_block.get(tier, float("inf")) * num_blocks  # a tier it has no link to: never worth it
 
 
 class PerTokenCost:
@@ -415,3 +415,35 @@ def test_a_rotated_out_request_sits_out_half_its_slack_while_others_run():
             break
     assert preempted_at is not None and slow.resume_after > preempted_at
     assert fast.is_finished and slow.is_finished
+
+
+def test_a_long_tier_load_is_paced_over_steps_beside_running_decodes():
+    tiers = KVTiers(disk_blocks=64)
+    cost = FixedTierCost({DISK: 0.004})  # 4 ms a block; a decode step here costs 1 ms + 1 ms a token
+    sched = tiered_scheduler(24, tiers, tier_cost=cost, estimator=PerTokenCost())
+    shadow = TieredShadow(24, {})
+    prompt = list(range(1, 42))  # 41 tokens: 10 blocks may be hits
+    run(sched, shadow, [Request("a", list(prompt), SamplingParams(max_tokens=2, temperature=0.0), tenant="t")])
+    for other in "bc":
+        run(sched, shadow, conversation(other, 1, list(range(100, 160)), "t"))  # pushes a's blocks to disk
+    long_decode = Request("d", list(range(300, 305)), SamplingParams(max_tokens=30, temperature=0.0), tenant="t")
+    again = Request("a2", list(prompt), SamplingParams(max_tokens=2, temperature=0.0), tenant="t")
+    sched.add_request(long_decode)
+    loads_per_step, now = [], 0.0
+    plan = sched.schedule(now)  # d prefills and starts decoding
+    shadow.execute(plan)
+    sched.update(plan, StepResult({s.request_id: 7 for s in plan.scheduled if s.samples}), now)
+    sched.add_request(again)
+    for _ in range(200):
+        if not sched.has_unfinished():
+            break
+        plan = sched.schedule(now)
+        loads_per_step.append(sum(1 for op in plan.tier_ops.loads if op.tier == DISK))
+        result = shadow.execute(plan)
+        now += result.duration_s
+        sched.update(plan, result, now)
+        sched.kv.check_invariants()
+    assert not sched.has_unfinished()
+    steps_loading = [n for n in loads_per_step if n]
+    assert len(steps_loading) >= 2 and max(steps_loading) < sum(steps_loading)  # spread over steps
+    assert again.num_cached_tokens >= 8 * BS

@@ -490,14 +490,16 @@ class LLMEngine:
         every planned request that would read one back to the queue to recompute, and return
         the rest of the plan (its KV moves have run)."""
         self.kv.forget_blocks(failed_blocks)
-        bs = self.kv.block_size
-        kept, lost = [], []
-        for item in plan.scheduled:
-            reads = item.block_table[:-(-item.start // bs)]
-            (lost if failed_blocks.intersection(reads) else kept).append(item)
-        self.scheduler.requeue_for_recompute([item.request for item in lost], self.clock())
+        kv = self.kv
+        # Every running request whose computed blocks include one of them: those scheduled in
+        # this step, and those still loading their prefix over several steps.
+        lost = [r for r in self.scheduler.running
+                if failed_blocks.intersection(kv.block_table(r.request_id)[:kv.blocks_needed(r.num_computed_tokens)])]
+        lost_ids = {r.request_id for r in lost}
+        kept = [item for item in plan.scheduled if item.request_id not in lost_ids]
+        self.scheduler.requeue_for_recompute(lost, self.clock())
         logger.warning("step %d: %d requests recompute a prefix whose tier load failed", plan.step_id, len(lost))
-        return StepPlan(plan.step_id, plan.now, kept, preempted=plan.preempted + [i.request_id for i in lost])
+        return StepPlan(plan.step_id, plan.now, kept, preempted=plan.preempted + sorted(lost_ids))
 
     def _learn_costs(self, plan, duration_s: float) -> None:
         """Feed measured times back to the estimators the scheduler prices decisions with."""

@@ -180,6 +180,7 @@ class KVTiers:
         self.store_stats = TierStats()
         self._ops = TierOps()
         self._busy: set[BlockHash] = set()  # keys loaded by the step being planned
+        self.order: tuple[str, ...] = TIERS  # where a block is taken from when several tiers hold it
 
     @property
     def enabled(self) -> bool:
@@ -231,22 +232,42 @@ class KVTiers:
             self._ops.drops.append(TierOp(tier.name, key, -1))
 
     def find(self, keys: Sequence[BlockHash]) -> list[TierHit]:
-        """The leading run of `keys` held in some lower tier (each block from the fastest tier
-        that has it), stopping at the first block no tier holds."""
+        """The leading run of `keys` held in some lower tier, stopping at the first block no tier
+        holds; each block from the first tier of `order` that has it (the cheapest to load)."""
         hits: list[TierHit] = []
-        local = self.local()
-        for key in keys:
-            tier = next((t for t in local if key in t), None)
-            if tier is None:
+        store = self.store
+        # The store holds keys[q_start:q_start + q] (asked in one round trip, from the start when
+        # it is preferred to a local tier, else only once the local tiers run out).
+        q_start, q = 0, 0
+        if store is not None and self.order.index(STORE) < len(self.order) - 1:
+            q = store.leading(keys)
+        for i, key in enumerate(keys):
+            hit = self._cheapest(key, q_start <= i < q_start + q)
+            if hit is None and store is not None and not q_start <= i < q_start + q:
+                q_start, q = i, store.leading(keys[i:])
+                hit = self._cheapest(key, q > 0)
+            if hit is None:
                 break
-            hits.append(TierHit(tier.name, key, tier.slot_of(key)))
-        if self.store is not None and len(hits) < len(keys):
-            rest = keys[len(hits):]
-            hits.extend(TierHit(STORE, key) for key in rest[:self.store.leading(rest)])
+            hits.append(hit)
         # Held until the step after next: the allocation that makes room for loading them
         # must not evict them from their tier first.
         self._busy.update(h.key for h in hits)
         return hits
+
+    def _cheapest(self, key: BlockHash, in_store: bool) -> Optional[TierHit]:
+        for name in self.order:
+            if name == STORE:
+                if in_store:
+                    return TierHit(STORE, key)
+                continue
+            tier = self.host if name == HOST else self.disk
+            if tier is not None and key in tier:
+                return TierHit(name, key, tier.slot_of(key))
+        return None
+
+    def prefer(self, seconds_per_block: dict[str, float]) -> None:
+        """Search the tiers cheapest first (a store over a fast fabric can beat a local disk)."""
+        self.order = tuple(sorted(TIERS, key=lambda t: (seconds_per_block.get(t, float("inf")), TIERS.index(t))))
 
     def load(self, hits: Sequence[TierHit], blocks: Sequence[int]) -> None:
         """Plan to copy each hit into the device block beside it (in this step, before compute)."""

@@ -27,7 +27,7 @@ from typing import Optional
 
 from sloserve.config import SchedulerConfig
 from sloserve.kv.manager import CopyOp, KVCacheManager
-from sloserve.kv.tiers import TierHit
+from sloserve.kv.tiers import TIERS, TierHit
 from sloserve.sched.chunking import prefill_token_cap, tbt_slack
 from sloserve.sched.costs import StepCostEstimator, StepLoad, SwapCostEstimator, TierCostEstimator, prefill_time
 from sloserve.sched.drafts import make_proposer
@@ -73,6 +73,7 @@ class _StepBuild:
     now: float
     budget: int
     prefill_left: float = math.inf  # dynamic chunking: prefill tokens this step may still take
+    load_left: float = math.inf  # seconds of lower-tier KV loads this step may still carry
     prefill_ids: set[str] = field(default_factory=set)  # planned requests counted against prefill_left
     planned: dict[str, ScheduledRequest] = field(default_factory=dict)
     copies: dict[str, list[CopyOp]] = field(default_factory=dict)
@@ -132,8 +133,13 @@ class Scheduler:
         self.swap_cost = swap_cost
         self.tier_cost = tier_cost
         tiers = kv.tiers
+        if tier_cost is not None and tiers.enabled:
+            tiers.prefer({t: tier_cost.tier_time(t, 1) for t in TIERS})
         self._prefetch = tiers.host is not None and (tiers.disk is not None or tiers.store is not None)
         self._prefetched: set[str] = set()  # waiting requests whose prefix was staged already
+        # Requests whose lower-tier prefix is being loaded over several steps: request id ->
+        # (table index of the next block to load, the hits still to load).
+        self._loading: dict[str, tuple[int, list[TierHit]]] = {}
         self.policy.bind(estimator, self._chunk_cap())
         # The policy, when it wants service reports (fair sharing); None keeps every hot loop free of them.
         self._tracker: Optional[SchedulingPolicy] = self.policy if self.policy.tracks_service else None
@@ -218,6 +224,7 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING:
                 continue
             self.running.remove(request)
+            self._loading.pop(request.request_id, None)
             self.kv.free(request)
             request.num_computed_tokens = 0
             request.status = RequestStatus.PREEMPTED
@@ -317,6 +324,8 @@ class Scheduler:
                 self._plan_running(request, step)
         if self.dynamic_chunking and step.budget > 0:
             step.prefill_left = self._prefill_cap(step, prefills)
+        if self.tier_cost is not None and step.planned:
+            step.load_left = self._load_budget(step)
 
         if self.policy.interleave_prefills:
             # 2') running prefills and waiting requests share the budget in policy order.
@@ -354,6 +363,53 @@ class Scheduler:
             swap_in=step.swap_in,
             tier_ops=self.kv.take_tier_ops(),
         )
+
+    def _load_budget(self, step: _StepBuild) -> float:
+        """Seconds of tier loads this step may carry: loads run before the step's compute, so
+        they delay every decode in it. Up to the decodes' TBT slack when they have targets, else
+        about the step's own compute time (a step at most doubles)."""
+        decodes = [item.request for item in step.planned.values()]
+        slack = tbt_slack(decodes, step.now)
+        if math.isfinite(slack):
+            return max(0.0, slack)
+        if self.estimator is None:
+            return math.inf
+        planned = list(step.planned.values())
+        n = len(planned)
+        return self.estimator.estimate(StepLoad(n, n, n, sum(s.context_len for s in planned)))
+
+    def _affordable(self, hits: list[TierHit], step: _StepBuild) -> int:
+        """How many leading hits fit the step's load budget (at least one: loading always moves)."""
+        if math.isinf(step.load_left) or self.tier_cost is None:
+            return len(hits)
+        spent, k = 0.0, 0
+        for hit in hits:
+            spent += self.tier_cost.tier_time(hit.tier, 1)
+            if k > 0 and spent > step.load_left:
+                break
+            k += 1
+        return k
+
+    def _load(self, request: Request, first_block: int, hits: list[TierHit], step: _StepBuild) -> None:
+        self.kv.load_from_tiers(request, first_block, hits)
+        self.stats.num_tier_loads += len(hits)
+        if self.tier_cost is not None and math.isfinite(step.load_left):
+            step.load_left -= sum(self.tier_cost.tier_time(h.tier, 1) for h in hits)
+
+    def _continue_loading(self, request: Request, step: _StepBuild) -> None:
+        """A request admitted with more prefix to load than one step could carry: load the next
+        part (each block from wherever it is now: it may have left its tier, and then the rest is
+        recomputed). It computes once its prefix is in."""
+        first_block, rest = self._loading[request.request_id]
+        fresh = self.kv.tiers.find([h.key for h in rest]) if rest else []
+        k = self._affordable(fresh, step) if fresh else 0
+        request.num_computed_tokens += k * self.kv.block_size
+        if k:
+            self._load(request, first_block, fresh[:k], step)
+        if k < len(fresh):
+            self._loading[request.request_id] = (first_block + k, fresh[k:])
+        else:
+            del self._loading[request.request_id]
 
     def _prefetch_waiting(self) -> None:
         """Stage the prefixes of the next few waiting requests from disk or the store into host
@@ -431,6 +487,9 @@ class Scheduler:
     def _plan_running(self, request: Request, step: _StepBuild) -> None:
         """Plan the next chunk (or decode token) of a running request, preempting the
         lowest-ranked running requests while its blocks do not fit."""
+        if request.request_id in self._loading:
+            self._continue_loading(request, step)
+            return
         pending = request.num_tokens - request.num_computed_tokens
         if pending == 1:  # a decode: the common case, planned for every running request every step
             n = 1 if step.budget > 0 else 0
@@ -493,18 +552,28 @@ class Scheduler:
             ops: list[CopyOp] = []
             self.stats.num_swaps_in += 1
         else:
-            loaded = len(hits) * self.kv.block_size
-            maybe_ops = self.kv.allocate_slots(request, loaded + n, computed_blocks, use_watermark=use_watermark)
+            bs = self.kv.block_size
+            now_hits = self._affordable(hits, step) if hits else 0
+            paced = now_hits < len(hits)  # the rest is loaded over the next steps, computing nothing meanwhile
+            maybe_ops = self.kv.allocate_slots(request, len(hits) * bs + (0 if paced else n), computed_blocks,
+                                               use_watermark=use_watermark)
             if maybe_ops is None:
                 return None
             ops = maybe_ops
             if request.first_scheduled_time is None:  # its first admission (not a preempted or resumed one)
                 request.num_cached_tokens = num_cached
                 self.kv.record_prefix_lookup(request.num_prompt_tokens, num_cached)
-            request.num_computed_tokens = num_cached
+            request.num_computed_tokens = num_cached - (len(hits) - now_hits) * bs
             if hits:
-                self.kv.load_from_tiers(request, len(computed_blocks), hits)
-                self.stats.num_tier_loads += len(hits)
+                self._load(request, len(computed_blocks), hits[:now_hits], step)
+            if paced:
+                self._loading[request.request_id] = (len(computed_blocks) + now_hits, hits[now_hits:])
+                self._remove_waiting(request)
+                request.status = RequestStatus.RUNNING
+                if request.first_scheduled_time is None:
+                    request.first_scheduled_time = step.now
+                self._insert_sorted(self.running, request, step.now)
+                return True
         self._remove_waiting(request)
         request.status = RequestStatus.RUNNING
         if request.first_scheduled_time is None:
@@ -705,6 +774,7 @@ class Scheduler:
         recompute, as the preemption mode and the costs decide. Gives back the budget it had
         taken in this step."""
         rid = victim.request_id
+        self._loading.pop(rid, None)
         rotating = self.config.preemption_victim == "slack"
         slack = slo_slack(victim, step.now) - self._restore_s(victim) if rotating else 0.0
         self.running.remove(victim)
@@ -750,6 +820,7 @@ class Scheduler:
 
     def _finish(self, request: Request, reason: FinishReason, now: float) -> None:
         self._prefetched.discard(request.request_id)
+        self._loading.pop(request.request_id, None)
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
         elif request.status is RequestStatus.MIGRATING:
