@@ -60,6 +60,33 @@ def check_against_sdpa(window, heads, kv_heads, dtype, contexts, hd):
         torch.testing.assert_close(out[d], ref, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("contexts", [FEW, MANY], ids=["few", "many"])
+def test_reads_the_int8_cache_as_its_dequantized_values(dtype, contexts):
+    """The int8 cache (values then each head's float32 scale, engine/model.py) against SDPA over
+    the same cache dequantized: the kernel's reading adds no error of its own."""
+    from sloserve.engine.model import dequantize_int8, quantize_int8
+
+    torch.manual_seed(1)
+    bs, nb, hd, kv_heads, heads = 16, 64, 64, 3, 9
+    k_q = quantize_int8(torch.randn(nb * bs, kv_heads, hd))
+    v_q = quantize_int8(torch.randn(nb * bs, kv_heads, hd))
+    ctx = torch.tensor(contexts)
+    tables = torch.stack([torch.randperm(nb)[:-(-max(contexts) // bs)] for _ in ctx])
+    q = torch.randn(len(ctx), heads, hd).to(dtype)
+    out = kernel(q, k_q, v_q, tables, ctx, bs, hd ** -0.5, 0).float()
+    k, v = dequantize_int8(k_q, hd, torch.float32), dequantize_int8(v_q, hd, torch.float32)
+    tol = TOLERANCE[dtype]
+    for d, n in enumerate(ctx.tolist()):
+        pos = torch.arange(n)
+        slots = tables[d][pos // bs] * bs + pos % bs
+        ref = F.scaled_dot_product_attention(
+            q[d].float().unsqueeze(1).unsqueeze(0), k[slots].transpose(0, 1).unsqueeze(0),
+            v[slots].transpose(0, 1).unsqueeze(0), enable_gqa=True, scale=hd ** -0.5,
+        )[0, :, 0]
+        torch.testing.assert_close(out[d], ref, rtol=tol, atol=tol)
+
+
 def test_rejects_what_it_cannot_do():
     q = torch.randn(1, 9, 64)
     cache = torch.randn(16, 3, 64)

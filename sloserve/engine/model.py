@@ -278,7 +278,7 @@ class LlamaModel:
 
     def _decode_attention(self, li: int, q: torch.Tensor, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
         """[D, nh, hd] attention of the batch's decodes to their cached context."""
-        if self.decode_attention is not None and kv_cache.native:
+        if self.decode_attention is not None and (kv_cache.native or kv_cache.quantized):
             return self.decode_attention(
                 q.contiguous(), kv_cache.data[li, 0], kv_cache.data[li, 1], batch.decode_blocks,
                 batch.decode_context_lens, kv_cache.block_size, self.scale, self.config.sliding_window or 0,

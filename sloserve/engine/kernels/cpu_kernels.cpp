@@ -79,29 +79,61 @@ inline float fast_exp(float x) {
 // attention 2-3x faster (fp32 5.0 -> 1.9 ms, bf16 2.9 -> 1.7 ms per layer).
 constexpr int64_t PREFETCH_AHEAD = 8;
 
-template <typename scalar_t>
-inline void prefetch_row(const scalar_t* base, const int64_t* table, int64_t j, int64_t ctx, int64_t block_size,
-                         int64_t nkv, int64_t h0, int64_t hd, int64_t width) {
+// A cached row (all KV heads of a position) holds per head `hd` values, or for the int8 cache
+// `hd` int8 values followed by their float32 scale's 4 bytes (engine/model.py KVCache).
+template <typename cache_t>
+constexpr int64_t row_extra() {
+  return 0;
+}
+template <>
+constexpr int64_t row_extra<int8_t>() {
+  return 4;
+}
+
+// Heads [h0, h0 + heads) of one cached position, as floats into row[heads * hd].
+template <typename cache_t>
+inline void load_heads(const cache_t* p, int64_t heads, int64_t hd, float* row) {
+  const int64_t width = heads * hd;
+#pragma omp simd
+  for (int64_t x = 0; x < width; ++x) row[x] = load(p[x]);
+}
+
+template <>
+inline void load_heads(const int8_t* p, int64_t heads, int64_t hd, float* row) {
+  for (int64_t h = 0; h < heads; ++h) {
+    const int8_t* v = p + h * (hd + 4);
+    float scale;
+    std::memcpy(&scale, v + hd, sizeof scale);
+    float* r = row + h * hd;
+#pragma omp simd
+    for (int64_t x = 0; x < hd; ++x) r[x] = static_cast<float>(v[x]) * scale;
+  }
+}
+
+template <typename cache_t>
+inline void prefetch_row(const cache_t* base, const int64_t* table, int64_t j, int64_t ctx, int64_t block_size,
+                         int64_t nkv, int64_t h0, int64_t stride, int64_t width) {
   const int64_t ahead = j + PREFETCH_AHEAD;
   if (ahead >= ctx) return;
   const char* row = reinterpret_cast<const char*>(
-      base + ((table[ahead / block_size] * block_size + ahead % block_size) * nkv + h0) * hd);
-  for (int64_t b = 0; b < width * static_cast<int64_t>(sizeof(scalar_t)); b += 64) __builtin_prefetch(row + b);
+      base + ((table[ahead / block_size] * block_size + ahead % block_size) * nkv + h0) * stride);
+  for (int64_t b = 0; b < width * static_cast<int64_t>(sizeof(cache_t)); b += 64) __builtin_prefetch(row + b);
 }
 
-template <typename scalar_t, int HD>
-void attend(const float* qf, const scalar_t* kp, const scalar_t* vp, const int64_t* table, int64_t first,
+template <typename scalar_t, typename cache_t, int HD>
+void attend(const float* qf, const cache_t* kp, const cache_t* vp, const int64_t* table, int64_t first,
             int64_t ctx, int64_t nkv, int64_t h0, int64_t h1, int64_t group, int64_t hd_dyn, int64_t block_size,
             float scale, float* scores, float* row, float* acc, scalar_t* out) {
   const int64_t hd = HD > 0 ? HD : hd_dyn;
+  const int64_t stride = hd + row_extra<cache_t>();  // cache elements per KV head and position
   const int64_t n = ctx - first;
-  const int64_t width = (h1 - h0) * hd;  // the part of a cached row this task reads
-  const int64_t heads = (h1 - h0) * group;  // query heads, in order: [h0 * group, h1 * group)
+  const int64_t kv_heads = h1 - h0;
+  const int64_t width = kv_heads * stride;  // the part of a cached row this task reads
+  const int64_t heads = kv_heads * group;  // query heads, in order: [h0 * group, h1 * group)
   for (int64_t j = first; j < ctx; ++j) {
-    const scalar_t* k = kp + ((table[j / block_size] * block_size + j % block_size) * nkv + h0) * hd;
-    prefetch_row(kp, table, j, ctx, block_size, nkv, h0, hd, width);
-#pragma omp simd
-    for (int64_t x = 0; x < width; ++x) row[x] = load(k[x]);
+    const cache_t* k = kp + ((table[j / block_size] * block_size + j % block_size) * nkv + h0) * stride;
+    prefetch_row(kp, table, j, ctx, block_size, nkv, h0, stride, width);
+    load_heads(k, kv_heads, hd, row);
     for (int64_t qh = 0; qh < heads; ++qh) {
       const float* qv = qf + qh * hd;
       const float* kv = row + (qh / group) * hd;
@@ -127,10 +159,9 @@ void attend(const float* qf, const scalar_t* kp, const scalar_t* vp, const int64
   }
   std::fill(acc, acc + heads * hd, 0.f);
   for (int64_t j = first; j < ctx; ++j) {
-    const scalar_t* v = vp + ((table[j / block_size] * block_size + j % block_size) * nkv + h0) * hd;
-    prefetch_row(vp, table, j, ctx, block_size, nkv, h0, hd, width);
-#pragma omp simd
-    for (int64_t x = 0; x < width; ++x) row[x] = load(v[x]);
+    const cache_t* v = vp + ((table[j / block_size] * block_size + j % block_size) * nkv + h0) * stride;
+    prefetch_row(vp, table, j, ctx, block_size, nkv, h0, stride, width);
+    load_heads(v, kv_heads, hd, row);
     for (int64_t qh = 0; qh < heads; ++qh) {
       const float p = scores[qh * n + (j - first)];
       const float* vv = row + (qh / group) * hd;
@@ -142,7 +173,7 @@ void attend(const float* qf, const scalar_t* kp, const scalar_t* vp, const int64
   for (int64_t x = 0; x < heads * hd; ++x) out[x] = store<scalar_t>(acc[x]);
 }
 
-template <typename scalar_t>
+template <typename scalar_t, typename cache_t>
 void decode_attention_impl(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                            const torch::Tensor& block_tables, const torch::Tensor& context_lens,
                            int64_t block_size, float scale, int64_t window, torch::Tensor& out) {
@@ -150,8 +181,8 @@ void decode_attention_impl(const torch::Tensor& q, const torch::Tensor& k_cache,
   const int64_t nkv = k_cache.size(1), W = block_tables.size(1);
   const int64_t group = nh / nkv;  // query heads per KV head (GQA); those of KV head h: [h*group, (h+1)*group)
   const scalar_t* qp = q.data_ptr<scalar_t>();
-  const scalar_t* kp = k_cache.data_ptr<scalar_t>();
-  const scalar_t* vp = v_cache.data_ptr<scalar_t>();
+  const cache_t* kp = k_cache.data_ptr<cache_t>();
+  const cache_t* vp = v_cache.data_ptr<cache_t>();
   const int64_t* bt = block_tables.data_ptr<int64_t>();
   const int64_t* cl = context_lens.data_ptr<int64_t>();
   scalar_t* op = out.data_ptr<scalar_t>();
@@ -178,14 +209,14 @@ void decode_attention_impl(const torch::Tensor& q, const torch::Tensor& k_cache,
       for (int64_t x = 0; x < heads * hd; ++x) qf[x] = load(qd[x]);
       const int64_t* table = bt + d * W;
       if (hd == 64) {
-        attend<scalar_t, 64>(qf.data(), kp, vp, table, first, ctx, nkv, h0, h1, group, hd, block_size, scale,
-                             scores.data(), row.data(), acc.data(), od);
+        attend<scalar_t, cache_t, 64>(qf.data(), kp, vp, table, first, ctx, nkv, h0, h1, group, hd, block_size,
+                                      scale, scores.data(), row.data(), acc.data(), od);
       } else if (hd == 128) {
-        attend<scalar_t, 128>(qf.data(), kp, vp, table, first, ctx, nkv, h0, h1, group, hd, block_size, scale,
-                              scores.data(), row.data(), acc.data(), od);
+        attend<scalar_t, cache_t, 128>(qf.data(), kp, vp, table, first, ctx, nkv, h0, h1, group, hd, block_size,
+                                       scale, scores.data(), row.data(), acc.data(), od);
       } else {
-        attend<scalar_t, 0>(qf.data(), kp, vp, table, first, ctx, nkv, h0, h1, group, hd, block_size, scale,
-                            scores.data(), row.data(), acc.data(), od);
+        attend<scalar_t, cache_t, 0>(qf.data(), kp, vp, table, first, ctx, nkv, h0, h1, group, hd, block_size,
+                                     scale, scores.data(), row.data(), acc.data(), od);
       }
     }
   });
@@ -275,22 +306,29 @@ void rope_rows(scalar_t* base, const scalar_t* c, const scalar_t* s, int64_t row
 }  // namespace
 
 torch::Tensor paged_decode_attention(const torch::Tensor& q,             // [D, nh, hd]
-                                     const torch::Tensor& k_cache,       // [slots, nkv, hd]
-                                     const torch::Tensor& v_cache,       // [slots, nkv, hd]
+                                     const torch::Tensor& k_cache,       // [slots, nkv, hd] (int8: hd + 4)
+                                     const torch::Tensor& v_cache,       // [slots, nkv, hd] (int8: hd + 4)
                                      const torch::Tensor& block_tables,  // [D, W] int64
                                      const torch::Tensor& context_lens,  // [D] int64
                                      int64_t block_size, double scale, int64_t window) {
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type(),
-              "paged_decode_attention: q, k_cache and v_cache must share a dtype");
+  const bool int8_cache = k_cache.scalar_type() == at::kChar;
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() && (int8_cache || q.scalar_type() == k_cache.scalar_type()),
+              "paged_decode_attention: q, k_cache and v_cache must share a dtype (or the caches be both int8)");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
               block_tables.is_contiguous() && context_lens.is_contiguous(), "contiguous inputs expected");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong,
               "block_tables and context_lens must be int64");
-  TORCH_CHECK(q.size(1) % k_cache.size(1) == 0 && k_cache.size(2) == q.size(2), "head shapes do not match");
+  TORCH_CHECK(q.size(1) % k_cache.size(1) == 0 && k_cache.size(2) == q.size(2) + (int8_cache ? 4 : 0),
+              "head shapes do not match");
   auto out = torch::empty_like(q);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
-    decode_attention_impl<scalar_t>(q, k_cache, v_cache, block_tables, context_lens, block_size,
-                                    static_cast<float>(scale), window, out);
+    if (int8_cache) {
+      decode_attention_impl<scalar_t, int8_t>(q, k_cache, v_cache, block_tables, context_lens, block_size,
+                                              static_cast<float>(scale), window, out);
+    } else {
+      decode_attention_impl<scalar_t, scalar_t>(q, k_cache, v_cache, block_tables, context_lens, block_size,
+                                                static_cast<float>(scale), window, out);
+    }
   });
   return out;
 }
