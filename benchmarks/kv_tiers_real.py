@@ -33,6 +33,7 @@ from migration_downtime import cpu_model  # noqa: E402  (the CPU's model name, a
 
 from sloserve.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
 from sloserve.engine.llm_engine import LLMEngine  # noqa: E402
+from sloserve.kv_store_cli import start_kv_store  # noqa: E402
 from sloserve.types import SamplingParams  # noqa: E402
 from sloserve.workload.traces import load_sharegpt, shared_path  # noqa: E402
 
@@ -83,34 +84,6 @@ def run_chats(eng: LLMEngine, firsts: list[str], turns: int, max_tokens: int, pr
     return results, histories
 
 
-class KVStore:
-    def __init__(self, proc, url: str):
-        self.proc, self.url = proc, url
-
-
-def start_kv_store() -> KVStore:
-    """`sloserve kv-store` on a free loopback port (the shared tier's Valkey/Redis server)."""
-    import socket
-    import subprocess
-
-    import redis
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "sloserve.cli", "kv-store", "--port", str(port),
-                             "--max-memory-gib", "2"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"redis://127.0.0.1:{port}/0"
-    for _ in range(200):
-        try:
-            redis.Redis.from_url(url).ping()
-            return KVStore(proc, url)
-        except redis.exceptions.ConnectionError:
-            time.sleep(0.05)
-    proc.kill()
-    raise SystemExit("kv_tiers_real: the KV store did not start (is redis-server installed? `make install`)")
-
-
 def measured_links(eng: LLMEngine) -> dict:
     """Each tier's copy speed as the engine measured it while serving (GB/s, one way: a moving
     average over its loads, from a first guess); tiers nothing was loaded from are left out."""
@@ -151,7 +124,7 @@ def main() -> int:
               if r.prompt_text and len(r.prompt_text) > args.first_turn_chars // 2][:args.conversations]
     console = Console()
     disk_dir = Path(tempfile.mkdtemp(prefix="sloserve-kv-bench-"))
-    store = start_kv_store()
+    store = start_kv_store(max_memory_gib=2.0)
     layouts = {"device": {}, "+host": {"host_tier_gib": args.host_gib},
                "+disk": {"disk_tier_dir": str(disk_dir), "disk_tier_gib": args.disk_gib},
                "+host+disk": {"host_tier_gib": args.host_gib, "disk_tier_dir": str(disk_dir / "both"),
@@ -180,7 +153,7 @@ def main() -> int:
                                    histories=[list(h) for h in ref_histories])
             out["layouts"][name] = summary(results, eng)
             del eng
-    store.proc.terminate()
+    store.stop()
     table = Table(title=f"{args.conversations} conversations x {args.turns} turns, {args.num_blocks}-block device pool "
                         f"({out['cpu']})")
     for col in ("layout", "prefix hit", "later turns hit", "TTFT mean ms", "p50 ms", "p90 ms", "tier loads", "same tokens",

@@ -9,6 +9,12 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Optional
 
 SERVERS = ("valkey-server", "redis-server")
 
@@ -45,3 +51,41 @@ def add_kv_store_parser(sub) -> None:
     p.add_argument("--max-memory-gib", type=float, default=4.0, help="memory bound; least recently used blocks go first")
     p.add_argument("--server", default=None, help="server binary (default: valkey-server, else redis-server)")
     p.set_defaults(func=cmd_kv_store)
+
+
+@dataclass
+class RunningKVStore:
+    """A `sloserve kv-store` started in the background (tests, benchmarks)."""
+
+    proc: subprocess.Popen
+    url: str
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(10)
+
+
+def start_kv_store(max_memory_gib: float = 0.25, port: Optional[int] = None, timeout_s: float = 10.0) -> RunningKVStore:
+    """Run `sloserve kv-store` on loopback (a free port unless given) and wait until it answers."""
+    import redis
+
+    if port is None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "sloserve.cli", "kv-store", "--port", str(port),
+                             "--max-memory-gib", str(max_memory_gib)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    url = f"redis://127.0.0.1:{port}/0"
+    client = redis.Redis.from_url(url)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            client.ping()
+            return RunningKVStore(proc, url)
+        except redis.exceptions.ConnectionError:
+            if proc.poll() is not None:
+                break
+            time.sleep(0.05)
+    proc.kill()
+    raise RuntimeError(f"sloserve kv-store did not start: {proc.communicate()[1].decode(errors='replace')[-500:]}")

@@ -88,33 +88,14 @@ def test_disk_tier_survives_a_restart_and_a_lost_file_is_recomputed(recomputed, 
 @pytest.fixture(scope="module")
 def kv_store():
     """`sloserve kv-store` on a free loopback port, as a user starts it."""
-    import socket
-    import subprocess
-    import sys
-    import time
-
     import redis
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "sloserve.cli", "kv-store", "--port", str(port),
-                             "--max-memory-gib", "0.25"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    url = f"redis://127.0.0.1:{port}/0"
-    client = redis.Redis.from_url(url)
-    for _ in range(100):
-        try:
-            client.ping()
-            break
-        except redis.exceptions.ConnectionError:
-            time.sleep(0.05)
-    else:
-        proc.kill()
-        raise AssertionError(proc.communicate()[0].decode())
-    assert client.config_get("maxmemory-policy")["maxmemory-policy"] == "allkeys-lru"
-    yield url
-    proc.terminate()
-    proc.wait(10)
+    from sloserve.kv_store_cli import start_kv_store
+
+    store = start_kv_store(max_memory_gib=0.25)
+    assert redis.Redis.from_url(store.url).config_get("maxmemory-policy")["maxmemory-policy"] == "allkeys-lru"
+    yield store.url
+    store.stop()
 
 
 def test_a_second_engine_serves_a_prefix_the_first_put_in_the_shared_store(recomputed, kv_store):
