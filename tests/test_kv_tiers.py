@@ -366,7 +366,7 @@ def test_the_slo_policy_expects_a_tier_hit_and_prices_its_load():
     from sloserve.types import QoSClass
 
     kv = KVCacheManager(12, BS, enable_prefix_caching=True, watermark=0.0, tiers=KVTiers(host_blocks=64))
-    cost = FixedTierCost({HOST: 0.002})
+    cost = FixedTierCost({HOST: 0.0005})
     sched = Scheduler(SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=4, policy="slo"), kv, 48,
                       eos_token_ids=(), estimator=PerTokenCost(), tier_cost=cost)
     shadow = TieredShadow(12, {})
@@ -381,7 +381,7 @@ def test_the_slo_policy_expects_a_tier_hit_and_prices_its_load():
     sched.add_request(fresh)
     assert again.expected_cached_tokens == 5 * BS and fresh.expected_cached_tokens == 0
     loaded = 5 - sum(kv.pool.lookup(h) is not None for h in kv.request_hashes(again)[:5])
-    assert again.expected_load_s == pytest.approx(0.002 * loaded)
+    assert again.expected_load_s == pytest.approx(0.0005 * loaded)
     policy = sched.policy
     assert policy.min_prefill_time(again) < policy.min_prefill_time(fresh)
 
@@ -419,7 +419,7 @@ def test_a_rotated_out_request_sits_out_half_its_slack_while_others_run():
 
 def test_a_long_tier_load_is_paced_over_steps_beside_running_decodes():
     tiers = KVTiers(disk_blocks=64)
-    cost = FixedTierCost({DISK: 0.004})  # 4 ms a block; a decode step here costs 1 ms + 1 ms a token
+    cost = FixedTierCost({DISK: 0.0015})  # 1.5 ms a block; a decode step here costs 1 ms + 1 ms a token
     sched = tiered_scheduler(24, tiers, tier_cost=cost, estimator=PerTokenCost())
     shadow = TieredShadow(24, {})
     prompt = list(range(1, 42))  # 41 tokens: 10 blocks may be hits

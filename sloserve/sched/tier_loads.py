@@ -15,6 +15,14 @@ from typing import Optional, Sequence
 from sloserve.kv.tiers import TierHit
 from sloserve.sched.costs import StepCostEstimator, TierCostEstimator, prefill_time
 
+# A load is charged this many times its copy time. It runs before its step's compute and holds
+# every request in the step back for as long, and its blocks are allocated at once, while the
+# recompute it replaces is chunked and shares each step's weight reads with the other requests
+# (its estimate, alone on the instance, overstates what it adds). A near-tie therefore goes to
+# recompute: in the simulator a local disk about as fast as recompute (Llama-3.1-70B, TP 4)
+# lost goodput when ties went to loading (BENCHMARKS.md, KV tiers).
+LOAD_STALL_FACTOR = 2.0
+
 
 def choose_tier_prefix(hits: Sequence[TierHit], start: int, num_tokens: int, block_size: int,
                        estimator: Optional[StepCostEstimator], tier_cost: Optional[TierCostEstimator],
@@ -34,7 +42,7 @@ def choose_tier_prefix(hits: Sequence[TierHit], start: int, num_tokens: int, blo
             continue  # price only where the tier changes, and at the end
         k = i + 1
         skipped = start + k * block_size
-        load_s = sum(tier_cost.tier_time(tier, n) for tier, n in moved.items())
+        load_s = LOAD_STALL_FACTOR * sum(tier_cost.tier_time(tier, n) for tier, n in moved.items())
         gain = full - prefill_time(estimator, skipped, num_tokens - skipped, chunk) - load_s
         if gain > best_gain:
             best_k, best_gain = k, gain
