@@ -53,6 +53,9 @@ class TierOps:
 
 
 
+NO_OPS = TierOps()  # shared by every step that moves nothing; never appended to (only KVTiers._ops is)
+
+
 @dataclass
 class TierStats:
     saved: int = 0  # blocks written to the tier
@@ -317,7 +320,10 @@ class KVTiers:
     def take_ops(self) -> TierOps:
         """The moves planned since the last call, for the step about to be planned. Keys loaded
         or prefetched by it stay unevictable until the next call; the previous step's are free."""
-        ops, self._ops = self._ops, TierOps()
+        ops = self._ops
+        if not ops and not self._busy:
+            return NO_OPS  # nothing planned, nothing held: the common step of a fleet without tiers
+        self._ops = TierOps()
         self._busy = {op.key for op in ops.loads} | {op.key for op in ops.promotes}
         return ops
 
