@@ -43,7 +43,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def add_kv_tier_args(g) -> None:
     """The prefix cache's lower tiers: the same options on every command that runs an engine or a simulation."""
-    g.add_argument("--kv-dtype", default="auto", choices=["auto", "float32", "bfloat16", "int8"],
+    from sloserve.config import KV_DTYPES
+
+    g.add_argument("--kv-dtype", default="auto", choices=KV_DTYPES,
                    help="what the KV cache stores (int8: per-token scales, dequantized in attention)")
     g.add_argument("--kv-host-gib", type=float, default=0.0, metavar="GIB",
                    help="host memory for prefix-cache blocks evicted from the device (0: none)")

@@ -57,6 +57,9 @@ class ModelConfig:
         return v * h + self.num_layers * per_layer + h + head
 
 
+KV_DTYPES = ("auto", "float32", "bfloat16", "int8")  # what a KV cache may store (CacheConfig.kv_dtype)
+
+
 @dataclass
 class CacheConfig:
     """The paged KV pool. Size it by blocks or by GiB; one of them decides."""
@@ -99,7 +102,7 @@ class CacheConfig:
             raise ValueError(f"num_host_blocks must be >= 0, got {self.num_host_blocks}")
         if self.host_tier_gib < 0 or self.disk_tier_gib < 0:
             raise ValueError("--kv-host-gib and --kv-disk-gib must be >= 0")
-        if self.kv_dtype not in ("auto", "float32", "bfloat16", "int8"):
+        if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"--kv-dtype must be auto, float32, bfloat16 or int8, got {self.kv_dtype!r}")
         if self.disk_tier_dir and not self.disk_tier_gib > 0:
             raise ValueError("--kv-disk-dir needs --kv-disk-gib > 0")

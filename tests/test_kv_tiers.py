@@ -44,6 +44,9 @@ class DictStore:
     def saved(self, keys) -> None:
         self.keys.update(keys)
 
+    def forget(self, keys) -> None:
+        self.keys.difference_update(keys)
+
 
 class TieredShadow:
     """Device blocks, host slots, disk files and store entries holding (salt, token) per slot."""

@@ -32,8 +32,8 @@ _SUFFIX = ".kv"
 
 
 def kv_fingerprint(model_id: str, dtype: torch.dtype, quantization: str, kv_cache: KVCache) -> str:
-    """A short name for "KV computed by this model in this precision, in this block layout"."""
-    text = "|".join([model_id, str(dtype), quantization, str(tuple(kv_cache.data.shape[:2])),
+    """A short name for "KV computed by this model in this precision, stored in this dtype and block layout"."""
+    text = "|".join([model_id, str(dtype), quantization, str(kv_cache.data.dtype), str(tuple(kv_cache.data.shape[:2])),
                      str(tuple(kv_cache.data.shape[3:])), str(kv_cache.block_size)])
     return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
 

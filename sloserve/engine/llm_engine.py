@@ -409,7 +409,6 @@ class LLMEngine:
             try:
                 result = self.runner.execute(plan)
             except TierLoadFailed as lost:
-                self._forget_lost_prefetches()
                 plan = self._recompute_lost_loads(plan, lost.failed_blocks)
                 result = self.runner.execute(plan)
             self._forget_lost_prefetches()

@@ -41,7 +41,6 @@ class ForwardBatch:
     sample_indices: torch.Tensor  # [S] long: flat token indices whose logits are wanted
 
 
-KV_DTYPES = ("auto", "float32", "bfloat16", "int8")
 _SCALE_BYTES = 4  # an int8 slot's float32 scale, stored in the slot's own bytes
 
 

@@ -91,9 +91,11 @@ def chunked_next_token_logits(model: LlamaModel, ids: Sequence[int], kv_dtype: O
     return torch.cat(out)
 
 
-def next_token_logprobs(model: LlamaModel, ids: Sequence[int]) -> torch.Tensor:
-    """log p(ids[i + 1] | ids[: i + 1]) for every i, as float32 [len(ids) - 1]."""
-    logits = next_token_logits(model, ids)
+def next_token_logprobs(model: LlamaModel, ids: Sequence[int], kv_dtype: Optional[torch.dtype] = None,
+                        chunk: Optional[int] = None) -> torch.Tensor:
+    """log p(ids[i + 1] | ids[: i + 1]) for every i, as float32 [len(ids) - 1]; with `chunk`,
+    prefilled in chunks through a cache storing `kv_dtype` (chunked_next_token_logits)."""
+    logits = next_token_logits(model, ids) if chunk is None else chunked_next_token_logits(model, ids, kv_dtype, chunk)
     targets = torch.tensor(list(ids[1:]), dtype=torch.long, device=logits.device)
     return torch.log_softmax(logits, dim=-1).gather(1, targets.unsqueeze(1)).squeeze(1)
 
@@ -104,12 +106,7 @@ def perplexity(model: LlamaModel, token_lists: Iterable[Sequence[int]], kv_dtype
     `chunk`, prefilled in chunks through a cache storing `kv_dtype` (chunked_next_token_logits)."""
     total, count = 0.0, 0
     for ids in token_lists:
-        if chunk is None:
-            lp = next_token_logprobs(model, ids)
-        else:
-            logits = chunked_next_token_logits(model, ids, kv_dtype, chunk)
-            targets = torch.tensor(list(ids[1:]), dtype=torch.long, device=logits.device)
-            lp = torch.log_softmax(logits, dim=-1).gather(1, targets.unsqueeze(1)).squeeze(1)
+        lp = next_token_logprobs(model, ids, kv_dtype, chunk)
         total -= float(lp.sum())
         count += lp.numel()
     return math.exp(total / count)

@@ -195,14 +195,8 @@ class KVCacheManager:
         tier ahead of its admission (HiCache's prefetch). Returns the blocks planned."""
         if self.tiers.host is None or not (self.tiers.disk is not None or self.tiers.store is not None):
             return 0
-        if not self.enable_prefix_caching or request.request_id in self._tables:
-            return 0
-        device = 0
-        max_blocks = (request.num_tokens - 1) // self.block_size
-        hashes = self.request_hashes(request)[:max_blocks]
-        while device < len(hashes) and self.pool.lookup(hashes[device]) is not None:
-            device += 1
-        return self.tiers.prefetch(self.tiers.find(hashes[device:]))
+        device_blocks, _ = self.get_computed_blocks(request)
+        return self.tiers.prefetch(self.find_in_tiers(request, len(device_blocks)))
 
     def take_tier_ops(self) -> TierOps:
         """Tier moves planned since the last step: the executor runs them before this one."""

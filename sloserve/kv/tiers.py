@@ -22,7 +22,7 @@ from typing import Iterable, Optional, Protocol, Sequence
 from sloserve.kv.hashing import BlockHash
 
 HOST, DISK, STORE = "host", "disk", "store"
-TIERS = (HOST, DISK, STORE)  # searched in this order: the fastest copy wins
+TIERS = (HOST, DISK, STORE)  # the default search order (KVTiers.prefer sorts them by measured cost)
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +52,6 @@ class TierOps:
         return bool(self.drops or self.saves or self.promotes or self.loads)
 
 
-
 NO_OPS = TierOps()  # shared by every step that moves nothing; never appended to (only KVTiers._ops is)
 
 
@@ -73,6 +72,10 @@ class SharedIndex(Protocol):
 
     def saved(self, keys: Iterable[BlockHash]) -> None:
         """`keys` were written (by this instance's next step): count them as present."""
+        ...
+
+    def forget(self, keys: Iterable[BlockHash]) -> None:
+        """A load of `keys` failed: do not count them as present any more."""
         ...
 
 
@@ -291,9 +294,7 @@ class KVTiers:
         for tier in self.local():
             tier.discard(key)
         if self.store is not None:
-            forget = getattr(self.store, "forget", None)
-            if forget is not None:
-                forget([key])
+            self.store.forget([key])
 
     def prefetch(self, hits: Sequence[TierHit]) -> int:
         """Copy the disk or store hits of a request still waiting into the host tier, so its
@@ -326,9 +327,6 @@ class KVTiers:
         self._ops = TierOps()
         self._busy = {op.key for op in ops.loads} | {op.key for op in ops.promotes}
         return ops
-
-    def pending(self) -> TierOps:
-        return self._ops
 
     def clear(self) -> None:
         """Forget every local key (the weights changed): pending saves are cancelled and the

@@ -18,7 +18,6 @@ SLO-aware decisions need come from an injected estimator (sched/costs.py).
 from __future__ import annotations
 
 import bisect
-from collections import Counter
 import heapq
 import logging
 import math
@@ -36,7 +35,7 @@ from sloserve.sched.plan import DecodeRunPlan, ScheduledRequest, StepPlan, StepR
 from sloserve.sched.policies import SchedulingPolicy, make_policy
 from sloserve.sched.preemption import SWAP, PreemptionChoice, choose_preemption
 from sloserve.sched.rotation import pick_victim, slo_slack
-from sloserve.sched.tier_loads import choose_tier_prefix
+from sloserve.sched.tier_loads import choose_tier_prefix, load_seconds
 from sloserve.sched.speculation import Speculator
 from sloserve.sched.state import InstanceState
 from sloserve.types import FinishReason, Request, RequestStatus
@@ -188,20 +187,22 @@ class Scheduler:
             self._expect_prefix(request)
         self._enqueue_waiting(request, now=request.arrival_time)
 
-    def _expect_prefix(self, request: Request) -> None:
-        """What the request's prompt would hit now: on the device, and in lower tiers (the part
-        `choose_tier_prefix` would load, with its load time), for the policy's TTFT estimates."""
+    def _cached_prefix(self, request: Request) -> tuple[list, int, list[TierHit]]:
+        """What the request's prompt hits now: its device blocks, their tokens, and the lower-tier
+        blocks after them that are worth loading (`choose_tier_prefix`)."""
         blocks, cached = self.kv.get_computed_blocks(request)
         hits = self.kv.find_in_tiers(request, len(blocks))
-        load_s = 0.0
         if hits:
             hits = hits[:choose_tier_prefix(hits, cached, request.num_tokens, self.kv.block_size,
                                             self.estimator, self.tier_cost, self._chunk_cap())]
-            if self.tier_cost is not None:
-                per_tier = Counter(h.tier for h in hits)
-                load_s = sum(self.tier_cost.tier_time(tier, n) for tier, n in per_tier.items())
+        return blocks, cached, hits
+
+    def _expect_prefix(self, request: Request) -> None:
+        """The prefix the request would hit now and the time to load its lower-tier part, for
+        the policy's TTFT estimates."""
+        _, cached, hits = self._cached_prefix(request)
         request.expected_cached_tokens = cached + len(hits) * self.kv.block_size
-        request.expected_load_s = load_s
+        request.expected_load_s = load_seconds(hits, self.tier_cost)
 
     def abort_request(self, request_id: str, now: float = 0.0) -> bool:
         """Stop a request wherever it is and free its blocks. False if unknown or done."""
@@ -324,7 +325,7 @@ class Scheduler:
                 self._plan_running(request, step)
         if self.dynamic_chunking and step.budget > 0:
             step.prefill_left = self._prefill_cap(step, prefills)
-        if self.tier_cost is not None and step.planned:
+        if self.tier_cost is not None and step.planned and self.kv.tiers.enabled:
             step.load_left = self._load_budget(step)
 
         if self.policy.interleave_prefills:
@@ -393,8 +394,8 @@ class Scheduler:
     def _load(self, request: Request, first_block: int, hits: list[TierHit], step: _StepBuild) -> None:
         self.kv.load_from_tiers(request, first_block, hits)
         self.stats.num_tier_loads += len(hits)
-        if self.tier_cost is not None and math.isfinite(step.load_left):
-            step.load_left -= sum(self.tier_cost.tier_time(h.tier, 1) for h in hits)
+        if math.isfinite(step.load_left):
+            step.load_left -= load_seconds(hits, self.tier_cost)
 
     def _continue_loading(self, request: Request, step: _StepBuild) -> None:
         """A request admitted with more prefix to load than one step could carry: load the next
@@ -487,12 +488,12 @@ class Scheduler:
     def _plan_running(self, request: Request, step: _StepBuild) -> None:
         """Plan the next chunk (or decode token) of a running request, preempting the
         lowest-ranked running requests while its blocks do not fit."""
-        if request.request_id in self._loading:
-            self._continue_loading(request, step)
-            return
         pending = request.num_tokens - request.num_computed_tokens
         if pending == 1:  # a decode: the common case, planned for every running request every step
             n = 1 if step.budget > 0 else 0
+        elif request.request_id in self._loading:  # (its prefix still loading: never a decode)
+            self._continue_loading(request, step)
+            return
         else:
             n = int(min(pending, step.budget, self._chunk_cap(), step.prefill_left))
         if n <= 0:
@@ -531,12 +532,8 @@ class Scheduler:
         if swapped:
             computed_blocks, num_cached = [], request.num_computed_tokens
         else:
-            computed_blocks, num_cached = self.kv.get_computed_blocks(request)
-            hits = self.kv.find_in_tiers(request, len(computed_blocks))
-            if hits:
-                hits = hits[:choose_tier_prefix(hits, num_cached, request.num_tokens, self.kv.block_size,
-                                                self.estimator, self.tier_cost, self._chunk_cap())]
-                num_cached += len(hits) * self.kv.block_size
+            computed_blocks, num_cached, hits = self._cached_prefix(request)
+            num_cached += len(hits) * self.kv.block_size
         remaining = request.num_tokens - num_cached
         n = min(remaining, step.budget, self._chunk_cap())
         if remaining > 1:
@@ -568,19 +565,14 @@ class Scheduler:
                 self._load(request, len(computed_blocks), hits[:now_hits], step)
             if paced:
                 self._loading[request.request_id] = (len(computed_blocks) + now_hits, hits[now_hits:])
-                self._remove_waiting(request)
-                request.status = RequestStatus.RUNNING
-                if request.first_scheduled_time is None:
-                    request.first_scheduled_time = step.now
-                self._insert_sorted(self.running, request, step.now)
-                return True
         self._remove_waiting(request)
         request.status = RequestStatus.RUNNING
         if request.first_scheduled_time is None:
             request.first_scheduled_time = step.now
         self._insert_sorted(self.running, request, step.now)
-        step.take(self._scheduled(request, n, samples=num_cached + n == request.num_tokens), ops,
-                  is_prefill=remaining > 1)
+        if request.request_id not in self._loading:  # a paced load computes nothing this step
+            step.take(self._scheduled(request, n, samples=num_cached + n == request.num_tokens), ops,
+                      is_prefill=remaining > 1)
         return True
 
     def _prefill_cap(self, step: _StepBuild, prefills: list[Request]) -> int:

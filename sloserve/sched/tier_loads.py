@@ -24,6 +24,13 @@ from sloserve.sched.costs import StepCostEstimator, TierCostEstimator, prefill_t
 LOAD_STALL_FACTOR = 2.0
 
 
+def load_seconds(hits: Sequence[TierHit], tier_cost: Optional[TierCostEstimator]) -> float:
+    """Copy time of `hits` from their tiers (0 unpriced): one transfer per tier."""
+    if tier_cost is None or not hits:
+        return 0.0
+    return sum(tier_cost.tier_time(tier, n) for tier, n in Counter(h.tier for h in hits).items())
+
+
 def choose_tier_prefix(hits: Sequence[TierHit], start: int, num_tokens: int, block_size: int,
                        estimator: Optional[StepCostEstimator], tier_cost: Optional[TierCostEstimator],
                        chunk: int) -> int:
@@ -35,14 +42,12 @@ def choose_tier_prefix(hits: Sequence[TierHit], start: int, num_tokens: int, blo
         return len(hits)
     full = prefill_time(estimator, start, num_tokens - start, chunk)
     best_k, best_gain = 0, 0.0
-    moved: Counter[str] = Counter()
     for i, hit in enumerate(hits):
-        moved[hit.tier] += 1
         if i + 1 < len(hits) and hits[i + 1].tier == hit.tier:
             continue  # price only where the tier changes, and at the end
         k = i + 1
         skipped = start + k * block_size
-        load_s = LOAD_STALL_FACTOR * sum(tier_cost.tier_time(tier, n) for tier, n in moved.items())
+        load_s = LOAD_STALL_FACTOR * load_seconds(hits[:k], tier_cost)
         gain = full - prefill_time(estimator, skipped, num_tokens - skipped, chunk) - load_s
         if gain > best_gain:
             best_k, best_gain = k, gain

@@ -27,5 +27,9 @@ class SimKVStore:
         for key in keys:
             self.keys.admit(key, set())
 
+    def forget(self, keys: Iterable[BlockHash]) -> None:
+        for key in keys:
+            self.keys.discard(key)
+
     def __len__(self) -> int:
         return len(self.keys)
