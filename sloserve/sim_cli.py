@@ -16,7 +16,10 @@ def add_simulate_parser(sub: argparse._SubParsersAction) -> None:
     add_workload_args(p)
     r = p.add_argument_group("results")
     r.add_argument("--slo", help="targets in ms, e.g. ttft=500,tpot=50,e2e=10000")
-    r.add_argument("--out", default="sim-out", metavar="DIR", help="results.json, report.md and PNGs go here")
+    r.add_argument("--out", default="sim-out", metavar="DIR",
+                   help="results.json, report.md, PNGs and report.html (the fleet over time) go here")
+    r.add_argument("--timeline-interval", type=float, default=None, metavar="S",
+                   help="simulated seconds between two frames of report.html (default: about 600 frames per run)")
     r.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=cmd_simulate)
 
@@ -165,11 +168,12 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from sloserve.bench.cli import resolve_rates, workload_spec_from_args
-    from sloserve.bench.metrics import SLO, summarize
+    from sloserve.bench.metrics import SLO, slo_checker, summarize
     from sloserve.bench.report import fmt_rate, run_markdown, sweep_markdown
     from sloserve.bench.result import BenchResult
     from sloserve.bench.runner import class_slos, write_outputs
     from sloserve.simulation import build_fleet, make_predictions, sim_requests, simulate
+    from sloserve.timeline import FleetTimeline
     from sloserve.workload.build import build_stream
 
     spec = workload_spec_from_args(args)
@@ -195,10 +199,16 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             task = progress.add_task(desc, total=len(stream), sim_time=0.0)
             predictions = make_predictions(fleet)
             sim = build_fleet(fleet, predictions)
+            timeline = FleetTimeline(timeline_interval(args.timeline_interval, stream), "simulated",
+                                     max_frames=1_000_000, max_events=100_000)
+            timeline.meta.update(model=fleet.model, hardware=fleet.hardware, instances=fleet.instances,
+                                 router=fleet.router, workload=run_spec.name, rate=fmt_rate(rate))
+            met = slo_checker(slo, class_slos(spec.mix))
             wall0 = time.perf_counter()
             records, result = simulate(
                 sim, sim_requests(stream, classes, predictions),
-                on_progress=lambda t, n: progress.update(task, completed=n, sim_time=t), predictions=predictions)
+                on_progress=lambda t, n: progress.update(task, completed=n, sim_time=t), predictions=predictions,
+                timeline=timeline, met=met)
             wall = time.perf_counter() - wall0
             summary = summarize(records, None, slo, class_slos(spec.mix))
             config = {
@@ -224,7 +234,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                 "speedup_vs_real_time": result.end_time / wall if wall > 0 else None,
             }
             label = f"sim {fleet.instances}x {fleet.model} on {fleet.hardware} · {run_spec.name} · {desc}"
-            results.append(BenchResult(label, summary, records, rate, config))
+            results.append(BenchResult(label, summary, records, rate, config, timeline=timeline.to_dict()))
     paths = write_outputs(results, Path(args.out))
     if fleet.autoscale is not None:
         paths.append(plot_scaling(results, Path(args.out) / "scaling.png"))
@@ -256,6 +266,19 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                       f"{1e3 * m['downtime_s']:.0f} ms of downtime in total")
     console.print("wrote " + ", ".join(str(p) for p in paths))
     return 0
+
+
+def timeline_interval(asked, stream) -> float:
+    """Seconds between frames: as asked, else a round value giving about 600 over the arrivals."""
+    if asked is not None:
+        if not asked > 0:
+            raise ValueError(f"--timeline-interval must be > 0, got {asked}")
+        return float(asked)
+    span = max((w.arrival_s for w in stream), default=0.0)
+    for step in (1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600):
+        if span / step <= 600:
+            return float(step)
+    return 3600.0
 
 
 def prepare_autoscaling(fleet, args: argparse.Namespace, spec, slo) -> None:

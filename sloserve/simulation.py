@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Optional
 
 from sloserve.records import RequestRecord, error_kind_for_status
+from sloserve.timeline import FleetTimeline
 from sloserve.cluster.controller import FleetController
 from sloserve.cluster.migration import MoveCosts, make_migration_policy, parse_migration
 from sloserve.cluster.routers import RouterOptions, make_router
@@ -284,10 +285,12 @@ def record_of(index: int, request: Request, error: Optional[str] = None) -> Requ
 
 def simulate(sim: Simulator, requests: Iterable[Request],
              on_progress: Optional[Callable[[float, int], None]] = None,
-             predictions: Optional["PredictionBook"] = None) -> tuple[list[RequestRecord], SimResult]:
+             predictions: Optional["PredictionBook"] = None, timeline: Optional[FleetTimeline] = None,
+             met: Optional[Callable[[RequestRecord], bool]] = None) -> tuple[list[RequestRecord], SimResult]:
     """Run the fleet; one record per request, in arrival order. With `predictions`, every
     completed request's length is fed back to the predictor as it finishes (online adaptation
-    in simulated time: a later arrival sees what earlier completions taught it)."""
+    in simulated time: a later arrival sees what earlier completions taught it). With
+    `timeline`, the run is recorded into it (`met(record)`: whether a request met its SLO)."""
     index: dict[str, int] = {}
 
     def numbered() -> Iterator[Request]:
@@ -300,9 +303,11 @@ def simulate(sim: Simulator, requests: Iterable[Request],
     def keep(request: Request, error: Optional[str]) -> None:
         i = index[request.request_id]
         records.extend([None] * (i + 1 - len(records)))
-        records[i] = record_of(i, request, error)
+        records[i] = rec = record_of(i, request, error)
         if predictions is not None:
             predictions.observe(request, completed=error is None)
+        if timeline is not None and error is None:
+            timeline.finished(rec.qos_class, rec.ttft_s, rec.tpot_s, met(rec) if met is not None else True)
 
-    result = sim.run(numbered(), on_progress=on_progress, on_done=keep)
+    result = sim.run(numbered(), on_progress=on_progress, on_done=keep, timeline=timeline)
     return [r for r in records if r is not None], result

@@ -80,7 +80,22 @@ def test_two_workers_spread_survive_a_kill_and_replace_it(tmp_path):
             r = httpx.post(base + "/v1/completions", timeout=60, json={"prompt": "Hi", "max_tokens": 2})
             assert r.status_code == 200
         assert instances(base)["data"][0]["routed"] == before + 1  # the new worker takes its turn
-        assert 'sloserve:front_replacements_total 1.0' in httpx.get(base + "/metrics", timeout=10).text
+        metrics = httpx.get(base + "/metrics", timeout=10).text
+        assert 'sloserve:front_replacements_total 1.0' in metrics
+        # The dashboard saw it all, as the clients did: 14 answers (the resumed streams included),
+        # the kill and the replacement, and both workers' rows in its frames.
+        timeline = httpx.get(base + "/dashboard/data", timeout=10).json()
+        assert timeline["totals"]["default"]["finished"] == 14
+        assert 'sloserve:slo_requests_total{qos_class="default"} 14.0' in metrics
+        kinds = [(e["kind"], e["instance"]) for e in timeline["events"]]
+        assert ("failure", 0) in kinds and kinds.index(("failure", 0)) < len(kinds) - 1 - kinds[::-1].index(("ready", 0))
+        assert sum(i["tokens_per_s"] for f in timeline["frames"] for i in f["instances"]) > 0
+
+        def both_ready_in_a_frame() -> bool:  # the next frame (one a second) shows the replacement
+            last = httpx.get(base + "/dashboard/data", timeout=10).json()["frames"][-1]["instances"]
+            return [(i["instance"], i["status"]) for i in last] == [(0, "ready"), (1, "ready")]
+
+        wait_for(both_ready_in_a_frame, 5, what="a frame with both workers ready")
     finally:
         server.kill()
 

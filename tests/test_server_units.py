@@ -223,14 +223,17 @@ def test_finished_request_slo_rules():
 def edge_client():
     from sloserve.server.app import build_app
 
-    stats = SimpleNamespace(num_preemptions=0, num_steps=0, total_scheduled_seqs=0, max_batch_size=0)
+    stats = SimpleNamespace(num_preemptions=0, num_steps=0, total_scheduled_seqs=0, max_batch_size=0,
+                            num_output_tokens=0)
     core = SimpleNamespace(
         tokenizer=SimpleNamespace(token_bytes=lambda i: b"x", encode=lambda t: [1, 2], decode=lambda ids: "ab"),
         model_name="fake", max_model_len=128, model_config=SimpleNamespace(vocab_size=100),
         config=SimpleNamespace(scheduler=SimpleNamespace(max_num_seqs=4, max_num_batched_tokens=512, policy="fcfs")),
         clock=time.monotonic,
-        scheduler=SimpleNamespace(num_running=0, num_waiting=0, stats=stats, speculator=None),
-        kv=SimpleNamespace(usage=0.0, stats=SimpleNamespace(queries=0, hits=0)),
+        scheduler=SimpleNamespace(num_running=0, num_waiting=0, waiting=[], stats=stats, speculator=None),
+        kv=SimpleNamespace(usage=0.0, stats=SimpleNamespace(queries=0, hits=0), num_blocks=16, num_free_blocks=16,
+                           tiers=SimpleNamespace(local=lambda: []), host=SimpleNamespace(num_blocks=0),
+                           num_free_host_blocks=0),
     )
     engine = SimpleNamespace(engine=core, abort=lambda rid: None, is_alive=True)
     settings = ServerSettings(registry=QoSRegistry().with_keys(["sk-1"]), max_body_bytes=1000)

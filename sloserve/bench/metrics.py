@@ -14,22 +14,10 @@ import math
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
-from sloserve.records import ERROR_KINDS, RequestRecord
+from sloserve.records import ERROR_KINDS, RequestRecord, percentile
 
 PERCENTILES = (50.0, 90.0, 99.0)
 METRICS = ("ttft", "tpot", "itl", "e2e", "normalized_e2e")
-
-
-def percentile(sorted_values: Sequence[float], q: float) -> float:
-    """The q-th percentile (0..100) of already sorted values, linearly interpolated."""
-    if not sorted_values:
-        return math.nan
-    if len(sorted_values) == 1:
-        return float(sorted_values[0])
-    pos = (len(sorted_values) - 1) * q / 100.0
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(sorted_values) - 1)
-    return float(sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo))
 
 
 @dataclass(frozen=True)
@@ -210,6 +198,14 @@ def summarize_group(records: Sequence[RequestRecord], duration_s: float, slo: Op
                         per_s(out_tokens), per_s(out_tokens + in_tokens), latency, slo, met, attainment, goodput)
 
 
+def slo_checker(slo: Optional[SLO] = None, class_slos: Optional[Mapping[str, SLO]] = None
+                ) -> Callable[[RequestRecord], bool]:
+    """Whether a record met its SLO: its class's targets, falling back to `slo` per target."""
+    base = slo or SLO()
+    per_class = {name: s.over(base) for name, s in (class_slos or {}).items()}
+    return lambda r: per_class.get(r.qos_class, base).met(r)
+
+
 def summarize(records: Sequence[RequestRecord], duration_s: Optional[float] = None, slo: Optional[SLO] = None,
               class_slos: Optional[Mapping[str, SLO]] = None, qs: Sequence[float] = PERCENTILES) -> Summary:
     """Summarize a run. A request's SLO is its class's targets, falling back to `slo` per target.
@@ -229,7 +225,8 @@ def summarize(records: Sequence[RequestRecord], duration_s: Optional[float] = No
                  for c in classes}
     overall = summarize_group(records, duration, None, qs)
     if any(not slo_of(c).empty for c in classes):
-        met = sum(1 for r in records if slo_of(r.qos_class).met(r))
+        met_slo = slo_checker(base, class_slos)
+        met = sum(1 for r in records if met_slo(r))
         overall = _with_slo(overall, met, len(records), duration, base)
     errors = {k: 0 for k in ERROR_KINDS}
     for r in records:

@@ -26,6 +26,9 @@ class BenchResult:
     rate: Optional[float] = None  # offered rate (req/s); None for a replay
     config: dict = field(default_factory=dict)
     num_unsent: int = 0
+    # The fleet over the run (`FleetTimeline.to_dict()`): recorded by the simulator, or fetched
+    # from a sloserve server's /dashboard/data; written as report.html, not into results.json.
+    timeline: Optional[dict] = None
 
     def to_dict(self) -> dict[str, Any]:
         return {"label": self.label, "rate": jsonable(self.rate) if self.rate is not None else None,

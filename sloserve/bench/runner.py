@@ -134,11 +134,26 @@ def warm_up(client: ClientConfig, requests: Sequence[WorkloadRequest]) -> None:
     log.info("warm-up: %d/%d requests ok", sum(r.success for r in run.records), len(run.records))
 
 
+def write_timelines(results: Sequence[BenchResult], out_dir: Path) -> list[Path]:
+    """Each run's fleet timeline as a page with a time slider: report.html for one run; for a
+    sweep report-1.html... in run order, and report.html is the last (the highest rate)."""
+    from sloserve.dashboard import write_report
+
+    runs = [(i, r) for i, r in enumerate(results, 1) if r.timeline is not None]
+    paths = []
+    for i, r in runs:
+        names = ["report.html"] if len(results) == 1 else [f"report-{i}.html"] + (["report.html"] if r is results[-1] else [])
+        for name in names:
+            paths.append(write_report(out_dir / name, r.timeline, r.label))  # type: ignore[arg-type]
+    return paths
+
+
 def write_outputs(results: Sequence[BenchResult], out_dir: Path) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     save_results(out_dir / "results.json", results)
     (out_dir / "report.md").write_text(report_markdown(results), encoding="utf-8")
     paths = [out_dir / "results.json", out_dir / "report.md"]
+    paths += write_timelines(results, out_dir)
     try:
         from sloserve.bench.plots import write_plots
 

@@ -59,6 +59,7 @@ class SchedulerStats:
     num_migrated_in: int = 0
     num_tier_loads: int = 0  # prefix blocks copied back from a lower KV tier instead of recomputed
     num_tier_prefetches: int = 0  # of those, blocks staged from disk or the store into host memory while waiting
+    num_output_tokens: int = 0  # tokens sampled and kept (the fleet timeline's tokens/s)
 
     @property
     def mean_batch_size(self) -> float:
@@ -614,6 +615,7 @@ class Scheduler:
             reason = None
             for token in tokens:  # one by one, so a stop ends the request exactly where plain decoding would
                 request.output_token_ids.append(token)
+                self.stats.num_output_tokens += 1
                 reason = self._stop_reason(request, token)
                 if reason is not None:
                     break
@@ -727,6 +729,7 @@ class Scheduler:
         self._step_id += num_steps
         self.stats.num_steps += num_steps
         self.stats.total_scheduled_seqs += n * num_steps
+        self.stats.num_output_tokens += n * num_steps
         self.stats.max_batch_size = max(self.stats.max_batch_size, n)
         return finished
 

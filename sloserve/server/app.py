@@ -19,6 +19,7 @@ import sloserve
 from sloserve.engine.async_engine import AsyncLLMEngine
 from sloserve.server.admission import Admission
 from sloserve.server.connections import BodyTimeout
+from sloserve.server.dashboard import TimelineSampler, add_dashboard_routes
 from sloserve.server.errors import APIError, GuardedRoute, bad_request, error_response, install_error_handlers
 from sloserve.server.metrics import EngineGauges, ServerMetrics
 from sloserve.server.middleware import EdgeMiddleware
@@ -35,6 +36,7 @@ from sloserve.server.settings import ServerSettings
 from sloserve.server.qos import CacheSalter, cache_secret
 from sloserve.server.shedding import Shedder
 from sloserve.server.tenants import TenantLimiter
+from sloserve.timeline import FleetTimeline, read_instance
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +50,8 @@ class ServerState:
     admission: Admission
     metrics: ServerMetrics
     serving: OpenAIServing
+    timeline: FleetTimeline
+    sampler: TimelineSampler
 
     async def drain(self, grace_s: float) -> int:
         """Stop admitting (503), let in-flight requests finish within `grace_s`, abort the rest."""
@@ -70,12 +74,17 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
     names = settings.served_model_names or [core.model_name]
     shedder = Shedder(core, settings.retry_after_s) if settings.shed_unattainable else None
     admission = Admission(core.config.scheduler.max_num_seqs, settings.max_queue, settings.retry_after_s, shedder)
-    metrics = ServerMetrics(EngineGauges.of(core, lambda: admission.num_in_flight), names[0])
+    timeline = FleetTimeline(settings.timeline_interval_s)
+    timeline.meta.update(model=names[0], instances=1)
+    metrics = ServerMetrics(EngineGauges.of(core, lambda: admission.num_in_flight), names[0], timeline)
     serving = OpenAIServing(engine, names, settings.registry, admission, metrics,
                             stall_timeout_s=settings.stall_timeout_s,
                             salter=CacheSalter(cache_secret(settings.cache_salt_secret)),
                             tenants=TenantLimiter(settings.registry.limits_for))
-    state = ServerState(engine, settings, admission, metrics, serving)
+    # Its thread ends with the engine (the sampler reads nothing once the engine is gone).
+    sampler = TimelineSampler(timeline, lambda: [read_instance(0, core.scheduler, core.kv)],
+                              alive=lambda: engine.is_alive).start()
+    state = ServerState(engine, settings, admission, metrics, serving, timeline, sampler)
 
     app = FastAPI(title="sloserve", version=sloserve.__version__, docs_url="/docs", redoc_url=None)
     app.router.route_class = GuardedRoute
@@ -91,6 +100,7 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
                        on_rejected=metrics.observe_rejected, body_timeout_s=settings.body_timeout_s,
                        admin_keys=settings.admin_keys)
     _add_routes(app, state)
+    add_dashboard_routes(app, timeline, f"sloserve · {names[0]}")
     return app
 
 

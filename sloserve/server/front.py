@@ -33,6 +33,7 @@ import dataclasses
 import json
 import logging
 import re
+import time
 import uuid
 from typing import AsyncIterator, Awaitable, Callable, Optional, TypeVar
 
@@ -43,6 +44,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from sloserve.server.connections import BodyTimeout
+from sloserve.server.dashboard import TimelineSampler, add_dashboard_routes
+from sloserve.server.metrics import FinishedRequest
 from sloserve.server.errors import (
     STATUS_CLIENT_GONE,
     APIError,
@@ -60,6 +63,7 @@ from sloserve.server.front_relay import RelaySession, Upstream
 from sloserve.server.front_stream import Interrupted, SSESplitter, Stop, carries_output
 from sloserve.server.qos import CacheSalter, QoSRegistry, cache_secret
 from sloserve.workers.contract import FLEET_SECRET_HEADER
+from sloserve.timeline import DRAIN, UNDRAIN, FleetTimeline
 from sloserve.types import DEFAULT_QOS, Request, SamplingParams
 
 __all__ = ["DEAD", "HEALTHY", "STARTING", "UNRESPONSIVE", "Front", "WorkerFleet", "FrontConfig", "Instance"]
@@ -190,14 +194,24 @@ class Front:
         if cfg.autoscale:
             self.autoscale = AutoscaleDriver(fleet, cfg.capacity_rps, cfg.scaling_interval_s,
                                              min(10.0, cfg.scaling_interval_s), cfg.cold_start_guess_s, fleet.clock)
+        # The dashboard: requests as the clients saw them (TTFT, TPOT per class), the workers'
+        # last polled state, and what happened to the fleet (on the wall clock, as the page shows).
+        self.timeline = FleetTimeline(cfg.timeline_interval_s)
+        self.timeline.meta.update(instances=len(fleet.instances), router=cfg.router, migration=cfg.migration,
+                                  autoscale=cfg.autoscale or "off",
+                                  roles=",".join(i.role for i in fleet.instances) if fleet.disaggregated else "mixed")
+        fleet.on_event = lambda kind, slot, detail: self.timeline.event(time.time(), kind, slot, detail)
+        self.sampler = TimelineSampler(self.timeline, lambda: [i.timeline_reading() for i in fleet.instances])
 
     async def start(self) -> None:
         """Run the controller's migration (and autoscaling) loops (the fleet is started by its owner)."""
+        self.sampler.start()
         self.migration.start()
         if self.autoscale is not None:
             self.autoscale.start()
 
     async def close(self) -> None:
+        self.sampler.stop()
         if self.autoscale is not None:
             await self.autoscale.close()
         await self.handoff.close()
@@ -253,6 +267,7 @@ class Front:
             if inst is None:
                 raise APIError(404, f"no instance {slot}", param="instance", code="instance_not_found")
             inst.draining = True
+            self.timeline.event(time.time(), DRAIN, slot, "operator")
             moving = sum(s.upstream.inst is inst for s in self.sessions)
             logger.warning("instance %d is draining: out of routing; %d relayed streams to move", slot, moving)
             return JSONResponse({"instance": slot, "draining": True, "streams_to_move": moving})
@@ -263,6 +278,7 @@ class Front:
             if inst is None:
                 raise APIError(404, f"no instance {slot}", param="instance", code="instance_not_found")
             inst.draining = False
+            self.timeline.event(time.time(), UNDRAIN, slot, "operator")
             return JSONResponse({"instance": slot, "draining": False})
 
         @app.get("/v1/migrations/plan")
@@ -322,6 +338,7 @@ class Front:
         async def chat(request: HTTPRequest) -> Response:
             return await self.generate(request, "/v1/chat/completions", chat=True)
 
+        add_dashboard_routes(app, self.timeline, "sloserve fleet")
         return app
 
     # ---- helpers -------------------------------------------------------------------------
@@ -481,6 +498,9 @@ class Front:
                         continue
                     if not stream or upstream.status_code != 200:
                         self.learn(routed, content)
+                        if upstream.status_code == 200:  # the client gets everything at once: TTFT = E2E
+                            now = self.fleet.clock()
+                            self.finished(routed, now, now, _completion_tokens(content))
                         return Response(content, status_code=upstream.status_code, headers=back, media_type=media)
                     if done:  # the whole stream came before anything counted as started
                         self.learn(routed, head)
@@ -548,6 +568,15 @@ class Front:
         self.sessions.discard(session)
         if self.fleet.predictions is not None:
             self.fleet.predictions.observe(session.routed, completed=False)
+        if session.finished and session.first_token_at is not None:
+            self.finished(session.routed, session.first_token_at, session.last_token_at, len(session.tokens))
+
+    def finished(self, routed: Request, first_token_at: float, last_token_at: float, num_tokens: int) -> None:
+        """A request answered in full, timed as its client saw it: its class's SLO counts."""
+        record = FinishedRequest(routed.request_id, routed.tenant, routed.qos, routed.num_prompt_tokens,
+                                 max(1, num_tokens), 0, "stop", first_token_at - routed.arrival_time,
+                                 last_token_at - routed.arrival_time, None)
+        self.timeline.finished(routed.qos.name, record.ttft, record.tpot, record.meets_slo)
 
     def learn(self, routed: Request, content: bytes) -> None:
         """Feed the served model's actual output length back to the predictor."""
@@ -557,6 +586,7 @@ class Front:
         found = _COMPLETION_TOKENS.findall(content)
         if found and book.lookup(routed) is not None:
             book.observe(routed, actual_len=int(found[-1]))
+
 
     # ---- metrics -------------------------------------------------------------------------
     def _registry(self) -> CollectorRegistry:
@@ -599,6 +629,15 @@ class Front:
                     c = CounterMetricFamily(f"sloserve:front_{name}", f"front: {name.replace('_', ' ')}")
                     c.add_metric([], value)
                     yield c
+                requests = CounterMetricFamily("sloserve:slo_requests", "Finished requests per QoS class (as the "
+                                               "clients saw them).", labels=["qos_class"])
+                attained = CounterMetricFamily("sloserve:slo_attained_requests", "Finished requests that met their "
+                                               "class's TTFT and TBT targets.", labels=["qos_class"])
+                for name, counts in front.timeline.to_totals().items():
+                    requests.add_metric([name], counts[0])
+                    attained.add_metric([name], counts[1])
+                yield requests
+                yield attained
                 migrations = fleet.controller.counters
                 for key, (name, help_text) in MIGRATION_METRICS.items():
                     c = CounterMetricFamily(f"sloserve:{name}", help_text)
@@ -636,3 +675,8 @@ class Front:
         registry = CollectorRegistry()
         registry.register(_Collector())
         return registry
+
+
+def _completion_tokens(content: bytes) -> int:
+    found = _COMPLETION_TOKENS.findall(content)
+    return int(found[-1]) if found else 1

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 
 from sloserve.fleet_view import DRAINING, READY, STARTING, STOPPED, InstanceSlot, ScalingSignals
 from sloserve.server.front_migration import every
+from sloserve.timeline import DRAIN, SCALE, UNDRAIN
 from sloserve.workers.fleet import HEALTHY, STARTING as FLEET_STARTING, STOPPED as FLEET_STOPPED
 
 if TYPE_CHECKING:
@@ -106,15 +107,19 @@ class AutoscaleDriver:
             return
         self.target = plan.target
         by_slot = {i.slot: i for i in self.fleet.instances}
+        if plan.changes:
+            self.fleet.on_event(SCALE, None, f"target {plan.target}: {plan.decision.reason}")
         for slot in plan.undrain:
             by_slot[slot].draining = False
             self.counters["taken_back"] += 1
+            self.fleet.on_event(UNDRAIN, slot, "taken back (scale up)")
         for slot in plan.cancel:
             self.fleet.stop_slot(by_slot[slot], "cancelled while starting (scale down)")
             self.counters["cancelled"] += 1
         for slot in plan.drain:
             by_slot[slot].draining = True
             self.counters["drains"] += 1
+            self.fleet.on_event(DRAIN, slot, "scale down")
         stopped = [i for i in self.fleet.instances if i.status == FLEET_STOPPED]
         for inst in stopped[:plan.start]:
             self.fleet.start_slot(inst)

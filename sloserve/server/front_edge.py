@@ -29,7 +29,7 @@ from sloserve.server.qos import QoSRegistry
 logger = logging.getLogger(__name__)
 
 PROXIED_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"})
-ADMIN_ROUTES = frozenset({"/v1/instances", "/metrics"})
+ADMIN_ROUTES = frozenset({"/v1/instances", "/metrics", "/dashboard/data"})
 # Routes that change what the fleet does (drain an instance, move a request): an admin key
 # only, and refused outright when the front has no admin key configured.
 ADMIN_ACTION_PREFIXES = ("/v1/instances/", "/v1/migrations")

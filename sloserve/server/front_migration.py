@@ -14,7 +14,9 @@ import logging
 from typing import TYPE_CHECKING, Callable, Optional
 
 from sloserve.cluster.migration.base import InstanceView, MovableRequest, Move, MoveCosts
+from sloserve.fleet_view import HANDOFF
 from sloserve.server.front_relay import MigrationOutcome
+from sloserve.timeline import MIGRATION
 
 if TYPE_CHECKING:
     from sloserve.cluster.controller import FleetController
@@ -130,6 +132,10 @@ class MigrationDriver:
             outcome = await session.migrate(target, precopy)
         finally:
             self.controller.finished(move, outcome.ok, self.fleet.clock(), outcome.kv_bytes, outcome.downtime_s)
+        if move.reason != HANDOFF:  # hand-offs are every request's: counted, not listed
+            self.fleet.on_event(MIGRATION, source, f"{move.request_id} to instance {target.slot} ({move.reason}): "
+                                + (f"{outcome.kv_bytes} bytes, {outcome.downtime_s * 1e3:.0f} ms down" if outcome.ok
+                                   else f"aborted, {outcome.reason}"))
         if outcome.ok:
             if tokens:
                 self.kv_bytes_per_token = max(self.kv_bytes_per_token, outcome.kv_bytes / tokens)

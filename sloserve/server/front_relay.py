@@ -136,6 +136,10 @@ class RelaySession:
         return (self.resumable and not self.finished and not self.migrating and self.engine_id is not None
                 and bool(self.tokens))
 
+    @property
+    def last_token_at(self) -> Optional[float]:
+        return self._token_times[-1] if self._token_times else None
+
     def recent_tbt_s(self) -> float:
         """Mean gap between the last few token events (0 until there are two)."""
         times = self._token_times

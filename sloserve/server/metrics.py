@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from sloserve.timeline import FleetTimeline
 from sloserve.types import QoSClass
 
 PREFIX = "sloserve:"
@@ -177,7 +178,9 @@ class _EngineCollector(Collector):
 class ServerMetrics:
     """The registry behind `/metrics`, and the hooks the server feeds."""
 
-    def __init__(self, gauges: EngineGauges, model_name: str) -> None:
+    def __init__(self, gauges: EngineGauges, model_name: str, timeline: Optional[FleetTimeline] = None) -> None:
+        """`timeline`: where finished requests also go (the dashboard's per-class latencies)."""
+        self.timeline = timeline
         self.registry = CollectorRegistry(auto_describe=True)
         self.model_name = model_name
         r, m = self.registry, ["model_name"]
@@ -241,6 +244,8 @@ class ServerMetrics:
             if rec.meets_slo:
                 self.slo_attained.labels(name, cls).inc()
                 totals[1] += 1
+            if self.timeline is not None:
+                self.timeline.finished(cls, rec.ttft, rec.tpot, rec.meets_slo)
 
     def slo_totals(self) -> dict[str, tuple[int, int]]:
         return {k: (v[0], v[1]) for k, v in list(self._slo_totals.items())}

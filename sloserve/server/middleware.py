@@ -25,9 +25,9 @@ API_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/internal/resume/")
 # KV blocks in transit between a fleet's workers: large bodies, from the fleet itself (the
 # worker's InternalGuard checked the fleet secret before this middleware runs).
 UNLIMITED_BODY_PREFIX = "/internal/kv/"
-ADMIN_ROUTES = frozenset({"/metrics"})  # what `--admin-key` restricts on a single instance
+ADMIN_ROUTES = frozenset({"/metrics", "/dashboard/data"})  # what `--admin-key` restricts on a single instance
 KNOWN_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics",
-                          "/tokenize", "/detokenize", "/version"})
+                          "/tokenize", "/detokenize", "/version", "/dashboard", "/dashboard/data"})
 
 
 async def send_error(send: Send, err: APIError) -> None:

@@ -227,7 +227,8 @@ def run_multi(engine_config: EngineConfig, settings, *, instances: int, router: 
         forecaster=forecaster, scaling_history=scaling_history,
         max_in_flight=max_in_flight or front_capacity(engine_config, settings.max_queue, instances),
         max_body_bytes=settings.max_body_bytes, body_timeout_s=settings.body_timeout_s,
-        retry_after_s=settings.retry_after_s, admin_keys=tuple(admin_keys))
+        retry_after_s=settings.retry_after_s, admin_keys=tuple(admin_keys),
+        timeline_interval_s=settings.timeline_interval_s)
     fleet = build_worker_fleet(spawn, instances, config, fleet_secret=fleet_secret)
     front = Front(fleet, settings.registry, CacheSalter(cache_secret(salt_secret)))
     uv_config = uvicorn_config(front.build_app(), host=host, port=port, limits=settings.connection_limits())

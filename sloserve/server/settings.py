@@ -34,6 +34,8 @@ class ServerSettings:
     cache_salt_secret: Optional[str] = field(default=None, repr=False)
     # With admin keys, /metrics (and on a multi-instance front /v1/instances) needs one of them.
     admin_keys: list[str] = field(default_factory=list, repr=False)
+    # How often the dashboard's timeline samples the instances (seconds of wall clock).
+    timeline_interval_s: float = 1.0
 
     def connection_limits(self) -> ConnectionLimits:
         return ConnectionLimits(header_timeout_s=self.header_timeout_s, body_timeout_s=self.body_timeout_s,
@@ -51,4 +53,6 @@ class ServerSettings:
             raise ValueError("served model names must be non-empty")
         if not self.stall_timeout_s > 0:
             raise ValueError(f"client stall timeout must be > 0, got {self.stall_timeout_s}")
+        if not self.timeline_interval_s > 0:
+            raise ValueError(f"dashboard interval must be > 0, got {self.timeline_interval_s}")
         self.connection_limits().validate()

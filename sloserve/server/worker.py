@@ -28,6 +28,7 @@ from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from sloserve.config import EngineConfig
+from sloserve.timeline import READING_FIELDS, read_instance
 from sloserve.workers.contract import (
     API_KEYS_ENV,
     CACHE_SECRET_ENV,
@@ -53,6 +54,7 @@ def state_payload(core: Any, max_keys: int = MAX_PUBLISHED_KEYS) -> dict:
         try:
             state = core.scheduler.snapshot(core.clock())
             keys = core.kv.newest_held_keys(max_keys)  # the device's cache, then its lower local tiers
+            reading = read_instance(0, core.scheduler, core.kv)  # the front's dashboard timeline
             break
         except RuntimeError:  # "changed size during iteration"
             if attempt == 4:
@@ -60,7 +62,9 @@ def state_payload(core: Any, max_keys: int = MAX_PUBLISHED_KEYS) -> dict:
     fields = {f.name: getattr(state, f.name) for f in dataclasses.fields(state) if f.name != "prefix_index"}
     if math.isinf(fields.get("min_ttft_slack_s", 0.0)):
         fields["min_ttft_slack_s"] = None
-    return {"state": fields, "prefix_keys": [format(k, "x") for k in keys], "num_cached_blocks": len(keys)}
+    counters = {name: getattr(reading, name) for name in READING_FIELDS}
+    return {"state": fields, "prefix_keys": [format(k, "x") for k in keys], "num_cached_blocks": len(keys),
+            "reading": counters}
 
 
 class InternalGuard:

@@ -120,6 +120,8 @@ class SimMigrator:
         self.draining: set[int] = set()  # instances being emptied (the simulator's drains)
         self.prefill_ids: set[int] = set()  # prefill-role instances: they hand off, they take no migration
         self.offline: set[int] = set()  # stopped or still starting (autoscaling): not part of the fleet now
+        # Told of every transfer that ended (move, ok, now, bytes sent, downtime): the fleet timeline.
+        self.on_moved: Optional[Callable[[Move, bool, float, int, float], None]] = None
 
     @property
     def busy(self) -> bool:
@@ -279,8 +281,10 @@ class SimMigrator:
         target.scheduler.adopt(request, transfer.blocks, now)
         self._touch(target)
         del self.transfers[rid]
-        self.controller.finished(transfer.move, True, now, bytes_sent=self._bytes.pop(rid),
-                                 downtime_s=now - transfer.suspended_at)
+        sent = self._bytes.pop(rid)
+        self.controller.finished(transfer.move, True, now, bytes_sent=sent, downtime_s=now - transfer.suspended_at)
+        if self.on_moved is not None:
+            self.on_moved(transfer.move, True, now, sent, now - transfer.suspended_at)
 
     def _abort(self, transfer: Transfer, now: float) -> None:
         rid = transfer.move.request_id
@@ -291,6 +295,8 @@ class SimMigrator:
         del self.transfers[rid]
         self._bytes.pop(rid, None)
         self.controller.finished(transfer.move, False, now)
+        if self.on_moved is not None:
+            self.on_moved(transfer.move, False, now, 0, 0.0)
         logger.debug("migration of %s aborted at %.3f (%s)", rid, now, transfer.phase)
 
     # ---- helpers -------------------------------------------------------------------------

@@ -14,11 +14,12 @@ from dataclasses import dataclass, field
 from collections.abc import Sequence
 from typing import Callable, Iterable, Iterator, Optional
 
-from sloserve.fleet_view import READY as SLOT_READY, ROLES, STARTING, FleetDecisions, MoveCosts
+from sloserve.fleet_view import HANDOFF, READY as SLOT_READY, ROLES, STARTING, FleetDecisions, MoveCosts
 from sloserve.sched.live_state import Moment
 from sloserve.sim.instance import SimInstance
 from sloserve.sim.migration import SimMigrator, Transfer
 from sloserve.sim.scaling import ScalingSpec, SimScaling
+from sloserve import timeline as tl
 from sloserve.types import Request
 
 logger = logging.getLogger(__name__)
@@ -27,7 +28,7 @@ logger = logging.getLogger(__name__)
 # arrive together share the first step, as they would in the engine loop), then the control tick
 # and migration phases run, then steps end. Whatever reads an instance before its step's end
 # event sees that step in flight, as `SimInstance.sync` (steps ending strictly before now) does.
-ARRIVAL, WAKE, TICK, MIGRATE, STEP_END, SCALE = 0, 1, 2, 3, 4, 5
+ARRIVAL, WAKE, TICK, MIGRATE, STEP_END, SCALE, SAMPLE = 0, 1, 2, 3, 4, 5, 6
 DRAIN = -1  # before anything else at its time: an arrival then already avoids the instance
 READY = -2  # an instance's cold start ends: arrivals at that moment may already go to it
 
@@ -133,6 +134,7 @@ class Simulator:
         self.migration_interval_s = migration_interval_s
         self._next_tick: Optional[int] = None  # index k of the pending tick at k * interval
         self.scaling: Optional[SimScaling] = None
+        self.timeline: Optional[tl.FleetTimeline] = None  # set by run()
         self._held: list[Request] = []  # arrivals while no instance is ready (scaled to zero, or all starting)
         self._more_arrivals = False
         if scaling is not None:
@@ -154,12 +156,16 @@ class Simulator:
 
     def run(self, requests: Iterable[Request], on_progress: Optional[Callable[[float, int], None]] = None,
             until: Optional[float] = None,
-            on_done: Optional[Callable[[Request, Optional[str]], None]] = None) -> SimResult:
+            on_done: Optional[Callable[[Request, Optional[str]], None]] = None,
+            timeline: Optional[tl.FleetTimeline] = None) -> SimResult:
         """Simulate until every request has finished (or `until` seconds of simulated time).
 
         `requests` must come in arrival order; they are pulled lazily, so a generator of a
         million requests never sits in memory at once. With `on_done(request, error)` each
         request is handed over when it finishes (error None) or is rejected, and not kept.
+        With `timeline`, the fleet is sampled into it every `timeline.interval_s` of simulated
+        time and its events recorded (requests' latencies are the caller's to add: it knows the
+        SLOs); sampling only reads, so the run's decisions are the same with or without it.
         """
         arrivals: Iterator[Request] = iter(requests)
         finished: list[FinishedRequest] = []
@@ -174,16 +180,22 @@ class Simulator:
             self._push(pending.arrival_time, ARRIVAL, pending)
         if self.scaling is not None:
             self._push(self.now, SCALE, int(self.now // self.scaling.spec.interval_s))
+        self.timeline = timeline
+        if timeline is not None:
+            if self.migrator is not None:
+                self.migrator.on_moved = self._moved
+            self._push(self.now, SAMPLE, int(self.now // timeline.interval_s))
         while self._heap:
             time, kind, _, payload = heapq.heappop(self._heap)
             if until is not None and time > until:
                 break
             self.now = time
             events += 1
-            if kind not in (TICK, SCALE):
+            if kind not in (TICK, SCALE, SAMPLE):
                 last_work = time  # a final tick that finds nothing to do does not extend the run
             if kind == DRAIN:
                 self.draining.add(payload)  # type: ignore[arg-type]
+                self._event(tl.DRAIN, payload, "operator")  # type: ignore[arg-type]
                 if self._ticks and self._next_tick is None:
                     self._schedule_tick(int(self.now // self.migration_interval_s) + 1)
             elif kind == ARRIVAL:
@@ -207,6 +219,8 @@ class Simulator:
                 self._tick(payload)  # type: ignore[arg-type]
             elif kind == SCALE:
                 self._scale(payload)  # type: ignore[arg-type]
+            elif kind == SAMPLE:
+                self._sample(payload)  # type: ignore[arg-type]
             elif kind == READY:
                 for request in self._ready(payload):  # type: ignore[arg-type]
                     error = self._arrive(request, observed=True)
@@ -338,12 +352,19 @@ class Simulator:
         target = scaling.status.count(SLOT_READY) + scaling.status.count(STARTING)
         if plan is not None:
             target = plan.target
+            if plan.changes:
+                self._event(tl.SCALE, None, f"target {plan.target}: {plan.decision.reason}")
             for slot, ready_at in scaling.apply(plan, self.now):
                 self._push(ready_at, READY, slot)
+                self._event(tl.START, slot, f"cold start, ready in {ready_at - self.now:.0f} s")
+            for i in plan.cancel:
+                self._event(tl.STOP, i, "cancelled while starting")
             for i in plan.undrain:
                 self.draining.discard(i)
+                self._event(tl.UNDRAIN, i, "taken back (scale up)")
             for i in plan.drain:
                 self.draining.add(i)
+                self._event(tl.DRAIN, i, "scale down")
                 self._stop_if_empty(self.instances[i])
             if plan.drain and self._ticks and self._next_tick is None:
                 self._schedule_tick(int(self.now // self.migration_interval_s) + 1)
@@ -359,6 +380,7 @@ class Simulator:
         assert self.scaling is not None
         if not self.scaling.became_ready(slot, self.now):
             return []
+        self._event(tl.INSTANCE_READY, slot, "cold start done")
         self._sync_offline()
         held, self._held = self._held, []
         return held
@@ -369,12 +391,40 @@ class Simulator:
         moving = self.migrator is not None and any(
             t.source is instance or t.target is instance for t in self.migrator.transfers.values())
         if self.scaling.stop_if_empty(i, self.now, not instance.scheduler.has_unfinished() and not moving):
+            self._event(tl.STOP, i, "drained (scale down)")
             self.draining.discard(i)
             self._sync_offline()
 
     def _sync_offline(self) -> None:
         if self.migrator is not None and self.scaling is not None:
             self.migrator.offline = self.scaling.offline()
+
+    # ---- the fleet timeline ---------------------------------------------------------------
+    def _sample(self, k: int) -> None:
+        """A frame of every instance at `now`; the next one while anything remains to happen."""
+        timeline = self.timeline
+        assert timeline is not None
+        status = self.scaling.status if self.scaling is not None else None
+        readings = []
+        for instance in self.instances:
+            i = instance.instance_id
+            instance.sync(self.now)  # the decode steps done by now (what a reader sees; changes no decision)
+            shown = status[i] if status is not None else (tl.DRAINING if i in self.draining else tl.READY)
+            readings.append(tl.read_instance(i, instance.scheduler, instance.kv, self.roles[i], shown))
+        timeline.sample(self.now, readings)
+        busy = self._held or any(i.scheduler.has_unfinished() for i in self.instances) \
+            or (self.migrator is not None and self.migrator.busy) or (self.scaling is not None and self.scaling.ready_at)
+        if self._more_arrivals or busy:
+            self._push((k + 1) * timeline.interval_s, SAMPLE, k + 1)
+
+    def _event(self, kind: str, instance: Optional[int], detail: str) -> None:
+        if self.timeline is not None:
+            self.timeline.event(self.now, kind, instance, detail)
+
+    def _moved(self, move, ok: bool, now: float, sent: int, downtime_s: float) -> None:
+        if move.reason != HANDOFF:  # hand-offs are every request's: counted, not listed
+            self._event(tl.MIGRATION, move.source, f"{move.request_id} to instance {move.target} ({move.reason}): "
+                        + (f"{sent} bytes, {downtime_s * 1e3:.0f} ms down" if ok else "aborted"))
 
     def _push_transfer(self, time: float, transfer: Transfer) -> None:
         self._push(time, MIGRATE, transfer)

@@ -28,6 +28,8 @@ from typing import Any, Callable, Optional
 import httpx
 
 from sloserve.fleet_view import ROLES
+from sloserve.timeline import (DEAD as SHOWN_DEAD, DRAINING as SHOWN_DRAINING, FAILURE, INSTANCE_READY,
+                               READING_FIELDS, READY as SHOWN_READY, START, STOP, InstanceReading)
 from sloserve.sched.state import InstanceState, KeySetIndex
 from sloserve.workers.contract import FLEET_SECRET_HEADER
 from sloserve.workers.handles import NoWorker, WorkerHandle
@@ -74,7 +76,8 @@ class FrontConfig:
     max_body_bytes: int = 4 * 2**20
     body_timeout_s: float = 30.0
     retry_after_s: int = 1
-    admin_keys: tuple[str, ...] = ()  # when set, /v1/instances and /metrics need one of them
+    admin_keys: tuple[str, ...] = ()  # when set, /v1/instances, /metrics and /dashboard/data need one of them
+    timeline_interval_s: float = 1.0  # the dashboard's sampling interval
 
 
 @dataclass
@@ -85,6 +88,7 @@ class Instance:
     status: str = STARTING
     generation: int = 0  # how many times this slot's worker was replaced
     state: Optional[InstanceState] = None
+    reading: dict = field(default_factory=dict)  # the worker's own counters (timeline.READING_FIELDS), last poll
     prefix_keys: frozenset = frozenset()
     polled_at: float = 0.0
     answered_at: Optional[float] = None  # last poll this worker answered (None: never, this generation)
@@ -114,6 +118,14 @@ class Instance:
             + prompt, kv_blocks_waiting=base.kv_blocks_waiting + sum(-(-p // bs) for _, p, _ in self.pending),
             predicted_remaining_decode_tokens=base.predicted_remaining_decode_tokens + decode,
             prefix_index=KeySetIndex(self.prefix_keys))
+
+    def timeline_reading(self) -> InstanceReading:
+        """This slot for the dashboard: the worker's last reported counters, the front's view of its state."""
+        status = {HEALTHY: SHOWN_READY, DEAD: SHOWN_DEAD}.get(self.status, self.status)
+        if self.draining and self.status == HEALTHY:
+            status = SHOWN_DRAINING
+        counters = {k: v for k, v in self.reading.items() if k in READING_FIELDS} if self.state is not None else {}
+        return InstanceReading(self.slot, self.role, status, **counters)
 
     def describe(self) -> dict:
         s = self.state
@@ -161,6 +173,8 @@ class WorkerFleet:
         self._client: Optional[httpx.AsyncClient] = None
         self._health: Optional[httpx.AsyncClient] = None
         self._monitors: list[asyncio.Task] = []
+        # What happened to an instance (timeline.EVENT_KINDS, slot, detail): the front records it.
+        self.on_event: Callable[[str, Optional[int], str], None] = lambda kind, slot, detail: None
         self._kills: set[asyncio.Task] = set()
 
     # ---- lifecycle -------------------------------------------------------------------
@@ -238,13 +252,14 @@ class WorkerFleet:
                 fields["min_ttft_slack_s"] = float("inf")
             state = InstanceState(**fields)
             keys = frozenset(int(k, 16) for k in payload.get("prefix_keys", ()))
+            reading = payload.get("reading") or {}
         except Exception as e:  # noqa: BLE001 - any failure to answer counts the same
             if handle is inst.handle:
                 self._missed(inst, e)
             return
         if handle is not inst.handle or inst.status == DEAD:  # replaced while the poll was in flight
             return
-        inst.state, inst.prefix_keys = state, keys
+        inst.state, inst.prefix_keys, inst.reading = state, keys, reading
         self.block_size = state.block_size
         inst.pending = [p for p in inst.pending if p[0] > sent]
         inst.polled_at = inst.answered_at = sent
@@ -254,10 +269,13 @@ class WorkerFleet:
             self.start_times.append(sent - inst.started_at)
             logger.info("instance %d (generation %d) is healthy at %s after %.1f s", inst.slot, inst.generation, url,
                         sent - inst.started_at)
+            self.on_event(INSTANCE_READY, inst.slot, f"generation {inst.generation}, started in "
+                                                     f"{sent - inst.started_at:.1f} s")
         elif inst.status == UNRESPONSIVE:
             inst.status = HEALTHY
             inst.stalled = asyncio.Event()
             logger.warning("instance %d (generation %d) answers again: back in routing", inst.slot, inst.generation)
+            self.on_event(INSTANCE_READY, inst.slot, "answers again")
 
     def _missed(self, inst: Instance, error: BaseException) -> None:
         if inst.status == STARTING:
@@ -283,6 +301,7 @@ class WorkerFleet:
         if inst.status == DEAD:
             return
         logger.warning("instance %d (generation %d) is out: %s", inst.slot, inst.generation, reason)
+        self.on_event(FAILURE, inst.slot, reason)
         never_answered = inst.status == STARTING
         inst.status, inst.last_error = DEAD, reason
         inst.stalled.set()
@@ -313,10 +332,12 @@ class WorkerFleet:
         self._respawn(inst)
         self.counters["replacements"] -= 1  # a start asked for, not a replacement
         logger.warning("instance %d: starting a worker (scale up)", inst.slot)
+        self.on_event(START, inst.slot, "scale up")
 
     def stop_slot(self, inst: Instance, reason: str) -> None:
         """Stop a slot's worker (a drained instance, or one cancelled while starting) and keep it stopped."""
         logger.warning("instance %d (generation %d) stops: %s", inst.slot, inst.generation, reason)
+        self.on_event(STOP, inst.slot, reason)
         inst.status, inst.draining, inst.last_error = STOPPED, False, None
         inst.stalled.set()
         inst.state, inst.prefix_keys, inst.pending = None, frozenset(), []

@@ -1,0 +1,314 @@
+"""deploy/: the Grafana board and the Prometheus config, held to what sloserve really exports.
+
+Every PromQL expression on the board (panel targets, and the metric in the `$model_name`
+variable's `label_values(...)`) is parsed with promql-parser, and the metric names of its
+vector and matrix selectors are read off the AST (walked here: promql-parser 0.4, the
+declared minimum, has no `walk`; the node types used are the same through 0.12). What servers
+export is read from their /metrics with prometheus_client's parser, as sample names (`_total`,
+`_bucket`, `_sum`, `_count` included):
+- a multi-instance front, in-process over stand-in workers (tests/multi_helpers.py), with
+  autoscaling and prefill/decode roles both on so their families are exported (the CLI refuses
+  the two together; the front's metrics code does not care);
+- a real `sloserve serve` (slow: it loads the embedded model), after one answered request and
+  one refused one, so its labelled families (by finish reason, rejection reason, route and
+  status, QoS class) have samples rather than only HELP/TYPE lines.
+
+Checked: every metric the board selects is exported; every family exported is selected by the
+board; label matchers and `by (...)` labels exist on what they select. Not shown on purpose:
+the `<name>_created` gauges prometheus_client adds beside its own counters and histograms
+(series creation timestamps, not quantities).
+"""
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import promql_parser as promql  # the dev extra
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+BOARD = ROOT / "deploy" / "grafana" / "sloserve.json"
+BUILDER = ROOT / "deploy" / "grafana" / "build_board.py"
+PROMETHEUS_YML = ROOT / "deploy" / "prometheus" / "prometheus.yml"
+TARGET_LABELS = {"job", "instance"}  # what Prometheus adds to every scraped series
+LABEL_VALUES = re.compile(r"^label_values\((?P<metric>.+),\s*(?P<label>\w+)\)$")
+
+
+# ---- the board --------------------------------------------------------------------------
+def load_board() -> dict:
+    return json.loads(BOARD.read_text())
+
+
+def all_panels(board: dict) -> list[dict]:
+    out = []
+    for p in board["panels"]:
+        out.append(p)
+        out.extend(p.get("panels", []))  # a collapsed row keeps its panels inside
+    return out
+
+
+def board_expressions(board: dict) -> list[tuple[str, str]]:
+    """(where, PromQL) for every query the board runs."""
+    exprs = [(f"panel {p['title']!r} {t['refId']}", t["expr"])
+             for p in all_panels(board) for t in p.get("targets", [])]
+    for var in board["templating"]["list"]:
+        if var["type"] == "query":
+            m = LABEL_VALUES.match(var["query"])
+            assert m, f"variable {var['name']}: expected label_values(metric, label), got {var['query']!r}"
+            exprs.append((f"variable {var['name']}", m["metric"]))
+    return exprs
+
+
+def nodes(node):
+    """`node` and everything under it, depth first (promql-parser's node types, as of 0.4)."""
+    yield node
+    if isinstance(node, promql.AggregateExpr):
+        children = [node.param, node.expr]
+    elif isinstance(node, promql.BinaryExpr):
+        children = [node.lhs, node.rhs]
+    elif isinstance(node, promql.Call):
+        children = list(node.args)
+    elif isinstance(node, (promql.ParenExpr, promql.UnaryExpr, promql.SubqueryExpr)):
+        children = [node.expr]
+    elif isinstance(node, promql.MatrixSelector):
+        children = [node.vector_selector]
+    elif isinstance(node, (promql.VectorSelector, promql.NumberLiteral, promql.StringLiteral)):
+        children = []
+    else:
+        raise TypeError(f"unexpected PromQL node {type(node).__name__}: {node}")
+    for child in children:
+        if child is not None:
+            yield from nodes(child)
+
+
+def selectors(node) -> list:
+    """Every vector selector under `node` (a matrix selector's vector selector included)."""
+    return [n for n in nodes(node) if isinstance(n, promql.VectorSelector)]
+
+
+def metric_name(vs) -> str:
+    if vs.name:
+        return vs.name
+    named = [m.value for m in vs.matchers.matchers if m.name == "__name__" and m.op == promql.MatchOp.Equal]
+    assert named, f"selector {vs} names no metric (the board must name each metric literally)"
+    return named[0]
+
+
+def selected(expr: str) -> set[str]:
+    return {metric_name(vs) for vs in selectors(promql.parse(expr))}
+
+
+# ---- what servers export ------------------------------------------------------------------
+def exposition(text: str) -> tuple[dict[str, set[str]], dict[str, set[str]]]:
+    """({family: its sample names}, {sample name: label names as Prometheus stores them}).
+
+    Families named `X_created` beside a counter or histogram family `X` are dropped (see the
+    module docstring). A label `instance` in the scraped data is stored as `exported_instance`
+    (it clashes with the target label; honor_labels is false by default)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    families: dict[str, set[str]] = {}
+    types: dict[str, str] = {}
+    labels: dict[str, set[str]] = {}
+    for family in text_string_to_metric_families(text):
+        families[family.name] = {s.name for s in family.samples}
+        types[family.name] = family.type
+        for s in family.samples:
+            names = {"exported_instance" if k == "instance" else k for k in s.labels}
+            labels.setdefault(s.name, set()).update(names | TARGET_LABELS)
+    for name in list(families):
+        base = name.removesuffix("_created")
+        if base != name and types.get(base) in ("counter", "histogram"):
+            for sample in families.pop(name):
+                labels.pop(sample, None)
+    return families, labels
+
+
+def scrape_front() -> str:
+    """/metrics of an in-process front (1 prefill + 1 decode stand-in worker, reactive
+    autoscaling that never acts in this test's lifetime) after one routed request."""
+    import uvicorn
+
+    from multi_helpers import FAKE_SECRET, FakeWorker
+    from sloserve.server.front import Front, FrontConfig
+    from sloserve.server.multi import build_worker_fleet
+    from sloserve.workers.handles import free_port
+
+    async def main() -> str:
+        cfg = FrontConfig(router="round-robin", poll_interval_s=0.1, predictor=None, roles=("prefill", "decode"),
+                          autoscale="reactive", capacity_rps=10.0, min_instances=2, initial_instances=2,
+                          scaling_interval_s=3600.0)
+        fleet = build_worker_fleet(lambda slot: FakeWorker(tokens=2, delay=0.01), 2, cfg, fleet_secret=FAKE_SECRET)
+        front = Front(fleet)
+        await fleet.start()
+        await front.start()
+        port = free_port()
+        server = uvicorn.Server(uvicorn.Config(front.build_app(), host="127.0.0.1", port=port, lifespan="off",
+                                               log_config=None, access_log=False))
+        task = asyncio.create_task(server.serve())
+        try:
+            await fleet.wait_ready(60)
+            while not server.started:
+                await asyncio.sleep(0.02)
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=60) as client:
+                r = await client.post("/v1/completions", json={"prompt": "a b c", "max_tokens": 2})
+                assert r.status_code == 200, r.text
+                metrics = await client.get("/metrics")
+                assert metrics.status_code == 200, metrics.text
+                return metrics.text
+        finally:
+            server.should_exit = True
+            await task
+            await front.close()
+            await fleet.close()
+
+    return asyncio.run(main())
+
+
+@pytest.fixture(scope="module")
+def front_metrics():
+    return exposition(scrape_front())
+
+
+@pytest.fixture(scope="module")
+def server_metrics(tmp_path_factory):
+    """/metrics of a real `sloserve serve` after an answered request and a refused one."""
+    from server_helpers import ServerProcess
+
+    server = ServerProcess(["--api-key", "sk-board", "--log-level", "warning"],
+                           tmp_path_factory.mktemp("board") / "server.log", exact=False)
+    try:
+        body = {"prompt": "Hello", "max_tokens": 4, "temperature": 0}
+        ok = httpx.post(server.v1 + "/completions", json=body, headers={"Authorization": "Bearer sk-board"},
+                        timeout=120)
+        assert ok.status_code == 200, ok.text
+        refused = httpx.post(server.v1 + "/completions", json=body, timeout=30)  # no key: rejected, unauthorized
+        assert refused.status_code == 401, refused.text
+        metrics = httpx.get(server.base_url + "/metrics", timeout=10)
+        assert metrics.status_code == 200, metrics.text
+        return exposition(metrics.text)
+    finally:
+        server.kill()
+
+
+# ---- tests: the files themselves ------------------------------------------------------------
+def test_board_is_what_its_builder_writes_and_the_builder_needs_no_sloserve():
+    spec = importlib.util.spec_from_file_location("build_board", BUILDER)
+    builder = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(builder)
+    assert builder.render() == builder.render() == BOARD.read_text(), \
+        "deploy/grafana/sloserve.json is stale: run python deploy/grafana/build_board.py"
+    probe = ("import runpy, sys; runpy.run_path(sys.argv[1]); "
+             "assert not [m for m in sys.modules if m.split('.')[0] == 'sloserve'], 'imports sloserve'")
+    subprocess.run([sys.executable, "-c", probe, str(BUILDER)], check=True, cwd=ROOT, timeout=60)
+
+
+def test_board_is_a_grafana_dashboard_on_a_templated_prometheus_datasource():
+    board = load_board()
+    assert board["schemaVersion"] == 39 and board["uid"] and board["title"]
+    variables = {v["name"]: v for v in board["templating"]["list"]}
+    assert variables["DS_PROMETHEUS"]["type"] == "datasource" and variables["DS_PROMETHEUS"]["query"] == "prometheus"
+    model = variables["model_name"]
+    assert model["type"] == "query" and LABEL_VALUES.match(model["query"])["label"] == "model_name"
+    assert model["datasource"]["uid"] == "${DS_PROMETHEUS}"
+    panels = all_panels(board)
+    assert len({p["id"] for p in panels}) == len(panels)
+    rows = [p["title"] for p in panels if p["type"] == "row"]
+    assert [r.split(" ")[0] for r in rows] == ["Requests", "Latency", "SLO", "Tokens", "KV", "Engine", "Fleet"]
+    cells = set()
+    for p in panels:
+        g = p["gridPos"]
+        assert 0 <= g["x"] and g["x"] + g["w"] <= 24, p["title"]
+        mine = {(g["x"] + dx, g["y"] + dy) for dx in range(g["w"]) for dy in range(g["h"])}
+        assert not cells & mine, f"panel {p['title']!r} overlaps another"
+        cells |= mine
+        if p["type"] == "row":
+            continue
+        assert p["targets"], p["title"]
+        for source in [p["datasource"], *(t["datasource"] for t in p["targets"])]:
+            assert source == {"type": "prometheus", "uid": "${DS_PROMETHEUS}"}, p["title"]
+        assert len({t["refId"] for t in p["targets"]}) == len(p["targets"])
+
+
+def test_every_board_expression_parses_and_names_sloserve_metrics():
+    exprs = board_expressions(load_board())
+    assert len(exprs) > 40
+    for where, expr in exprs:
+        names = selected(expr)  # raises on anything promql-parser rejects
+        assert names and all(n.startswith("sloserve:") for n in names), (where, expr, names)
+
+
+def test_prometheus_config_scrapes_localhost_8000_every_5s():
+    config = yaml.safe_load(PROMETHEUS_YML.read_text())
+    assert config["global"]["scrape_interval"] == "5s"
+    (job,) = [j for j in config["scrape_configs"] if j["job_name"] == "sloserve"]
+    assert job["metrics_path"] == "/metrics" and job["scrape_interval"] == "5s"
+    assert job["static_configs"] == [{"targets": ["localhost:8000"]}]
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool (Prometheus) not installed")
+def test_promtool_accepts_the_prometheus_config():
+    out = subprocess.run(["promtool", "check", "config", str(PROMETHEUS_YML)], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+# ---- tests: the board against real /metrics --------------------------------------------------
+def uncovered(families: dict[str, set[str]]) -> list[str]:
+    on_board = set().union(*(selected(expr) for _, expr in board_expressions(load_board())))
+    return sorted(f for f, samples in families.items() if not samples & on_board)
+
+
+def test_the_board_shows_every_family_the_front_exports(front_metrics):
+    families, _ = front_metrics
+    for needed in ("sloserve:instances", "sloserve:autoscale_target", "sloserve:pd_handoff_seconds",
+                   "sloserve:migrations_started", "sloserve:instance_role"):  # autoscaling and P/D were on
+        assert needed in families, needed
+    assert all(families.values()), [f for f, s in families.items() if not s]  # every family has samples
+    assert uncovered(families) == []
+
+
+@pytest.mark.slow
+def test_the_board_shows_every_family_a_server_exports(server_metrics):
+    families, _ = server_metrics
+    assert len(families) >= 28
+    empty = [f for f, s in families.items() if not s]
+    assert empty == [], f"families with no sample after a request and a refusal: {empty}"
+    assert uncovered(families) == []
+
+
+@pytest.mark.slow
+def test_every_metric_and_label_the_board_selects_is_exported(server_metrics, front_metrics):
+    labels: dict[str, set[str]] = {}
+    for exported in (server_metrics[1], front_metrics[1]):
+        for name, names in exported.items():
+            labels.setdefault(name, set()).update(names)
+    problems = []
+    for where, expr in board_expressions(load_board()):
+        ast = promql.parse(expr)
+        for vs in selectors(ast):
+            name = metric_name(vs)
+            if name not in labels:
+                problems.append(f"{where}: {name} is not exported")
+                continue
+            # label="" selects series without the label: fine on any metric
+            matched = {m.name for m in vs.matchers.matchers
+                       if not (m.op == promql.MatchOp.Equal and m.value == "")} - {"__name__"}
+            if not matched <= labels[name]:
+                problems.append(f"{where}: {name} has no label {sorted(matched - labels[name])}")
+        for node in nodes(ast):
+            if isinstance(node, promql.AggregateExpr) and node.modifier is not None \
+                    and node.modifier.type == promql.AggModifierType.By:
+                under = set().union(*(labels.get(metric_name(vs), set()) for vs in selectors(node.expr)))
+                missing = set(node.modifier.labels) - under
+                if missing:
+                    problems.append(f"{where}: grouping by {sorted(missing)}, which nothing under it has")
+    assert problems == [], "\n".join(problems)
