@@ -48,7 +48,17 @@ def test_sweep_with_classes_then_compare(server, char_tokenizer, tmp_path, capsy
     printed = capsys.readouterr().out
     assert "Rate sweep" in printed and "TTFT" in printed
     assert {p.name for p in out.iterdir()} == {"results.json", "report.md", "latency_cdf.png",
-                                              "throughput_latency.png", "slo_attainment.png"}
+                                              "throughput_latency.png", "slo_attainment.png", "report.html",
+                                              "report-1.html", "report-2.html"}
+    # Not a sloserve server (no /dashboard/data): each report's timeline is the client's, per class.
+    for k in (1, 2):
+        page = (out / f"report-{k}.html").read_text()
+        start = page.index('id="timeline-data">') + len('id="timeline-data">')
+        timeline = json.loads(page[start:page.index("</script>", start)])
+        assert timeline["source"] == "client" and all(f["instances"] == [] for f in timeline["frames"])
+        assert sum(t["finished"] for t in timeline["totals"].values()) == 24
+        assert set(timeline["totals"]) == {"gold", "bronze"}
+    assert (out / "report.html").read_text() == (out / "report-2.html").read_text()  # the highest rate
     results = load_results(out / "results.json")
     assert [r.rate for r in results] == [40.0, 80.0]
     for res in results:
@@ -62,9 +72,10 @@ def test_sweep_with_classes_then_compare(server, char_tokenizer, tmp_path, capsy
         assert again.to_dict() == json.loads(json.dumps(res.summary.to_dict()))
         assert res.config["workload"] == "azure-code" and res.config["model"] == "fake-model"
     # the server saw the class header and the tenant's key
-    seen = [(r.headers.get("x-qos-class"), r.headers.get("authorization")) for r in server.received[-24:]]
+    generated = [r for r in server.received if r.path.endswith("/completions")]
+    seen = [(r.headers.get("x-qos-class"), r.headers.get("authorization")) for r in generated[-24:]]
     assert {s[0] for s in seen} == {"gold", "bronze"} and {s[1] for s in seen} == {"Bearer sk-a", "Bearer sk-b"}
-    body = server.received[-1].body
+    body = generated[-1].body
     assert body["ignore_eos"] is True and body["stream_options"] == {"include_usage": True}
     assert isinstance(body["prompt"], str)
     # a second result file, then compare

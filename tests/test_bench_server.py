@@ -1,6 +1,7 @@
 """The client against a real `sloserve serve` on 127.0.0.1: records are consistent, the summary matches them."""
 from __future__ import annotations
 
+import json
 import statistics
 
 import pytest
@@ -63,3 +64,10 @@ def test_bench_against_sloserve_serve(server, tmp_path, fmt, endpoint):
     _check_records(res, prompt_exact=endpoint == "completions")
     report = (out / "report.md").read_text()
     assert "| TTFT |" in report and "6 / 6 / 0" in report
+    # report.html carries the server's own timeline of the run: its instance, these 6 requests.
+    page = (out / "report.html").read_text()
+    start = page.index('id="timeline-data">') + len('id="timeline-data">')
+    timeline = json.loads(page[start:page.index("</script>", start)])
+    assert timeline["source"] == "live" and timeline["totals"]["default"]["finished"] == 6
+    assert {len(f["instances"]) for f in timeline["frames"]} == {1}
+    assert sum(i["tokens_per_s"] for f in timeline["frames"] for i in f["instances"]) > 0

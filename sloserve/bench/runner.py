@@ -9,12 +9,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from sloserve.bench.client import BenchClient, ClientConfig, RunResult
-from sloserve.bench.metrics import SLO, summarize
+from sloserve.bench.metrics import SLO, slo_checker, summarize
+from sloserve.bench.timeline import client_timeline, server_timeline
 from sloserve.records import RequestRecord
 from sloserve.bench.report import fmt_rate, report_markdown
 from sloserve.bench.result import BenchResult, save_results
@@ -108,15 +110,31 @@ def run_plan(plan: BenchPlan, synthesizer: Optional[PromptSynthesizer],
             on_run_start(rate, len(requests))
         log.info("rate %s: %d requests", fmt_rate(rate), len(requests))
         client_cfg = replace(plan.client, duration_s=plan.spec.duration_s)
+        started = time.time()
         run: RunResult = asyncio.run(BenchClient(client_cfg, on_record=on_record).run(requests))
         summary = summarize(run.records, run.duration_s, plan.slo, plan.class_slos())
         label = f"{run.model or plan.client.base_url} · {spec.name} · " + (
             f"rate {fmt_rate(rate)}" if rate is not None else ("replay" if spec.replay else "burst"))
+        timeline = None
+        if plan.out_dir is not None:  # report.html: the server's own view of the run, else the client's
+            met = slo_checker(plan.slo, plan.class_slos())
+            if plan.client.backend == "openai":
+                timeline = server_timeline(plan.client.base_url, auth_headers(plan.client), started, time.time(),
+                                           run.records, met)
+            if timeline is None:
+                timeline = client_timeline(run.records, run.duration_s, met)
         results.append(BenchResult(label, summary, run.records, rate, config_dict(plan, rate, run.model),
-                                   run.num_unsent))
+                                   run.num_unsent, timeline))
     if write and plan.out_dir is not None:
         write_outputs(results, plan.out_dir)
     return results
+
+
+def auth_headers(client: ClientConfig) -> dict:
+    headers = dict(client.extra_headers)
+    if client.api_key:
+        headers["Authorization"] = f"Bearer {client.api_key}"
+    return headers
 
 
 def warm_up(client: ClientConfig, requests: Sequence[WorkloadRequest]) -> None:
