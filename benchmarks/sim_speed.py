@@ -4,6 +4,9 @@
    serving Llama-3.1-8B. Target: <= 20 s of wall time (>= 180x real time).
 2. 1,000,000 synthetic requests (Poisson, 512 prompt / 128 output tokens) on 64 instances.
    Target: <= 10 minutes.
+3. The first case again, recording the fleet timeline (`sloserve simulate` always does, for
+   report.html: a frame of every instance each `--timeline-interval`, here 6 s = 600 frames
+   over the hour): what recording costs, as a ratio to case 1 in the same process.
 
 Both run the real scheduler and KV manager per instance; fast-forwarded decode runs are on
 (tests/test_sim.py shows they change no decision). Prints a table and writes JSON + a PNG.
@@ -23,20 +26,23 @@ from rich.table import Table
 
 from sloserve.config import SchedulerConfig
 from sloserve.simulation import FleetConfig, build_fleet, sim_requests, simulate
+from sloserve.timeline import FleetTimeline
 from sloserve.workload.build import WorkloadSpec, build_stream
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def run_case(name: str, spec: WorkloadSpec, fleet: FleetConfig, progress: Progress) -> dict:
+def run_case(name: str, spec: WorkloadSpec, fleet: FleetConfig, progress: Progress,
+             timeline_interval_s: float = 0.0) -> dict:
     t0 = time.perf_counter()
     stream = build_stream(spec)
     build_s = time.perf_counter() - t0
     gc.freeze()  # as `sloserve simulate` does: the workload is only read from here on
     task = progress.add_task(name, total=len(stream), sim_time=0.0)
     sim = build_fleet(fleet)
+    timeline = FleetTimeline(timeline_interval_s, "simulated", max_frames=1_000_000) if timeline_interval_s else None
     t1 = time.perf_counter()
-    records, result = simulate(sim, sim_requests(stream),
+    records, result = simulate(sim, sim_requests(stream), timeline=timeline,
                                on_progress=lambda t, n: progress.update(task, completed=n, sim_time=t))
     wall = time.perf_counter() - t1
     ttfts = sorted(r.ttft_s for r in records if r.ttft_s is not None)
@@ -46,6 +52,7 @@ def run_case(name: str, spec: WorkloadSpec, fleet: FleetConfig, progress: Progre
         "speedup": result.end_time / wall, "events": result.num_events,
         "p50_ttft_ms": 1e3 * ttfts[len(ttfts) // 2] if ttfts else None,
         "p99_ttft_ms": 1e3 * ttfts[int(len(ttfts) * 0.99)] if ttfts else None,
+        "timeline_frames": len(timeline.frames) if timeline is not None else 0,
     }
 
 
@@ -57,19 +64,21 @@ def main() -> int:
     p.add_argument("--skip-million", action="store_true")
     args = p.parse_args()
     sched = SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=256)
-    cases = [("azure-conv full trace, 16 x H100", WorkloadSpec("azure-conv", replay=True, duration_s=1e9),
-              FleetConfig(16, "h100-80g", "llama-3.1-8b", router=args.router, scheduler=sched))]
+    azure = ("azure-conv full trace, 16 x H100", WorkloadSpec("azure-conv", replay=True, duration_s=1e9),
+             FleetConfig(16, "h100-80g", "llama-3.1-8b", router=args.router, scheduler=sched))
+    cases = [(*azure, 0.0)]
     if not args.skip_million:
         cases.append((f"{args.million:,} synthetic, 64 x H100",
                       WorkloadSpec("synthetic", rate=args.million_rate, num_requests=args.million, input_len=512,
                                    output_len=128),
-                      FleetConfig(64, "h100-80g", "llama-3.1-8b", router=args.router, scheduler=sched)))
+                      FleetConfig(64, "h100-80g", "llama-3.1-8b", router=args.router, scheduler=sched), 0.0))
+    cases.append((azure[0] + ", timeline every 6 s", azure[1], azure[2], 6.0))
     console = Console()
     rows = []
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TextColumn("sim {task.fields[sim_time]:.0f} s"), TimeElapsedColumn(), console=console) as progress:
-        for name, spec, fleet in cases:
-            rows.append(run_case(name, spec, fleet, progress))
+        for name, spec, fleet, interval in cases:
+            rows.append(run_case(name, spec, fleet, progress, interval))
     table = Table(title="simulator speed")
     for col in ("case", "requests", "completed", "sim time s", "wall s", "x real time", "events", "p99 TTFT ms"):
         table.add_column(col)
@@ -77,6 +86,10 @@ def main() -> int:
         table.add_row(r["case"], f"{r['requests']:,}", f"{r['completed']:,}", f"{r['sim_time_s']:.0f}",
                       f"{r['wall_s']:.1f}", f"{r['speedup']:.0f}", f"{r['events']:,}", f"{r['p99_ttft_ms']:.0f}")
     console.print(table)
+    plain, recorded = rows[0], rows[-1]
+    console.print(f"recording the timeline ({recorded['timeline_frames']} frames): wall x"
+                  f"{recorded['wall_s'] / plain['wall_s']:.3f} of the same run without it; p99 TTFT "
+                  f"{'unchanged' if recorded['p99_ttft_ms'] == plain['p99_ttft_ms'] else 'CHANGED'}")
     RESULTS.mkdir(parents=True, exist_ok=True)
     stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
     out = RESULTS / f"sim_speed-{stamp}.json"
