@@ -10,7 +10,8 @@ its local tiers; chunked prefill, 2,048-token steps):
 - device: the prefix cache in what device memory leaves after the weights (vLLM's default);
 - +host: each instance keeps evicted blocks in host DRAM (a DGX H100 has 2 TB for 8 GPUs:
   200 GiB per GPU), loaded back over PCIe Gen5;
-- +disk: and on a local NVMe (2 TiB per instance, 6.5 GB/s);
+- +disk: and on a local NVMe (2 TiB per instance, 6.5 GB/s), written back (it receives what host
+  memory evicts); "+disk (write-through)" writes every evicted block to it at once;
 - +store: and in a shared store every instance reaches over its InfiniBand NIC (Mooncake Store's
   role; 8 TiB fleet-wide).
 
@@ -55,9 +56,11 @@ class Layout:
     host_gib_per_gpu: float = 0.0
     disk_gib: float = 0.0
     store_gib: float = 0.0
+    write_back: bool = True  # the disk gets what host memory evicts (False: every evicted block at once)
 
 
 LAYOUTS = (Layout("device"), Layout("+host", 200.0), Layout("+disk", 200.0, 2048.0),
+           Layout("+disk (write-through)", 200.0, 2048.0, write_back=False),
            Layout("+store", 200.0, 2048.0, 8192.0))
 
 
@@ -65,7 +68,8 @@ def fleet(model: str, layout: Layout) -> FleetConfig:
     instances, tp = FLEETS[model]
     return FleetConfig(instances=instances, hardware="h100-80g", model=model, tp=tp, router="prefix-affinity",
                        scheduler=SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=256),
-                       cache=CacheConfig(host_tier_gib=layout.host_gib_per_gpu * tp, disk_tier_gib=layout.disk_gib),
+                       cache=CacheConfig(host_tier_gib=layout.host_gib_per_gpu * tp, disk_tier_gib=layout.disk_gib,
+                                         tier_write_back=layout.write_back),
                        kv_store_gib=layout.store_gib)
 
 
@@ -77,7 +81,7 @@ def run_at(reqs, cfg: FleetConfig, rate: float) -> dict:
     tiers: dict[str, dict[str, int]] = {}
     for inst in sim.instances:
         for name, st in inst.kv.tiers.stats().items():
-            t = tiers.setdefault(name, {"saved": 0, "loaded": 0, "dropped": 0})
+            t = tiers.setdefault(name, {"saved": 0, "loaded": 0, "dropped": 0, "skipped": 0})
             for k in t:
                 t[k] += getattr(st, k)
     return {

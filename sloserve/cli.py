@@ -54,6 +54,9 @@ def add_kv_tier_args(g) -> None:
     g.add_argument("--kv-disk-gib", type=float, default=4.0, metavar="GIB", help="size bound of --kv-disk-dir")
     g.add_argument("--kv-store", default=None, metavar="URL",
                    help="shared KV store of the fleet, e.g. redis://127.0.0.1:6379/0 (see `sloserve kv-store`)")
+    g.add_argument("--kv-write-through", action="store_true",
+                   help="with host and disk tiers, write every evicted block to the disk at once "
+                        "(default: the disk gets what host memory evicts)")
 
 
 def engine_config_from_args(args: argparse.Namespace):
@@ -68,7 +71,8 @@ def engine_config_from_args(args: argparse.Namespace):
         cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks, kv_cache_gib=args.kv_cache_gib,
                           enable_prefix_caching=not args.no_prefix_caching, swap_space_gib=args.swap_space,
                           kv_dtype=args.kv_dtype, host_tier_gib=args.kv_host_gib, disk_tier_dir=args.kv_disk_dir,
-                          disk_tier_gib=args.kv_disk_gib, kv_store_url=args.kv_store),
+                          disk_tier_gib=args.kv_disk_gib, kv_store_url=args.kv_store,
+                          tier_write_back=not args.kv_write_through),
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                                   enable_chunked_prefill=not args.no_chunked_prefill, policy=args.scheduling_policy,
                                   preemption_mode=args.preemption_mode, preemption_victim=args.preemption_victim,

@@ -86,6 +86,9 @@ class CacheConfig:
     disk_tier_dir: Optional[str] = None  # the engine's disk tier (the simulator needs only its size)
     disk_tier_gib: float = 0.0
     kv_store_url: Optional[str] = None
+    # With host and disk tiers: the disk gets what the host tier evicts (write-back), or every
+    # evicted device block at once (False: write-through).
+    tier_write_back: bool = True
 
     def validate(self) -> None:
         if self.block_size <= 0:

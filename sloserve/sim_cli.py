@@ -95,6 +95,8 @@ def add_fleet_args(p: argparse.ArgumentParser) -> None:
     t.add_argument("--kv-host-gib", type=float, default=0.0, metavar="GIB",
                    help="host memory per instance for cached blocks evicted from the device")
     t.add_argument("--kv-disk-gib", type=float, default=0.0, metavar="GIB", help="local NVMe per instance")
+    t.add_argument("--kv-write-through", action="store_true",
+                   help="with host and disk tiers, write every evicted block to the disk at once (default: write-back)")
     t.add_argument("--kv-store-gib", type=float, default=0.0, metavar="GIB",
                    help="a shared KV store every instance reaches (fleet-wide size)")
     t.add_argument("--kv-store-link", default=DEFAULT_LINK, help=f"link to the shared store: one of {sorted(LINKS)}")
@@ -133,7 +135,8 @@ def fleet_config_from_args(args: argparse.Namespace):
                                   preemption_victim=getattr(args, "preemption_victim", "rank")),
         cache=CacheConfig(block_size=args.block_size, enable_prefix_caching=not args.no_prefix_caching,
                           swap_space_gib=args.swap_space, host_tier_gib=getattr(args, "kv_host_gib", 0.0),
-                          disk_tier_gib=getattr(args, "kv_disk_gib", 0.0)),
+                          disk_tier_gib=getattr(args, "kv_disk_gib", 0.0),
+                          tier_write_back=not getattr(args, "kv_write_through", False)),
         kv_store_gib=getattr(args, "kv_store_gib", 0.0), kv_store_link=getattr(args, "kv_store_link", DEFAULT_LINK),
         profile=args.profile, num_blocks=args.num_blocks, fast_forward=not args.no_fast_forward,
         predictor=(("default" if args.router == "predicted-load" else None) if args.predictor == "auto"

@@ -194,7 +194,7 @@ def kv_tiers_for(cfg: FleetConfig, model: ModelConfig, cost: CostModel, store: O
         raise ValueError("KV tiers hold the prefix cache: they need prefix caching on")
     cost.tier_s_per_block = {DISK: block_bytes / get_hardware(cfg.hardware).disk_bandwidth,
                              STORE: block_bytes / cfg.tp / get_link(cfg.kv_store_link)}
-    return KVTiers(host, disk, store)
+    return KVTiers(host, disk, store, write_back=cfg.cache.tier_write_back)
 
 
 def shared_store_for(cfg: FleetConfig) -> Optional[SimKVStore]:

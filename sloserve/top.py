@@ -26,8 +26,9 @@ MAX_EVENTS = 8
 def add_top_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("top", help="a live terminal view of a running server's fleet (its /dashboard data)")
     p.add_argument("--url", default="http://127.0.0.1:8000", help="the server (single instance or front)")
-    p.add_argument("--admin-key", default=os.environ.get("SLOSERVE_ADMIN_KEY"), metavar="KEY",
-                   help="when the server has admin keys (also $SLOSERVE_ADMIN_KEY)")
+    p.add_argument("--key", default=os.environ.get("SLOSERVE_ADMIN_KEY") or os.environ.get("SLOSERVE_API_KEY"),
+                   metavar="KEY", help="an admin key when the server has some, else an API key when it has some "
+                                       "(also $SLOSERVE_ADMIN_KEY, $SLOSERVE_API_KEY)")
     p.add_argument("--interval", type=float, default=1.0, metavar="S", help="seconds between two polls")
     p.add_argument("--once", action="store_true", help="print one view and exit (1 if the server cannot be read)")
     p.set_defaults(func=cmd_top)
@@ -135,7 +136,7 @@ def poll(client: httpx.Client, view: TopView) -> bool:
         view.error = f"cannot reach the server: {type(e).__name__}: {e}"
         return False
     if resp.status_code in (401, 403):
-        view.error = f"HTTP {resp.status_code}: the dashboard data needs an admin key (--admin-key)"
+        view.error = f"HTTP {resp.status_code}: the dashboard data needs a key (--key: an admin key, or an API key)"
         return False
     if resp.status_code == 404:
         view.error = "HTTP 404: this server has no /dashboard/data (not sloserve, or an older version)"
@@ -151,7 +152,7 @@ def cmd_top(args: argparse.Namespace) -> int:
     if not args.interval > 0:
         raise ValueError(f"--interval must be > 0, got {args.interval}")
     url = args.url.rstrip("/")
-    headers = {"Authorization": f"Bearer {args.admin_key}"} if args.admin_key else {}
+    headers = {"Authorization": f"Bearer {args.key}"} if args.key else {}
     view = TopView()
     console = Console()
     with httpx.Client(base_url=url, headers=headers, timeout=5.0) as client:

@@ -1,7 +1,7 @@
 """The prefix cache's lower tiers (host memory, disk, shared store), without a model.
 
 A shadow executor keeps (salt, token) in every device slot and in every tier entry and moves them
-exactly as the engine's movers move K/V (drops, saves, then loads, before the step's writes).
+exactly as the engine's movers move K/V (drops, spills, saves, then loads, before the step's writes).
 Before sampling it reads each request's whole context back through its block table: a block
 loaded from the wrong slot, saved after being overwritten, evicted while loaded, or served to
 another tenant shows up as an assertion. Property tests drive it with random multi-turn traffic
@@ -69,6 +69,10 @@ class TieredShadow:
                 del self.disk[op.key]
             elif op.tier == HOST:
                 self.host.pop(op.slot, None)
+        for op in ops.spills:  # host rows to the disk, before the saves reuse the rows
+            key, content = self.host[op.slot]
+            assert key == op.key, f"spilling host slot {op.slot}: it holds another block"
+            self.disk[op.key] = (key, list(content))
         for op in ops.saves:
             content = list(self.device[op.block])
             assert None not in content, f"saving a block that is not full: {content}"
@@ -160,7 +164,7 @@ def test_seed_keeps_the_newest_within_capacity():
 
 def test_demote_writes_through_every_lower_tier_once():
     store = DictStore()
-    tiers = KVTiers(host_blocks=2, disk_blocks=4, store=store)
+    tiers = KVTiers(host_blocks=2, disk_blocks=4, store=store, write_back=False)
     tiers.demote(5, 100)
     tiers.demote(6, 100)  # the same key again: already everywhere
     ops = tiers.take_ops()
@@ -168,6 +172,51 @@ def test_demote_writes_through_every_lower_tier_once():
     assert tiers.find([100, 101]) == [TierHit(HOST, 100, tiers.host.slot_of(100))]
     store.saved([101])
     assert [h.tier for h in tiers.find([100, 101, 102])] == [HOST, STORE]
+
+
+def test_write_back_sends_the_disk_only_what_the_host_tier_evicts():
+    store = DictStore()
+    tiers = KVTiers(host_blocks=2, disk_blocks=4, store=store)
+    tiers.demote(5, 100)
+    tiers.demote(6, 101)
+    ops = tiers.take_ops()
+    assert sorted((op.tier, op.key) for op in ops.saves) == [(HOST, 100), (HOST, 101), (STORE, 100), (STORE, 101)]
+    assert not ops.spills and 100 not in tiers.disk
+    slot_100 = tiers.host.slot_of(100)
+    tiers.demote(7, 102)  # the host tier is full: its oldest block (100) goes on to the disk, from its row
+    ops = tiers.take_ops()
+    assert [(op.tier, op.key, op.slot) for op in ops.spills] == [(DISK, 100, slot_100)]
+    assert (HOST, 102, 7, slot_100) in [(op.tier, op.key, op.block, op.slot) for op in ops.saves]
+    assert 100 in tiers.disk and 100 not in tiers.host
+    # Saved and evicted within one step: the host row never held it, so the disk takes the device block.
+    tiers.demote(8, 103)  # evicts 101: spilled from its row
+    tiers.demote(9, 104)  # evicts 102 (saved last step): spilled from its row
+    tiers.demote(10, 105)  # evicts 103, whose host save is still pending: a direct disk save
+    ops = tiers.take_ops()
+    assert (DISK, 103, 8) in [(op.tier, op.key, op.block) for op in ops.saves]
+    assert 103 not in [op.key for op in ops.spills] and {101, 102} <= {op.key for op in ops.spills}
+    tiers.check_invariants()
+
+
+def test_disk_and_store_writes_are_paced_to_their_links():
+    store = DictStore()
+    tiers = KVTiers(disk_blocks=100, store=store)
+    tiers.write_rates = {DISK: 50.0, STORE: 20.0}  # blocks per second
+    tiers.pace_writes(0.0)  # a first step: one burst's worth (0.1 s of each link)
+    for k in range(10):
+        tiers.demote(k, 1000 + k)
+    ops = tiers.take_ops()
+    assert sum(op.tier == DISK for op in ops.saves) == 5 and sum(op.tier == STORE for op in ops.saves) == 2
+    assert tiers.disk.stats.skipped == 5 and tiers.store_stats.skipped == 8
+    tiers.pace_writes(0.02)  # 20 ms later: one more disk block, no store block yet
+    for k in range(10, 13):
+        tiers.demote(k, 1000 + k)
+    ops = tiers.take_ops()
+    assert [op.key for op in ops.saves if op.tier == DISK] == [1010] and not [op for op in ops.saves if op.tier == STORE]
+    tiers.pace_writes(100.0)  # idle for long: still only one burst
+    for k in range(13, 40):
+        tiers.demote(k, 1000 + k)
+    assert sum(op.tier == DISK for op in tiers.take_ops().saves) == 5
 
 
 def test_evicted_cached_blocks_are_demoted_and_a_miss_on_device_loads_them_back():

@@ -264,6 +264,13 @@ def test_edge_auth_limits_and_error_schema(edge_client, caplog):
     assert "boom-1" in caplog.text and "Traceback" in caplog.text
     text = edge_client.get("/metrics").text
     assert 'sloserve:http_requests_total{model_name="fake",route="/v1/models",status="401"} 2.0' in text
+    # The dashboard page is public (it holds no data); its data needs the API's key (no admin keys here).
+    assert "<svg" in edge_client.get("/dashboard").text
+    assert edge_client.get("/dashboard/data").json()["error"]["code"] == "invalid_api_key"
+    data = edge_client.get("/dashboard/data", headers=auth).json()
+    assert data["source"] == "live" and data["meta"]["model"] == "fake"
+    bad_since = edge_client.get("/dashboard/data?since=nan", headers=auth)
+    assert bad_since.status_code == 400 and bad_since.json()["error"]["param"] == "since"
 
 
 def test_qos_config_file_yaml_and_json(tmp_path):

@@ -117,7 +117,7 @@ class TierMoveReport:
 
 
 class TierMovers:
-    """Carries out a step's `TierOps` on the engine's KV cache: drops, saves, then loads."""
+    """Carries out a step's `TierOps` on the engine's KV cache: drops, spills, saves, then loads."""
 
     def __init__(self, kv_cache: KVCache, host_blocks: int = 0, disk: Optional[DiskKVTier] = None,
                  store=None) -> None:
@@ -199,6 +199,12 @@ class TierMovers:
         drops = [op.key for op in ops.drops if op.tier == DISK]
         if drops and self.disk is not None:
             self.disk.delete(drops)
+        if ops.spills and self.disk is not None and self.host is not None and self._background is not None:
+            # Host rows the disk takes over (write-back): read before this step's saves reuse them.
+            slots = torch.tensor([op.slot for op in ops.spills], dtype=torch.long)
+            data = self.host.data[:, :, slots].permute(2, 0, 1, 3, 4, 5)  # (indexing copies)
+            self._pending.append(self._background.submit(self._write, self.disk, data,
+                                                         [op.key for op in ops.spills], DISK))
         by_tier: dict[str, list] = {HOST: [], DISK: [], STORE: []}
         for op in ops.saves:
             by_tier[op.tier].append(op)

@@ -192,7 +192,7 @@ class LLMEngine:
             L, two, _, heads, dim = self.kv_cache.data.shape
             store = KVStoreClient(cache.kv_store_url, fingerprint, (L, two, cache.block_size, heads, dim),
                                   self.kv_cache.data.dtype)
-        tiers = KVTiers(host_blocks, disk_blocks, store)
+        tiers = KVTiers(host_blocks, disk_blocks, store, write_back=cache.tier_write_back)
         if not tiers.enabled:
             return tiers, None, None
         links = {}

@@ -1,8 +1,13 @@
 """The KV tiers below the device pool: host memory, local disk, a shared store. Bookkeeping only.
 
-A full block evicted from the device pool is *demoted*, not dropped: written through to every
-lower tier that lacks it (as LMCache writes to each configured backend), so a later host-tier
-eviction loses nothing the disk still holds. A prefix whose leading blocks the device lost but a
+A full block evicted from the device pool is *demoted*, not dropped. With a host tier it goes
+there, and the disk receives what the host tier evicts in turn (write-back: a disk written at a
+few GB/s only takes what memory cannot keep); without one it goes straight to the disk. The
+shared store is written through (other instances read it). With `write_back=False` every tier
+lacking the block gets it at once (as LMCache writes to each configured backend). Writes to the
+disk and the store are paced to what their links carry behind the steps (`write_rates`,
+`pace_writes`): a save that would fall behind is skipped, costing a future hit, never a stalled
+step. A prefix whose leading blocks the device lost but a
 lower tier keeps is *loaded* back into fresh device blocks when that costs less than recomputing
 it (the scheduler prices both). This module decides which key goes where and records the byte
 moves as `TierOp`s; the engine's movers (or the simulator's cost model) carry them out, in the
@@ -28,8 +33,9 @@ TIERS = (HOST, DISK, STORE)  # the default search order (KVTiers.prefer sorts th
 @dataclass(frozen=True, slots=True)
 class TierOp:
     """Move one block between a device block and a tier: a save (device -> tier), a load
-    (tier -> device) or a drop (the tier forgets `key`; `block` is -1). `slot` is the row of
-    the host tier's tensor; the disk and the store address blocks by key."""
+    (tier -> device), a spill (host row `slot` -> disk; `block` is -1) or a drop (the tier
+    forgets `key`; `block` is -1). `slot` is the row of the host tier's tensor; the disk and
+    the store address blocks by key."""
 
     tier: str
     key: BlockHash
@@ -42,6 +48,9 @@ class TierOps:
     """The tier moves of one step, in the order they run."""
 
     drops: list[TierOp] = field(default_factory=list)
+    # Blocks the host tier evicts to the disk (write-back): read from their host rows before this
+    # step's saves reuse those rows; the disk write itself runs behind the step.
+    spills: list[TierOp] = field(default_factory=list)
     saves: list[TierOp] = field(default_factory=list)
     # Prefetches of a waiting request's prefix from disk or the store into the host tier
     # (`tier` is the source, `slot` the host row; `block` is -1): they run behind the step.
@@ -49,7 +58,7 @@ class TierOps:
     loads: list[TierOp] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.drops or self.saves or self.promotes or self.loads)
+        return bool(self.drops or self.spills or self.saves or self.promotes or self.loads)
 
 
 NO_OPS = TierOps()  # shared by every step that moves nothing; never appended to (only KVTiers._ops is)
@@ -60,6 +69,7 @@ class TierStats:
     saved: int = 0  # blocks written to the tier
     loaded: int = 0  # blocks read back to the device (prefix hits served from the tier)
     dropped: int = 0  # blocks the tier evicted to make room
+    skipped: int = 0  # saves left out because the tier's writes were behind (pacing)
 
 
 class SharedIndex(Protocol):
@@ -176,13 +186,25 @@ class TierHit:
     slot: int = -1
 
 
+# Saves a paced tier may catch up on at once: this many seconds of its link (about one step), so
+# the writes behind a step stay about as long as the step.
+WRITE_BURST_S = 0.1
+
+
 class KVTiers:
     """The lower tiers of one instance and the moves planned for the next step."""
 
-    def __init__(self, host_blocks: int = 0, disk_blocks: int = 0, store: Optional[SharedIndex] = None) -> None:
+    def __init__(self, host_blocks: int = 0, disk_blocks: int = 0, store: Optional[SharedIndex] = None,
+                 write_back: bool = True) -> None:
         self.host = LocalTier(HOST, host_blocks, slotted=True) if host_blocks > 0 else None
         self.disk = LocalTier(DISK, disk_blocks) if disk_blocks > 0 else None
         self.store = store
+        self.write_back = write_back and self.host is not None and self.disk is not None
+        # Blocks per second each paced tier's writes may take (the scheduler sets them from its
+        # tier costs: disk and store); a tier not named here is written without pacing.
+        self.write_rates: dict[str, float] = {}
+        self._credit: dict[str, float] = {}
+        self._paced_at: Optional[float] = None
         self.store_stats = TierStats()
         self._ops = TierOps()
         self._busy: set[BlockHash] = set()  # keys loaded by the step being planned
@@ -201,41 +223,89 @@ class KVTiers:
             out[STORE] = self.store_stats
         return out
 
+    # ---- pacing -----------------------------------------------------------------------
+    def pace_writes(self, now: float) -> None:
+        """A step is being planned at `now`: the paced tiers' links have carried what the time
+        since the last step allows, up to WRITE_BURST_S of saves."""
+        if not self.write_rates:
+            return
+        elapsed = WRITE_BURST_S if self._paced_at is None else max(0.0, now - self._paced_at)
+        self._paced_at = now
+        for tier, rate in self.write_rates.items():
+            self._credit[tier] = min(rate * WRITE_BURST_S, self._credit.get(tier, 0.0) + rate * elapsed)
+
+    def _may_write(self, tier: str) -> bool:
+        if tier not in self.write_rates:
+            return True
+        credit = self._credit.get(tier, 0.0)
+        if credit < 1.0:
+            self.stats()[tier].skipped += 1
+            return False
+        self._credit[tier] = credit - 1.0
+        return True
+
     # ---- planning ---------------------------------------------------------------------
     def demote(self, block: int, key: BlockHash, only: Optional[str] = None) -> None:
-        """A full cached device block is being reused: save it to every tier that lacks it.
-        A key found in a tier for this step is skipped: if it is being loaded, its device block
-        holds the bytes only once the load has run (and a tier holds it: it was found there)."""
+        """A full cached device block is being reused: save it to the host tier (the disk gets
+        it when the host evicts it), or without write-back to every tier that lacks it; and to
+        the store. A key found in a tier for this step is skipped: if it is being loaded, its
+        device block holds the bytes only once the load has run (and a tier holds it: it was
+        found there)."""
         if key in self._busy:
             return
-        for tier in self.local():
+        for tier in ([self.host] if self.write_back and only in (None, HOST) else self.local()):
             if only is not None and tier.name != only:
                 continue
             present = key in tier
+            if not present and not self._may_write(tier.name):
+                continue
             admitted = tier.admit(key, self._busy)
             if admitted is None or present:
                 continue
             slot, dropped = admitted
             if dropped is not None:
-                self._forget(tier, dropped)
+                self._evicted(tier, dropped, slot)
             self._ops.saves.append(TierOp(tier.name, key, block, slot))
             tier.stats.saved += 1
-        if self.store is not None and only in (None, STORE) and not self.store.leading([key]):
+        if self.store is not None and only in (None, STORE) and not self.store.leading([key]) \
+                and self._may_write(STORE):
             self._ops.saves.append(TierOp(STORE, key, block))
             self.store.saved([key])
             self.store_stats.saved += 1
 
-    def _forget(self, tier: LocalTier, key: BlockHash) -> None:
-        """`tier` evicted `key`: cancel its save if this step has not run it yet, else have the
-        mover delete it (a host row needs nothing: the save that evicted it overwrites it)."""
-        saves = self._ops.saves
-        for i, op in enumerate(saves):
-            if op.tier == tier.name and op.key == key:
-                del saves[i]
-                tier.stats.saved -= 1
-                return
+    def _evicted(self, tier: LocalTier, key: BlockHash, slot: int) -> None:
+        """`tier` evicted `key` (from host row `slot`) to make room: with write-back, a host
+        eviction goes on to the disk."""
+        cancelled = self._forget(tier, key)
+        disk = self.disk
+        if not (self.write_back and tier is self.host and disk is not None) or key in disk:
+            return
+        if not self._may_write(DISK):
+            return
+        admitted = disk.admit(key, self._busy)
+        if admitted is None:
+            return
+        if admitted[1] is not None:
+            self._forget(disk, admitted[1])
+        if cancelled is not None:  # its host save has not run: the disk takes it from the device block
+            self._ops.saves.append(TierOp(DISK, key, cancelled.block))
+        else:
+            self._ops.spills.append(TierOp(DISK, key, -1, slot))
+        disk.stats.saved += 1
+
+    def _forget(self, tier: LocalTier, key: BlockHash) -> Optional[TierOp]:
+        """`tier` evicted `key`: cancel its save (or spill) if this step has not run it yet, and
+        return the cancelled save; else have the mover delete it (a host row needs nothing: the
+        save that evicted it overwrites it)."""
+        for moves in (self._ops.saves, self._ops.spills):
+            for i, op in enumerate(moves):
+                if op.tier == tier.name and op.key == key:
+                    del moves[i]
+                    tier.stats.saved -= 1
+                    return op if moves is self._ops.saves else None
         if not tier.slotted:
             self._ops.drops.append(TierOp(tier.name, key, -1))
+        return None
 
     def find(self, keys: Sequence[BlockHash]) -> list[TierHit]:
         """The leading run of `keys` held in some lower tier, stopping at the first block no tier
@@ -311,7 +381,7 @@ class KVTiers:
                 break
             slot, dropped = admitted
             if dropped is not None:
-                self._forget(host, dropped)
+                self._evicted(host, dropped, slot)
             self._busy.add(hit.key)
             self._ops.promotes.append(TierOp(hit.tier, hit.key, -1, slot))
             host.stats.saved += 1

@@ -82,6 +82,7 @@ class StepLoad:
             saves[op.tier] += 1
         for op in tier.promotes:  # behind the step too, bound by the source tier's link
             saves[op.tier] += 1
+        saves[DISK] += len(tier.spills)  # host evictions written back to the disk, behind the step
         return StepLoad(tokens, sampled, decodes, dctx, pattn, pctx, len(plan.swap_out) + len(plan.swap_in) + loads[HOST],
                         loads[DISK], loads[STORE], (saves[HOST], saves[DISK], saves[STORE]))
 

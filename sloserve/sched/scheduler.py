@@ -26,7 +26,7 @@ from typing import Optional
 
 from sloserve.config import SchedulerConfig
 from sloserve.kv.manager import CopyOp, KVCacheManager
-from sloserve.kv.tiers import TIERS, TierHit
+from sloserve.kv.tiers import DISK, STORE, TIERS, TierHit
 from sloserve.sched.chunking import prefill_token_cap, tbt_slack
 from sloserve.sched.costs import StepCostEstimator, StepLoad, SwapCostEstimator, TierCostEstimator, prefill_time
 from sloserve.sched.drafts import make_proposer
@@ -306,9 +306,24 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.waiting)
 
+    def _pace_tier_writes(self, now: float) -> None:
+        """Disk and store writes run behind the steps: no faster than their links (as measured
+        so far) carry them."""
+        tiers, cost = self.kv.tiers, self.tier_cost
+        assert cost is not None
+        rates = {}
+        for tier in (DISK, STORE):
+            per_block = cost.tier_time(tier, 1)
+            if 0 < per_block < math.inf:
+                rates[tier] = 1.0 / per_block
+        tiers.write_rates = rates
+        tiers.pace_writes(now)
+
     # ---- planning -----------------------------------------------------------------
     def schedule(self, now: float) -> StepPlan:
         self.kv.release_host_blocks()  # the previous step has run: its swap-ins were read
+        if self.tier_cost is not None and self.kv.tiers.enabled:
+            self._pace_tier_writes(now)
         step = _StepBuild(now, self.config.max_num_batched_tokens)
         if not self.policy.static:
             self._resort(now)

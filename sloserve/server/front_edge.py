@@ -23,7 +23,7 @@ from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from sloserve.server.errors import APIError
-from sloserve.server.middleware import admin_refusal, bearer_token, limited_receive, send_error
+from sloserve.server.middleware import KEYED_ROUTES, admin_refusal, bearer_token, limited_receive, send_error
 from sloserve.server.qos import QoSRegistry
 
 logger = logging.getLogger(__name__)
@@ -143,7 +143,7 @@ class FrontEdge:
             self._check_admin(token)
         elif path in ADMIN_ROUTES and self.admin_keys:
             self._check_admin(token)
-        elif path.startswith(API_PREFIXES):
+        elif path.startswith(API_PREFIXES) or path in KEYED_ROUTES:
             principal = self.registry.authenticate(token)
             if principal is None:
                 raise APIError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",

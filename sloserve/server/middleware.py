@@ -26,6 +26,8 @@ API_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/internal/resume/")
 # worker's InternalGuard checked the fleet secret before this middleware runs).
 UNLIMITED_BODY_PREFIX = "/internal/kv/"
 ADMIN_ROUTES = frozenset({"/metrics", "/dashboard/data"})  # what `--admin-key` restricts on a single instance
+# Behind the API's own keys too when there are no admin keys (the fleet's load and latencies).
+KEYED_ROUTES = frozenset({"/dashboard/data"})
 KNOWN_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics",
                           "/tokenize", "/detokenize", "/version", "/dashboard", "/dashboard/data"})
 
@@ -113,6 +115,11 @@ class EdgeMiddleware:
                 "path", "").startswith(UNLIMITED_BODY_PREFIX):
             return APIError(413, f"request body of {length} bytes exceeds the limit of {self.max_body_bytes}",
                             code="request_too_large")
+        if scope.get("path", "") in KEYED_ROUTES:
+            if self.registry.authenticate(bearer_token(headers)) is None:
+                return APIError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
+                                code="invalid_api_key")
+            return None
         if not scope.get("path", "").startswith(API_PREFIXES):
             return None
         if self.admission.draining:
