@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -178,6 +179,40 @@ class FakeWorker:
 
     def describe(self) -> dict:
         return {"kind": self.kind, "url": self.url, "pid": self.proc.pid}
+
+
+@contextlib.asynccontextmanager
+async def serving_front(workers, num: int, config, keys=(), run_loops: bool = False):
+    """A front on 127.0.0.1 over `num` stand-in workers (`workers(slot) -> FakeWorker`), ready:
+    (fleet, front, port). `run_loops` also runs the front's controller loops (migration,
+    autoscaling, the dashboard's sampler). Everything is stopped on the way out."""
+    import uvicorn
+
+    from sloserve.server.front import Front
+    from sloserve.server.multi import build_worker_fleet
+    from sloserve.server.qos import QoSRegistry
+    from sloserve.workers.handles import free_port
+
+    fleet = build_worker_fleet(workers, num, config, fleet_secret=FAKE_SECRET)
+    await fleet.start()
+    front = Front(fleet, QoSRegistry().with_keys(list(keys)))
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(front.build_app(), host="127.0.0.1", port=port, lifespan="off",
+                                           log_config=None, access_log=False))
+    task = asyncio.create_task(server.serve())
+    try:
+        await fleet.wait_ready(60)
+        if run_loops:
+            await front.start()
+        while not server.started:
+            await asyncio.sleep(0.02)
+        yield fleet, front, port
+    finally:
+        server.should_exit = True
+        await task
+        if run_loops:
+            await front.close()
+        await fleet.close()
 
 
 def sse_events(raw: bytes) -> list:

@@ -196,36 +196,16 @@ class FrontThread:
             self.ready.set()
 
     async def _main(self, num: int, admin_key: str) -> None:
-        import uvicorn
-
-        from multi_helpers import FAKE_SECRET, FakeWorker
-        from sloserve.server.front import Front, FrontConfig
-        from sloserve.server.multi import build_worker_fleet
-        from sloserve.workers.handles import free_port
+        from multi_helpers import FakeWorker, serving_front
+        from sloserve.server.front import FrontConfig
 
         cfg = FrontConfig(router="round-robin", poll_interval_s=0.1, predictor=None, admin_keys=(admin_key,),
                           timeline_interval_s=0.5)
-        fleet = build_worker_fleet(lambda slot: FakeWorker(5, 0.02), num, cfg, fleet_secret=FAKE_SECRET)
-        await fleet.start()
-        front = Front(fleet)
-        port = free_port()
-        server = uvicorn.Server(uvicorn.Config(front.build_app(), host="127.0.0.1", port=port, lifespan="off",
-                                               log_config=None, access_log=False))
-        task = asyncio.create_task(server.serve())
-        try:
-            await fleet.wait_ready(60)
-            await front.start()
-            while not server.started:
-                await asyncio.sleep(0.02)
+        async with serving_front(lambda slot: FakeWorker(5, 0.02), num, cfg, run_loops=True) as (_, _, port):
             self.url = f"http://127.0.0.1:{port}"
             self.ready.set()
             while not self.stop.is_set():
                 await asyncio.sleep(0.1)
-        finally:
-            server.should_exit = True
-            await task
-            await front.close()
-            await fleet.close()
 
     def close(self) -> None:
         self.stop.set()

@@ -135,40 +135,21 @@ def exposition(text: str) -> tuple[dict[str, set[str]], dict[str, set[str]]]:
 def scrape_front() -> str:
     """/metrics of an in-process front (1 prefill + 1 decode stand-in worker, reactive
     autoscaling that never acts in this test's lifetime) after one routed request."""
-    import uvicorn
-
-    from multi_helpers import FAKE_SECRET, FakeWorker
-    from sloserve.server.front import Front, FrontConfig
-    from sloserve.server.multi import build_worker_fleet
-    from sloserve.workers.handles import free_port
+    from multi_helpers import FakeWorker, serving_front
+    from sloserve.server.front import FrontConfig
 
     async def main() -> str:
         cfg = FrontConfig(router="round-robin", poll_interval_s=0.1, predictor=None, roles=("prefill", "decode"),
                           autoscale="reactive", capacity_rps=10.0, min_instances=2, initial_instances=2,
                           scaling_interval_s=3600.0)
-        fleet = build_worker_fleet(lambda slot: FakeWorker(tokens=2, delay=0.01), 2, cfg, fleet_secret=FAKE_SECRET)
-        front = Front(fleet)
-        await fleet.start()
-        await front.start()
-        port = free_port()
-        server = uvicorn.Server(uvicorn.Config(front.build_app(), host="127.0.0.1", port=port, lifespan="off",
-                                               log_config=None, access_log=False))
-        task = asyncio.create_task(server.serve())
-        try:
-            await fleet.wait_ready(60)
-            while not server.started:
-                await asyncio.sleep(0.02)
+        workers = lambda slot: FakeWorker(tokens=2, delay=0.01)  # noqa: E731
+        async with serving_front(workers, 2, cfg, run_loops=True) as (_, _, port):
             async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=60) as client:
                 r = await client.post("/v1/completions", json={"prompt": "a b c", "max_tokens": 2})
                 assert r.status_code == 200, r.text
                 metrics = await client.get("/metrics")
                 assert metrics.status_code == 200, metrics.text
                 return metrics.text
-        finally:
-            server.should_exit = True
-            await task
-            await front.close()
-            await fleet.close()
 
     return asyncio.run(main())
 

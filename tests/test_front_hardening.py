@@ -18,11 +18,10 @@ import httpx
 import pytest
 import uvicorn
 
-from multi_helpers import FAKE_SECRET, RETRY_AFTER, FakeWorker, sse_events
+from multi_helpers import FAKE_SECRET, RETRY_AFTER, FakeWorker, serving_front, sse_events
 from sloserve.server.front import DEAD, HEALTHY, UNRESPONSIVE, Front, FrontConfig
 from sloserve.server.multi import build_worker_fleet
 from sloserve.workers.handles import free_port
-from sloserve.server.qos import QoSRegistry
 
 KEY = "sk-good"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -32,23 +31,9 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 async def front(workers, router: str = "round-robin", keys=(), num: int = 2, **config):
     """A front on 127.0.0.1 over `num` workers (`workers(slot) -> FakeWorker`), and a client for it."""
     cfg = FrontConfig(router=router, poll_interval_s=0.1, predictor=None, **config)
-    fleet = build_worker_fleet(workers, num, cfg, fleet_secret=FAKE_SECRET)
-    await fleet.start()
-    port = free_port()
-    app = Front(fleet, QoSRegistry().with_keys(list(keys))).build_app()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, lifespan="off", log_config=None,
-                                           access_log=False))
-    task = asyncio.create_task(server.serve())
-    try:
-        await fleet.wait_ready(60)
-        while not server.started:
-            await asyncio.sleep(0.02)
+    async with serving_front(workers, num, cfg, keys) as (fleet, _, port):
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=60) as client:
             yield fleet, client, port
-    finally:
-        server.should_exit = True
-        await task
-        await fleet.close()
 
 
 async def raw_http(port: int, head: str, body: bytes = b"", timeout: float = 10.0) -> tuple[int, dict, dict]:

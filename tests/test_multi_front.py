@@ -10,33 +10,18 @@ import signal
 from typing import Optional
 
 import httpx
-import uvicorn
 
-from multi_helpers import FAKE_SECRET, FakeWorker, sse_events
-from sloserve.server.front import DEAD, HEALTHY, Front, FrontConfig
+from multi_helpers import FakeWorker, serving_front, sse_events
+from sloserve.server.front import DEAD, HEALTHY, FrontConfig
 from sloserve.server.multi import build_worker_fleet
-from sloserve.workers.handles import free_port
 
 
 @contextlib.asynccontextmanager
 async def front(num: int, router: str, tokens: int = 20, delay: float = 0.05, **config):
     cfg = FrontConfig(router=router, poll_interval_s=0.1, predictor=None, **config)
-    fleet = build_worker_fleet(lambda slot: FakeWorker(tokens, delay), num, cfg, fleet_secret=FAKE_SECRET)
-    await fleet.start()
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(Front(fleet).build_app(), host="127.0.0.1", port=port, lifespan="off",
-                                           log_config=None, access_log=False))
-    task = asyncio.create_task(server.serve())
-    try:
-        await fleet.wait_ready(60)
-        while not server.started:
-            await asyncio.sleep(0.02)
+    async with serving_front(lambda slot: FakeWorker(tokens, delay), num, cfg) as (fleet, _, port):
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=60) as client:
             yield fleet, client
-    finally:
-        server.should_exit = True
-        await task
-        await fleet.close()
 
 
 async def stream_one(client: httpx.AsyncClient, started: Optional[asyncio.Event] = None, **body) -> list:

@@ -13,7 +13,6 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType as Q
 
-from engine_helpers import EXACT
 from sloserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from sloserve.engine.llm import LLM
 from sloserve.engine.precision_probe import choose_cpu_dtype, quantized_max_rows
