@@ -87,5 +87,19 @@ def test_a_burst_adds_a_worker_and_the_lull_drains_one(tmp_path):
                  what="the running worker's KV pool free")
         metrics = admin("GET", base + "/metrics").text
         assert 'sloserve:instances{state="stopped"} 1.0' in metrics and "sloserve:autoscale_starts_total" in metrics
+        # The dashboard's event log tells the same story, in order: scale up, a worker starts and is
+        # ready; scale down, one drains, its stream migrates off (the drain policy), it stops.
+        events = admin("GET", base + "/dashboard/data").json()["events"]
+        kinds = [(e["kind"], e["instance"]) for e in events]
+        scale_up = kinds.index(("scale", None))
+        start = next(i for i, (k, _) in enumerate(kinds) if k == "start")
+        ready = kinds.index(("ready", kinds[start][1]), start)  # the started worker answers
+        drain = next(i for i, (k, _) in enumerate(kinds) if k == "drain")
+        drained = kinds[drain][1]
+        stop = kinds.index(("stop", drained), drain)
+        assert scale_up < start < ready < drain < stop, kinds
+        # (its event is logged when the move's bookkeeping ends, which may be just after the stop)
+        assert any(e["kind"] == "migration" and e["instance"] == drained and "(drain)" in e["detail"]
+                   for e in events[drain:]), events[drain:]
     finally:
         server.kill()
