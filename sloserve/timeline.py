@@ -203,15 +203,17 @@ class FleetTimeline:
         with self._lock:
             return {name: (v[0], v[1]) for name, v in sorted(self.totals.items())}
 
-    def to_dict(self, since: Optional[float] = None, after_event: int = 0) -> dict:
-        """JSON-ready: the frames after time `since` (all when None), the events after number
-        `after_event`, totals, and the frame layout (`quantiles`), so a poller asks only for
-        what it has not seen."""
+    def to_dict(self, since: Optional[float] = None, after_event: int = 0, last: Optional[int] = None) -> dict:
+        """JSON-ready: the frames after time `since` (all when None; only the newest `last` of
+        them when given), the events after number `after_event`, totals, and the frame layout
+        (`quantiles`), so a poller asks only for what it has not seen."""
         with self._lock:
             frames, events = list(self._frame_dicts), list(self.events)
         totals = {name: {"finished": v[0], "attained": v[1]} for name, v in self.to_totals().items()}
         now = frames[-1]["t"] if frames else None
         frames = [f for f in frames if since is None or f["t"] > since]
+        if last is not None:
+            frames = frames[-last:] if last > 0 else []
         events = [e for e in events if e.seq > after_event]
         return {
             "source": self.source, "interval_s": self.interval_s, "quantiles": list(QUANTILES),

@@ -48,6 +48,8 @@ class TopView:
         params = {"after_event": self.events[-1]["seq"] if self.events else 0}
         if self.frame is not None:
             params["since"] = self.frame["t"]
+        else:
+            params["last"] = 60  # a minute of history: the classes' last latencies, not the whole hour
         return params
 
     def absorb(self, data: dict) -> None:

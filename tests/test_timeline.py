@@ -70,6 +70,8 @@ def test_pollers_get_only_what_they_have_not_seen_and_the_json_is_strict():
     # An event recorded after a frame but timed before it still reaches a poller once.
     tl.event(1.9, STOP, 1, "cancelled")
     assert [e["kind"] for e in tl.to_dict(since=2.0, after_event=2)["events"]] == [STOP]
+    assert [f["t"] for f in tl.to_dict(last=1)["frames"]] == [2.0] and tl.to_dict(last=0)["frames"] == []
+    assert len(tl.to_dict(last=5)["frames"]) == 2
     json.dumps(tl.to_dict(), allow_nan=False)  # no NaN or infinity anywhere
     with pytest.raises(ValueError, match="unknown fleet event"):
         tl.event(3.0, "explosion")

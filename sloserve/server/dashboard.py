@@ -77,7 +77,10 @@ def add_dashboard_routes(app: FastAPI, timeline: FleetTimeline, title: str) -> N
     async def dashboard_data(request: Request) -> JSONResponse:
         since = _number(request.query_params.get("since"), "since")
         after = _number(request.query_params.get("after_event"), "after_event")
-        return JSONResponse(timeline.to_dict(since, int(after or 0)))
+        last = _number(request.query_params.get("last"), "last")
+        if last is not None and last < 0:
+            raise bad_request("last must be >= 0", "last")
+        return JSONResponse(timeline.to_dict(since, int(after or 0), None if last is None else int(last)))
 
 
 def _number(value: Optional[str], name: str) -> Optional[float]:
