@@ -172,36 +172,39 @@ def build_cost_model(cfg: FleetConfig) -> tuple[CostModel, ModelConfig, int]:
     return cost, model, blocks
 
 
+def block_bytes(cfg: FleetConfig, model: ModelConfig) -> float:
+    """Bytes of one KV block of the whole model (each tensor-parallel device holds 1/tp of it)."""
+    return cfg.cache.block_size * model.kv_bytes_per_token(cfg.dtype_bytes)
+
+
 def host_blocks_for(cfg: FleetConfig, model: ModelConfig) -> int:
     """Host swap blocks per instance (none unless preemption may swap): the swap space is per
     device, as vLLM's --swap-space, and each device holds 1/tp of every block."""
     if cfg.scheduler.preemption_mode == "recompute":
         return 0
-    per_device_block = cfg.cache.block_size * model.kv_bytes_per_token(cfg.dtype_bytes) / cfg.tp
-    return cfg.cache.host_blocks(per_device_block)
+    return cfg.cache.host_blocks(block_bytes(cfg, model) / cfg.tp)
 
 
 def kv_tiers_for(cfg: FleetConfig, model: ModelConfig, cost: CostModel, store: Optional[SimKVStore]) -> Optional[KVTiers]:
     """One instance's lower prefix-cache tiers (None without any), and their copy prices on `cost`:
     host memory over the swap link, the host's NVMe, the shared store over `kv_store_link` (each
     tensor-parallel rank pulls its shard over its own NIC)."""
-    block_bytes = cfg.cache.block_size * model.kv_bytes_per_token(cfg.dtype_bytes)
-    host = int(cfg.cache.host_tier_gib * 2**30 // block_bytes)
-    disk = int(cfg.cache.disk_tier_gib * 2**30 // block_bytes)
+    per_block = block_bytes(cfg, model)
+    host = int(cfg.cache.host_tier_gib * 2**30 // per_block)
+    disk = int(cfg.cache.disk_tier_gib * 2**30 // per_block)
     if not (host or disk or store is not None):
         return None
     if not cfg.cache.enable_prefix_caching:
         raise ValueError("KV tiers hold the prefix cache: they need prefix caching on")
-    cost.tier_s_per_block = {DISK: block_bytes / get_hardware(cfg.hardware).disk_bandwidth,
-                             STORE: block_bytes / cfg.tp / get_link(cfg.kv_store_link)}
+    cost.tier_s_per_block = {DISK: per_block / get_hardware(cfg.hardware).disk_bandwidth,
+                             STORE: per_block / cfg.tp / get_link(cfg.kv_store_link)}
     return KVTiers(host, disk, store, write_back=cfg.cache.tier_write_back)
 
 
 def shared_store_for(cfg: FleetConfig) -> Optional[SimKVStore]:
     if not cfg.kv_store_gib > 0:
         return None
-    model = get_model(cfg.model)
-    return SimKVStore(int(cfg.kv_store_gib * 2**30 // (cfg.cache.block_size * model.kv_bytes_per_token(cfg.dtype_bytes))))
+    return SimKVStore(int(cfg.kv_store_gib * 2**30 // block_bytes(cfg, get_model(cfg.model))))
 
 
 def make_predictions(cfg: FleetConfig) -> Optional["PredictionBook"]:
