@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -244,6 +245,17 @@ def test_the_front_page_shows_every_instance_its_events_and_keeps_data_behind_th
         assert drawn_series(browser) >= 3
         assert console_errors(browser, expected=("status of 401",)) == []  # the first poll, before the key
         browser.save_screenshot(str(ARTIFACTS / "dashboard-front.png"))
+
+        # `sloserve top --once`: without the key a one-line reason and exit 1; with it, the fleet.
+        top = [sys.executable, "-m", "sloserve.cli", "top", "--url", front.url, "--once"]
+        refused = subprocess.run(top, capture_output=True, text=True, timeout=60, cwd=ROOT,
+                                 env={**os.environ, "COLUMNS": "120", "SLOSERVE_ADMIN_KEY": "", "SLOSERVE_API_KEY": ""})
+        assert refused.returncode == 1 and "needs a key" in refused.stdout and len(refused.stdout.splitlines()) <= 2
+        shown = subprocess.run(top + ["--key", "adm-1"], capture_output=True, text=True, timeout=60, cwd=ROOT,
+                               env={**os.environ, "COLUMNS": "120"})
+        assert shown.returncode == 0, shown.stderr
+        rows = [line for line in shown.stdout.splitlines() if line.startswith("│") and "mixed" in line]
+        assert len(rows) == 3 and "draining" in rows[2] and "default" in shown.stdout
     finally:
         front.close()
 
