@@ -10,12 +10,15 @@ geometrically.
 """
 from __future__ import annotations
 
+import json
 import math
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from sloserve.bench.metrics import SLO
 from sloserve.simulation import FleetConfig, PoolSettings, build_fleet, fleet_gpus, sim_requests, simulate
+from sloserve.user_cache import JsonCache, source_fingerprint, user_cache_path
 from sloserve.workload.types import WorkloadRequest
 
 ATTAINMENT = 0.9
@@ -69,24 +72,44 @@ def goodput(reqs: Sequence[WorkloadRequest], cfg: FleetConfig, slo: SLO, iters: 
     return max_rate(lambda rate: attainment(at_rate(reqs, rate), cfg, slo)[0] >= target, start, iters)
 
 
-_CAPACITY: dict[tuple, float] = {}
+def capacity_cache() -> JsonCache:
+    """Measured capacities kept across runs, in the user's cache (sloserve/user_cache.py)."""
+    return JsonCache(user_cache_path("capacity.json"))
+
+
+def simulator_fingerprint() -> str:
+    """What a capacity was measured with: the code that prices a simulated run (sim/, sched/,
+    kv/, cluster policies and the fleet assembly). Any change to it measures again."""
+    root = Path(__file__).resolve().parent
+    files = [p for d in ("sim", "sched", "kv", "cluster") for p in (root / d).rglob("*.py")]
+    return source_fingerprint(files + [root / "simulation.py", root / "planning.py", root / "types.py",
+                                       root / "config.py"])
 
 
 def instance_capacity(reqs: Sequence[WorkloadRequest], cfg: FleetConfig, slo: SLO, iters: int = 3,
-                      sample: int = 400) -> float:
+                      sample: int = 400, cache: Optional[JsonCache] = None) -> float:
     """The capacity model of autoscaling: requests/s ONE instance of `cfg` serves with >= 90% of
     them within `slo`, by the goodput search on the first `sample` requests of the workload.
-    Cached per (hardware, model, tp, scheduler limits, SLO, workload shape) for the process."""
+    Kept in `cache` (default: on disk, `capacity_cache()`) per hardware, model, tp, profile
+    (its contents), scheduler and cache settings, SLO, workload shape and simulator code: the
+    search runs dozens of simulations, and the same question comes back every run."""
     head = list(reqs[:sample])
     if len(head) < 10:
         raise ValueError(f"the capacity model needs at least 10 requests of the workload, got {len(head)}")
     shape = (round(sum(r.prompt_len for r in head) / len(head), -1), round(sum(r.output_len for r in head) / len(head), -1))
-    key = (cfg.hardware, cfg.model, cfg.tp, cfg.profile, cfg.scheduler.max_num_batched_tokens,
-           cfg.scheduler.max_num_seqs, slo.ttft_s, slo.tpot_s, slo.e2e_s, shape, len(head))
-    if key not in _CAPACITY:
-        one = replace(cfg, instances=1, autoscale=None, pd=None, migration="none")
-        _CAPACITY[key] = goodput(head, one, slo, iters)
-    return _CAPACITY[key]
+    cache = capacity_cache() if cache is None else cache
+    profile = source_fingerprint([Path(cfg.profile)]) if cfg.profile else None
+    key = json.dumps([cfg.hardware, cfg.model, cfg.tp, profile, asdict(cfg.scheduler), asdict(cfg.cache),
+                      cfg.num_blocks, cfg.max_model_len, cfg.dtype_bytes, cfg.predictor, cfg.kv_store_gib,
+                      cfg.kv_store_link, slo.ttft_s, slo.tpot_s, slo.e2e_s, shape, len(head), iters,
+                      simulator_fingerprint()], sort_keys=True, default=str)
+    known = cache.get(key)
+    if isinstance(known, (int, float)):
+        return float(known)
+    one = replace(cfg, instances=1, autoscale=None, pd=None, migration="none")
+    capacity = goodput(head, one, slo, iters)
+    cache.put(key, capacity)
+    return capacity
 
 
 @dataclass(frozen=True)

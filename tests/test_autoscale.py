@@ -4,11 +4,14 @@ sees coming), the planner's safety rules, and a simulated fleet that adds instan
 request; scale to zero holds arrivals until the first instance is up."""
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
 from sloserve.cluster.autoscale import ScalingOptions, make_autoscaler
 from sloserve.cluster.autoscale.planner import ScalePlanner
+from sloserve.config import SchedulerConfig
 from sloserve.fleet_view import DRAINING, READY, STARTING, STOPPED, InstanceSlot, ScalingSignals
 from sloserve.sched.state import InstanceState
 from sloserve.simulation import FleetConfig, build_fleet, sim_requests, simulate
@@ -185,3 +188,37 @@ def test_simulate_command_autoscales_and_reports(tmp_path, capsys):
     assert main(["simulate", "--workload", "azure-code", "--replay", "--duration", "60", "--instances", "1:4",
                  "--autoscale", "reactive"]) == 2
     assert "--capacity RPS, or --slo" in capsys.readouterr().err
+
+
+def test_the_capacity_model_is_measured_once_and_read_back_from_disk(tmp_path, monkeypatch, caplog):
+    from sloserve import planning
+    from sloserve.bench.metrics import SLO
+    from sloserve.user_cache import JsonCache
+
+    reqs = [WorkloadRequest(i * 0.1, prompt_len=300, output_len=60) for i in range(40)]
+    cfg = fleet()
+    slo = SLO(ttft_s=1.0, tpot_s=0.1)
+    path = tmp_path / "capacity.json"
+    measured = planning.instance_capacity(reqs, cfg, slo, iters=2, cache=JsonCache(path))
+    assert measured > 0 and len(json.loads(path.read_text())) == 1
+
+    def no_search(*args, **kwargs):
+        raise AssertionError("measured again instead of reading the cache")
+
+    monkeypatch.setattr(planning, "goodput", no_search)
+    # A new process (a new cache object on the same file) reads the measurement back ...
+    assert planning.instance_capacity(reqs, cfg, slo, iters=2, cache=JsonCache(path)) == measured
+    # ... but another SLO, another scheduler setting or another simulator is another question.
+    for other_slo, other_cfg, code in ((SLO(ttft_s=0.5, tpot_s=0.1), cfg, None),
+                                       (slo, fleet(scheduler=SchedulerConfig(max_num_seqs=8)), None),
+                                       (slo, cfg, "changed simulator code")):
+        if code is not None:
+            monkeypatch.setattr(planning, "simulator_fingerprint", lambda: code)
+        with pytest.raises(AssertionError, match="measured again"):
+            planning.instance_capacity(reqs, other_cfg, other_slo, iters=2, cache=JsonCache(path))
+    # An unreadable file costs the cache, not the run.
+    path.write_text("{not json")
+    monkeypatch.undo()
+    with caplog.at_level("WARNING", logger="sloserve.user_cache"):
+        assert planning.instance_capacity(reqs, cfg, slo, iters=2, cache=JsonCache(path)) == measured
+    assert "unreadable cache" in caplog.text and len(json.loads(path.read_text())) == 1

@@ -24,6 +24,7 @@ import torch
 
 from sloserve.engine.kernels import cpu_tag
 from sloserve.engine.quant import DenseLinear, GroupAffine4, Int4Linear, Int8Linear
+from sloserve.user_cache import user_cache_path
 
 logger = logging.getLogger(__name__)
 
@@ -40,8 +41,7 @@ class ProbeResult:
 
 
 def default_cache_path() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "sloserve" / "dtype-probe.json"
+    return user_cache_path("dtype-probe.json")
 
 
 def _key(*parts: object) -> str:

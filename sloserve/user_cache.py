@@ -1,0 +1,62 @@
+"""Where sloserve keeps what it measured once and reads again (`$XDG_CACHE_HOME/sloserve`, else
+`~/.cache/sloserve`): the CPU's dtype probe, autoscaling's capacity model."""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Iterable, Optional
+
+logger = logging.getLogger(__name__)
+
+
+def user_cache_path(name: str) -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "sloserve" / name
+
+
+def source_fingerprint(paths: Iterable[Path]) -> str:
+    """A digest of source files: a cached answer computed by older code is not reused."""
+    h = hashlib.blake2b(digest_size=12)
+    for path in sorted(paths):
+        h.update(path.name.encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+class JsonCache:
+    """A small key -> JSON value file, read once and rewritten atomically on each put; a file
+    that cannot be read or written costs the cache, never the caller (logged)."""
+
+    def __init__(self, path: Optional[Path]) -> None:
+        self.path = path  # None: in memory only
+        self._entries: Optional[dict] = None
+
+    def _load(self) -> dict:
+        if self._entries is None:
+            self._entries = {}
+            if self.path is not None and self.path.exists():
+                try:
+                    loaded = json.loads(self.path.read_text())
+                    self._entries = loaded if isinstance(loaded, dict) else {}
+                except (OSError, ValueError) as exc:
+                    logger.warning("ignoring the unreadable cache %s: %s", self.path, exc)
+        return self._entries
+
+    def get(self, key: str) -> object:
+        return self._load().get(key)
+
+    def put(self, key: str, value: object) -> None:
+        entries = self._load()
+        entries[key] = value
+        if self.path is None:
+            return
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_text(json.dumps(entries, indent=1, sort_keys=True))
+            tmp.replace(self.path)
+        except OSError as exc:
+            logger.warning("could not write the cache %s: %s", self.path, exc)
