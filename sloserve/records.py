@@ -27,6 +27,17 @@ def percentile(sorted_values: Sequence[float], q: float) -> float:
     return float(sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo))
 
 
+def jsonable(x: Any) -> Any:
+    """NaN and inf are not JSON; they become null (and NaN again on load)."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [jsonable(v) for v in x]
+    return x
+
+
 def error_kind_for_status(status: int) -> str:
     if status == 429:
         return "http_429"

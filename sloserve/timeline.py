@@ -9,13 +9,12 @@ failures, drains). Pure Python and clock-free: every call carries its time.
 """
 from __future__ import annotations
 
-import math
 import threading
 from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping, Optional, Sequence
 
-from sloserve.records import percentile
+from sloserve.records import jsonable, percentile
 
 # An instance's state as the dashboard shows it (live workers and simulated slots alike).
 READY, STARTING, DRAINING, STOPPED, UNRESPONSIVE, DEAD = \
@@ -229,15 +228,4 @@ def _frame_json(frame: Frame) -> dict:
     simulator samples thousands of frames). Rates are finite by construction; class latencies
     come from the requests, so they are cleaned."""
     return {"t": frame.t, "instances": [dict(vars(s)) for s in frame.instances],
-            "classes": [_clean(dict(vars(c))) for c in frame.classes]}
-
-
-def _clean(value: Any) -> Any:
-    """NaN and infinities are not JSON: None instead."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _clean(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_clean(v) for v in value]
-    return value
+            "classes": [jsonable(dict(vars(c))) for c in frame.classes]}

@@ -13,13 +13,12 @@ import math
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 
 from sloserve.simulation import FleetConfig, build_fleet, sim_requests, simulate
 from sloserve.timeline import (DRAIN, EVENT_KINDS, INSTANCE_READY, MIGRATION, SCALE, START, STOP, FleetTimeline,
                                InstanceReading)
-from sloserve.workload.types import WorkloadRequest
+from test_autoscale import burst_workload, fleet as autoscaled_fleet
 
 
 def reading(i: int = 0, **kw) -> InstanceReading:
@@ -92,28 +91,12 @@ def test_a_live_timeline_is_bounded():
 # ------------------------------------------------------------------ the simulator records it
 
 
-def burst(seed: int = 3) -> list[WorkloadRequest]:
-    """Quiet, a burst that needs more instances, quiet again: the autoscaler starts and drains."""
-    rng = np.random.default_rng(seed)
-    out, t = [], 0.0
-    for rate, until in ((2.0, 200.0), (14.0, 420.0), (1.0, 1100.0)):
-        while True:
-            t += rng.exponential(1 / rate)
-            if t >= until:
-                t = until
-                break
-            out.append(WorkloadRequest(t, prompt_len=int(rng.integers(200, 1500)), output_len=int(rng.integers(50, 300))))
-    return out
-
-
-def scaled(**kw) -> FleetConfig:
-    return FleetConfig(instances=5, model="llama-3.1-8b", hardware="a10-24g", router="least-requests",
-                       autoscale="reactive", min_instances=1, capacity_rps=2.5, scaling_interval_s=30,
-                       cold_start_s=60, demand_step_s=10, scale_down_delay_s=120, migration="drain", **kw)
+def scaled() -> FleetConfig:
+    return autoscaled_fleet(migration="drain")
 
 
 def test_recording_changes_no_decision_and_shows_the_autoscaled_fleet():
-    reqs = burst()
+    reqs = burst_workload()  # quiet, a burst that needs more instances, quiet again
     plain_records, plain = simulate(build_fleet(scaled()), sim_requests(reqs))
     tl = FleetTimeline(interval_s=5.0, source="simulated", max_frames=10_000)
     records, result = simulate(build_fleet(scaled()), sim_requests(reqs), timeline=tl,

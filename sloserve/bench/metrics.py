@@ -14,7 +14,7 @@ import math
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
-from sloserve.records import ERROR_KINDS, RequestRecord, percentile
+from sloserve.records import ERROR_KINDS, RequestRecord, jsonable, percentile
 
 PERCENTILES = (50.0, 90.0, 99.0)
 METRICS = ("ttft", "tpot", "itl", "e2e", "normalized_e2e")
@@ -151,17 +151,6 @@ def _group_from_dict(d: Mapping[str, Any]) -> GroupSummary:
     kw["latency"] = {k: Stats.from_dict(v) for k, v in d["latency"].items()}
     kw["slo"] = SLO(**d["slo"]) if d.get("slo") else None
     return GroupSummary(**kw)
-
-
-def jsonable(x: Any) -> Any:
-    """NaN and inf are not JSON; they become null (and NaN again on load)."""
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    if isinstance(x, dict):
-        return {k: jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [jsonable(v) for v in x]
-    return x
 
 
 def metric_values(records: Iterable[RequestRecord], metric: str) -> list[float]:
