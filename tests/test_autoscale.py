@@ -93,17 +93,20 @@ def test_planner_clamps_waits_before_scaling_down_and_takes_back_drains_first():
         ScalePlanner(policy, min_instances=3, max_instances=2)  # type: ignore[arg-type]
 
 
-def burst_workload() -> list[WorkloadRequest]:
-    """2 req/s for 5 minutes, 16 req/s for 5 minutes, then 1 req/s for 15 minutes."""
-    rng = np.random.default_rng(1)
+def burst_workload(phases=((2.0, 300.0), (16.0, 600.0), (1.0, 1500.0)), seed: int = 1,
+                   max_prompt: int = 2000, max_output: int = 400) -> list[WorkloadRequest]:
+    """Poisson arrivals at each phase's rate until its end time: by default 2 req/s for 5 minutes,
+    16 req/s for 5 minutes, then 1 req/s for 15 minutes."""
+    rng = np.random.default_rng(seed)
     out, t = [], 0.0
-    for rate, until in ((2.0, 300.0), (16.0, 600.0), (1.0, 1500.0)):
+    for rate, until in phases:
         while True:
             t += rng.exponential(1 / rate)
             if t >= until:
                 t = until
                 break
-            out.append(WorkloadRequest(t, prompt_len=int(rng.integers(200, 2000)), output_len=int(rng.integers(50, 400))))
+            out.append(WorkloadRequest(t, prompt_len=int(rng.integers(200, max_prompt)),
+                                       output_len=int(rng.integers(50, max_output))))
     return out
 
 

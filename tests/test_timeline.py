@@ -96,7 +96,8 @@ def scaled() -> FleetConfig:
 
 
 def test_recording_changes_no_decision_and_shows_the_autoscaled_fleet():
-    reqs = burst_workload()  # quiet, a burst that needs more instances, quiet again
+    # Quiet, a burst that needs more instances, quiet again (shorter than the autoscaling test's).
+    reqs = burst_workload(((2.0, 200.0), (14.0, 420.0), (1.0, 1100.0)), seed=3, max_prompt=1500, max_output=300)
     plain_records, plain = simulate(build_fleet(scaled()), sim_requests(reqs))
     tl = FleetTimeline(interval_s=5.0, source="simulated", max_frames=10_000)
     records, result = simulate(build_fleet(scaled()), sim_requests(reqs), timeline=tl,
