@@ -26,8 +26,8 @@ def run_server(engine_config: EngineConfig, settings: ServerSettings, host: str 
         state = app.state.sloserve
         server = DrainingServer(config, state.drain, state.stop_now, settings.grace_period_s)
         names = settings.served_model_names or [engine.engine.model_name]
-        logger.info("serving %s on http://%s:%d (max in flight %d)", names[0], host, port,
-                    app.state.sloserve.admission.capacity)
+        logger.info("serving %s on http://%s:%d (max in flight %d); the fleet at http://%s:%d/dashboard", names[0],
+                    host, port, app.state.sloserve.admission.capacity, host, port)
         server.run()
         return 0
     finally:

@@ -64,8 +64,8 @@ async def serve_front(fleet, front, config: uvicorn.Config, grace_s: float, star
     try:
         await fleet.wait_ready(start_timeout_s, count=1)
         server = server_cls(config, front.drain, front.stop_now, grace_s)
-        logger.info("serving %d instances behind %s routing on http://%s:%d", len(fleet.instances),
-                    fleet.config.router, config.host, config.port)
+        logger.info("serving %d instances behind %s routing on http://%s:%d; the fleet at http://%s:%d/dashboard",
+                    len(fleet.instances), fleet.config.router, config.host, config.port, config.host, config.port)
         await server.serve()
     finally:
         await front.close()
