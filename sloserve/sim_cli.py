@@ -273,15 +273,13 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 def timeline_interval(asked, stream) -> float:
     """Seconds between frames: as asked, else a round value giving about 600 over the arrivals."""
+    from sloserve.timeline import frame_interval
+
     if asked is not None:
         if not asked > 0:
             raise ValueError(f"--timeline-interval must be > 0, got {asked}")
         return float(asked)
-    span = max((w.arrival_s for w in stream), default=0.0)
-    for step in (1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600):
-        if span / step <= 600:
-            return float(step)
-    return 3600.0
+    return frame_interval(max((w.arrival_s for w in stream), default=0.0), 600)
 
 
 def prepare_autoscaling(fleet, args: argparse.Namespace, spec, slo) -> None:

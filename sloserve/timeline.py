@@ -27,6 +27,12 @@ MIGRATION, SCALE, START, INSTANCE_READY, STOP, DRAIN, UNDRAIN, FAILURE = \
 EVENT_KINDS = (MIGRATION, SCALE, START, INSTANCE_READY, STOP, DRAIN, UNDRAIN, FAILURE)
 
 QUANTILES = (50.0, 90.0, 99.0)
+NICE_INTERVALS_S = (0.1, 0.2, 0.5, 1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600)
+
+
+def frame_interval(span_s: float, frames: int) -> float:
+    """A round interval giving about `frames` frames (at most) over `span_s` seconds."""
+    return float(next((step for step in NICE_INTERVALS_S if span_s / step <= frames), NICE_INTERVALS_S[-1]))
 
 
 @dataclass(frozen=True)

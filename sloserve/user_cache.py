@@ -27,30 +27,32 @@ def source_fingerprint(paths: Iterable[Path]) -> str:
 
 
 class JsonCache:
-    """A small key -> JSON value file, read once and rewritten atomically on each put; a file
-    that cannot be read or written costs the cache, never the caller (logged)."""
+    """A small key -> JSON value file, read once and rewritten atomically on each put (merged
+    with what other processes wrote meanwhile); a file that cannot be read or written costs the
+    cache, never the caller (logged)."""
 
     def __init__(self, path: Optional[Path]) -> None:
         self.path = path  # None: in memory only
         self._entries: Optional[dict] = None
 
-    def _load(self) -> dict:
-        if self._entries is None:
-            self._entries = {}
-            if self.path is not None and self.path.exists():
-                try:
-                    loaded = json.loads(self.path.read_text())
-                    self._entries = loaded if isinstance(loaded, dict) else {}
-                except (OSError, ValueError) as exc:
-                    logger.warning("ignoring the unreadable cache %s: %s", self.path, exc)
-        return self._entries
+    def _read(self) -> dict:
+        if self.path is None or not self.path.exists():
+            return {}
+        try:
+            loaded = json.loads(self.path.read_text())
+        except (OSError, ValueError) as exc:
+            logger.warning("ignoring the unreadable cache %s: %s", self.path, exc)
+            return {}
+        return loaded if isinstance(loaded, dict) else {}
 
     def get(self, key: str) -> object:
-        return self._load().get(key)
+        if self._entries is None:
+            self._entries = self._read()
+        return self._entries.get(key)
 
     def put(self, key: str, value: object) -> None:
-        entries = self._load()
-        entries[key] = value
+        entries = {**(self._entries or {}), **self._read(), key: value}
+        self._entries = entries
         if self.path is None:
             return
         try:

@@ -16,7 +16,7 @@ import httpx
 
 from sloserve.dashboard import DATA_ROUTE
 from sloserve.records import RequestRecord
-from sloserve.timeline import FleetTimeline
+from sloserve.timeline import FleetTimeline, frame_interval
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ def _fetch(url: str, headers: dict, since: float) -> Optional[dict]:
 def client_timeline(records: Sequence[RequestRecord], duration_s: float,
                     met: Callable[[RequestRecord], bool]) -> dict:
     """Per class and interval, from what the client measured (times from the run's start)."""
-    interval = _round_interval(duration_s / CLIENT_FRAMES)
+    interval = frame_interval(duration_s, CLIENT_FRAMES)
     tl = FleetTimeline(interval, source="client", max_frames=10 * CLIENT_FRAMES)
     done = sorted((r for r in records if r.success and r.e2e_s is not None), key=lambda r: r.send_s + r.e2e_s)
     k, t = 0, interval
@@ -94,10 +94,3 @@ def client_timeline(records: Sequence[RequestRecord], duration_s: float,
         tl.sample(t, [])
         t += interval
     return tl.to_dict()
-
-
-def _round_interval(raw: float) -> float:
-    for step in (0.1, 0.2, 0.5, 1, 2, 5, 10, 30, 60, 300):
-        if raw <= step:
-            return float(step)
-    return 600.0

@@ -11,10 +11,8 @@ thread count and shape, so only the first start on a machine pays for it.
 """
 from __future__ import annotations
 
-import json
 import logging
 import math
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +22,7 @@ import torch
 
 from sloserve.engine.kernels import cpu_tag
 from sloserve.engine.quant import DenseLinear, GroupAffine4, Int4Linear, Int8Linear
-from sloserve.user_cache import user_cache_path
+from sloserve.user_cache import JsonCache, user_cache_path
 
 logger = logging.getLogger(__name__)
 
@@ -52,8 +50,9 @@ def choose_cpu_dtype(hidden: int, intermediate: int, cache_path: Optional[Path] 
     """The faster of float32 and bfloat16 for a model of these widths on this CPU (cached)."""
     cache_path = cache_path or default_cache_path()
     key = _key(f"{hidden}x{intermediate}")
-    cached = _read_cache(cache_path).get(key)
-    if cached is not None:
+    cache = JsonCache(cache_path)
+    cached = cache.get(key)
+    if isinstance(cached, dict):
         return ProbeResult(cached["dtype"], {int(k): v for k, v in cached["bf16_over_fp32"].items()}, key)
     fp32 = _DenseSet(hidden, intermediate, torch.float32)
     bf16 = _DenseSet(hidden, intermediate, torch.bfloat16)
@@ -61,7 +60,7 @@ def choose_cpu_dtype(hidden: int, intermediate: int, cache_path: Optional[Path] 
     mean = math.exp(sum(math.log(r) for r in ratios.values()) / len(ratios))
     result = ProbeResult("bfloat16" if mean < BF16_MARGIN else "float32", ratios, key)
     logger.info("dtype probe: bf16/fp32 time %s -> %s", {k: round(v, 2) for k, v in ratios.items()}, result.dtype)
-    _write_cache(cache_path, key, {"dtype": result.dtype, "bf16_over_fp32": ratios})
+    cache.put(key, {"dtype": result.dtype, "bf16_over_fp32": ratios})
     return result
 
 
@@ -75,9 +74,10 @@ def quantized_max_rows(hidden: int, intermediate: int, quantization: str, dtype:
     probed size, so no dense copy is worth its memory (cached like the dtype)."""
     cache_path = cache_path or default_cache_path()
     key = _key(f"{hidden}x{intermediate}", quantization, str(dtype).removeprefix("torch."))
-    entries = _read_cache(cache_path)
-    if key in entries:
-        return entries[key]["max_rows"]
+    cache = JsonCache(cache_path)
+    cached = cache.get(key)
+    if isinstance(cached, dict):
+        return cached["max_rows"]
     dense, packed = _DenseSet(hidden, intermediate, dtype), _QuantizedSet(hidden, intermediate, quantization)
     max_rows: Optional[int] = None
     times = {}
@@ -88,7 +88,7 @@ def quantized_max_rows(hidden: int, intermediate: int, quantization: str, dtype:
             break
     logger.info("%s probe: (packed, dense) seconds per row count %s -> dense above %s rows", quantization,
                 times, max_rows)
-    _write_cache(cache_path, key, {"max_rows": max_rows})
+    cache.put(key, {"max_rows": max_rows})
     return max_rows
 
 
@@ -140,22 +140,3 @@ class _QuantizedSet(_WeightSet):
 
     def input(self, x: torch.Tensor) -> torch.Tensor:
         return x.to(torch.bfloat16)
-
-
-def _read_cache(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-
-
-def _write_cache(path: Path, key: str, value: dict) -> None:
-    try:
-        entries = _read_cache(path)
-        entries[key] = value
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(entries, indent=1, sort_keys=True))
-        tmp.replace(path)  # atomic: engines starting side by side never read half a file
-    except OSError as exc:  # a read-only home only costs the next start another probe
-        logger.warning("could not cache the dtype probe in %s: %s", path, exc)

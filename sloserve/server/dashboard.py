@@ -3,7 +3,8 @@
 A sampler thread reads the instances once per interval (the single server its engine, the
 multi-instance front its workers' last polled state) into a `FleetTimeline`; the page polls
 the data route for the frames and events it has not seen. The page itself holds no data, so
-it is public; the data route sits behind the admin key like `/metrics`.
+it is public; the data route needs an admin key when there are some, else an API key when there
+are some (the edge middlewares' ADMIN_ROUTES and KEYED_ROUTES).
 """
 from __future__ import annotations
 

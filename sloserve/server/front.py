@@ -267,7 +267,7 @@ class Front:
             if inst is None:
                 raise APIError(404, f"no instance {slot}", param="instance", code="instance_not_found")
             inst.draining = True
-            self.timeline.event(time.time(), DRAIN, slot, "operator")
+            fleet.on_event(DRAIN, slot, "operator")
             moving = sum(s.upstream.inst is inst for s in self.sessions)
             logger.warning("instance %d is draining: out of routing; %d relayed streams to move", slot, moving)
             return JSONResponse({"instance": slot, "draining": True, "streams_to_move": moving})
@@ -278,7 +278,7 @@ class Front:
             if inst is None:
                 raise APIError(404, f"no instance {slot}", param="instance", code="instance_not_found")
             inst.draining = False
-            self.timeline.event(time.time(), UNDRAIN, slot, "operator")
+            fleet.on_event(UNDRAIN, slot, "operator")
             return JSONResponse({"instance": slot, "draining": False})
 
         @app.get("/v1/migrations/plan")
@@ -500,7 +500,7 @@ class Front:
                         self.learn(routed, content)
                         if upstream.status_code == 200:  # the client gets everything at once: TTFT = E2E
                             now = self.fleet.clock()
-                            self.finished(routed, now, now, _completion_tokens(content))
+                            self.finished(routed, now, now, _completion_tokens(content) or 1)
                         return Response(content, status_code=upstream.status_code, headers=back, media_type=media)
                     if done:  # the whole stream came before anything counted as started
                         self.learn(routed, head)
@@ -583,10 +583,9 @@ class Front:
         book = self.fleet.predictions
         if book is None:
             return
-        found = _COMPLETION_TOKENS.findall(content)
-        if found and book.lookup(routed) is not None:
-            book.observe(routed, actual_len=int(found[-1]))
-
+        actual = _completion_tokens(content)
+        if actual is not None and book.lookup(routed) is not None:
+            book.observe(routed, actual_len=actual)
 
     # ---- metrics -------------------------------------------------------------------------
     def _registry(self) -> CollectorRegistry:
@@ -677,6 +676,7 @@ class Front:
         return registry
 
 
-def _completion_tokens(content: bytes) -> int:
+def _completion_tokens(content: bytes) -> Optional[int]:
+    """The served model's output length, from the response's usage (None without one)."""
     found = _COMPLETION_TOKENS.findall(content)
-    return int(found[-1]) if found else 1
+    return int(found[-1]) if found else None
