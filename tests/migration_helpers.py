@@ -95,8 +95,9 @@ def all_healthy(base: str, n: int) -> None:
 
 
 def colocated(base: str, prompt: str, params: dict) -> str:
-    """The non-streamed answer: computed whole on the prefill instance (no hand-off)."""
-    r = httpx.post(base + "/v1/completions", json={"prompt": prompt, **params}, timeout=120)
+    """The answer computed whole on the instance it was routed to: a two-choice call is never
+    relayed (so never handed off or moved), and its first choice samples with the call's own seed."""
+    r = httpx.post(base + "/v1/completions", json={"prompt": prompt, **params, "n": 2}, timeout=120)
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]["text"]
 

@@ -2,7 +2,7 @@
 completions and chat, streamed or not) without a model, as a real process that a test can
 SIGKILL or SIGSTOP. Like the real worker it answers `/internal/*` only with the fleet secret
 (from the environment), refuses work beyond `--capacity` with 429 + Retry-After, and stops
-generating (counting `aborted`) when the front closes a non-streamed request's connection.
+generating (counting `aborted`) when the front closes a request's connection.
 `--die-on-chat` makes it send a chat stream's role chunk and then die before the first token;
 `--crash` makes it exit at once (a crash-looping worker).
 
@@ -26,6 +26,8 @@ import signal
 from fastapi import FastAPI, Request  # module level: FastAPI resolves the handlers' annotations here
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from sloserve.workers.contract import RELAY_COMMENT
+
 ROOT = Path(__file__).resolve().parents[1]
 FAKE_SECRET = "fake-fleet-secret"  # what test fronts (build_worker_fleet(fleet_secret=...)) and fake workers share
 
@@ -47,6 +49,13 @@ def build_fake_worker(tokens: int, delay: float, capacity: int = 1000, die_on_ch
 
     def rid(request: Request) -> str:
         return request.headers.get("x-request-id") or f"fake-{os.getpid()}-{active['served']}"
+
+    def note(request: Request, i: int) -> str:
+        """The relay annotation a real worker adds for its front: this event's token and the text
+        sent so far, but no engine id, so a fake stream cannot be resumed elsewhere."""
+        if secret is None or request.headers.get("x-sloserve-fleet-secret") != secret:
+            return ""
+        return RELAY_COMMENT + json.dumps({"t": [i + 1], "c": i + 1}) + "\n"
 
     @app.get("/health")
     async def health():
@@ -83,17 +92,18 @@ def build_fake_worker(tokens: int, delay: float, capacity: int = 1000, die_on_ch
 
         async def events():
             try:
-                role = {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                     "finish_reason": None}], "pid": os.getpid()}
+                head = {"id": rid(request), "object": "chat.completion.chunk", "created": 1, "model": "fake"}
+                role = {**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                             "finish_reason": None}], "pid": os.getpid()}
                 yield f"data: {json.dumps(role)}\n\n"
                 if die_on_chat:  # queued here: the role is out, no token yet, and the worker dies
                     await asyncio.sleep(0.3)
                     os.kill(os.getpid(), signal.SIGKILL)
                 for i in range(n):
                     await asyncio.sleep(delay)
-                    tok = {"choices": [{"index": 0, "delta": {"content": "y"},
+                    tok = {**head, "choices": [{"index": 0, "delta": {"content": "y"},
                                         "finish_reason": "length" if i == n - 1 else None}], "pid": os.getpid()}
-                    yield f"data: {json.dumps(tok)}\n\n"
+                    yield note(request, i) + f"data: {json.dumps(tok)}\n\n"
                 yield "data: [DONE]\n\n"
             finally:
                 active["running"] -= 1
@@ -127,11 +137,16 @@ def build_fake_worker(tokens: int, delay: float, capacity: int = 1000, die_on_ch
 
         async def events():
             try:
+                head = {"id": rid(request), "object": "text_completion", "created": 1, "model": "fake"}
                 for i in range(n):
                     await asyncio.sleep(delay)
-                    yield f"data: {json.dumps({'choices': [{'index': 0, 'text': 'x'}], 'pid': os.getpid()})}\n\n"
+                    choice = {"index": 0, "text": "x", "finish_reason": "length" if i == n - 1 else None}
+                    yield note(request, i) + f"data: {json.dumps({**head, 'choices': [choice], 'pid': os.getpid()})}\n\n"
                 usage = {"prompt_tokens": 1, "completion_tokens": n, "total_tokens": n + 1}
-                yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\ndata: [DONE]\n\n"
+                yield f"data: {json.dumps({**head, 'choices': [], 'usage': usage})}\n\ndata: [DONE]\n\n"
+            except (asyncio.CancelledError, GeneratorExit):  # the reader left: as the real worker, abort
+                active["aborted"] += 1
+                raise
             finally:
                 active["running"] -= 1
 

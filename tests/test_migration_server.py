@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -126,6 +127,53 @@ def test_a_killed_worker_loses_no_stream(fleet):
     counters = instances(base)["counters"]
     assert counters["failed_midstream"] == 0 and counters["resumed_midstream"] >= 1
     wait_for(lambda: instances(base)["data"][0]["status"] == "healthy", 240, interval=0.5, what="replacement")
+
+
+def test_a_non_streamed_call_moves_live_and_survives_its_worker(fleet):
+    """A call without `stream` is relayed as a stream (and answered whole), so the controller can
+    move it and a dying worker does not lose it: the answer equals the unmoved one."""
+    base = fleet.base_url
+    wait_for(lambda: [d["status"] for d in instances(base)["data"]] == ["healthy", "healthy"], 240, interval=0.5,
+             what="both workers healthy")
+    params = {"max_tokens": 96, "temperature": 0, "ignore_eos": True}
+    prompt = "Write a letter to a friend about a summer holiday by the sea."
+    expected = httpx.post(base + "/v1/completions", json={"prompt": prompt, **params, "n": 2}, timeout=120).json()
+
+    def call(rid: str) -> dict:
+        r = httpx.post(base + "/v1/completions", json={"prompt": prompt, **params}, headers={"X-Request-Id": rid},
+                       timeout=240)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def move(rid: str) -> bool:
+        for target in (0, 1):
+            r = admin("POST", base + "/v1/migrations", json={"request_id": rid, "target": target})
+            if r.status_code == 200 and r.json()["migrated"]:
+                return True
+        return False
+
+    with ThreadPoolExecutor(1) as pool:
+        moved = pool.submit(call, "whole-move")
+        wait_for(lambda: move("whole-move"), 60, interval=0.05, what="the non-streamed call moved")
+        answer = moved.result(timeout=240)
+    assert answer["choices"][0]["text"] == expected["choices"][0]["text"]
+    assert answer["usage"]["completion_tokens"] == 96 and answer["object"] == "text_completion"
+
+    before = instances(base)["counters"]
+    with ThreadPoolExecutor(1) as pool:
+        killed = pool.submit(call, "whole-kill")
+        busy = wait_for(lambda: next((d for d in instances(base)["data"] if d["in_flight"] > 0), None), 60,
+                        interval=0.02, what="the call in flight")
+        time.sleep(0.5)  # a short prompt's prefill takes ~0.1 s, its 96 tokens over a second
+        os.kill(busy["pid"], signal.SIGKILL)
+        answer = killed.result(timeout=240)
+    assert answer["choices"][0]["text"] == expected["choices"][0]["text"]
+    after = instances(base)["counters"]
+    assert after["resumed_midstream"] == before["resumed_midstream"] + 1
+    assert after["failed_midstream"] == before["failed_midstream"]
+    wait_for(lambda: [d["status"] for d in instances(base)["data"]] == ["healthy", "healthy"], 240, interval=0.5,
+             what="the replacement worker healthy")
+    wait_for(lambda: pools_free(base), 30, interval=0.3, what="both KV pools free")
 
 
 @pytest.mark.parametrize("victim", ["target", "source"])

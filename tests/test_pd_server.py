@@ -1,8 +1,9 @@
 """Prefill/decode disaggregation on a real fleet (`sloserve serve --pd P:D`, the embedded model,
 worker processes, 127.0.0.1). Every stream is prefilled on the prefill instance and handed to a
 decode instance after its first token; the client sees one stream with each token once and
-exactly the text a colocated run gives (non-streamed requests are not handed off: they decode
-where they were prefilled, which makes them the colocated reference). Failures: a decode
+exactly the text a colocated run gives (a two-choice call is not handed off: it decodes where it
+was prefilled, which makes it the colocated reference). A non-streamed call is relayed as a stream
+and handed off too, and answered whole with the JSON the worker would have sent. Failures: a decode
 instance dying after the hand-off, every decode instance gone before it. Pools end free every
 time. (test_pd_live.py: the live transfer, per-pool settings, the prefill instance gone.)"""
 from __future__ import annotations
@@ -84,7 +85,56 @@ def test_openai_chat_stream_through_a_handoff(fleet):
     plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0)
     assert "".join(pieces) == plain.choices[0].message.content
     assert usage is not None and usage.completion_tokens == plain.usage.completion_tokens
-    assert handoffs(fleet.base_url)["completed"] == before + 1
+    assert handoffs(fleet.base_url)["completed"] == before + 2  # the plain call is handed off too
+
+
+def test_a_non_streamed_call_is_handed_off_and_answered_whole(fleet):
+    """Decoded on a decode instance, yet the client gets the one JSON answer the worker sends
+    for a non-streamed call: the same text, logprobs, finish reason and usage as the stream."""
+    base = fleet.base_url
+    prompt = "Explain why the sky is blue in two sentences."
+    params = {**GREEDY, "logprobs": 2}
+    ref = httpx.post(base + "/v1/completions", json={"prompt": prompt, **params, "n": 2}, timeout=120).json()
+    expected, ref_lp = ref["choices"][0]["text"], ref["choices"][0]["logprobs"]  # colocated (see colocated())
+    before = handoffs(base)["completed"]
+    r = httpx.post(base + "/v1/completions", json={"prompt": prompt, **params}, timeout=120)
+    assert r.status_code == 200, r.text
+    assert r.headers["content-type"] == "application/json" and r.headers["x-request-id"]
+    answer = r.json()
+    assert handoffs(base)["completed"] == before + 1
+    assert set(answer) == {"id", "object", "created", "model", "choices", "usage"}
+    assert answer["object"] == "text_completion" and answer["id"].startswith("cmpl-")
+    (choice,) = answer["choices"]
+    assert choice["text"] == expected and choice["finish_reason"] == "length" and choice["index"] == 0
+    lp = choice["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == GREEDY["max_tokens"]
+    assert lp["tokens"] == ref_lp["tokens"] and lp["text_offset"] == ref_lp["text_offset"]
+    assert lp["token_logprobs"] == pytest.approx(ref_lp["token_logprobs"], abs=0.05)
+    assert [sorted(t) for t in lp["top_logprobs"]] == [sorted(t) for t in ref_lp["top_logprobs"]]
+    assert answer["usage"]["completion_tokens"] == GREEDY["max_tokens"]
+    assert answer["usage"]["prompt_tokens_details"] == {"cached_tokens": answer["usage"]["prompt_tokens_details"]
+                                                        ["cached_tokens"]}
+    wait_for(lambda: pools_free(base), 30, interval=0.3, what="every KV pool free")
+
+
+def test_openai_chat_answered_whole_after_a_handoff_equals_its_stream(fleet):
+    client = OpenAI(base_url=fleet.base_url + "/v1", api_key="none")
+    messages = [{"role": "user", "content": "Give me three tips for sleeping well."}]
+    args = dict(model=MODEL, messages=messages, max_tokens=20, temperature=0, logprobs=True, top_logprobs=2)
+    before = handoffs(fleet.base_url)["completed"]
+    whole = client.chat.completions.create(**args)
+    pieces, tokens = [], []
+    for chunk in client.chat.completions.create(**args, stream=True):
+        if chunk.choices:
+            pieces.append(chunk.choices[0].delta.content or "")
+            if chunk.choices[0].logprobs and chunk.choices[0].logprobs.content:
+                tokens += [t.token for t in chunk.choices[0].logprobs.content]
+    assert handoffs(fleet.base_url)["completed"] == before + 2
+    assert whole.object == "chat.completion" and whole.choices[0].message.role == "assistant"
+    assert whole.choices[0].message.content == "".join(pieces)
+    assert [t.token for t in whole.choices[0].logprobs.content] == tokens
+    assert all(len(t.top_logprobs) == 2 for t in whole.choices[0].logprobs.content)
+    assert whole.usage.completion_tokens == len(tokens) == 20
 
 
 def test_a_decode_instance_dying_after_the_handoff_loses_nothing(fleet):

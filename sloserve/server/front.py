@@ -16,8 +16,11 @@ request is retried on another instance if its worker fails. From then on a `Rela
 (front_relay.py) relays it: a started single-choice stream whose worker fails resumes on
 another instance from the tokens already sent, and the fleet controller's migrations move it
 live (front_migration.py); a stream nothing can resume ends with an SSE event
-`{"error": {"code": "instance_failed"}}` and `data: [DONE]`. Non-streamed requests are
-retried whenever their worker fails before answering.
+`{"error": {"code": "instance_failed"}}` and `data: [DONE]`. A non-streamed single-choice call
+is relayed the same way, as a stream the front reads to its end and answers whole
+(front_whole.py), so it fails over, migrates and is handed off like a stream; other
+non-streamed calls (n > 1, several prompts) are retried whenever their worker fails before
+answering.
 
 Nothing outlives its client: while the front waits on a worker (connecting, the buffered
 start of a stream, a non-streamed answer) it also watches for the client's disconnect, and
@@ -60,6 +63,7 @@ from sloserve.server.front_autoscale import AutoscaleDriver
 from sloserve.server.front_handoff import HandoffDriver
 from sloserve.server.front_migration import MigrationDriver
 from sloserve.server.front_relay import RelaySession, Upstream
+from sloserve.server.front_whole import answers_whole, as_stream, collect_whole
 from sloserve.server.front_stream import Interrupted, SSESplitter, Stop, carries_output
 from sloserve.server.qos import CacheSalter, QoSRegistry, cache_secret
 from sloserve.workers.contract import FLEET_SECRET_HEADER
@@ -137,7 +141,11 @@ def _check_prompt(body: dict, chat: bool) -> None:
 def resumable(body: dict, chat: bool) -> bool:
     """Whether another instance can continue this call's stream: one choice of one prompt
     (n > 1 streams interleave choices; those fail over as a whole, not resumed)."""
-    if body.get("stream") is not True or body.get("n") not in (None, 1) or body.get("best_of") not in (None, 1):
+    return body.get("stream") is True and single_choice(body, chat)
+
+
+def single_choice(body: dict, chat: bool) -> bool:
+    if body.get("n") not in (None, 1) or body.get("best_of") not in (None, 1):
         return False
     if chat:
         return True
@@ -452,6 +460,11 @@ class Front:
         """Try instances until one answers; the first that starts a stream owns it (and a
         RelaySession relays it from then on, across failovers and migrations)."""
         stream = body.get("stream") is True
+        whole = answers_whole(body, single_choice(body, chat))  # relayed as a stream, answered whole
+        if whole:
+            body = as_stream(body)
+            raw = json.dumps(body).encode()
+            stream = True
         upstream_headers = dict(headers)
         if self.fleet.fleet_secret:  # the workers annotate the streams of their own front
             upstream_headers[FLEET_SECRET_HEADER] = self.fleet.fleet_secret
@@ -470,6 +483,7 @@ class Front:
                     self.fleet.counters["retries"] += 1
                 inst.in_flight += 1
                 upstream: Optional[httpx.Response] = None
+                session_owns = False  # a RelaySession took the upstream over (and releases it)
                 try:
                     try:
                         upstream = await self._before_start(stop, inst, tried, self.fleet.client.send(
@@ -504,16 +518,30 @@ class Front:
                         return Response(content, status_code=upstream.status_code, headers=back, media_type=media)
                     if done:  # the whole stream came before anything counted as started
                         self.learn(routed, head)
+                        if whole:
+                            status, payload = await self._answer_whole(_chunks(head), chat)
+                            return JSONResponse(payload, status_code=status, headers=_whole_headers(back))
                         return Response(head, status_code=200, headers=back, media_type=media)
                     session = RelaySession(self, routed, path, body, headers, chat, resumable(body, chat),
                                            Upstream(inst, inst.generation, upstream, chunks),
                                            ticket.abort if ticket is not None else None)
+                    session.answered_whole = whole
                     self.sessions.add(session)
+                    session_owns = True
+                    if whole:
+                        status, payload = await self._answer_whole(session.stream(head), chat, session, stop)
+                        if status == 500 and payload["error"].get("code") == "instance_failed":
+                            # Its worker died and no instance could resume it, but the client has
+                            # nothing yet: the call starts again elsewhere.
+                            last_error = f"instance {inst.slot} failed while generating"
+                            continue
+                        handed_off = True
+                        return JSONResponse(payload, status_code=status, headers=_whole_headers(back))
                     handed_off = True
                     return _RelayResponse(session.stream(head), session.release, status_code=200, headers=back,
                                           media_type=media)
                 finally:
-                    if not handed_off:
+                    if not session_owns:
                         inst.in_flight -= 1
                         if upstream is not None:
                             await upstream.aclose()
@@ -524,6 +552,20 @@ class Front:
         finally:
             if self.fleet.predictions is not None and not handed_off:
                 self.fleet.predictions.observe(routed, completed=False)  # forget it (_learn already learned)
+
+    @staticmethod
+    async def _answer_whole(events: AsyncIterator[bytes], chat: bool, session: Optional[RelaySession] = None,
+                            stop: Optional[Stop] = None) -> tuple[int, dict]:
+        """A non-streamed call's answer (status, JSON), read from its relayed stream
+        (front_whole.py); the client's disconnect (Interrupted, from `stop`) ends the stream
+        and frees its request."""
+        try:
+            work = collect_whole(events, chat)
+            return await (stop.run(work) if stop is not None else work)
+        finally:
+            await events.aclose()  # type: ignore[attr-defined]
+            if session is not None:
+                await session.release()
 
     async def _before_start(self, stop: Stop, inst: Instance, tried: set, work: Awaitable[T]) -> T:
         """`work` (upstream I/O before anything reached the client), raced against the client's
@@ -569,7 +611,9 @@ class Front:
         if self.fleet.predictions is not None:
             self.fleet.predictions.observe(session.routed, completed=False)
         if session.finished and session.first_token_at is not None:
-            self.finished(session.routed, session.first_token_at, session.last_token_at, len(session.tokens))
+            # An answer sent whole reaches its client at the end: its first token is its last.
+            first = session.last_token_at if session.answered_whole else session.first_token_at
+            self.finished(session.routed, first, session.last_token_at, len(session.tokens))
 
     def finished(self, routed: Request, first_token_at: float, last_token_at: float, num_tokens: int) -> None:
         """A request answered in full, timed as its client saw it: its class's SLO counts."""
@@ -674,6 +718,15 @@ class Front:
         registry = CollectorRegistry()
         registry.register(_Collector())
         return registry
+
+
+async def _chunks(data: bytes) -> AsyncIterator[bytes]:
+    yield data
+
+
+def _whole_headers(back: dict) -> dict:
+    """A stream's headers worth keeping on an answer sent whole (not its cache-control)."""
+    return {k: v for k, v in back.items() if k.lower() in ("retry-after", "x-request-id")}
 
 
 def _completion_tokens(content: bytes) -> Optional[int]:

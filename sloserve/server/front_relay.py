@@ -115,6 +115,7 @@ class RelaySession:
         self.first_token_at: Optional[float] = None
         self.finished = False  # a finish_reason (or [DONE]) reached the client
         self.migrating = False
+        self.answered_whole = False  # the client asked for no stream: the front answers it at the end
         self.num_instances = 1
         self._splitter = SSESplitter()
         self._tail = b""
@@ -195,7 +196,8 @@ class RelaySession:
                                self.routed.request_id, error)
                 resumed = await self._fail_over() if self.can_resume else None
                 if resumed is None:
-                    self.fleet.counters["failed_midstream"] += 1
+                    if not self.answered_whole:  # an answer not yet sent starts again elsewhere (front.py)
+                        self.fleet.counters["failed_midstream"] += 1
                     yield _sse_error(f"instance {up.inst.slot} failed while generating this response; the "
                                      f"output is incomplete", "instance_failed")
                     return
@@ -220,7 +222,8 @@ class RelaySession:
         while not self._read.done():
             up = self.upstream
             stalled = up.inst.stalled
-            watch_stall = self.can_resume and up.inst.generation == up.generation
+            # An answer sent whole can also start again elsewhere (its client has nothing yet).
+            watch_stall = (self.can_resume or self.answered_whole) and up.inst.generation == up.generation
             if watch_stall and stalled.is_set():
                 if self.fleet.has_alternative({(up.inst.slot, up.generation)}):
                     raise _UpstreamStalled()

@@ -26,7 +26,7 @@ def carries_output(event: bytes, chat: bool) -> bool:
     - chat: False only for the opening, the chunk whose choices all have a delta with a `role`,
       empty or no content, no tool calls, no logprobs and no finish_reason; any other chunk
       with choices carries a token (its content may be empty when the text is held back)."""
-    data = _data(event)
+    data = event_data(event)
     if data is None:
         return False
     if data == b"[DONE]":
@@ -53,7 +53,7 @@ def _is_opening(choice: object) -> bool:
             and choice.get("logprobs") is None)
 
 
-def _data(event: bytes) -> Optional[bytes]:
+def event_data(event: bytes) -> Optional[bytes]:
     lines = [line[5:].lstrip(b" ") for line in event.splitlines() if line.startswith(b"data:")]
     return b"\n".join(lines) if lines else None
 
