@@ -54,6 +54,7 @@ class ScalingSignals:
     capacity_rps: float
     cold_start_s: float
     held: int = 0  # requests waiting for any instance to be ready (none is: scale from zero)
+    pool: str = "mixed"  # whose instances these are: "mixed", or "prefill" / "decode" (scaled apart)
 
     @property
     def active(self) -> int:

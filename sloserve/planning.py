@@ -11,6 +11,7 @@ geometrically.
 from __future__ import annotations
 
 import json
+import logging
 import math
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -20,6 +21,8 @@ from sloserve.bench.metrics import SLO
 from sloserve.simulation import FleetConfig, PoolSettings, build_fleet, fleet_gpus, sim_requests, simulate
 from sloserve.user_cache import JsonCache, source_fingerprint, user_cache_path
 from sloserve.workload.types import WorkloadRequest
+
+logger = logging.getLogger(__name__)
 
 ATTAINMENT = 0.9
 MAX_BRACKET_STEPS = 12  # 2^12 either way of the burst throughput: far past any real fleet's range
@@ -64,12 +67,14 @@ def attainment(reqs: Sequence[WorkloadRequest], cfg: FleetConfig, slo: SLO) -> t
     return sum(slo.met(r) for r in records) / max(1, len(reqs)), result.end_time
 
 
-def goodput(reqs: Sequence[WorkloadRequest], cfg: FleetConfig, slo: SLO, iters: int = 3,
-            target: float = ATTAINMENT) -> float:
-    """Requests/s the fleet serves with >= `target` of them within `slo` (module docstring)."""
-    _, makespan = attainment([replace(r, arrival_s=0.0) for r in reqs], cfg, slo)
+def goodput(reqs: Sequence[WorkloadRequest], cfg: "FleetConfig | Callable[[float], FleetConfig]", slo: SLO,
+            iters: int = 3, target: float = ATTAINMENT) -> float:
+    """Requests/s the fleet serves with >= `target` of them within `slo` (module docstring).
+    `cfg` may be a function of the rate tried (a fleet sized to it)."""
+    fleet_at = cfg if callable(cfg) else (lambda rate: cfg)
+    _, makespan = attainment([replace(r, arrival_s=0.0) for r in reqs], fleet_at(0.0), slo)
     start = len(reqs) / makespan if makespan > 0 else 1.0
-    return max_rate(lambda rate: attainment(at_rate(reqs, rate), cfg, slo)[0] >= target, start, iters)
+    return max_rate(lambda rate: attainment(at_rate(reqs, rate), fleet_at(rate), slo)[0] >= target, start, iters)
 
 
 def capacity_cache() -> JsonCache:
@@ -93,23 +98,82 @@ def instance_capacity(reqs: Sequence[WorkloadRequest], cfg: FleetConfig, slo: SL
     Kept in `cache` (default: on disk, `capacity_cache()`) per hardware, model, tp, profile
     (its contents), scheduler and cache settings, SLO, workload shape and simulator code: the
     search runs dozens of simulations, and the same question comes back every run."""
-    head = list(reqs[:sample])
-    if len(head) < 10:
-        raise ValueError(f"the capacity model needs at least 10 requests of the workload, got {len(head)}")
-    shape = (round(sum(r.prompt_len for r in head) / len(head), -1), round(sum(r.output_len for r in head) / len(head), -1))
+    head = _sample(reqs, sample)
     cache = capacity_cache() if cache is None else cache
-    profile = source_fingerprint([Path(cfg.profile)]) if cfg.profile else None
-    key = json.dumps([cfg.hardware, cfg.model, cfg.tp, profile, asdict(cfg.scheduler), asdict(cfg.cache),
-                      cfg.num_blocks, cfg.max_model_len, cfg.dtype_bytes, cfg.predictor, cfg.kv_store_gib,
-                      cfg.kv_store_link, slo.ttft_s, slo.tpot_s, slo.e2e_s, shape, len(head), iters,
-                      simulator_fingerprint()], sort_keys=True, default=str)
+    key = _capacity_key(head, cfg, slo, iters, "mixed")
     known = cache.get(key)
     if isinstance(known, (int, float)):
         return float(known)
-    one = replace(cfg, instances=1, autoscale=None, pd=None, migration="none")
-    capacity = goodput(head, one, slo, iters)
+    capacity = goodput(head, replace(cfg, instances=1, autoscale=None, pd=None, migration="none"), slo, iters)
     cache.put(key, capacity)
     return capacity
+
+
+POOL_HEADROOM = 4  # the other pool's instances, at least, while one pool's instance is measured
+POOL_MOST = 16  # ... and at most: a pool this size is what the measured instance can be shown to outrun
+
+
+def pool_capacity(reqs: Sequence[WorkloadRequest], cfg: FleetConfig, slo: SLO, iters: int = 3, sample: int = 400,
+                  cache: Optional[JsonCache] = None) -> tuple[float, float]:
+    """The capacity model of an autoscaled P/D fleet: requests/s ONE prefill instance serves
+    within the SLO's TTFT, and ONE decode instance within its TPOT, with `cfg`'s pool settings
+    (cached as instance_capacity).
+
+    Each is measured with the other pool sized to the rate tried (twice what it needs, at
+    least POOL_HEADROOM instances), so that only the measured instance limits: a fixed small
+    prefill pool would cap the rate a decode instance ever sees, and a saturated decode pool
+    would keep requests decoding on the prefill instance. Pool sizes come from the other pool's
+    capacity, so prefill is measured first against a POOL_HEADROOM decode pool, then decode
+    against prefill pools sized from that, then prefill again against decode pools sized from
+    the decode answer."""
+    head = _sample(reqs, sample)
+    cache = capacity_cache() if cache is None else cache
+    key = _capacity_key(head, cfg, slo, iters, "prefill/decode")
+    known = cache.get(key)
+    if isinstance(known, list) and len(known) == 2:
+        return float(known[0]), float(known[1])
+    base = replace(cfg, autoscale=None, migration="none")
+    ttft_only, tpot_only = replace(slo, tpot_s=None), replace(slo, ttft_s=None, e2e_s=None)
+
+    def sized(rate: float, capacity: float) -> int:
+        return min(POOL_MOST, max(POOL_HEADROOM, math.ceil(2 * rate / capacity))) if capacity > 0 else POOL_HEADROOM
+
+    def bounded(found: float, other: float, role: str) -> float:
+        """What the search can vouch for: an instance that outran POOL_MOST of the other pool's
+        is known to carry at least half their rate, not how much more (short outputs make a decode
+        instance outlast many prefill instances)."""
+        most = POOL_MOST * other / 2
+        if found > most:
+            logger.info("one %s instance keeps up with %d of the other pool's: capacity taken as %.2f req/s "
+                        "(a lower bound)", role, POOL_MOST, most)
+            return most
+        return found
+
+    prefill = goodput(head, replace(base, pd=f"1:{POOL_HEADROOM}"), ttft_only, iters)
+    decode = bounded(goodput(head, lambda rate: replace(base, pd=f"{sized(rate, prefill)}:1"), tpot_only, iters),
+                     prefill, "decode")
+    prefill = bounded(goodput(head, lambda rate: replace(base, pd=f"1:{sized(rate, decode)}"), ttft_only, iters),
+                      decode, "prefill")
+    cache.put(key, [prefill, decode])
+    return prefill, decode
+
+
+def _sample(reqs: Sequence[WorkloadRequest], sample: int) -> list[WorkloadRequest]:
+    head = list(reqs[:sample])
+    if len(head) < 10:
+        raise ValueError(f"the capacity model needs at least 10 requests of the workload, got {len(head)}")
+    return head
+
+
+def _capacity_key(head: Sequence[WorkloadRequest], cfg: FleetConfig, slo: SLO, iters: int, what: str) -> str:
+    shape = (round(sum(r.prompt_len for r in head) / len(head), -1), round(sum(r.output_len for r in head) / len(head), -1))
+    profile = source_fingerprint([Path(cfg.profile)]) if cfg.profile else None
+    pools = [asdict(cfg.prefill_pool), asdict(cfg.decode_pool), cfg.link, cfg.pd_transfer, cfg.decode_router] \
+        if what != "mixed" else []
+    return json.dumps([cfg.hardware, cfg.model, cfg.tp, profile, asdict(cfg.scheduler), asdict(cfg.cache),
+                       cfg.num_blocks, cfg.max_model_len, cfg.dtype_bytes, cfg.predictor, cfg.kv_store_gib,
+                       cfg.kv_store_link, slo.ttft_s, slo.tpot_s, slo.e2e_s, shape, len(head), iters,
+                       simulator_fingerprint(), what, *pools], sort_keys=True, default=str)
 
 
 @dataclass(frozen=True)

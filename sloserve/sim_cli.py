@@ -6,6 +6,7 @@ import gc
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Optional
 
 
 def add_simulate_parser(sub: argparse._SubParsersAction) -> None:
@@ -116,6 +117,12 @@ def add_fleet_args(p: argparse.ArgumentParser) -> None:
     a.add_argument("--target-utilization", type=float, default=0.8, help="share of an instance's capacity planned for")
     a.add_argument("--capacity", type=float, metavar="RPS",
                    help="requests/s one instance sustains within the SLO (default: measured on the workload at --slo)")
+    a.add_argument("--pd-min", metavar="P:D",
+                   help="with --pd and --autoscale: the fewest prefill and decode instances (default 1:1; --pd is "
+                        "the most); each pool is scaled on its own")
+    a.add_argument("--pd-capacity", metavar="P_RPS:D_RPS",
+                   help="with --pd and --autoscale: req/s one prefill and one decode instance sustain (default: "
+                        "measured on the workload at --slo, TTFT for prefill, TPOT for decode)")
     a.add_argument("--forecaster", default="seasonal-naive", help=f"predictive/hybrid: one of {sorted(FORECASTERS)}")
     a.add_argument("--scaling-history", metavar="SERIES",
                    help="demand before the run that trains the forecaster: servegen:MODEL or a trace (as "
@@ -150,7 +157,18 @@ def fleet_config_from_args(args: argparse.Namespace):
         keep_alive_s=getattr(args, "keep_alive", 0.0), scaling_interval_s=getattr(args, "scaling_interval", 60.0),
         scale_down_delay_s=getattr(args, "scale_down_delay", 300.0),
         target_utilization=getattr(args, "target_utilization", 0.8), capacity_rps=getattr(args, "capacity", None),
-        forecaster=getattr(args, "forecaster", "seasonal-naive"))
+        forecaster=getattr(args, "forecaster", "seasonal-naive"), pd_min=getattr(args, "pd_min", None),
+        pd_capacity=parse_pd_capacity(getattr(args, "pd_capacity", None)))
+
+
+def parse_pd_capacity(text: Optional[str]) -> Optional[tuple[float, float]]:
+    if text is None:
+        return None
+    try:
+        p, d = (float(x) for x in text.split(":"))
+    except ValueError:
+        raise ValueError(f"--pd-capacity wants P_RPS:D_RPS (two numbers), got {text!r}") from None
+    return p, d
 
 
 def parse_instances(text: str, autoscale) -> tuple[int, int]:
@@ -224,6 +242,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                 "handoffs": result.handoffs, "autoscale": fleet.autoscale,
                 "min_instances": fleet.min_instances if fleet.autoscale else None,
                 "capacity_rps": fleet.capacity_rps, "cold_start_s": fleet.cold_start_s if fleet.autoscale else None,
+                "pd_min": fleet.pd_min or ("1:1" if fleet.pd and fleet.autoscale else None),
+                "pd_capacity": fleet.pd_capacity,
                 "scaling": result.scaling,
                 "preemptions": sum(i.scheduler.stats.num_preemptions for i in sim.instances),
                 "prefix_hit_rate": (sum(i.kv.stats.hits for i in sim.instances)
@@ -253,10 +273,17 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         sc = c.get("scaling")
         if sc:
             peak = max((row[1] for row in sc["timeline"]), default=0)
-            out.print(f"autoscaling ({c['autoscale']}, {c['min_instances']}-{c['instances']} instances, "
-                      f"{c['capacity_rps']:.2f} req/s each, cold start {c['cold_start_s']:g} s): "
-                      f"{sc['instance_hours']:.2f} instance-hours, {sc['cold_starts']} cold + {sc['warm_starts']} warm "
-                      f"starts, {sc['drained']} drained, peak {peak} ready")
+            if c["pd"]:
+                (p_cap, d_cap), hours = c["pd_capacity"], sc["pool_instance_hours"]
+                sizes = (f"prefill {c['pd_min'].split(':')[0]}-{c['pd'].split(':')[0]} at {p_cap:.2f} req/s each, "
+                         f"decode {c['pd_min'].split(':')[1]}-{c['pd'].split(':')[1]} at {d_cap:.2f}")
+                split = f" (prefill {hours['prefill']:.2f}, decode {hours['decode']:.2f})"
+            else:
+                sizes = f"{c['min_instances']}-{c['instances']} instances, {c['capacity_rps']:.2f} req/s each"
+                split = ""
+            out.print(f"autoscaling ({c['autoscale']}, {sizes}, cold start {c['cold_start_s']:g} s): "
+                      f"{sc['instance_hours']:.2f} instance-hours{split}, {sc['cold_starts']} cold + "
+                      f"{sc['warm_starts']} warm starts, {sc['drained']} drained, peak {peak} ready")
         h = c.get("handoffs")
         if h:
             out.print(f"P/D {c['pd']} ({c['pd_transfer']} over {c['link']}): {h['completed']} hand-offs, "
@@ -284,14 +311,23 @@ def timeline_interval(asked, stream) -> float:
 
 def prepare_autoscaling(fleet, args: argparse.Namespace, spec, slo) -> None:
     """The capacity model's answer (unless --capacity) and the forecaster's history, before the runs."""
-    from sloserve.planning import instance_capacity
+    from sloserve.planning import instance_capacity, pool_capacity
     from sloserve.workload.build import build_stream
 
-    if fleet.capacity_rps is None:
-        if slo.empty:
-            raise ValueError("autoscaling needs --capacity RPS, or --slo to measure it on the workload")
-        fleet.capacity_rps = instance_capacity(build_stream(replace(spec, num_requests=400, duration_s=None)),
-                                               replace(fleet, autoscale=None), slo)
+    if args.pd_min and not fleet.pd:
+        raise ValueError("--pd-min needs --pd (the most instances of each pool)")
+    measured = fleet.pd_capacity is None if fleet.pd else fleet.capacity_rps is None
+    if measured and slo.empty:
+        given = "--pd-capacity P_RPS:D_RPS" if fleet.pd else "--capacity RPS"
+        raise ValueError(f"autoscaling needs {given}, or --slo to measure it on the workload")
+    head = build_stream(replace(spec, num_requests=400, duration_s=None)) if measured else []
+    if fleet.pd and fleet.pd_capacity is None:
+        fleet.pd_capacity = pool_capacity(head, fleet, slo)
+        if not all(c > 0 for c in fleet.pd_capacity):  # type: ignore[union-attr]
+            raise ValueError("one pool's instance meets the SLO at no rate on this workload: loosen --slo or "
+                             "give --pd-capacity")
+    elif not fleet.pd and fleet.capacity_rps is None:
+        fleet.capacity_rps = instance_capacity(head, replace(fleet, autoscale=None), slo)
         if not fleet.capacity_rps > 0:
             raise ValueError("one instance meets the SLO at no rate on this workload: loosen --slo or give --capacity")
     if args.scaling_history:
@@ -317,6 +353,11 @@ def plot_scaling(results, path: Path) -> Path:
         ax.step(t, [row[1] for row in rows], where="post", label="ready")
         ax.step(t, [row[1] + row[2] for row in rows], where="post", linestyle="--", label="ready + starting")
         ax.step(t, [row[5] for row in rows], where="post", linestyle=":", label="target")
+        for pool in ("prefill", "decode"):  # a disaggregated fleet: each pool's ready instances too
+            mine = [row for row in r.config["scaling"].get("pool_timeline", []) if row[1] == pool]
+            if mine:
+                ax.step([row[0] / 3600 for row in mine], [row[2] for row in mine], where="post", alpha=0.7,
+                        label=f"{pool} ready")
         ax.set_ylabel("instances")
         twin = ax.twinx()
         twin.plot(t, [row[4] for row in rows], color="gray", alpha=0.6, linewidth=0.8, label="demand (req/s)")

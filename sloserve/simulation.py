@@ -75,6 +75,11 @@ class FleetConfig:
     min_instances: int = 1
     initial_instances: Optional[int] = None  # default: min_instances
     capacity_rps: Optional[float] = None
+    # A disaggregated fleet scales its pools apart: `pd` is then the most of each, `pd_min` the
+    # fewest ("P:D", default 1:1; those run at time 0), `pd_capacity` the req/s one prefill and
+    # one decode instance sustain within the SLOs (planning.instance_capacity per role).
+    pd_min: Optional[str] = None
+    pd_capacity: Optional[tuple[float, float]] = None
     scaling_interval_s: float = 60.0
     cold_start_s: float = 120.0
     warm_start_s: Optional[float] = None
@@ -110,19 +115,29 @@ class FleetConfig:
         if self.pd is not None:
             for role in ("prefill", "decode"):
                 pool_config(self, role).scheduler.validate()
-        if self.autoscale is not None:
-            if self.pd is not None:
-                raise ValueError("autoscaling a prefill/decode-disaggregated fleet is not supported yet")
+        if self.autoscale is not None and self.pd is not None:
+            low, high = self.pool_bounds()
+            if not all(1 <= lo <= hi for lo, hi in zip(low, high)):
+                raise ValueError(f"--pd-min {self.pd_min} needs 1 <= min <= --pd {self.pd} in each pool")
+            if self.pd_capacity is None or not all(c > 0 for c in self.pd_capacity):
+                raise ValueError("autoscaling a P/D fleet needs the capacity of one prefill and one decode instance")
+        elif self.autoscale is not None:
             if not 0 <= self.min_instances <= self.instances:
                 raise ValueError(f"--instances MIN:MAX needs 0 <= MIN <= MAX, got {self.min_instances}:{self.instances}")
             if self.capacity_rps is None or not self.capacity_rps > 0:
                 raise ValueError("autoscaling needs the capacity of one instance (capacity_rps > 0)")
 
 
+    def pool_bounds(self) -> tuple[tuple[int, int], tuple[int, int]]:
+        """((fewest prefill, fewest decode), (most prefill, most decode)) of an autoscaled P/D fleet."""
+        return parse_pd(self.pd_min or "1:1"), parse_pd(self.pd)  # type: ignore[arg-type]
+
+
 def scaling_parts(cfg: FleetConfig):
-    """The controller's scale planner and the simulator's scaling spec for `cfg` (None, None: fixed fleet)."""
+    """The controller's scale planners (by pool) and the simulator's scaling spec for `cfg`
+    ({}, None: a fixed fleet). A P/D fleet gets a planner, and an autoscaler, per pool."""
     if cfg.autoscale is None:
-        return None, None
+        return {}, None
     from sloserve.cluster.autoscale import ScalingOptions, make_autoscaler
     from sloserve.cluster.autoscale.planner import ScalePlanner
     from sloserve.sim.scaling import ScalingSpec
@@ -133,12 +148,21 @@ def scaling_parts(cfg: FleetConfig):
                              history_step_s=None if history is None else history.step_s,  # type: ignore[attr-defined]
                              history_start_s=0.0 if history is None else history.start_s,  # type: ignore[attr-defined]
                              extra={"interval_s": cfg.scaling_interval_s})
+    if cfg.pd is not None:
+        (p_low, d_low), (p_high, d_high) = cfg.pool_bounds()
+        planners = {pool: ScalePlanner(make_autoscaler(cfg.autoscale, options), low, high, cfg.scale_down_delay_s)
+                    for pool, low, high in (("prefill", p_low, p_high), ("decode", d_low, d_high))}
+        p_cap, d_cap = cfg.pd_capacity  # type: ignore[misc]
+        spec = ScalingSpec(p_cap, 1, cfg.scaling_interval_s, cfg.cold_start_s, cfg.warm_start_s, cfg.keep_alive_s,
+                           cfg.demand_step_s, pool_capacity={"prefill": p_cap, "decode": d_cap},
+                           pool_initial={"prefill": p_low, "decode": d_low})
+        return planners, spec
     planner = ScalePlanner(make_autoscaler(cfg.autoscale, options), cfg.min_instances, cfg.instances,
                            cfg.scale_down_delay_s)
     initial = cfg.min_instances if cfg.initial_instances is None else cfg.initial_instances
     spec = ScalingSpec(cfg.capacity_rps, initial, cfg.scaling_interval_s, cfg.cold_start_s,  # type: ignore[arg-type]
                        cfg.warm_start_s, cfg.keep_alive_s, cfg.demand_step_s)
-    return planner, spec
+    return {"mixed": planner}, spec
 
 
 def pool_config(cfg: FleetConfig, role: str) -> FleetConfig:
@@ -233,9 +257,9 @@ def build_fleet(cfg: FleetConfig, predictions: Optional["PredictionBook"] = None
     options = RouterOptions(seed=cfg.router_seed, epsilon=cfg.router_epsilon,
                             predictions=predictions.lookup if predictions is not None else None)
     decode_router = make_router(cfg.decode_router, options) if cfg.pd is not None else None
-    planner, scaling = scaling_parts(cfg)
+    planners, scaling = scaling_parts(cfg)
     controller = FleetController(make_router(cfg.router, options), make_migration_policy(cfg.migration),
-                                 decode_router=decode_router, scaler=planner)
+                                 decode_router=decode_router, scalers=planners)
     return Simulator(instances, controller, move_costs(cfg, model), cfg.migration_interval_s,
                      roles=roles, pd_transfer=cfg.pd_transfer, num_layers=model.num_layers, scaling=scaling)
 

@@ -225,3 +225,86 @@ def test_the_capacity_model_is_measured_once_and_read_back_from_disk(tmp_path, m
     with caplog.at_level("WARNING", logger="sloserve.user_cache"):
         assert planning.instance_capacity(reqs, cfg, slo, iters=2, cache=JsonCache(path)) == measured
     assert "unreadable cache" in caplog.text and len(json.loads(path.read_text())) == 1
+
+
+def pd_fleet(**kw) -> FleetConfig:
+    settings = dict(pd="4:4", pd_min="1:1", pd_capacity=(1.0, 8.0), model="llama-3.1-8b", hardware="a10-24g",
+                    router="least-requests", autoscale="reactive", scaling_interval_s=30, cold_start_s=60,
+                    demand_step_s=10, scale_down_delay_s=120, migration="drain")
+    return FleetConfig(**{**settings, **kw})
+
+
+def test_a_disaggregated_fleet_scales_its_pools_apart():
+    """One prefill instance carries 1 req/s here and one decode instance 20: a 6 req/s burst needs
+    more prefill instances (up to the pool's 4) and no second decode instance; the run pays for
+    each pool's instances, loses nothing, and every request is decoded on the decode pool."""
+    cfg = pd_fleet(pd_capacity=(1.0, 20.0))
+    reqs = burst_workload(phases=((0.5, 120.0), (6.0, 420.0), (0.3, 900.0)), max_prompt=1500, max_output=120)
+    sim = build_fleet(cfg)
+    records, result = simulate(sim, sim_requests(reqs))
+    assert len(records) == len(reqs) and all(r.success for r in records)
+    books = result.scaling
+    pools = {pool: [row for row in books["pool_timeline"] if row[1] == pool] for pool in ("prefill", "decode")}
+    assert max(row[2] for row in pools["prefill"]) == 4 and pools["prefill"][-1][2] < 4  # grew, then drained
+    assert max(row[2] for row in pools["decode"]) == 1
+    roles = sim.roles
+    assert books["starts"] and all(roles[slot] == "prefill" for slot, _, _ in books["starts"])
+    assert all(reason.startswith(("prefill: ", "decode: ")) for _, _, reason in books["decisions"])
+    hours = books["pool_instance_hours"]
+    assert hours["prefill"] + hours["decode"] == pytest.approx(books["instance_hours"])
+    assert hours["decode"] == pytest.approx(result.end_time / 3600)  # its one instance ran throughout
+    assert result.handoffs["completed"] == len(reqs)
+    decoded_on = {f.instance_id for f in build_fleet(cfg).run(list(sim_requests(reqs))).finished}
+    assert {roles[i] for i in decoded_on} == {"decode"}
+
+
+def test_a_disaggregated_fleet_waits_for_decode_instances_by_decoding_on_prefill():
+    """The decode pool scales too: when it is the one short of capacity it grows, and the
+    prefill pool stays at its minimum."""
+    cfg = pd_fleet(pd_capacity=(20.0, 0.5))
+    reqs = burst_workload(phases=((0.2, 120.0), (3.0, 360.0), (0.1, 900.0)), max_prompt=400, max_output=300)
+    records, result = simulate(build_fleet(cfg), sim_requests(reqs))
+    assert all(r.success for r in records)
+    rows = result.scaling["pool_timeline"]
+    assert max(r[2] for r in rows if r[1] == "decode") >= 3 and max(r[2] for r in rows if r[1] == "prefill") == 1
+
+
+def test_pool_capacities_are_measured_per_role_and_cached(tmp_path, monkeypatch):
+    from sloserve import planning
+    from sloserve.bench.metrics import SLO
+    from sloserve.user_cache import JsonCache
+
+    long_out = [WorkloadRequest(i * 0.1, prompt_len=200, output_len=400) for i in range(40)]
+    long_in = [WorkloadRequest(i * 0.1, prompt_len=3000, output_len=20) for i in range(40)]
+    cfg = pd_fleet(pd_capacity=None)
+    # An A10 reads 8B's weights in ~27 ms: with short contexts a TPOT of 35 ms only small batches
+    # meet; a 3,000-token context alone takes a decode step to ~34 ms, so those get 100 ms.
+    slo = SLO(ttft_s=1.0, tpot_s=0.035)
+    cache = JsonCache(tmp_path / "capacity.json")
+    p_out, d_out = planning.pool_capacity(long_out, cfg, slo, iters=2, cache=cache)
+    p_in, d_in = planning.pool_capacity(long_in, cfg, SLO(ttft_s=1.0, tpot_s=0.1), iters=2, cache=cache)
+    assert all(c > 0 for c in (p_out, d_out, p_in, d_in))
+    assert d_out < p_out  # long outputs: a decode instance carries fewer requests than a prefill one
+    assert p_in < d_in  # long prompts: the other way round
+    monkeypatch.setattr(planning, "goodput", lambda *a, **k: pytest.fail("measured again"))
+    assert planning.pool_capacity(long_out, cfg, slo, iters=2, cache=JsonCache(tmp_path / "capacity.json")) \
+        == (p_out, d_out)
+
+
+def test_simulate_command_autoscales_each_pool(tmp_path, capsys):
+    from sloserve.cli import main
+
+    out = tmp_path / "pd"
+    assert main(["simulate", "--workload", "azure-code", "--replay", "--duration", "600", "--pd", "3:3",
+                 "--pd-min", "1:1", "--autoscale", "reactive", "--pd-capacity", "0.5:4", "--cold-start", "30",
+                 "--scaling-interval", "20", "--out", str(out), "--no-progress"]) == 0
+    run = json.loads((out / "results.json").read_text())["runs"][0]["config"]
+    assert run["pd_capacity"] == [0.5, 4.0] and run["pd_min"] == "1:1"
+    assert set(run["scaling"]["pool_instance_hours"]) == {"prefill", "decode"}
+    assert "prefill 1-3 at 0.50 req/s each" in capsys.readouterr().out.replace("\n", " ")
+    assert main(["simulate", "--workload", "azure-code", "--replay", "--duration", "60", "--instances", "1:4",
+                 "--autoscale", "reactive", "--capacity", "1", "--pd-min", "1:1"]) == 2
+    assert "--pd-min needs --pd" in capsys.readouterr().err
+    assert main(["simulate", "--workload", "azure-code", "--replay", "--duration", "60", "--pd", "2:2",
+                 "--pd-min", "3:1", "--autoscale", "reactive", "--pd-capacity", "1:1"]) == 2
+    assert "--pd-min 3:1 needs 1 <= min <= --pd 2:2" in capsys.readouterr().err

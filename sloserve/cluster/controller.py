@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import asdict, dataclass, replace
-from typing import Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 from sloserve.cluster.autoscale.planner import ScalePlanner
 from sloserve.cluster.migration import InstanceView, MigrationPolicy, Move, MoveCosts
@@ -49,15 +49,16 @@ class FleetController:
 
     def __init__(self, router: Router, migration: Optional[MigrationPolicy] = None,
                  max_concurrent_per_instance: int = 1, min_interval_s: float = 2.0,
-                 decode_router: Optional[Router] = None, scaler: Optional[ScalePlanner] = None):
+                 decode_router: Optional[Router] = None, scalers: Optional[Mapping[str, ScalePlanner]] = None):
         """`decode_router` picks the decode instance of a prefill/decode hand-off (default:
         `router`). Hand-offs are counted apart from migrations (`handoff_counters`) and are
-        not subject to the per-instance caps: every request on a prefill instance makes one."""
+        not subject to the per-instance caps: every request on a prefill instance makes one.
+        `scalers`: a scale planner per pool ("mixed"; or "prefill" and "decode", scaled apart)."""
         if max_concurrent_per_instance < 1:
             raise ValueError("max_concurrent_per_instance must be >= 1")
         self.router = router
         self.decode_router = decode_router or router
-        self.scaler = scaler
+        self.scalers = dict(scalers or {})
         self.migration = migration
         self.max_concurrent_per_instance = max_concurrent_per_instance
         self.min_interval_s = min_interval_s
@@ -83,8 +84,10 @@ class FleetController:
 
     # ---- autoscaling -----------------------------------------------------------------
     def plan_scaling(self, signals: ScalingSignals, slots: Sequence[InstanceSlot]) -> Optional[ScalingPlan]:
-        """Instances to start, take back, cancel and drain now (None: this fleet does not scale)."""
-        return None if self.scaler is None else self.scaler.plan(signals, slots)
+        """Instances of `signals.pool` to start, take back, cancel and drain now (None: this pool
+        does not scale)."""
+        scaler = self.scalers.get(signals.pool)
+        return None if scaler is None else scaler.plan(signals, slots)
 
     # ---- migration -------------------------------------------------------------------
     @property

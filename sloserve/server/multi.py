@@ -93,14 +93,14 @@ def build_worker_fleet(spawn, num_instances: int, config, clock=None, fleet_secr
     decode_router = make_router(config.decode_router, options) if config.decode_router else None
     names = [n for n in config.migration.split(",") if n.strip() and n.strip() != "none"]
     controller = FleetController(router, make_migration_policy(",".join(dict.fromkeys(["drain", *names]))),
-                                 decode_router=decode_router, scaler=scale_planner(config, num_instances))
+                                 decode_router=decode_router, scalers=scale_planners(config, num_instances))
     return WorkerFleet(spawn, num_instances, config, controller, predictions, clock or time.monotonic, fleet_secret)
 
 
-def scale_planner(config, num_instances: int):
-    """The controller's scale planner for `config` (None: a fixed fleet)."""
+def scale_planners(config, num_instances: int) -> dict:
+    """The controller's scale planner for `config`, by pool (none: a fixed fleet)."""
     if not config.autoscale:
-        return None
+        return {}
     from sloserve.cluster.autoscale import ScalingOptions, make_autoscaler
     from sloserve.cluster.autoscale.planner import ScalePlanner
 
@@ -111,8 +111,8 @@ def scale_planner(config, num_instances: int):
                              history_start_s=0.0 if history is None else history.start_s,
                              extra={"interval_s": config.scaling_interval_s,
                                     "stable_window_s": config.stable_window_s})
-    return ScalePlanner(make_autoscaler(config.autoscale, options), config.min_instances, num_instances,
-                        config.scale_down_delay_s)
+    return {"mixed": ScalePlanner(make_autoscaler(config.autoscale, options), config.min_instances, num_instances,
+                                  config.scale_down_delay_s)}
 
 
 def worker_cache(cache: CacheConfig, index: int) -> CacheConfig:

@@ -7,6 +7,11 @@ has the `drain` migration policy, else they finish here; it stops once empty). E
 `interval_s` the controller's scale planner sees the demand observed so far and the ready
 instances' states, and answers with instances to start, take back, cancel and drain.
 
+A prefill/decode-disaggregated fleet scales its two pools apart: each slot keeps its role, and
+the controller plans each pool on its own signals (the pool's instances, its per-instance
+capacity), since prompts and outputs grow at different rates (DistServe, Splitwise, and Dynamo's
+planner size the pools separately).
+
 A slot pays from the moment its instance is asked to start until it stops (weights occupy the
 device while loading): `instance_seconds`. A start whose slot stopped less than `keep_alive_s`
 ago finds the weights still in host memory (a warm pool, as ServerlessLLM keeps) and takes
@@ -16,7 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -27,18 +32,30 @@ from sloserve.sched.state import InstanceState
 @dataclass(frozen=True)
 class ScalingSpec:
     capacity_rps: float  # requests/s one instance sustains within the SLOs (the capacity model's answer)
-    initial: int = 1  # instances ready at time 0
+    initial: int = 1  # instances ready at time 0 (per pool)
     interval_s: float = 60.0  # how often the controller decides
     cold_start_s: float = 120.0  # start to ready, weights from storage
     warm_start_s: Optional[float] = None  # start to ready when the weights are still in host memory
     keep_alive_s: float = 0.0  # how long a stopped instance's weights stay in host memory
     demand_step_s: float = 60.0  # demand is observed in windows of this length
+    # Per pool ("prefill", "decode") where it differs from the above: one prefill instance carries
+    # another request rate than one decode instance.
+    pool_capacity: Mapping[str, float] = field(default_factory=dict)
+    pool_initial: Mapping[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if not self.capacity_rps > 0:
-            raise ValueError(f"instance capacity must be > 0 req/s, got {self.capacity_rps}")
-        if self.initial < 0 or not self.interval_s > 0 or self.cold_start_s < 0 or not self.demand_step_s > 0:
+        for rate in (self.capacity_rps, *self.pool_capacity.values()):
+            if not rate > 0:
+                raise ValueError(f"instance capacity must be > 0 req/s, got {rate}")
+        if min([self.initial, *self.pool_initial.values()]) < 0 or not self.interval_s > 0 or self.cold_start_s < 0 \
+                or not self.demand_step_s > 0:
             raise ValueError("need initial >= 0, interval > 0, cold start >= 0 and demand step > 0")
+
+    def capacity(self, pool: str) -> float:
+        return self.pool_capacity.get(pool, self.capacity_rps)
+
+    def initial_for(self, pool: str) -> int:
+        return self.pool_initial.get(pool, self.initial)
 
 
 @dataclass
@@ -46,33 +63,48 @@ class ScalingBooks:
     """What a run's scaling cost and did (SimResult.scaling)."""
 
     instance_seconds: float = 0.0
+    pool_seconds: dict = field(default_factory=dict)  # the same, per pool
     cold_starts: int = 0  # starts that loaded weights from storage
     warm_starts: int = 0
     cancelled: int = 0
     drained: int = 0
-    timeline: list = field(default_factory=list)  # (t, ready, starting, draining, demand req/s, target)
+    timeline: list = field(default_factory=list)  # (t, ready, starting, draining, demand req/s, target): all pools
+    pool_timeline: list = field(default_factory=list)  # (t, pool, ready, starting, draining, target)
     starts: list = field(default_factory=list)  # (slot, asked at, ready at) of every start
-    decisions: list = field(default_factory=list)  # (t, target, reason) of each change
+    decisions: list = field(default_factory=list)  # (t, target, reason) of each change ("pool: reason" with pools)
 
     def as_dict(self) -> dict:
         return {"instance_seconds": self.instance_seconds, "instance_hours": self.instance_seconds / 3600,
+                "pool_instance_hours": {p: s / 3600 for p, s in self.pool_seconds.items()},
                 "cold_starts": self.cold_starts, "warm_starts": self.warm_starts, "cancelled": self.cancelled,
-                "drained": self.drained, "timeline": self.timeline, "decisions": self.decisions,
-                "starts": self.starts}
+                "drained": self.drained, "timeline": self.timeline, "pool_timeline": self.pool_timeline,
+                "decisions": self.decisions, "starts": self.starts}
 
 
 class SimScaling:
-    def __init__(self, spec: ScalingSpec, num_slots: int) -> None:
-        if spec.initial > num_slots:
-            raise ValueError(f"{spec.initial} initial instances do not fit {num_slots} slots")
+    def __init__(self, spec: ScalingSpec, roles: Sequence[str]) -> None:
+        """`roles`: each slot's fleet_view role; a pool is the slots of one role."""
         self.spec = spec
-        self.status = [READY] * spec.initial + [STOPPED] * (num_slots - spec.initial)
-        self.on_since: list[Optional[float]] = [0.0] * spec.initial + [None] * (num_slots - spec.initial)
-        self.stopped_at: list[Optional[float]] = [None] * num_slots
+        self.roles = list(roles)
+        self.pools = list(dict.fromkeys(self.roles))  # "mixed", or "prefill" and "decode"
+        self.status: list[str] = []
+        seen: dict[str, int] = {}
+        for role in self.roles:
+            seen[role] = seen.get(role, 0) + 1
+            self.status.append(READY if seen[role] <= spec.initial_for(role) else STOPPED)
+        for pool in self.pools:
+            if spec.initial_for(pool) > seen[pool]:
+                raise ValueError(f"{spec.initial_for(pool)} initial {pool} instances do not fit {seen[pool]} slots")
+        self.on_since: list[Optional[float]] = [0.0 if s == READY else None for s in self.status]
+        self.stopped_at: list[Optional[float]] = [None] * len(self.roles)
         self.ready_at: dict[int, float] = {}  # starting slot -> when it serves
         self.arrivals: list[int] = []  # per demand step
-        self.books = ScalingBooks()
-        self._ready: Optional[list[int]] = None  # ready slots, kept until a status changes (read per arrival)
+        self.books = ScalingBooks(pool_seconds={pool: 0.0 for pool in self.pools})
+        self._ready: dict[tuple[str, ...], list[int]] = {}  # ready slots per pools, kept until a status changes
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.pools != ["mixed"]
 
     # ---- observation ---------------------------------------------------------------------
     def observe_arrival(self, now: float) -> None:
@@ -87,28 +119,39 @@ class SimScaling:
         counts = self.arrivals[:done] + [0] * max(0, done - len(self.arrivals))
         return np.array(counts, dtype=float) / self.spec.demand_step_s
 
-    def ready_ids(self) -> list[int]:
-        if self._ready is None:
-            self._ready = [i for i, s in enumerate(self.status) if s == READY]
-        return self._ready
+    def ready_ids(self, *pools: str) -> list[int]:
+        """Ready slots of `pools` (of every pool if none is named); read per arrival, so cached."""
+        ids = self._ready.get(pools)
+        if ids is None:
+            ids = self._ready[pools] = [i for i, s in enumerate(self.status)
+                                        if s == READY and (not pools or self.roles[i] in pools)]
+        return ids
 
-    def signals(self, now: float, states: Sequence[InstanceState], held: int = 0) -> ScalingSignals:
-        ready = self.ready_ids()
-        return ScalingSignals(now, len(ready), self.status.count(STARTING), self.status.count(DRAINING),
+    def _in(self, pool: str) -> list[int]:
+        return [i for i, r in enumerate(self.roles) if r == pool]
+
+    def count(self, status: str, pool: Optional[str] = None) -> int:
+        return sum(s == status and (pool is None or self.roles[i] == pool) for i, s in enumerate(self.status))
+
+    def signals(self, now: float, states: Sequence[InstanceState], held: int = 0,
+                pool: str = "mixed") -> ScalingSignals:
+        ready = self.ready_ids(pool)
+        return ScalingSignals(now, len(ready), self.count(STARTING, pool), self.count(DRAINING, pool),
                               [states[i] for i in ready], tuple(self.demand(now)), self.spec.demand_step_s,
-                              self.spec.capacity_rps, self.spec.cold_start_s, held)
+                              self.spec.capacity(pool), self.spec.cold_start_s, held, pool)
 
     def offline(self) -> set[int]:
         return {i for i, s in enumerate(self.status) if s in (STOPPED, STARTING)}
 
-    def slots(self, states: Sequence[InstanceState]) -> list[InstanceSlot]:
-        return [InstanceSlot(i, s, states[i].predicted_remaining_decode_tokens + states[i].queued_prefill_tokens)
-                for i, s in enumerate(self.status)]
+    def slots(self, states: Sequence[InstanceState], pool: str = "mixed") -> list[InstanceSlot]:
+        return [InstanceSlot(i, self.status[i],
+                             states[i].predicted_remaining_decode_tokens + states[i].queued_prefill_tokens)
+                for i in self._in(pool)]
 
     # ---- lifecycle -----------------------------------------------------------------------
-    def apply(self, plan: ScalingPlan, now: float) -> list[tuple[int, float]]:
-        """Carry out `plan`'s status changes; the (slot, ready time) of each instance started."""
-        self._ready = None
+    def apply(self, plan: ScalingPlan, now: float, pool: str = "mixed") -> list[tuple[int, float]]:
+        """Carry out `plan`'s status changes in `pool`; the (slot, ready time) of each instance started."""
+        self._ready = {}
         started = []
         for i in plan.undrain:
             self.status[i] = READY
@@ -119,7 +162,7 @@ class SimScaling:
         for i in plan.drain:
             self.status[i] = DRAINING
             self.books.drained += 1
-        free = [i for i, s in enumerate(self.status) if s == STOPPED]
+        free = [i for i in self._in(pool) if self.status[i] == STOPPED]
         for i in self._warmest(free)[:plan.start]:
             warm = (self.spec.warm_start_s is not None and self.stopped_at[i] is not None
                     and now - self.stopped_at[i] <= self.spec.keep_alive_s)
@@ -132,7 +175,8 @@ class SimScaling:
             started.append((i, self.ready_at[i]))
             self.books.starts.append((i, now, self.ready_at[i]))
         if plan.changes:
-            self.books.decisions.append((now, plan.target, plan.decision.reason))
+            reason = f"{pool}: {plan.decision.reason}" if self.disaggregated else plan.decision.reason
+            self.books.decisions.append((now, plan.target, reason))
         return started
 
     def _warmest(self, free: list[int]) -> list[int]:
@@ -145,7 +189,7 @@ class SimScaling:
             return False
         del self.ready_at[slot]
         self.status[slot] = READY
-        self._ready = None
+        self._ready = {}
         return True
 
     def stop_if_empty(self, slot: int, now: float, empty: bool) -> bool:
@@ -155,22 +199,30 @@ class SimScaling:
         return False
 
     def _stop(self, slot: int, now: float) -> None:
-        since = self.on_since[slot]
-        if since is not None:
-            self.books.instance_seconds += now - since
-        self.on_since[slot] = None
+        self._pay(slot, now)
         self.stopped_at[slot] = now
         self.status[slot] = STOPPED
-        self._ready = None
+        self._ready = {}
 
-    def record(self, now: float, target: int) -> None:
+    def _pay(self, slot: int, until: float) -> None:
+        since = self.on_since[slot]
+        if since is not None:
+            seconds = max(0.0, until - since)
+            self.books.instance_seconds += seconds
+            self.books.pool_seconds[self.roles[slot]] += seconds
+        self.on_since[slot] = None
+
+    def record(self, now: float, targets: dict[str, int]) -> None:
+        """A timeline point: instances per status (all pools, and per pool) and the targets."""
         recent = self.demand(now)
-        self.books.timeline.append((now, self.status.count(READY), self.status.count(STARTING),
-                                    self.status.count(DRAINING), float(recent[-1]) if len(recent) else 0.0, target))
+        self.books.timeline.append((now, self.count(READY), self.count(STARTING), self.count(DRAINING),
+                                    float(recent[-1]) if len(recent) else 0.0, sum(targets.values())))
+        if self.disaggregated:
+            for pool in self.pools:
+                self.books.pool_timeline.append((now, pool, self.count(READY, pool), self.count(STARTING, pool),
+                                                 self.count(DRAINING, pool), targets.get(pool, 0)))
 
     def close(self, end: float) -> ScalingBooks:
-        for i, since in enumerate(self.on_since):
-            if since is not None:
-                self.books.instance_seconds += max(0.0, end - since)
-                self.on_since[i] = None
+        for i in range(len(self.on_since)):
+            self._pay(i, end)
         return self.books

@@ -137,10 +137,9 @@ class Simulator:
         self.timeline: Optional[tl.FleetTimeline] = None  # set by run()
         self._held: list[Request] = []  # arrivals while no instance is ready (scaled to zero, or all starting)
         self._more_arrivals = False
+        self._entry_pools = tuple(dict.fromkeys(r for r in self.roles if r != "decode"))
         if scaling is not None:
-            if any(r != "mixed" for r in self.roles):
-                raise ValueError("autoscaling a prefill/decode-disaggregated fleet is not supported yet")
-            self.scaling = SimScaling(scaling, len(self.instances))
+            self.scaling = SimScaling(scaling, self.roles)
             if self.migrator is not None:
                 self.migrator.offline = self.scaling.offline()
 
@@ -273,7 +272,7 @@ class Simulator:
         if self.scaling is not None:
             if not observed:
                 self.scaling.observe_arrival(self.now)
-            entry = self.scaling.ready_ids()
+            entry = self.scaling.ready_ids(*self._entry_pools)
             if not entry:
                 self._held.append(request)
                 return None
@@ -316,10 +315,15 @@ class Simulator:
                  and r.num_prompt_tokens + len(r.output_token_ids) - r.num_computed_tokens == 1]
         if not ready:
             return
+        decode_ids = self._decode_ids
+        if self.scaling is not None:  # ready and not draining; with none, it decodes here meanwhile
+            decode_ids = [i for i in self.scaling.ready_ids("decode") if i not in self.draining]
+            if not decode_ids:
+                return
         self._moment.advance(self.now)
-        decode_states = [self._states[i] for i in self._decode_ids]
+        decode_states = [self._states[i] for i in decode_ids]
         for request in ready:
-            target = self.instances[self._decode_ids[self.controller.route_decode(request, decode_states)]]
+            target = self.instances[decode_ids[self.controller.route_decode(request, decode_states)]]
             overlap = 0.0
             if self.pd_transfer == "pipelined" and request.first_scheduled_time is not None:
                 overlap = self.now - request.first_scheduled_time
@@ -347,33 +351,42 @@ class Simulator:
         self._moment.advance(self.now)
         for i in list(self.draining):
             self._stop_if_empty(self.instances[i])
-        plan = self.controller.plan_scaling(scaling.signals(self.now, self._states, len(self._held)),
-                                            scaling.slots(self._states))
-        target = scaling.status.count(SLOT_READY) + scaling.status.count(STARTING)
-        if plan is not None:
-            target = plan.target
-            if plan.changes:
-                self._event(tl.SCALE, None, f"target {plan.target}: {plan.decision.reason}")
-            for slot, ready_at in scaling.apply(plan, self.now):
-                self._push(ready_at, READY, slot)
-                self._event(tl.START, slot, f"cold start, ready in {ready_at - self.now:.0f} s")
-            for i in plan.cancel:
-                self._event(tl.STOP, i, "cancelled while starting")
-            for i in plan.undrain:
-                self.draining.discard(i)
-                self._event(tl.UNDRAIN, i, "taken back (scale up)")
-            for i in plan.drain:
-                self.draining.add(i)
-                self._event(tl.DRAIN, i, "scale down")
-                self._stop_if_empty(self.instances[i])
-            if plan.drain and self._ticks and self._next_tick is None:
-                self._schedule_tick(int(self.now // self.migration_interval_s) + 1)
-            self._sync_offline()
-        scaling.record(self.now, target)
+        targets = {}
+        for pool in scaling.pools:  # a disaggregated fleet's pools are planned apart
+            held = len(self._held) if pool in self._entry_pools else 0
+            plan = self.controller.plan_scaling(scaling.signals(self.now, self._states, held, pool),
+                                                scaling.slots(self._states, pool))
+            targets[pool] = scaling.count(SLOT_READY, pool) + scaling.count(STARTING, pool)
+            if plan is not None:
+                targets[pool] = plan.target
+                self._carry_out(plan, pool)
+        scaling.record(self.now, targets)
         busy = self._held or any(i.scheduler.has_unfinished() for i in self.instances) or scaling.ready_at \
             or (self.migrator is not None and self.migrator.busy)
         if self._more_arrivals or busy:
             self._push((k + 1) * scaling.spec.interval_s, SCALE, k + 1)
+
+    def _carry_out(self, plan, pool: str) -> None:
+        scaling = self.scaling
+        assert scaling is not None
+        if plan.changes:
+            who = f"{pool} " if scaling.disaggregated else ""
+            self._event(tl.SCALE, None, f"{who}target {plan.target}: {plan.decision.reason}")
+        for slot, ready_at in scaling.apply(plan, self.now, pool):
+            self._push(ready_at, READY, slot)
+            self._event(tl.START, slot, f"cold start, ready in {ready_at - self.now:.0f} s")
+        for i in plan.cancel:
+            self._event(tl.STOP, i, "cancelled while starting")
+        for i in plan.undrain:
+            self.draining.discard(i)
+            self._event(tl.UNDRAIN, i, "taken back (scale up)")
+        for i in plan.drain:
+            self.draining.add(i)
+            self._event(tl.DRAIN, i, "scale down")
+            self._stop_if_empty(self.instances[i])
+        if plan.drain and self._ticks and self._next_tick is None:
+            self._schedule_tick(int(self.now // self.migration_interval_s) + 1)
+        self._sync_offline()
 
     def _ready(self, slot: int) -> list[Request]:
         """An instance finished its cold start: the requests held for want of one go to the fleet."""
@@ -382,6 +395,8 @@ class Simulator:
             return []
         self._event(tl.INSTANCE_READY, slot, "cold start done")
         self._sync_offline()
+        if self.roles[slot] == "decode":
+            return []  # held requests wait for an instance that takes arrivals
         held, self._held = self._held, []
         return held
 
