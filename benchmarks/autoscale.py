@@ -36,7 +36,7 @@ sys.path.insert(0, str(REPO))
 
 from sloserve.bench.metrics import SLO  # noqa: E402
 from sloserve.config import SchedulerConfig  # noqa: E402
-from sloserve.planning import instance_capacity  # noqa: E402
+from sloserve.planning import instance_capacity, pool_capacity  # noqa: E402
 from sloserve.sim.catalog import get_model  # noqa: E402
 from sloserve.simulation import FleetConfig, build_fleet, sim_requests, simulate  # noqa: E402
 from sloserve.workload.series import Series, servegen_series  # noqa: E402
@@ -63,6 +63,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--forecaster", default="seasonal-naive")
     p.add_argument("--quick", action="store_true", help="3 hours, peak 8, cold starts 30,120")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--pd", action="store_true",
+                   help="also run each policy on a prefill/decode-disaggregated fleet whose pools scale apart")
     return p.parse_args()
 
 
@@ -121,16 +123,33 @@ def main() -> int:
     console.print(f"capacity {capacity:.2f} req/s per instance; {len(reqs)} requests over {args.hours:g} h; demand "
                   f"{run.values.min() * scale:.1f}-{run.values.max() * scale:.1f} req/s (mean needs {mean_need}, "
                   f"peak {args.peak} instances)")
+    pools = None
+    if args.pd:
+        pools = pool_capacity(probe, replace(base, pd="1:1"), slo, sample=len(probe))
+        console.print(f"P/D pools: one prefill instance carries {pools[0]:.2f} req/s, one decode instance "
+                      f"{pools[1]:.2f} req/s")
     cold_starts = [float(x) for x in args.cold_starts.split(",")]
     policies = [p for p in args.policies.split(",") if p]
-    jobs = [(c, p) for c in cold_starts for p in policies]
+    jobs = [(c, p, pd) for c in cold_starts for p in policies for pd in ((False, True) if pools else (False,))]
     rows = []
     t0 = time.perf_counter()
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console) as progress:
         task = progress.add_task("runs", total=len(jobs))
-        for cold, policy in jobs:
-            if policy.startswith("static"):
+        for cold, policy, pd in jobs:
+            if pd:  # each pool sized by its own capacity; autoscaled pools may grow to twice the peak's need
+                rate = float(run.values.max() if policy == "static-peak" else run.values.mean()) * scale
+                need = [max(1, math.ceil(rate / (c * 0.8))) for c in pools]  # type: ignore[union-attr]
+                if policy.startswith("static"):
+                    sizes = "{}:{}".format(*need)
+                    cfg = replace(base, pd=sizes, pd_min=sizes, pd_initial=sizes, autoscale="static")
+                else:
+                    most = [max(args.peak, 2 * math.ceil(float(run.values.max()) * scale / (c * 0.8)))
+                            for c in pools]  # type: ignore[union-attr]
+                    cfg = replace(base, pd="{}:{}".format(*most), pd_min="1:1", pd_initial="{}:{}".format(*need),
+                                  autoscale=policy)
+                cfg = replace(cfg, pd_capacity=pools)
+            elif policy.startswith("static"):
                 n = args.peak if policy == "static-peak" else mean_need
                 cfg = replace(base, instances=n, autoscale="static", min_instances=n, initial_instances=n)
             else:
@@ -141,7 +160,9 @@ def main() -> int:
             records, result = simulate(build_fleet(cfg), sim_requests(reqs))
             sc = result.scaling
             met = sum(slo.met(r) for r in records) / max(1, len(records))
-            rows.append({"policy": policy, "cold_start_s": cold, "gpu_hours": sc["instance_hours"] * args.tp,
+            rows.append({"policy": policy + (" (P/D)" if pd else ""), "cold_start_s": cold,
+                         "pool_gpu_hours": {k: v * args.tp for k, v in sc.get("pool_instance_hours", {}).items()},
+                         "gpu_hours": sc["instance_hours"] * args.tp,
                          "attainment": met, "cold_starts": sc["cold_starts"],
                          "peak_ready": max((r[1] for r in sc["timeline"]), default=0),
                          "timeline": [(r[0], r[1], r[2]) for r in sc["timeline"]], "failed": len(reqs) - len(records)
@@ -160,7 +181,8 @@ def main() -> int:
     stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
     out = REPO / "benchmarks" / "results" / f"autoscale-{stamp}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"when": stamp, "args": vars(args), "capacity_rps": capacity, "requests": len(reqs),
+    out.write_text(json.dumps({"when": stamp, "args": vars(args), "capacity_rps": capacity, "pd_capacity": pools,
+                               "requests": len(reqs),
                                "machine": platform.processor() or platform.machine(),
                                "wall_s": time.perf_counter() - t0, "rows": rows}, indent=1))
     figure = REPO / "benchmarks" / "figures" / ("autoscale.png" if args.forecaster == "seasonal-naive"

@@ -128,7 +128,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     import os
 
-    from sloserve.config import PoolSettings, parse_instance_range, parse_pd
+    from sloserve.config import PoolSettings, parse_instance_range, parse_pd, parse_pd_capacity
     from sloserve.server.launcher import run_server
     from sloserve.server.qos import QoSRegistry, load_qos_config
     from sloserve.server.settings import ServerSettings
@@ -159,8 +159,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     )
     settings.validate()
     low, high = parse_instance_range(args.instances)
-    if args.autoscale and ":" not in str(args.instances):
-        low = 1  # --instances N --autoscale P: between 1 and N
+    if args.autoscale and ":" not in str(args.instances) and args.pd is None:
+        low = 1  # --instances N --autoscale P: between 1 and N (a --pd fleet's pools take --pd-min)
     if args.pd is not None and high == 1:
         low = high = sum(parse_pd(args.pd))  # --pd 1:2 alone means 3 instances
     pd_flags = args.pd or args.decode_router or args.pd_prefill or args.pd_decode  # run_multi checks them
@@ -184,7 +184,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                          capacity_rps=args.capacity, scaling_interval_s=args.scaling_interval,
                          scale_down_delay_s=args.scale_down_delay, target_utilization=args.target_utilization,
                          stable_window_s=args.stable_window,
-                         cold_start_s=args.cold_start, forecaster=args.forecaster, scaling_history=history)
+                         cold_start_s=args.cold_start, forecaster=args.forecaster, scaling_history=history,
+                         pd_min=args.pd_min, pd_capacity=parse_pd_capacity(args.pd_capacity))
     return run_server(engine_config_from_args(args), settings, host=args.host, port=args.port)
 
 
@@ -256,6 +257,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     a.add_argument("--autoscale", metavar="POLICY", help="start and stop workers between MIN and MAX of --instances: "
                    "static, reactive, predictive or hybrid")
     a.add_argument("--capacity", type=float, metavar="RPS", help="requests/s one worker sustains within your SLOs")
+    a.add_argument("--pd-min", metavar="P:D", help="with --pd: the fewest prefill and decode workers (default 1:1; "
+                   "--pd is the most); each pool is scaled on its own")
+    a.add_argument("--pd-capacity", metavar="P_RPS:D_RPS",
+                   help="with --pd: requests/s one prefill and one decode worker sustain within your SLOs")
     a.add_argument("--scaling-interval", type=float, default=10.0, metavar="S", help="seconds between decisions")
     a.add_argument("--scale-down-delay", type=float, default=60.0, metavar="S",
                    help="a lower target must hold this long before a worker drains")

@@ -233,6 +233,17 @@ def parse_pd(text: str) -> tuple[int, int]:
     return p, d
 
 
+def parse_pd_capacity(text: Optional[str]) -> Optional[tuple[float, float]]:
+    """`--pd-capacity P_RPS:D_RPS` -> (req/s of one prefill instance, of one decode instance)."""
+    if text is None:
+        return None
+    try:
+        p, d = (float(x) for x in text.split(":"))
+    except ValueError:
+        raise ValueError(f"--pd-capacity takes P_RPS:D_RPS (two numbers), got {text!r}") from None
+    return p, d
+
+
 def pd_roles(pd: Optional[str], instances: int) -> list[str]:
     """Each instance's role (`fleet_view.ROLES`): P prefill then D decode, or all `mixed`."""
     if pd is None:

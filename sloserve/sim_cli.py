@@ -6,7 +6,6 @@ import gc
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Optional
 
 
 def add_simulate_parser(sub: argparse._SubParsersAction) -> None:
@@ -130,7 +129,7 @@ def add_fleet_args(p: argparse.ArgumentParser) -> None:
 
 
 def fleet_config_from_args(args: argparse.Namespace):
-    from sloserve.config import CacheConfig, SchedulerConfig
+    from sloserve.config import CacheConfig, SchedulerConfig, parse_pd_capacity
     from sloserve.sim.hardware import DEFAULT_LINK
     from sloserve.simulation import FleetConfig, PoolSettings
 
@@ -159,16 +158,6 @@ def fleet_config_from_args(args: argparse.Namespace):
         target_utilization=getattr(args, "target_utilization", 0.8), capacity_rps=getattr(args, "capacity", None),
         forecaster=getattr(args, "forecaster", "seasonal-naive"), pd_min=getattr(args, "pd_min", None),
         pd_capacity=parse_pd_capacity(getattr(args, "pd_capacity", None)))
-
-
-def parse_pd_capacity(text: Optional[str]) -> Optional[tuple[float, float]]:
-    if text is None:
-        return None
-    try:
-        p, d = (float(x) for x in text.split(":"))
-    except ValueError:
-        raise ValueError(f"--pd-capacity wants P_RPS:D_RPS (two numbers), got {text!r}") from None
-    return p, d
 
 
 def parse_instances(text: str, autoscale) -> tuple[int, int]:

@@ -79,6 +79,7 @@ class FleetConfig:
     # fewest ("P:D", default 1:1; those run at time 0), `pd_capacity` the req/s one prefill and
     # one decode instance sustain within the SLOs (planning.instance_capacity per role).
     pd_min: Optional[str] = None
+    pd_initial: Optional[str] = None  # "P:D" ready at time 0 (default: pd_min)
     pd_capacity: Optional[tuple[float, float]] = None
     scaling_interval_s: float = 60.0
     cold_start_s: float = 120.0
@@ -119,6 +120,9 @@ class FleetConfig:
             low, high = self.pool_bounds()
             if not all(1 <= lo <= hi for lo, hi in zip(low, high)):
                 raise ValueError(f"--pd-min {self.pd_min} needs 1 <= min <= --pd {self.pd} in each pool")
+            if self.pd_initial is not None and not all(
+                    lo <= n <= hi for lo, n, hi in zip(low, parse_pd(self.pd_initial), high)):
+                raise ValueError(f"pd_initial {self.pd_initial} must lie between {self.pd_min} and {self.pd}")
             if self.pd_capacity is None or not all(c > 0 for c in self.pd_capacity):
                 raise ValueError("autoscaling a P/D fleet needs the capacity of one prefill and one decode instance")
         elif self.autoscale is not None:
@@ -155,7 +159,8 @@ def scaling_parts(cfg: FleetConfig):
         p_cap, d_cap = cfg.pd_capacity  # type: ignore[misc]
         spec = ScalingSpec(p_cap, 1, cfg.scaling_interval_s, cfg.cold_start_s, cfg.warm_start_s, cfg.keep_alive_s,
                            cfg.demand_step_s, pool_capacity={"prefill": p_cap, "decode": d_cap},
-                           pool_initial={"prefill": p_low, "decode": d_low})
+                           pool_initial=dict(zip(("prefill", "decode"), parse_pd(cfg.pd_initial)))
+                           if cfg.pd_initial else {"prefill": p_low, "decode": d_low})
         return planners, spec
     planner = ScalePlanner(make_autoscaler(cfg.autoscale, options), cfg.min_instances, cfg.instances,
                            cfg.scale_down_delay_s)

@@ -94,8 +94,43 @@ def test_handoff_latency_histogram_is_cumulative():
     (["--decode-router", "round-robin"], "need --pd"),
     (["--pd", "1:1", "--pd-decode", "tp=2"], "tp is for `sloserve simulate`"),
     (["--pd", "1:1", "--decode-router", "nope"], "unknown router"),
+    (["--pd", "2:2", "--autoscale", "reactive"], "needs --pd-capacity P_RPS:D_RPS"),
+    (["--pd", "2:2", "--autoscale", "reactive", "--pd-capacity", "1:1", "--pd-min", "3:1"],
+     "needs 1 <= min <= --pd 2:2"),
+    (["--pd", "2:2", "--pd-min", "1:1"], "need --pd and --autoscale"),
+    (["--pd", "2:2", "--autoscale", "reactive", "--pd-capacity", "fast"], "P_RPS:D_RPS (two numbers)"),
 ])
 def test_cli_refuses_bad_splits_before_starting_anything(args, message, capsys):
     assert main(["serve", *args, "--port", "9"]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
+
+
+def test_an_autoscaled_pd_fleet_scales_each_pool_on_its_own_capacity():
+    """`serve --pd 2:2 --pd-min 1:1 --autoscale reactive --pd-capacity 1:100`: one worker of each
+    pool starts; 5 req/s needs a second prefill worker (1 req/s each) but not a second decode one."""
+    from sloserve.server.front_autoscale import AutoscaleDriver
+    from sloserve.workers.fleet import STARTING, STOPPED
+
+    now = [0.0]
+    cfg = FrontConfig(router="round-robin", predictor=None, roles=("prefill", "prefill", "decode", "decode"),
+                      autoscale="reactive", pd_min=(1, 1), pd_capacity=(1.0, 100.0), stable_window_s=10.0,
+                      scale_down_delay_s=0.0)
+    fleet = build_worker_fleet(lambda slot: _Handle(), 4, cfg, clock=lambda: now[0])
+    assert [i.status != STOPPED for i in fleet.instances] == [True, False, True, False]
+    for inst in fleet.instances:
+        if inst.status != STOPPED:
+            inst.status = HEALTHY
+    driver = AutoscaleDriver(fleet, {"prefill": 1.0, "decode": 100.0}, interval_s=10.0, demand_step_s=10.0,
+                             clock=lambda: now[0])
+    for _ in range(50):  # 5 req/s over one 10 s window
+        driver.observe_arrival()
+    now[0] = 10.0
+    driver.tick()
+    assert [i.status for i in fleet.instances] == [HEALTHY, STARTING, HEALTHY, STOPPED]
+    info = driver.describe()
+    assert info["pools"]["prefill"]["target"] == 2 and info["pools"]["decode"]["target"] == 1
+    assert (info["pools"]["decode"]["min"], info["pools"]["decode"]["max"]) == (1, 2)
+    assert info["target"] == 3 and [d["pool"] for d in info["decisions"]] == ["prefill"]
+    signals = driver.signals("decode")
+    assert signals.pool == "decode" and signals.ready == 1 and signals.capacity_rps == 100.0

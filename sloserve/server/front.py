@@ -200,7 +200,8 @@ class Front:
         self.handoff = HandoffDriver(fleet, self.migration, cfg.pd_transfer)
         self.autoscale: Optional[AutoscaleDriver] = None
         if cfg.autoscale:
-            self.autoscale = AutoscaleDriver(fleet, cfg.capacity_rps, cfg.scaling_interval_s,
+            capacity = dict(zip(("prefill", "decode"), cfg.pd_capacity)) if cfg.pd_min else cfg.capacity_rps
+            self.autoscale = AutoscaleDriver(fleet, capacity, cfg.scaling_interval_s,
                                              min(10.0, cfg.scaling_interval_s), cfg.cold_start_guess_s, fleet.clock)
         # The dashboard: requests as the clients saw them (TTFT, TPOT per class), the workers'
         # last polled state, and what happened to the fleet (on the wall clock, as the page shows).
@@ -264,7 +265,8 @@ class Front:
                                  "counters": fleet.counters, "migrations": fleet.controller.counters,
                                  "handoffs": self.handoff.describe() if fleet.disaggregated else None,
                                  "autoscale": None if self.autoscale is None else {
-                                     "policy": fleet.config.autoscale, "min": fleet.config.min_instances,
+                                     "policy": fleet.config.autoscale,
+                                     "min": sum(fleet.config.pd_min) or fleet.config.min_instances,
                                      "max": len(fleet.instances), **self.autoscale.describe()},
                                  "in_flight": self.gate.num_in_flight, "max_in_flight": self.gate.capacity,
                                  "data": [i.describe() for i in fleet.instances]})

@@ -9,6 +9,9 @@ policies and rules as in the simulator), and the driver carries it out: a stoppe
 worker, a draining one is taken back, a starting one is stopped, a ready one drains: it leaves
 routing, the `drain` migration policy moves its relayed streams off, and once nothing runs there
 its worker is stopped. Each decision is logged with its reason and kept for /v1/instances.
+
+A `--pd` fleet scales its two pools apart: each has its own planner in the controller and its
+own capacity per worker (`--pd-capacity`), and sees only its own workers.
 """
 from __future__ import annotations
 
@@ -30,20 +33,23 @@ logger = logging.getLogger(__name__)
 
 
 class AutoscaleDriver:
-    def __init__(self, fleet: "WorkerFleet", capacity_rps: float, interval_s: float = 10.0,
+    def __init__(self, fleet: "WorkerFleet", capacity_rps: "float | dict[str, float]", interval_s: float = 10.0,
                  demand_step_s: float = 10.0, cold_start_guess_s: float = 30.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        if not capacity_rps > 0 or not interval_s > 0 or not demand_step_s > 0:
+        """`capacity_rps`: req/s one worker sustains, or per pool ({"prefill": .., "decode": ..})."""
+        capacity = capacity_rps if isinstance(capacity_rps, dict) else {"mixed": capacity_rps}
+        if not all(c > 0 for c in capacity.values()) or not interval_s > 0 or not demand_step_s > 0:
             raise ValueError("autoscaling needs capacity > 0 req/s, interval > 0 s and demand step > 0 s")
         self.fleet = fleet
-        self.capacity_rps = capacity_rps
+        self.capacity = capacity
+        self.pools = list(capacity)  # "mixed", or "prefill" and "decode"
         self.interval_s = interval_s
         self.demand_step_s = demand_step_s
         self.cold_start_guess_s = cold_start_guess_s
         self.clock = clock
         self.started_at = clock()
         self.arrivals: list[int] = []
-        self.target: Optional[int] = None
+        self.targets: dict[str, int] = {}
         self.decisions: list[dict] = []  # the latest 50 changes: time, target, reason
         self.counters = {"starts": 0, "cancelled": 0, "drains": 0, "stops": 0, "taken_back": 0}
         self._task: Optional[asyncio.Task] = None
@@ -78,20 +84,29 @@ class AutoscaleDriver:
             return DRAINING
         return READY if inst.status == HEALTHY else STARTING  # unresponsive or dead-and-replacing: not serving
 
-    def signals(self) -> ScalingSignals:
+    @property
+    def target(self) -> Optional[int]:
+        """Workers wanted, over every pool (None before the first decision)."""
+        return sum(self.targets.values()) if self.targets else None
+
+    def _pool(self, pool: str) -> list["Instance"]:
+        return [i for i in self.fleet.instances if pool == "mixed" or i.role == pool]
+
+    def signals(self, pool: str = "mixed") -> ScalingSignals:
         now = self.clock()
         done = int((now - self.started_at) // self.demand_step_s)
         counts = self.arrivals[:done] + [0] * max(0, done - len(self.arrivals))
-        statuses = [self.status_of(i) for i in self.fleet.instances]
-        ready = [i for i, s in zip(self.fleet.instances, statuses) if s == READY]
+        mine = self._pool(pool)
+        statuses = [self.status_of(i) for i in mine]
+        ready = [i for i, s in zip(mine, statuses) if s == READY]
         return ScalingSignals(now - self.started_at, len(ready), statuses.count(STARTING), statuses.count(DRAINING),
                               [i.routing_state(self.fleet.block_size) for i in ready],
-                              tuple(c / self.demand_step_s for c in counts), self.demand_step_s, self.capacity_rps,
-                              self.fleet.measured_start_s(self.cold_start_guess_s))
+                              tuple(c / self.demand_step_s for c in counts), self.demand_step_s, self.capacity[pool],
+                              self.fleet.measured_start_s(self.cold_start_guess_s), pool=pool)
 
-    def slots(self) -> list[InstanceSlot]:
+    def slots(self, pool: str = "mixed") -> list[InstanceSlot]:
         out = []
-        for inst in self.fleet.instances:
+        for inst in self._pool(pool):
             s = inst.state
             work = 0.0 if s is None else s.predicted_remaining_decode_tokens + s.queued_prefill_tokens
             out.append(InstanceSlot(inst.slot, self.status_of(inst), work + 1000.0 * inst.in_flight))
@@ -102,13 +117,18 @@ class AutoscaleDriver:
             if inst.draining and self.status_of(inst) == DRAINING and self._empty(inst):
                 self.fleet.stop_slot(inst, "drained (scale down)")
                 self.counters["stops"] += 1
-        plan = self.fleet.controller.plan_scaling(self.signals(), self.slots())
+        for pool in self.pools:
+            self._tick_pool(pool)
+
+    def _tick_pool(self, pool: str) -> None:
+        plan = self.fleet.controller.plan_scaling(self.signals(pool), self.slots(pool))
         if plan is None:
             return
-        self.target = plan.target
+        self.targets[pool] = plan.target
         by_slot = {i.slot: i for i in self.fleet.instances}
+        who = "" if pool == "mixed" else f"{pool} "
         if plan.changes:
-            self.fleet.on_event(SCALE, None, f"target {plan.target}: {plan.decision.reason}")
+            self.fleet.on_event(SCALE, None, f"{who}target {plan.target}: {plan.decision.reason}")
         for slot in plan.undrain:
             by_slot[slot].draining = False
             self.counters["taken_back"] += 1
@@ -120,15 +140,18 @@ class AutoscaleDriver:
             by_slot[slot].draining = True
             self.counters["drains"] += 1
             self.fleet.on_event(DRAIN, slot, "scale down")
-        stopped = [i for i in self.fleet.instances if i.status == FLEET_STOPPED]
+        stopped = [i for i in self._pool(pool) if i.status == FLEET_STOPPED]
         for inst in stopped[:plan.start]:
             self.fleet.start_slot(inst)
             self.counters["starts"] += 1
         if plan.changes:
-            self.decisions = (self.decisions + [{"t": round(self.clock() - self.started_at, 1),
-                                                 "target": plan.target, "reason": plan.decision.reason}])[-50:]
-            logger.warning("autoscale: target %d instances (%s): start %d, take back %s, cancel %s, drain %s",
-                           plan.target, plan.decision.reason, plan.start, list(plan.undrain), list(plan.cancel),
+            decision = {"t": round(self.clock() - self.started_at, 1), "target": plan.target,
+                        "reason": plan.decision.reason}
+            if pool != "mixed":
+                decision["pool"] = pool
+            self.decisions = (self.decisions + [decision])[-50:]
+            logger.warning("autoscale: %starget %d instances (%s): start %d, take back %s, cancel %s, drain %s",
+                           who, plan.target, plan.decision.reason, plan.start, list(plan.undrain), list(plan.cancel),
                            list(plan.drain))
 
     @staticmethod
@@ -140,6 +163,11 @@ class AutoscaleDriver:
         statuses = [self.status_of(i) for i in self.fleet.instances]
         return {"target": self.target, "ready": statuses.count(READY), "starting": statuses.count(STARTING),
                 "draining": statuses.count(DRAINING), "stopped": statuses.count(STOPPED),
-                "capacity_rps": self.capacity_rps,
+                "capacity_rps": self.capacity.get("mixed"),
+                **({"pools": {pool: {"target": self.targets.get(pool), "capacity_rps": self.capacity[pool],
+                                     "ready": sum(self.status_of(i) == READY for i in self._pool(pool)),
+                                     "min": low, "max": len(self._pool(pool))}
+                              for pool, low in zip(self.pools, self.fleet.config.pd_min)}}
+                   if self.pools != ["mixed"] else {}),
                 "measured_start_s": round(self.fleet.measured_start_s(float("nan")), 2) if self.fleet.start_times
                 else None, **self.counters, "decisions": self.decisions}

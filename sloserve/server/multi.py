@@ -19,7 +19,7 @@ from typing import Optional, Sequence
 
 import uvicorn
 
-from sloserve.config import CacheConfig, EngineConfig, PoolSettings, pd_roles
+from sloserve.config import CacheConfig, EngineConfig, PoolSettings, parse_pd, pd_roles
 from sloserve.server.front_handoff import TRANSFERS
 from sloserve.server.connections import DrainingServer
 
@@ -111,6 +111,10 @@ def scale_planners(config, num_instances: int) -> dict:
                              history_start_s=0.0 if history is None else history.start_s,
                              extra={"interval_s": config.scaling_interval_s,
                                     "stable_window_s": config.stable_window_s})
+    if config.pd_min:  # each pool its own planner (and autoscaler state), between its fewest and most
+        counts = [sum(r == role for r in config.roles) for role in ("prefill", "decode")]
+        return {role: ScalePlanner(make_autoscaler(config.autoscale, options), low, high, config.scale_down_delay_s)
+                for role, low, high in zip(("prefill", "decode"), config.pd_min, counts)}
     return {"mixed": ScalePlanner(make_autoscaler(config.autoscale, options), config.min_instances, num_instances,
                                   config.scale_down_delay_s)}
 
@@ -139,13 +143,16 @@ def run_multi(engine_config: EngineConfig, settings, *, instances: int, router: 
               min_instances: Optional[int] = None, autoscale: Optional[str] = None, capacity_rps: Optional[float] = None,
               scaling_interval_s: float = 10.0, scale_down_delay_s: float = 60.0, target_utilization: float = 0.8,
               stable_window_s: float = 60.0,
-              cold_start_s: float = 30.0, forecaster: str = "seasonal-naive", scaling_history=None) -> int:
+              cold_start_s: float = 30.0, forecaster: str = "seasonal-naive", scaling_history=None,
+              pd_min: Optional[str] = None, pd_capacity: Optional[tuple[float, float]] = None) -> int:
     """`settings` (ServerSettings) gives the edge: max_body_bytes, body and header timeouts,
     connection cap, retry_after_s, grace_period_s; max_queue applies to each worker.
     `pd` ("P:D") splits the instances into P prefill and D decode instances (front_handoff.py),
     each pool with its scheduler settings changed by `prefill_pool` / `decode_pool`. With
     `autoscale`, `instances` is the most workers that may run and `min_instances` the fewest
-    (front_autoscale.py); `capacity_rps` is what one worker sustains within the SLOs."""
+    (front_autoscale.py); `capacity_rps` is what one worker sustains within the SLOs. A `pd`
+    fleet scales each pool apart: `pd` is then the most of each, `pd_min` ("P:D", default 1:1)
+    the fewest, `pd_capacity` the req/s one prefill and one decode worker sustain."""
     from sloserve.cluster.routers import ROUTERS
     from sloserve.server.connections import uvicorn_config
     from sloserve.server.front import Front, FrontConfig
@@ -175,8 +182,16 @@ def run_multi(engine_config: EngineConfig, settings, *, instances: int, router: 
         if autoscale not in AUTOSCALERS:
             raise ValueError(f"unknown autoscaler {autoscale!r}; choose from {sorted(AUTOSCALERS)}")
         if pd is not None:
-            raise ValueError("autoscaling a prefill/decode-disaggregated fleet is not supported yet")
-        if capacity_rps is None or not capacity_rps > 0:
+            if min_instances is not None:
+                raise ValueError("a --pd fleet takes its pools' bounds from --pd (the most) and --pd-min (the fewest), "
+                                 "not --instances MIN:MAX")
+            low, high = parse_pd(pd_min or "1:1"), parse_pd(pd)
+            if not all(1 <= lo <= hi for lo, hi in zip(low, high)):
+                raise ValueError(f"--pd-min {pd_min} needs 1 <= min <= --pd {pd} in each pool")
+            if pd_capacity is None or not all(c > 0 for c in pd_capacity):
+                raise ValueError("autoscaling a --pd fleet needs --pd-capacity P_RPS:D_RPS: the requests/s one "
+                                 "prefill and one decode worker sustain within your SLOs")
+        elif capacity_rps is None or not capacity_rps > 0:
             raise ValueError("--autoscale needs --capacity RPS: the requests/s one worker sustains within your SLOs")
         if min_instances is not None and not 1 <= min_instances <= instances:
             raise ValueError(f"--instances MIN:MAX needs 1 <= MIN <= MAX on a real fleet (scale to zero is "
@@ -189,6 +204,8 @@ def run_multi(engine_config: EngineConfig, settings, *, instances: int, router: 
                              "and --stable-window > 0")
     elif min_instances not in (None, instances):
         raise ValueError("--instances MIN:MAX needs --autoscale POLICY")
+    elif pd_min is not None or pd_capacity is not None:
+        raise ValueError("--pd-min and --pd-capacity need --pd and --autoscale")
     if max_in_flight is not None and max_in_flight < 1:
         raise ValueError(f"max in flight must be >= 1, got {max_in_flight}")
     if not hang_timeout_s > 0:
@@ -224,6 +241,8 @@ def run_multi(engine_config: EngineConfig, settings, *, instances: int, router: 
         capacity_rps=capacity_rps or 0.0, scaling_interval_s=scaling_interval_s,
         scale_down_delay_s=scale_down_delay_s, target_utilization=target_utilization, cold_start_guess_s=cold_start_s,
         stable_window_s=stable_window_s,
+        pd_min=parse_pd(pd_min or "1:1") if pd and autoscale else (),
+        pd_capacity=tuple(pd_capacity) if pd and autoscale and pd_capacity else (),
         forecaster=forecaster, scaling_history=scaling_history,
         max_in_flight=max_in_flight or front_capacity(engine_config, settings.max_queue, instances),
         max_body_bytes=settings.max_body_bytes, body_timeout_s=settings.body_timeout_s,

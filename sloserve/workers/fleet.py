@@ -63,6 +63,10 @@ class FrontConfig:
     autoscale: Optional[str] = None
     min_instances: int = 1
     capacity_rps: float = 0.0  # requests/s one worker sustains within the SLOs
+    # A disaggregated fleet scales its pools apart: the fewest (prefill, decode) workers, which
+    # run at first, and the req/s one prefill and one decode worker sustain. Empty: one pool.
+    pd_min: tuple[int, ...] = ()
+    pd_capacity: tuple[float, ...] = ()
     scaling_interval_s: float = 10.0
     scale_down_delay_s: float = 60.0
     target_utilization: float = 0.8
@@ -162,7 +166,12 @@ class WorkerFleet:
         if len(roles) != num_instances or not set(roles) <= set(ROLES):
             raise ValueError(f"roles {roles} do not fit {num_instances} instances (each one of {ROLES})")
         first = num_instances if config.initial_instances is None else config.initial_instances
-        self.instances = [Instance(i, spawn(i), role, started_at=clock()) if i < first
+        started = set(range(first))
+        if config.pd_min:  # the first pd_min of each pool
+            started = set()
+            for role, count in zip(("prefill", "decode"), config.pd_min):
+                started |= set([i for i, r in enumerate(roles) if r == role][:count])
+        self.instances = [Instance(i, spawn(i), role, started_at=clock()) if i in started
                           else Instance(i, NoWorker(), role, status=STOPPED) for i, role in enumerate(roles)]
         self.start_times: list[float] = []  # spawn -> first healthy poll, per worker (the cold start, measured)
         self.predictions = predictions
