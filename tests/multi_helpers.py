@@ -216,7 +216,7 @@ async def serving_front(workers, num: int, config, keys=(), run_loops: bool = Fa
                                            log_config=None, access_log=False))
     task = asyncio.create_task(server.serve())
     try:
-        await fleet.wait_ready(60)
+        await fleet.wait_ready(60, count=config.initial_instances)  # the slots started at first
         if run_loops:
             await front.start()
         while not server.started:

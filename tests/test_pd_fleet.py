@@ -121,6 +121,7 @@ def test_an_autoscaled_pd_fleet_scales_each_pool_on_its_own_capacity():
     for inst in fleet.instances:
         if inst.status != STOPPED:
             inst.status = HEALTHY
+    fleet.start_times.append(5.0)  # as the first health poll records (autoscaling waits for one)
     driver = AutoscaleDriver(fleet, {"prefill": 1.0, "decode": 100.0}, interval_s=10.0, demand_step_s=10.0,
                              clock=lambda: now[0])
     for _ in range(50):  # 5 req/s over one 10 s window

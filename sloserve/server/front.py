@@ -475,6 +475,13 @@ class Front:
         refused: Optional[Response] = None  # the last worker's 429/503, returned if nobody else takes it
         handed_off = False  # a streaming body took over the request (and its prediction)
         try:
+            if self.autoscale is not None and not any(i.role != "decode" for i in self.fleet.routable()):
+                # Scaled to zero (or every arrival worker starting or draining): wait for one.
+                started = await self.autoscale.hold(
+                    lambda: any(i.role != "decode" for i in self.fleet.routable()), stop,
+                    self.fleet.config.start_timeout_s)
+                if not started:
+                    last_error = "no worker became ready in time"
             for attempt in range(self.fleet.config.max_attempts):
                 inst = self.fleet.pick(routed, tried)
                 if inst is None:

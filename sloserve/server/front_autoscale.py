@@ -50,6 +50,7 @@ class AutoscaleDriver:
         self.started_at = clock()
         self.arrivals: list[int] = []
         self.targets: dict[str, int] = {}
+        self.held = 0  # requests the front holds because no worker takes arrivals (scaled to zero)
         self.decisions: list[dict] = []  # the latest 50 changes: time, target, reason
         self.counters = {"starts": 0, "cancelled": 0, "drains": 0, "stops": 0, "taken_back": 0}
         self._task: Optional[asyncio.Task] = None
@@ -74,6 +75,23 @@ class AutoscaleDriver:
 
     async def _run(self) -> None:
         await every(self.interval_s, self.tick, "autoscaling")
+
+    async def hold(self, ready: Callable[[], bool], stop, timeout_s: float) -> bool:
+        """Hold a request while no worker takes arrivals (the fleet scaled to zero, or all its
+        arrival workers draining or starting): the policy sees it as queued and is asked at once,
+        not at its next interval. True once `ready()`; False after `timeout_s`. `stop` (the
+        request's front_stream.Stop) ends the wait when the client leaves."""
+        deadline = self.clock() + timeout_s
+        self.held += 1
+        try:
+            self.tick()
+            while not ready():
+                if self.clock() > deadline:
+                    return False
+                await stop.run(asyncio.sleep(0.05))
+            return True
+        finally:
+            self.held -= 1
 
     def status_of(self, inst: "Instance") -> str:
         if inst.status == FLEET_STOPPED:
@@ -102,7 +120,8 @@ class AutoscaleDriver:
         return ScalingSignals(now - self.started_at, len(ready), statuses.count(STARTING), statuses.count(DRAINING),
                               [i.routing_state(self.fleet.block_size) for i in ready],
                               tuple(c / self.demand_step_s for c in counts), self.demand_step_s, self.capacity[pool],
-                              self.fleet.measured_start_s(self.cold_start_guess_s), pool=pool)
+                              self.fleet.measured_start_s(self.cold_start_guess_s),
+                              held=self.held if pool != "decode" else 0, pool=pool)
 
     def slots(self, pool: str = "mixed") -> list[InstanceSlot]:
         out = []
@@ -113,6 +132,8 @@ class AutoscaleDriver:
         return out
 
     def tick(self) -> None:
+        if not self.fleet.start_times:
+            return  # no worker has come up yet: the model is unproven and the cold start unmeasured
         for inst in self.fleet.instances:  # drained and empty: stop it
             if inst.draining and self.status_of(inst) == DRAINING and self._empty(inst):
                 self.fleet.stop_slot(inst, "drained (scale down)")

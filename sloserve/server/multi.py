@@ -193,9 +193,8 @@ def run_multi(engine_config: EngineConfig, settings, *, instances: int, router: 
                                  "prefill and one decode worker sustain within your SLOs")
         elif capacity_rps is None or not capacity_rps > 0:
             raise ValueError("--autoscale needs --capacity RPS: the requests/s one worker sustains within your SLOs")
-        if min_instances is not None and not 1 <= min_instances <= instances:
-            raise ValueError(f"--instances MIN:MAX needs 1 <= MIN <= MAX on a real fleet (scale to zero is "
-                             f"simulator-only: the front needs a worker to tokenize), got {min_instances}:{instances}")
+        if min_instances is not None and not 0 <= min_instances <= instances:
+            raise ValueError(f"--instances MIN:MAX needs 0 <= MIN <= MAX, got {min_instances}:{instances}")
         if autoscale in ("predictive", "hybrid") and scaling_history is None:
             raise ValueError(f"--autoscale {autoscale} needs --scaling-history (the demand that trains its forecaster)")
         if not scaling_interval_s > 0 or scale_down_delay_s < 0 or not 0 < target_utilization <= 1 \
@@ -237,7 +236,9 @@ def run_multi(engine_config: EngineConfig, settings, *, instances: int, router: 
         migration_interval_s=migration_interval_s, roles=tuple(roles) if pd else (), pd_transfer=pd_transfer,
         decode_router=decode_router, autoscale=autoscale,
         min_instances=instances if min_instances is None else min_instances,
-        initial_instances=None if autoscale is None else (min_instances or instances),
+        # MIN 0 still starts one worker: it proves the model loads and times the cold start
+        # before the fleet may scale to zero.
+        initial_instances=None if autoscale is None else max(1, instances if min_instances is None else min_instances),
         capacity_rps=capacity_rps or 0.0, scaling_interval_s=scaling_interval_s,
         scale_down_delay_s=scale_down_delay_s, target_utilization=target_utilization, cold_start_guess_s=cold_start_s,
         stable_window_s=stable_window_s,
