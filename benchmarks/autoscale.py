@@ -63,6 +63,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--forecaster", default="seasonal-naive")
     p.add_argument("--quick", action="store_true", help="3 hours, peak 8, cold starts 30,120")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--budget", type=int, default=2048, help="tokens per step (chunked prefill's budget)")
+    p.add_argument("--demand-capacity", type=float, metavar="RPS",
+                   help="size the demand with this per-instance rate instead of the measured one (the peak needs "
+                        "--peak instances of it): the same requests for runs whose fleets differ")
     p.add_argument("--pd", action="store_true",
                    help="also run each policy on a prefill/decode-disaggregated fleet whose pools scale apart")
     return p.parse_args()
@@ -103,7 +107,7 @@ def main() -> int:
     slo = SLO.parse(args.slo)
     base = FleetConfig(instances=args.peak, hardware=args.hardware, model=args.model, tp=args.tp,
                        router="least-requests", migration="drain",
-                       scheduler=SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=256))
+                       scheduler=SchedulerConfig(max_num_batched_tokens=args.budget, max_num_seqs=256))
     lengths = load_file(shared_path(args.lengths), source=args.lengths)
     context = get_model(args.model).max_position_embeddings
     fits = [r for r in lengths if r.prompt_len + r.output_len <= context]
@@ -116,13 +120,16 @@ def main() -> int:
     probe = requests(Series("probe", np.ones(60), 60.0), 1.0, lengths, args.seed + 1)
     capacity = instance_capacity(probe, base, slo, sample=len(probe))
     history, run = demand(args)
-    scale = args.peak * capacity * 0.8 / float(run.values.max())  # the peak needs `peak` instances at 80%
+    sizing = args.demand_capacity or capacity
+    scale = args.peak * sizing * 0.8 / float(run.values.max())  # the peak needs `peak` instances at 80%
     reqs = requests(run, scale, lengths, args.seed)
     hist = Series("history", history.values * scale, history.step_s, history.start_s)
     mean_need = math.ceil(float(run.values.mean()) * scale / (capacity * 0.8))
+    peak_need = math.ceil(float(run.values.max()) * scale / (capacity * 0.8))  # = --peak unless --demand-capacity
+    base = replace(base, instances=max(args.peak, peak_need))
     console.print(f"capacity {capacity:.2f} req/s per instance; {len(reqs)} requests over {args.hours:g} h; demand "
                   f"{run.values.min() * scale:.1f}-{run.values.max() * scale:.1f} req/s (mean needs {mean_need}, "
-                  f"peak {args.peak} instances)")
+                  f"peak {peak_need} instances)")
     pools = None
     if args.pd:
         pools = pool_capacity(probe, replace(base, pd="1:1"), slo, sample=len(probe))
@@ -150,7 +157,7 @@ def main() -> int:
                                   autoscale=policy)
                 cfg = replace(cfg, pd_capacity=pools)
             elif policy.startswith("static"):
-                n = args.peak if policy == "static-peak" else mean_need
+                n = peak_need if policy == "static-peak" else mean_need
                 cfg = replace(base, instances=n, autoscale="static", min_instances=n, initial_instances=n)
             else:
                 cfg = replace(base, autoscale=policy, min_instances=1, initial_instances=mean_need)

@@ -125,7 +125,9 @@ def pool_capacity(reqs: Sequence[WorkloadRequest], cfg: FleetConfig, slo: SLO, i
     would keep requests decoding on the prefill instance. Pool sizes come from the other pool's
     capacity, so prefill is measured first against a POOL_HEADROOM decode pool, then decode
     against prefill pools sized from that, then prefill again against decode pools sized from
-    the decode answer."""
+    the decode answer. A decode instance is held to having room for (nearly) every hand-off too:
+    one that has none leaves the request decoding on its prefill instance, which is the fleet's
+    fallback, not decode capacity."""
     head = _sample(reqs, sample)
     cache = capacity_cache() if cache is None else cache
     key = _capacity_key(head, cfg, slo, iters, "prefill/decode")
@@ -149,8 +151,19 @@ def pool_capacity(reqs: Sequence[WorkloadRequest], cfg: FleetConfig, slo: SLO, i
             return most
         return found
 
+    def decode_keeps_up(rate: float) -> bool:
+        """TPOT met, and the decode instance had room for the hand-offs: a request it cannot
+        take keeps decoding on its prefill instance, which must not count as decode capacity."""
+        records, result = simulate(build_fleet(replace(base, pd=f"{sized(rate, prefill)}:1")),
+                                   sim_requests(at_rate(head, rate)))
+        met = sum(tpot_only.met(r) for r in records) / len(head)
+        decoding = sum(r.output_len > 1 for r in head)  # a one-token request has nothing to hand off
+        return met >= ATTAINMENT and result.handoffs.get("completed", 0) >= ATTAINMENT * decoding
+
     prefill = goodput(head, replace(base, pd=f"1:{POOL_HEADROOM}"), ttft_only, iters)
-    decode = bounded(goodput(head, lambda rate: replace(base, pd=f"{sized(rate, prefill)}:1"), tpot_only, iters),
+    _, makespan = attainment([replace(r, arrival_s=0.0) for r in head], replace(base, pd=f"{POOL_HEADROOM}:1"),
+                             tpot_only)
+    decode = bounded(max_rate(decode_keeps_up, len(head) / makespan if makespan > 0 else 1.0, iters),
                      prefill, "decode")
     prefill = bounded(goodput(head, lambda rate: replace(base, pd=f"1:{sized(rate, decode)}"), ttft_only, iters),
                       decode, "prefill")
