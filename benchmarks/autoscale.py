@@ -192,8 +192,8 @@ def main() -> int:
                                "requests": len(reqs),
                                "machine": platform.processor() or platform.machine(),
                                "wall_s": time.perf_counter() - t0, "rows": rows}, indent=1))
-    figure = REPO / "benchmarks" / "figures" / ("autoscale.png" if args.forecaster == "seasonal-naive"
-                                                else f"autoscale-{args.forecaster}.png")
+    name = "autoscale" + ("" if args.forecaster == "seasonal-naive" else f"-{args.forecaster}") + ("-pd" if pools else "")
+    figure = REPO / "benchmarks" / "figures" / f"{name}.png"
     plot(rows, run, scale, capacity, figure, cold_starts[0])
     console.print(f"wrote {out} and {figure.relative_to(REPO)} ({time.perf_counter() - t0:.0f} s)")
     return 0
