@@ -61,6 +61,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--slo", default="ttft=1000,tpot=100")
     p.add_argument("--policies", default=",".join(POLICIES))
     p.add_argument("--forecaster", default="seasonal-naive")
+    p.add_argument("--forecast-level", type=float, default=0.9, help="predictive/hybrid: the band planned for")
     p.add_argument("--quick", action="store_true", help="3 hours, peak 8, cold starts 30,120")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--budget", type=int, default=2048, help="tokens per step (chunked prefill's budget)")
@@ -163,6 +164,7 @@ def main() -> int:
                 cfg = replace(base, autoscale=policy, min_instances=1, initial_instances=mean_need)
             cfg = replace(cfg, capacity_rps=capacity, cold_start_s=cold, scaling_interval_s=60.0,
                           demand_step_s=60.0, scale_down_delay_s=300.0, forecaster=args.forecaster,
+                          forecast_level=args.forecast_level,
                           scaling_history=hist)
             records, result = simulate(build_fleet(cfg), sim_requests(reqs))
             sc = result.scaling
@@ -192,7 +194,8 @@ def main() -> int:
                                "requests": len(reqs),
                                "machine": platform.processor() or platform.machine(),
                                "wall_s": time.perf_counter() - t0, "rows": rows}, indent=1))
-    name = "autoscale" + ("" if args.forecaster == "seasonal-naive" else f"-{args.forecaster}") + ("-pd" if pools else "")
+    name = "autoscale" + ("" if args.forecaster == "seasonal-naive" else f"-{args.forecaster}") + ("-pd" if pools else "") \
+        + ("" if args.forecast_level == 0.9 else f"-band{args.forecast_level:g}")
     figure = REPO / "benchmarks" / "figures" / f"{name}.png"
     plot(rows, run, scale, capacity, figure, cold_starts[0])
     console.print(f"wrote {out} and {figure.relative_to(REPO)} ({time.perf_counter() - t0:.0f} s)")

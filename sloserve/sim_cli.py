@@ -123,6 +123,8 @@ def add_fleet_args(p: argparse.ArgumentParser) -> None:
                    help="with --pd and --autoscale: req/s one prefill and one decode instance sustain (default: "
                         "measured on the workload at --slo, TTFT for prefill, TPOT for decode)")
     a.add_argument("--forecaster", default="seasonal-naive", help=f"predictive/hybrid: one of {sorted(FORECASTERS)}")
+    a.add_argument("--forecast-level", type=float, default=0.9,
+                   help="predictive/hybrid: plan for the top of this forecast band (0-1)")
     a.add_argument("--scaling-history", metavar="SERIES",
                    help="demand before the run that trains the forecaster: servegen:MODEL or a trace (as "
                         "`sloserve forecast --series`)")
@@ -156,7 +158,8 @@ def fleet_config_from_args(args: argparse.Namespace):
         keep_alive_s=getattr(args, "keep_alive", 0.0), scaling_interval_s=getattr(args, "scaling_interval", 60.0),
         scale_down_delay_s=getattr(args, "scale_down_delay", 300.0),
         target_utilization=getattr(args, "target_utilization", 0.8), capacity_rps=getattr(args, "capacity", None),
-        forecaster=getattr(args, "forecaster", "seasonal-naive"), pd_min=getattr(args, "pd_min", None),
+        forecaster=getattr(args, "forecaster", "seasonal-naive"), forecast_level=getattr(args, "forecast_level", 0.9),
+        pd_min=getattr(args, "pd_min", None),
         pd_capacity=parse_pd_capacity(getattr(args, "pd_capacity", None)))
 
 

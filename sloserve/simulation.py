@@ -89,6 +89,7 @@ class FleetConfig:
     scale_down_delay_s: float = 300.0
     target_utilization: float = 0.8
     forecaster: str = "seasonal-naive"
+    forecast_level: float = 0.9  # predictive/hybrid plan for the top of this band (lower: fewer instances, more risk)
     scaling_history: Optional[object] = None  # a workload.series.Series of demand before the run (predictive)
     # The fleet's shared KV store (kv/tiers.py, sim/kv_store.py): its size (0: none) and the link
     # each instance reaches it over. Per-instance host and disk tiers are sized in `cache`.
@@ -148,6 +149,7 @@ def scaling_parts(cfg: FleetConfig):
 
     history = cfg.scaling_history
     options = ScalingOptions(target_utilization=cfg.target_utilization, forecaster=cfg.forecaster,
+                             level=cfg.forecast_level,
                              history=None if history is None else history.values,  # type: ignore[attr-defined]
                              history_step_s=None if history is None else history.step_s,  # type: ignore[attr-defined]
                              history_start_s=0.0 if history is None else history.start_s,  # type: ignore[attr-defined]

@@ -5,6 +5,7 @@ request; scale to zero holds arrivals until the first instance is up."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -308,3 +309,19 @@ def test_simulate_command_autoscales_each_pool(tmp_path, capsys):
     assert main(["simulate", "--workload", "azure-code", "--replay", "--duration", "60", "--pd", "2:2",
                  "--pd-min", "3:1", "--autoscale", "reactive", "--pd-capacity", "1:1"]) == 2
     assert "--pd-min 3:1 needs 1 <= min <= --pd 2:2" in capsys.readouterr().err
+
+
+def test_the_forecast_band_planned_for_is_a_setting():
+    """`forecast_level` (`--forecast-level`): a predictive policy plans for the top of a narrower
+    band when asked, so for less demand."""
+    from sloserve.workload.series import Series
+
+    noisy = daily(4) * np.random.default_rng(3).uniform(0.8, 1.2, len(daily(4)))
+    history = Series("history", noisy, 600.0)
+    wide, narrow = (build_fleet(replace(fleet(scaling_history=history, forecast_level=level), autoscale="predictive"))
+                    for level in (0.9, 0.5))
+    policies = [sim.controller.scalers["mixed"].autoscaler for sim in (wide, narrow)]
+    assert [p.options.level for p in policies] == [0.9, 0.5]
+    sig = signals(list(daily(1)[:36]), now=36 * 600.0, capacity=10.0, cold_start=1800.0, step=600.0)
+    top_wide, top_narrow = (p.forecast_peak(sig)[0] for p in policies)
+    assert top_narrow < top_wide
