@@ -194,7 +194,7 @@ QOS_CONFIG = {"default_class": "interactive",
               "classes": {"interactive": {"ttft_s": 1.5, "priority": 0}, "bulk": {"priority": 0}}}
 TTFT_TARGET_S = 1.5
 MAX_TOKENS = 24
-BURST_S = 5.0  # at 3x capacity the unshed queue still waits ~10 s at its end
+BURST_S = 8.0  # at 3x capacity the unshed queue waits ~16 s at its end; a 5 s burst failed once in CI (57.7% shed attainment)
 LAUNCH = """
 import json, logging, sys
 from sloserve.config import EngineConfig, SchedulerConfig
