@@ -233,6 +233,14 @@ def parse_pd(text: str) -> tuple[int, int]:
     return p, d
 
 
+def pd_pool_bounds(pd: str, pd_min: Optional[str]) -> tuple[tuple[int, int], tuple[int, int]]:
+    """An autoscaled `--pd` fleet's ((fewest prefill, fewest decode), (most prefill, most decode))."""
+    low, high = parse_pd(pd_min or "1:1"), parse_pd(pd)
+    if not all(1 <= lo <= hi for lo, hi in zip(low, high)):
+        raise ValueError(f"--pd-min {pd_min} needs 1 <= min <= --pd {pd} in each pool")
+    return low, high
+
+
 def parse_pd_capacity(text: Optional[str]) -> Optional[tuple[float, float]]:
     """`--pd-capacity P_RPS:D_RPS` -> (req/s of one prefill instance, of one decode instance)."""
     if text is None:

@@ -72,9 +72,14 @@ def goodput(reqs: Sequence[WorkloadRequest], cfg: "FleetConfig | Callable[[float
     """Requests/s the fleet serves with >= `target` of them within `slo` (module docstring).
     `cfg` may be a function of the rate tried (a fleet sized to it)."""
     fleet_at = cfg if callable(cfg) else (lambda rate: cfg)
-    _, makespan = attainment([replace(r, arrival_s=0.0) for r in reqs], fleet_at(0.0), slo)
-    start = len(reqs) / makespan if makespan > 0 else 1.0
-    return max_rate(lambda rate: attainment(at_rate(reqs, rate), fleet_at(rate), slo)[0] >= target, start, iters)
+    return max_rate(lambda rate: attainment(at_rate(reqs, rate), fleet_at(rate), slo)[0] >= target,
+                    burst_rate(reqs, fleet_at(0.0), slo), iters)
+
+
+def burst_rate(reqs: Sequence[WorkloadRequest], cfg: FleetConfig, slo: SLO) -> float:
+    """Requests / makespan with every request at once: where the search starts."""
+    _, makespan = attainment([replace(r, arrival_s=0.0) for r in reqs], cfg, slo)
+    return len(reqs) / makespan if makespan > 0 else 1.0
 
 
 def capacity_cache() -> JsonCache:
@@ -161,10 +166,8 @@ def pool_capacity(reqs: Sequence[WorkloadRequest], cfg: FleetConfig, slo: SLO, i
         return met >= ATTAINMENT and result.handoffs.get("completed", 0) >= ATTAINMENT * decoding
 
     prefill = goodput(head, replace(base, pd=f"1:{POOL_HEADROOM}"), ttft_only, iters)
-    _, makespan = attainment([replace(r, arrival_s=0.0) for r in head], replace(base, pd=f"{POOL_HEADROOM}:1"),
-                             tpot_only)
-    decode = bounded(max_rate(decode_keeps_up, len(head) / makespan if makespan > 0 else 1.0, iters),
-                     prefill, "decode")
+    start = burst_rate(head, replace(base, pd=f"{POOL_HEADROOM}:1"), tpot_only)
+    decode = bounded(max_rate(decode_keeps_up, start, iters), prefill, "decode")
     prefill = bounded(goodput(head, lambda rate: replace(base, pd=f"1:{sized(rate, decode)}"), ttft_only, iters),
                       decode, "prefill")
     cache.put(key, [prefill, decode])

@@ -14,7 +14,7 @@ from sloserve.timeline import FleetTimeline
 from sloserve.cluster.controller import FleetController
 from sloserve.cluster.migration import MoveCosts, make_migration_policy, parse_migration
 from sloserve.cluster.routers import RouterOptions, make_router
-from sloserve.config import CacheConfig, ModelConfig, PoolSettings, SchedulerConfig, parse_pd, pd_roles  # noqa: F401 (parse_pd: re-exported)
+from sloserve.config import CacheConfig, ModelConfig, PoolSettings, SchedulerConfig, parse_pd, pd_pool_bounds, pd_roles  # noqa: F401 (parse_pd: re-exported)
 from sloserve.kv.tiers import DISK, STORE, KVTiers
 from sloserve.sim.catalog import get_model
 from sloserve.sim.cost import CostModel, Profile, ProfiledCostModel, RooflineCostModel
@@ -77,7 +77,7 @@ class FleetConfig:
     capacity_rps: Optional[float] = None
     # A disaggregated fleet scales its pools apart: `pd` is then the most of each, `pd_min` the
     # fewest ("P:D", default 1:1; those run at time 0), `pd_capacity` the req/s one prefill and
-    # one decode instance sustain within the SLOs (planning.instance_capacity per role).
+    # one decode instance sustain within the SLOs (planning.pool_capacity).
     pd_min: Optional[str] = None
     pd_initial: Optional[str] = None  # "P:D" ready at time 0 (default: pd_min)
     pd_capacity: Optional[tuple[float, float]] = None
@@ -118,9 +118,7 @@ class FleetConfig:
             for role in ("prefill", "decode"):
                 pool_config(self, role).scheduler.validate()
         if self.autoscale is not None and self.pd is not None:
-            low, high = self.pool_bounds()
-            if not all(1 <= lo <= hi for lo, hi in zip(low, high)):
-                raise ValueError(f"--pd-min {self.pd_min} needs 1 <= min <= --pd {self.pd} in each pool")
+            low, high = pd_pool_bounds(self.pd, self.pd_min)
             if self.pd_initial is not None and not all(
                     lo <= n <= hi for lo, n, hi in zip(low, parse_pd(self.pd_initial), high)):
                 raise ValueError(f"pd_initial {self.pd_initial} must lie between {self.pd_min} and {self.pd}")
@@ -133,18 +131,13 @@ class FleetConfig:
                 raise ValueError("autoscaling needs the capacity of one instance (capacity_rps > 0)")
 
 
-    def pool_bounds(self) -> tuple[tuple[int, int], tuple[int, int]]:
-        """((fewest prefill, fewest decode), (most prefill, most decode)) of an autoscaled P/D fleet."""
-        return parse_pd(self.pd_min or "1:1"), parse_pd(self.pd)  # type: ignore[arg-type]
-
-
 def scaling_parts(cfg: FleetConfig):
     """The controller's scale planners (by pool) and the simulator's scaling spec for `cfg`
     ({}, None: a fixed fleet). A P/D fleet gets a planner, and an autoscaler, per pool."""
     if cfg.autoscale is None:
         return {}, None
-    from sloserve.cluster.autoscale import ScalingOptions, make_autoscaler
-    from sloserve.cluster.autoscale.planner import ScalePlanner
+    from sloserve.cluster.autoscale import ScalingOptions
+    from sloserve.cluster.autoscale.planner import pool_planners
     from sloserve.sim.scaling import ScalingSpec
 
     history = cfg.scaling_history
@@ -155,21 +148,21 @@ def scaling_parts(cfg: FleetConfig):
                              history_start_s=0.0 if history is None else history.start_s,  # type: ignore[attr-defined]
                              extra={"interval_s": cfg.scaling_interval_s})
     if cfg.pd is not None:
-        (p_low, d_low), (p_high, d_high) = cfg.pool_bounds()
-        planners = {pool: ScalePlanner(make_autoscaler(cfg.autoscale, options), low, high, cfg.scale_down_delay_s)
-                    for pool, low, high in (("prefill", p_low, p_high), ("decode", d_low, d_high))}
+        (p_low, d_low), (p_high, d_high) = pd_pool_bounds(cfg.pd, cfg.pd_min)
+        planners = pool_planners(cfg.autoscale, options, {"prefill": (p_low, p_high), "decode": (d_low, d_high)},
+                                 cfg.scale_down_delay_s)
         p_cap, d_cap = cfg.pd_capacity  # type: ignore[misc]
         spec = ScalingSpec(p_cap, 1, cfg.scaling_interval_s, cfg.cold_start_s, cfg.warm_start_s, cfg.keep_alive_s,
                            cfg.demand_step_s, pool_capacity={"prefill": p_cap, "decode": d_cap},
                            pool_initial=dict(zip(("prefill", "decode"), parse_pd(cfg.pd_initial)))
                            if cfg.pd_initial else {"prefill": p_low, "decode": d_low})
         return planners, spec
-    planner = ScalePlanner(make_autoscaler(cfg.autoscale, options), cfg.min_instances, cfg.instances,
-                           cfg.scale_down_delay_s)
+    planners = pool_planners(cfg.autoscale, options, {"mixed": (cfg.min_instances, cfg.instances)},
+                             cfg.scale_down_delay_s)
     initial = cfg.min_instances if cfg.initial_instances is None else cfg.initial_instances
     spec = ScalingSpec(cfg.capacity_rps, initial, cfg.scaling_interval_s, cfg.cold_start_s,  # type: ignore[arg-type]
                        cfg.warm_start_s, cfg.keep_alive_s, cfg.demand_step_s)
-    return {"mixed": planner}, spec
+    return planners, spec
 
 
 def pool_config(cfg: FleetConfig, role: str) -> FleetConfig:

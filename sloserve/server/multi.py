@@ -19,7 +19,7 @@ from typing import Optional, Sequence
 
 import uvicorn
 
-from sloserve.config import CacheConfig, EngineConfig, PoolSettings, parse_pd, pd_roles
+from sloserve.config import CacheConfig, EngineConfig, PoolSettings, parse_pd, pd_pool_bounds, pd_roles
 from sloserve.server.front_handoff import TRANSFERS
 from sloserve.server.connections import DrainingServer
 
@@ -101,8 +101,8 @@ def scale_planners(config, num_instances: int) -> dict:
     """The controller's scale planner for `config`, by pool (none: a fixed fleet)."""
     if not config.autoscale:
         return {}
-    from sloserve.cluster.autoscale import ScalingOptions, make_autoscaler
-    from sloserve.cluster.autoscale.planner import ScalePlanner
+    from sloserve.cluster.autoscale import ScalingOptions
+    from sloserve.cluster.autoscale.planner import pool_planners
 
     history = config.scaling_history
     options = ScalingOptions(target_utilization=config.target_utilization, forecaster=config.forecaster,
@@ -111,12 +111,12 @@ def scale_planners(config, num_instances: int) -> dict:
                              history_start_s=0.0 if history is None else history.start_s,
                              extra={"interval_s": config.scaling_interval_s,
                                     "stable_window_s": config.stable_window_s})
-    if config.pd_min:  # each pool its own planner (and autoscaler state), between its fewest and most
-        counts = [sum(r == role for r in config.roles) for role in ("prefill", "decode")]
-        return {role: ScalePlanner(make_autoscaler(config.autoscale, options), low, high, config.scale_down_delay_s)
-                for role, low, high in zip(("prefill", "decode"), config.pd_min, counts)}
-    return {"mixed": ScalePlanner(make_autoscaler(config.autoscale, options), config.min_instances, num_instances,
-                                  config.scale_down_delay_s)}
+    if config.pd_min:  # each pool between its fewest and its slots
+        bounds = {role: (low, sum(r == role for r in config.roles))
+                  for role, low in zip(("prefill", "decode"), config.pd_min)}
+    else:
+        bounds = {"mixed": (config.min_instances, num_instances)}
+    return pool_planners(config.autoscale, options, bounds, config.scale_down_delay_s)
 
 
 def worker_cache(cache: CacheConfig, index: int) -> CacheConfig:
@@ -185,9 +185,7 @@ def run_multi(engine_config: EngineConfig, settings, *, instances: int, router: 
             if min_instances is not None:
                 raise ValueError("a --pd fleet takes its pools' bounds from --pd (the most) and --pd-min (the fewest), "
                                  "not --instances MIN:MAX")
-            low, high = parse_pd(pd_min or "1:1"), parse_pd(pd)
-            if not all(1 <= lo <= hi for lo, hi in zip(low, high)):
-                raise ValueError(f"--pd-min {pd_min} needs 1 <= min <= --pd {pd} in each pool")
+            pd_pool_bounds(pd, pd_min)
             if pd_capacity is None or not all(c > 0 for c in pd_capacity):
                 raise ValueError("autoscaling a --pd fleet needs --pd-capacity P_RPS:D_RPS: the requests/s one "
                                  "prefill and one decode worker sustain within your SLOs")

@@ -61,3 +61,13 @@ class ScalePlanner:
         if plan.changes:  # the fleets keep the books of their changes; here they are logged
             logger.info("autoscale at %.0f s: %d -> %d instances (%s)", signals.now, active, target, decision.reason)
         return plan
+
+
+def pool_planners(policy: str, options, bounds: dict[str, tuple[int, int]],
+                  scale_down_delay_s: float) -> dict[str, ScalePlanner]:
+    """A planner per pool ("mixed"; or "prefill" and "decode"), each with its own autoscaler
+    (policies keep state: panic windows, a trained forecaster), between its (fewest, most)."""
+    from sloserve.cluster.autoscale import make_autoscaler
+
+    return {pool: ScalePlanner(make_autoscaler(policy, options), low, high, scale_down_delay_s)
+            for pool, (low, high) in bounds.items()}
