@@ -100,6 +100,12 @@ def add_fleet_args(p: argparse.ArgumentParser) -> None:
     t.add_argument("--kv-store-gib", type=float, default=0.0, metavar="GIB",
                    help="a shared KV store every instance reaches (fleet-wide size)")
     t.add_argument("--kv-store-link", default=DEFAULT_LINK, help=f"link to the shared store: one of {sorted(LINKS)}")
+    from sloserve.sched.clocks import CLOCK_POLICIES
+
+    e = p.add_argument_group("energy")
+    e.add_argument("--clock-policy", metavar="POLICY",
+                   help=f"lock each step's SM clock and book the fleet's energy: one of {sorted(CLOCK_POLICIES)} "
+                        "(max: the baseline; slo-slack: spend SLO slack on lower clocks)")
     a = p.add_argument_group("autoscaling")
     from sloserve.cluster.autoscale import AUTOSCALERS
     from sloserve.cluster.forecast import FORECASTERS
@@ -160,7 +166,8 @@ def fleet_config_from_args(args: argparse.Namespace):
         target_utilization=getattr(args, "target_utilization", 0.8), capacity_rps=getattr(args, "capacity", None),
         forecaster=getattr(args, "forecaster", "seasonal-naive"), forecast_level=getattr(args, "forecast_level", 0.9),
         pd_min=getattr(args, "pd_min", None),
-        pd_capacity=parse_pd_capacity(getattr(args, "pd_capacity", None)))
+        pd_capacity=parse_pd_capacity(getattr(args, "pd_capacity", None)),
+        clock_policy=getattr(args, "clock_policy", None))
 
 
 def parse_instances(text: str, autoscale) -> tuple[int, int]:
@@ -237,6 +244,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                 "pd_min": fleet.pd_min or ("1:1" if fleet.pd and fleet.autoscale else None),
                 "pd_capacity": fleet.pd_capacity,
                 "scaling": result.scaling,
+                "clock_policy": fleet.clock_policy, "energy": energy_report(result.energy, records),
                 "preemptions": sum(i.scheduler.stats.num_preemptions for i in sim.instances),
                 "prefix_hit_rate": (sum(i.kv.stats.hits for i in sim.instances)
                                     / max(1, sum(i.kv.stats.queries for i in sim.instances))),
@@ -281,6 +289,13 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             out.print(f"P/D {c['pd']} ({c['pd_transfer']} over {c['link']}): {h['completed']} hand-offs, "
                       f"{h['aborted']} aborted; {h['bytes'] / 1e9:.2f} GB of KV, mean wait "
                       f"{1e3 * h['downtime_s'] / max(1, h['completed']):.1f} ms per hand-off")
+        en = c.get("energy")
+        if en:
+            pc, dc = en["prefill_mean_clock"], en["decode_mean_clock"]
+            out.print(f"energy ({c['clock_policy']} clock): {en['total_j'] / 3.6e6:.3f} kWh, "
+                      f"{en['joules_per_request']:.1f} J per request, {en['joules_per_output_token']:.3f} J per "
+                      f"output token ({en['idle_j'] / max(en['total_j'], 1e-12):.0%} idle); mean clock prefill "
+                      f"{'-' if pc is None else f'{pc:.0%}'}, decode {'-' if dc is None else f'{dc:.0%}'}")
         m = c["migrations"]
         if m:
             out.print(f"migration ({c['migration']} over {c['link']}): {m['started']} started, {m['completed']} "
@@ -288,6 +303,16 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                       f"{1e3 * m['downtime_s']:.0f} ms of downtime in total")
     console.print("wrote " + ", ".join(str(p) for p in paths))
     return 0
+
+
+def energy_report(energy: dict, records) -> dict:
+    """The run's energy books with per-request and per-token figures ({} without a clock policy)."""
+    if not energy:
+        return {}
+    done = [r for r in records if r.error is None]
+    tokens = sum(r.output_tokens or 0 for r in done)
+    return {**energy, "joules_per_request": energy["total_j"] / max(1, len(done)),
+            "joules_per_output_token": energy["total_j"] / max(1, tokens)}
 
 
 def timeline_interval(asked, stream) -> float:

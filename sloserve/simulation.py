@@ -16,11 +16,14 @@ from sloserve.cluster.migration import MoveCosts, make_migration_policy, parse_m
 from sloserve.cluster.routers import RouterOptions, make_router
 from sloserve.config import CacheConfig, ModelConfig, PoolSettings, SchedulerConfig, parse_pd, pd_pool_bounds, pd_roles  # noqa: F401 (parse_pd: re-exported)
 from sloserve.kv.tiers import DISK, STORE, KVTiers
+from sloserve.sched.clocks import make_clock_policy
 from sloserve.sim.catalog import get_model
+from sloserve.sim.clocking import ClockControl
 from sloserve.sim.cost import CostModel, Profile, ProfiledCostModel, RooflineCostModel
 from sloserve.sim.hardware import DEFAULT_LINK, get_hardware, get_link
 from sloserve.sim.instance import SimInstance, kv_blocks_for
 from sloserve.sim.kv_store import SimKVStore
+from sloserve.sim.power import get_power
 from sloserve.sim.prompts import SyntheticPrompt
 from sloserve.sim.simulator import SimResult, Simulator
 from sloserve.types import DEFAULT_QOS, QoSClass, Request, SamplingParams
@@ -95,6 +98,9 @@ class FleetConfig:
     # each instance reaches it over. Per-instance host and disk tiers are sized in `cache`.
     kv_store_gib: float = 0.0
     kv_store_link: str = DEFAULT_LINK
+    # Energy (sched/clocks, sim/power.py): a clock policy name ("max", "slo-slack", "energy-min")
+    # prices every step at the SM clock it picks and books the fleet's joules; None: no energy books.
+    clock_policy: Optional[str] = None
 
     def validate(self) -> None:
         if self.pd is not None:
@@ -114,6 +120,11 @@ class FleetConfig:
             raise ValueError("--kv-store-gib must be >= 0")
         self.scheduler.validate()
         self.cache.validate()
+        if self.clock_policy is not None:
+            make_clock_policy(self.clock_policy)
+            get_power(self.hardware)
+            if self.profile:
+                raise ValueError("--clock-policy needs the roofline cost model; drop --profile")
         if self.pd is not None:
             for role in ("prefill", "decode"):
                 pool_config(self, role).scheduler.validate()
@@ -251,9 +262,11 @@ def build_fleet(cfg: FleetConfig, predictions: Optional["PredictionBook"] = None
         pool = pool_config(cfg, role)
         cost, model, blocks = build_cost_model(pool)
         context = min(pool.max_model_len or model.max_position_embeddings, blocks * pool.cache.block_size)
+        clock = None if cfg.clock_policy is None else \
+            ClockControl(make_clock_policy(cfg.clock_policy), get_power(pool.hardware), cost, gpus=pool.tp)
         instances.append(SimInstance(i, cost, blocks, context, pool.scheduler, pool.cache,
                                      fast_forward=pool.fast_forward, num_host_blocks=host_blocks_for(pool, model),
-                                     tiers=kv_tiers_for(pool, model, cost, store)))
+                                     tiers=kv_tiers_for(pool, model, cost, store), clock=clock))
     options = RouterOptions(seed=cfg.router_seed, epsilon=cfg.router_epsilon,
                             predictions=predictions.lookup if predictions is not None else None)
     decode_router = make_router(cfg.decode_router, options) if cfg.pd is not None else None

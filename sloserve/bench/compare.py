@@ -50,6 +50,8 @@ CONFIG_ROWS = (
     ("cold starts", lambda c: (c.get("scaling") or {}).get("cold_starts"), False),
     ("prefix hit rate", lambda c: c.get("prefix_hit_rate"), True),
     ("KV tier loads", lambda c: (c.get("kv_tiers") or {}).get("loads"), True),
+    ("energy (J/request)", lambda c: (c.get("energy") or {}).get("joules_per_request"), False),
+    ("energy (J/output token)", lambda c: (c.get("energy") or {}).get("joules_per_output_token"), False),
 )
 
 

@@ -12,7 +12,7 @@ from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import Mapping, Optional
+from typing import Mapping, NamedTuple, Optional
 
 from sloserve.config import ModelConfig
 from sloserve.kv.tiers import DISK, HOST, STORE
@@ -82,6 +82,24 @@ class CostModel(ABC):
         return self.step_time(load)
 
 
+class StepWork(NamedTuple):
+    """A step's seconds at the full SM clock, by what a lower clock does to them: the compute
+    part of a roofline phase stretches, its memory part does not (HBM has its own clock), nor
+    do the all-reduces and the launch overhead. What the power model turns into joules."""
+
+    linear_compute: float
+    linear_memory: float
+    attention_compute: float
+    attention_memory: float
+    comm: float
+    overhead: float
+
+    @property
+    def phases(self) -> tuple[tuple[float, float], tuple[float, float]]:
+        """(compute, memory) seconds of the linear layers and of attention."""
+        return (self.linear_compute, self.linear_memory), (self.attention_compute, self.attention_memory)
+
+
 @dataclass(frozen=True)
 class Efficiency:
     """Fractions of peak that real kernels reach. Assumptions, documented in the README:
@@ -129,45 +147,70 @@ class RooflineCostModel(CostModel):
         block_bytes = self.block_size * self.kv_bytes_per_token / self.tp
         return num_blocks * block_bytes / (self.hw.host_link_bandwidth * self.eff.host_link)
 
-    def _attention_time(self, pairs: float, kv_tokens: float) -> float:
+    def _attention_phase(self, pairs: float, kv_tokens: float) -> tuple[float, float]:
+        """(compute, memory) seconds of the step's attention at the full clock."""
         m, hw, eff, tp = self.model, self.hw, self.eff, self.tp
         attn_flops = 4.0 * m.num_layers * m.num_heads * m.head_dim * pairs
         kv_bytes = self.kv_bytes_per_token * kv_tokens
-        return max(attn_flops / tp / (hw.peak_flops * eff.attention), kv_bytes / tp / (hw.mem_bandwidth * eff.memory))
+        return attn_flops / tp / (hw.peak_flops * eff.attention), kv_bytes / tp / (hw.mem_bandwidth * eff.memory)
 
     def decode_run(self, num_decodes: int, context: int, steps: int) -> list[float]:
-        # Only the attention term changes from step to step; the sum keeps step_time's order so
-        # a fast-forwarded run is priced to the last bit like the same steps one at a time.
+        return self.decode_run_at(num_decodes, context, steps, 1.0)
+
+    def decode_run_at(self, num_decodes: int, context: int, steps: int, clock: float) -> list[float]:
+        """decode_run with the SM clock at `clock` of its maximum. Only the attention term changes
+        from step to step; the sum keeps step_time's order so a fast-forwarded run is priced to
+        the last bit like the same steps one at a time."""
         n = num_decodes
-        t_linear, t_comm = self._linear_and_comm(n, n)
+        lin_c, lin_m, t_comm = self._linear_and_comm(n, n)
+        t_linear = max(lin_c / clock, lin_m)
         tail = self.eff.step_overhead_s
         swap = self.swap_time(0)
-        return [t_linear + self._attention_time(context + i * n, context + (i + 1) * n) + t_comm + tail + swap
-                for i in range(1, steps + 1)]
+        out = []
+        for i in range(1, steps + 1):
+            att_c, att_m = self._attention_phase(context + i * n, context + (i + 1) * n)
+            out.append(t_linear + max(att_c / clock, att_m) + t_comm + tail + swap)
+        return out
 
-    def _linear_and_comm(self, num_tokens: int, num_sampled: int) -> tuple[float, float]:
+    def _linear_and_comm(self, num_tokens: int, num_sampled: int) -> tuple[float, float, float]:
+        """(compute, memory) seconds of the linear layers at the full clock, and the all-reduces'."""
         m, hw, eff, tp = self.model, self.hw, self.eff, self.tp
         per_token_experts = max(1, m.num_experts_per_token)
         linear_flops = 2.0 * num_tokens * (self.attn_params + per_token_experts * self.expert_params)
         linear_flops += 2.0 * num_sampled * self.head_params
         weight_bytes = (self.attn_params + self._experts_touched(num_tokens) * self.expert_params
                         + self.head_params) * self.dtype_bytes
-        t_linear = max(linear_flops / tp / (hw.peak_flops * eff.compute),
-                       weight_bytes / tp / (hw.mem_bandwidth * eff.memory))
         t_comm = 0.0
         if tp > 1:  # two all-reduces of the hidden states per layer (ring: 2(tp-1)/tp of the data)
             data = num_tokens * m.hidden_size * self.dtype_bytes * 2 * (tp - 1) / tp
             per = data / (hw.interconnect_bandwidth * eff.interconnect) + eff.allreduce_latency_s
             t_comm = 2 * m.num_layers * per
-        return t_linear, t_comm
+        return (linear_flops / tp / (hw.peak_flops * eff.compute),
+                weight_bytes / tp / (hw.mem_bandwidth * eff.memory), t_comm)
+
+    def work(self, shape: StepLoad) -> StepWork:
+        """The step split into what the SM clock stretches and what it does not."""
+        if shape.num_tokens == 0:
+            return StepWork(0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+        lin_c, lin_m, t_comm = self._linear_and_comm(shape.num_tokens, shape.num_sampled)
+        att_c, att_m = self._attention_phase(shape.decode_context + shape.prefill_attention,
+                                             shape.decode_context + shape.prefill_context + shape.num_tokens)
+        return StepWork(lin_c, lin_m, att_c, att_m, t_comm, self.eff.step_overhead_s)
 
     def step_time(self, shape: StepLoad) -> float:
+        return self.step_time_at(shape, 1.0)
+
+    def step_time_at(self, shape: StepLoad, clock: float, work: Optional[StepWork] = None) -> float:
+        """The step with the SM clock at `clock` (0 < clock <= 1) of its maximum: compute-bound
+        terms stretch by 1/clock, memory-bound ones keep their time (HBM runs on its own clock),
+        and so do the all-reduces, the launch overhead and the KV copies. At 1.0 this is the
+        step_time every other study uses, to the last bit."""
         if shape.num_tokens == 0:
             return self.kv_ops_time(shape) + self.save_time(shape)
-        t_linear, t_comm = self._linear_and_comm(shape.num_tokens, shape.num_sampled)
-        t_attn = self._attention_time(shape.decode_context + shape.prefill_attention,
-                                      shape.decode_context + shape.prefill_context + shape.num_tokens)
-        compute = t_linear + t_attn + t_comm + self.eff.step_overhead_s
+        w = work or self.work(shape)
+        t_linear = max(w.linear_compute / clock, w.linear_memory)
+        t_attn = max(w.attention_compute / clock, w.attention_memory)
+        compute = t_linear + t_attn + w.comm + w.overhead
         return self.with_saves(compute, shape) + self.kv_ops_time(shape)
 
 

@@ -18,6 +18,7 @@ from sloserve.sched.plan import DecodeRunPlan, StepPlan, StepResult
 from sloserve.sched.live_state import LiveInstanceState, Moment
 from sloserve.sched.scheduler import Scheduler
 from sloserve.sched.state import InstanceState
+from sloserve.sim.clocking import ClockControl
 from sloserve.sim.cost import CostModel
 from sloserve.types import Request
 
@@ -58,6 +59,8 @@ class DecodeRun:
     ends: list[float]  # end time of each step
     applied: int = 0  # steps already applied to the scheduler
     reserved: bool = False  # the blocks of the step in flight are allocated (done only for a reader)
+    joules: Optional[list[float]] = None  # each step's energy, with a clock policy (at `clock`)
+    clock: float = 1.0
 
     @property
     def end(self) -> float:
@@ -73,7 +76,10 @@ class SimInstance:
     def __init__(self, instance_id: int, cost_model: CostModel, num_blocks: int, max_model_len: int,
                  scheduler_config: SchedulerConfig, cache_config: Optional[CacheConfig] = None,
                  trace: bool = False, fast_forward: bool = True, max_run_steps: int = 64,
-                 num_host_blocks: int = 0, tiers: Optional[KVTiers] = None):
+                 num_host_blocks: int = 0, tiers: Optional[KVTiers] = None,
+                 clock: Optional[ClockControl] = None):
+        """`clock`: price each step at the SM clock a clock policy picks, and book its energy
+        (None: every step at the top clock, no energy books)."""
         cache = cache_config or CacheConfig()
         self.instance_id = instance_id
         self.cost_model = cost_model
@@ -89,6 +95,7 @@ class SimInstance:
         self.max_run_steps = max_run_steps
         self.busy_until: Optional[float] = None
         self.busy_time = 0.0
+        self.clock = clock
         self.traces: Optional[list[StepTrace]] = [] if trace else None
 
     @property
@@ -111,7 +118,8 @@ class SimInstance:
         plan = self.scheduler.schedule(now)
         if plan.is_empty and not plan.has_kv_ops:  # a swap-out alone still takes its copy time
             return None
-        duration = self.cost_model.plan_time(plan)
+        duration = self.cost_model.plan_time(plan) if self.clock is None else \
+            self.clock.step(plan, self.scheduler.waiting)
         self.current = plan
         self.busy_until = now + duration
         self.busy_time += duration
@@ -120,12 +128,18 @@ class SimInstance:
         return self.busy_until
 
     def _start_run(self, now: float, run: DecodeRunPlan) -> float:
+        joules, clock = None, 1.0
+        if self.clock is None:
+            durations = self.cost_model.decode_run(run.num_decodes, run.context, run.steps)
+        else:
+            durations, joules, clock = self.clock.decode_run(now, run.num_decodes, run.context, run.steps,
+                                                             self.scheduler.running, self.scheduler.waiting)
         ends, t = [], now
-        for duration in self.cost_model.decode_run(run.num_decodes, run.context, run.steps):
+        for duration in durations:
             t += duration
             ends.append(t)
         self.busy_time += t - now
-        self.run = DecodeRun(ends)
+        self.run = DecodeRun(ends, joules=joules, clock=clock)
         self.busy_until = t
         return t
 
@@ -163,6 +177,10 @@ class SimInstance:
         if in_flight >= len(run.ends) - 1:
             return None
         self.busy_time -= run.ends[-1] - run.ends[in_flight]
+        if self.clock is not None and run.joules is not None:
+            cut = [b - a for a, b in zip(run.ends[in_flight:], run.ends[in_flight + 1:])]
+            self.clock.refund(run.clock, cut, run.joules[in_flight + 1:])
+            del run.joules[in_flight + 1:]
         del run.ends[in_flight + 1:]
         self.busy_until = run.ends[-1]
         return self.busy_until

@@ -16,6 +16,7 @@ from typing import Callable, Iterable, Iterator, Optional
 
 from sloserve.fleet_view import HANDOFF, READY as SLOT_READY, ROLES, STARTING, FleetDecisions, MoveCosts
 from sloserve.sched.live_state import Moment
+from sloserve.sim.clocking import energy_summary
 from sloserve.sim.instance import SimInstance
 from sloserve.sim.migration import SimMigrator, Transfer
 from sloserve.sim.scaling import ScalingSpec, SimScaling
@@ -53,6 +54,8 @@ class SimResult:
     handoffs: dict[str, float] = field(default_factory=dict)
     # autoscaling: instance_seconds / instance_hours, cold and warm starts, the timeline and the decisions
     scaling: dict = field(default_factory=dict)
+    # with a clock policy (sim/clocking.py): joules of the steps and of idle time, mean clocks
+    energy: dict = field(default_factory=dict)
 
 
 class RoutingOnly:
@@ -259,10 +262,13 @@ class Simulator:
         for request in self._held:  # the run ended (`until`) before any instance was ready for them
             rejected.append((request, "no instance became ready"))
         self._held = []
+        scaling = self.scaling.close(last_work).as_dict() if self.scaling is not None else {}
+        energy = energy_summary([i.clock for i in self.instances], self.roles, last_work,  # type: ignore[misc]
+                                self.scaling.books.pool_seconds if self.scaling is not None else None)
         return SimResult(finished, rejected, last_work, events, num_finished, [i.busy_time for i in self.instances],
                          self.controller.counters if self._ticks else {},
                          getattr(self.controller, "handoff_counters", {}) if self._prefill_ids else {},
-                         self.scaling.close(last_work).as_dict() if self.scaling is not None else {})
+                         scaling, energy)
 
     def _arrive(self, request: Request, observed: bool = False) -> Optional[str]:
         """Route and queue an arrival; returns why it was rejected, if it was. Under autoscaling,
