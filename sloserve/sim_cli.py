@@ -106,6 +106,19 @@ def add_fleet_args(p: argparse.ArgumentParser) -> None:
     e.add_argument("--clock-policy", metavar="POLICY",
                    help=f"lock each step's SM clock and book the fleet's energy: one of {sorted(CLOCK_POLICIES)} "
                         "(max: the baseline; slo-slack: spend SLO slack on lower clocks)")
+    from sloserve.cluster.experts import EXPERT_PLACERS
+
+    x = p.add_argument_group("mixture-of-experts placement (each instance: an expert-parallel group of --tp GPUs)")
+    x.add_argument("--experts", metavar="POLICY", help=f"place the experts: one of {sorted(EXPERT_PLACERS)}")
+    x.add_argument("--expert-skew", type=float, default=0.6,
+                   help="spread of the experts' log-popularity per layer (0: every expert equally popular)")
+    x.add_argument("--expert-drift", type=float, default=1800.0, metavar="S",
+                   help="time constant of the popularity's drift (0: fixed popularity)")
+    x.add_argument("--expert-interval", type=float, default=600.0, metavar="S", help="how often rebalance re-places")
+    x.add_argument("--expert-redundant", type=int, default=1,
+                   help="extra expert copies per GPU per layer (replicate-hot, rebalance)")
+    x.add_argument("--expert-offload", type=float, default=0.25,
+                   help="share of each layer's experts offload-cold keeps in host memory")
     a = p.add_argument_group("autoscaling")
     from sloserve.cluster.autoscale import AUTOSCALERS
     from sloserve.cluster.forecast import FORECASTERS
@@ -167,7 +180,10 @@ def fleet_config_from_args(args: argparse.Namespace):
         forecaster=getattr(args, "forecaster", "seasonal-naive"), forecast_level=getattr(args, "forecast_level", 0.9),
         pd_min=getattr(args, "pd_min", None),
         pd_capacity=parse_pd_capacity(getattr(args, "pd_capacity", None)),
-        clock_policy=getattr(args, "clock_policy", None))
+        clock_policy=getattr(args, "clock_policy", None), experts=getattr(args, "experts", None),
+        expert_skew=getattr(args, "expert_skew", 0.6), expert_drift_s=getattr(args, "expert_drift", 1800.0),
+        expert_interval_s=getattr(args, "expert_interval", 600.0),
+        expert_redundant=getattr(args, "expert_redundant", 1), expert_offload=getattr(args, "expert_offload", 0.25))
 
 
 def parse_instances(text: str, autoscale) -> tuple[int, int]:
@@ -245,6 +261,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                 "pd_capacity": fleet.pd_capacity,
                 "scaling": result.scaling,
                 "clock_policy": fleet.clock_policy, "energy": energy_report(result.energy, records),
+                "experts": fleet.experts, "expert_books": result.experts,
+                "expert_weights_gb": [i.cost_model.weight_bytes() / 1e9 for i in sim.instances] if fleet.experts else None,
+                "kv_blocks": [i.kv.pool.num_blocks for i in sim.instances],
                 "preemptions": sum(i.scheduler.stats.num_preemptions for i in sim.instances),
                 "prefix_hit_rate": (sum(i.kv.stats.hits for i in sim.instances)
                                     / max(1, sum(i.kv.stats.queries for i in sim.instances))),
@@ -296,6 +315,12 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                       f"{en['joules_per_request']:.1f} J per request, {en['joules_per_output_token']:.3f} J per "
                       f"output token ({en['idle_j'] / max(en['total_j'], 1e-12):.0%} idle); mean clock prefill "
                       f"{'-' if pc is None else f'{pc:.0%}'}, decode {'-' if dc is None else f'{dc:.0%}'}")
+        if c.get("experts"):
+            x = c["expert_books"][0]
+            out.print(f"experts ({c['experts']}): mean straggler {x['mean_straggler']:.2f}x an even share, "
+                      f"{x['replacements']} re-placements moving {x['moved_bytes'] / 1e9:.1f} GB "
+                      f"({x['stall_s']:.2f} s stalled), {x['fetched_bytes'] / 1e9:.1f} GB fetched from host; "
+                      f"weights {c['expert_weights_gb'][0]:.1f} GB per GPU, {c['kv_blocks'][0]} KV blocks")
         m = c["migrations"]
         if m:
             out.print(f"migration ({c['migration']} over {c['link']}): {m['started']} started, {m['completed']} "

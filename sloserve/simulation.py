@@ -16,10 +16,12 @@ from sloserve.cluster.migration import MoveCosts, make_migration_policy, parse_m
 from sloserve.cluster.routers import RouterOptions, make_router
 from sloserve.config import CacheConfig, ModelConfig, PoolSettings, SchedulerConfig, parse_pd, pd_pool_bounds, pd_roles  # noqa: F401 (parse_pd: re-exported)
 from sloserve.kv.tiers import DISK, STORE, KVTiers
+from sloserve.cluster.experts import make_expert_placer
 from sloserve.sched.clocks import make_clock_policy
 from sloserve.sim.catalog import get_model
 from sloserve.sim.clocking import ClockControl
 from sloserve.sim.cost import CostModel, Profile, ProfiledCostModel, RooflineCostModel
+from sloserve.sim.experts import ExpertParallelCostModel, ExpertPopularity
 from sloserve.sim.hardware import DEFAULT_LINK, get_hardware, get_link
 from sloserve.sim.instance import SimInstance, kv_blocks_for
 from sloserve.sim.kv_store import SimKVStore
@@ -101,6 +103,18 @@ class FleetConfig:
     # Energy (sched/clocks, sim/power.py): a clock policy name ("max", "slo-slack", "energy-min")
     # prices every step at the SM clock it picks and books the fleet's joules; None: no energy books.
     clock_policy: Optional[str] = None
+    # Mixture-of-experts placement (cluster/experts, sim/experts.py): a policy name ("static",
+    # "replicate-hot", "offload-cold", "rebalance") makes each instance an expert-parallel group of
+    # `tp` GPUs whose experts it places; popularity per layer is log-normal with this skew, drifting
+    # with time constant `expert_drift_s` (0: fixed), in epochs of `expert_epoch_s`.
+    experts: Optional[str] = None
+    expert_skew: float = 0.6
+    expert_drift_s: float = 1800.0
+    expert_epoch_s: float = 60.0
+    expert_interval_s: float = 600.0  # how often `rebalance` re-places
+    expert_redundant: int = 1  # extra expert copies per GPU per layer (replicate-hot, rebalance)
+    expert_offload: float = 0.25  # share of each layer's experts offload-cold keeps in host memory
+    expert_seed: int = 0
 
     def validate(self) -> None:
         if self.pd is not None:
@@ -120,6 +134,13 @@ class FleetConfig:
             raise ValueError("--kv-store-gib must be >= 0")
         self.scheduler.validate()
         self.cache.validate()
+        if self.experts is not None:
+            make_expert_placer(self.experts, redundant=self.expert_redundant, offload_share=self.expert_offload,
+                               interval_s=self.expert_interval_s)
+            if not get_model(self.model).num_experts:
+                raise ValueError(f"--experts places the experts of a mixture-of-experts model; {self.model} has none")
+            if self.profile or self.clock_policy is not None:
+                raise ValueError("--experts prices steps with its own roofline: drop --profile and --clock-policy")
         if self.clock_policy is not None:
             make_clock_policy(self.clock_policy)
             get_power(self.hardware)
@@ -197,7 +218,8 @@ def build_cost_model(cfg: FleetConfig) -> tuple[CostModel, ModelConfig, int]:
     """The cost model, the model's shape, and KV blocks per instance."""
     model = get_model(cfg.model)
     hw = get_hardware(cfg.hardware)
-    roofline = RooflineCostModel(hw, model, cfg.tp, cfg.dtype_bytes, block_size=cfg.cache.block_size)
+    roofline = RooflineCostModel(hw, model, cfg.tp, cfg.dtype_bytes, block_size=cfg.cache.block_size) \
+        if cfg.experts is None else expert_parallel_cost(cfg, hw, model)
     cost: CostModel = roofline
     if cfg.profile:  # a profile times no swaps: price them over the hardware's host link
         cost = ProfiledCostModel(Profile.load(cfg.profile), swap_s_per_block=roofline.swap_time(1))
@@ -205,6 +227,18 @@ def build_cost_model(cfg: FleetConfig) -> tuple[CostModel, ModelConfig, int]:
                                              cfg.tp, cfg.scheduler.max_num_batched_tokens, cfg.scheduler.max_num_seqs,
                                              cfg.dtype_bytes)
     return cost, model, blocks
+
+
+def expert_parallel_cost(cfg: FleetConfig, hw, model: ModelConfig) -> ExpertParallelCostModel:
+    """An instance of `cfg.tp` GPUs whose experts `cfg.experts` places (and re-places, if it does)
+    as their popularity drifts; placed first from the popularity at time 0 (a calibration run)."""
+    placer = make_expert_placer(cfg.experts, redundant=cfg.expert_redundant,  # type: ignore[arg-type]
+                                offload_share=cfg.expert_offload, interval_s=cfg.expert_interval_s)
+    popularity = ExpertPopularity(model.num_layers, model.num_experts, cfg.expert_skew, cfg.expert_drift_s,
+                                  cfg.expert_epoch_s, cfg.expert_seed)
+    return ExpertParallelCostModel(hw, model, cfg.tp, placer.place(popularity.current, cfg.tp), popularity,
+                                   replace=lambda seen: placer.place(seen, cfg.tp), replace_every_s=placer.interval_s,
+                                   dtype_bytes=cfg.dtype_bytes, block_size=cfg.cache.block_size)
 
 
 def block_bytes(cfg: FleetConfig, model: ModelConfig) -> float:

@@ -26,6 +26,12 @@ MODELS: dict[str, ModelConfig] = {
     "mixtral-8x7b": ModelConfig("mistral", 32000, 4096, 14336, 32, 32, 8, 128, 1e-5, 1e6,
                                 max_position_embeddings=32768, num_experts=8, num_experts_per_token=2,
                                 name="mixtral-8x7b"),
+    # Qwen/Qwen3-30B-A3B config.json: 128 routed experts per layer, 8 per token (moe_intermediate_size
+    # 768, every layer sparse, no shared expert): the fine-grained many-expert design DeepSeek-MoE
+    # introduced, with plain GQA attention (32 query heads of 128, 4 KV heads)
+    "qwen3-30b-a3b": ModelConfig("qwen3", 151936, 2048, 768, 48, 32, 4, 128, 1e-6, 1e6,
+                                 max_position_embeddings=40960, num_experts=128, num_experts_per_token=8,
+                                 name="qwen3-30b-a3b"),
     # HuggingFaceTB/SmolLM2-135M-Instruct (the embedded model)
     "smollm2-135m": ModelConfig("llama", 49152, 576, 1536, 30, 9, 3, 64, 1e-5, 100000.0,
                                 max_position_embeddings=8192, tie_word_embeddings=True, name="smollm2-135m"),

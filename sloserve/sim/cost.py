@@ -81,6 +81,10 @@ class CostModel(ABC):
         """The scheduler's StepCostEstimator interface."""
         return self.step_time(load)
 
+    def advance(self, now: float) -> None:
+        """Simulated time moved to `now` before a step is planned (a model whose prices change over
+        time, such as an expert placement under drifting popularity, catches up here)."""
+
 
 class StepWork(NamedTuple):
     """A step's seconds at the full SM clock, by what a lower clock does to them: the compute

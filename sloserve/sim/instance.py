@@ -111,6 +111,7 @@ class SimInstance:
             raise RuntimeError("a step is already running")
         if not self.scheduler.has_unfinished():
             return None
+        self.cost_model.advance(now)
         if self.fast_forward:
             run = self.scheduler.plan_decode_run(self.max_run_steps)
             if run is not None:

@@ -56,6 +56,8 @@ class SimResult:
     scaling: dict = field(default_factory=dict)
     # with a clock policy (sim/clocking.py): joules of the steps and of idle time, mean clocks
     energy: dict = field(default_factory=dict)
+    # per instance, with an expert placement (sim/experts.py): re-placements, moves, stalls, stragglers
+    experts: list = field(default_factory=list)
 
 
 class RoutingOnly:
@@ -268,7 +270,8 @@ class Simulator:
         return SimResult(finished, rejected, last_work, events, num_finished, [i.busy_time for i in self.instances],
                          self.controller.counters if self._ticks else {},
                          getattr(self.controller, "handoff_counters", {}) if self._prefill_ids else {},
-                         scaling, energy)
+                         scaling, energy, [i.cost_model.books.as_dict() for i in self.instances  # type: ignore[attr-defined]
+                                           if getattr(i.cost_model, "prices_experts", False)])
 
     def _arrive(self, request: Request, observed: bool = False) -> Optional[str]:
         """Route and queue an arrival; returns why it was rejected, if it was. Under autoscaling,
