@@ -180,3 +180,19 @@ def test_snapshot_reports_load():
     sched.schedule(0.5)
     state = sched.snapshot(now=0.5)
     assert state.num_running == 1 and state.kv_blocks_used == 2
+
+
+def test_without_chunked_prefill_a_prompt_that_no_step_can_hold_is_refused_not_left_waiting_forever():
+    from sloserve.config import SchedulerConfig
+    from sloserve.kv.manager import KVCacheManager
+    from sloserve.sched.scheduler import Scheduler
+
+    kv = KVCacheManager(64, 16, enable_prefix_caching=True, watermark=0.0)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=16, enable_chunked_prefill=False),
+                      kv, 1024, eos_token_ids=(EOS,))
+    # 60 prompt tokens + 8 outputs: a recompute after a preemption would need 68 > 64 in one step.
+    with pytest.raises(ValueError, match="without chunked prefill"):
+        sched.add_request(make_request("long", 60, max_tokens=8))
+    assert not sched.has_unfinished() and kv.num_free_blocks == 64
+    sched.add_request(make_request("fits", 50, max_tokens=8))
+    assert set(run_to_completion(sched)) == {"fits"}

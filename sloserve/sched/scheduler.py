@@ -177,7 +177,15 @@ class Scheduler:
                 f"prompt has {request.num_prompt_tokens} tokens; the context window is {self.max_model_len}"
             )
         room = self.max_model_len - request.num_prompt_tokens
-        request.max_output_tokens = room if request.max_output_tokens is None else min(request.max_output_tokens, room)
+        longest = room if request.max_output_tokens is None else min(request.max_output_tokens, room)
+        budget = self.config.max_num_batched_tokens
+        if not self.config.enable_chunked_prefill and request.num_prompt_tokens + longest > budget:
+            # Without chunks a step holds a whole prefill: this prompt (or its recompute after a
+            # preemption, prompt + outputs) would wait at the head of the queue forever.
+            raise ValueError(
+                f"prompt has {request.num_prompt_tokens} tokens and may generate {longest}; without chunked "
+                f"prefill a step computes at most {budget} (max_num_batched_tokens): raise it or enable chunking")
+        request.max_output_tokens = longest
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self._seq[request.request_id] = self._next_seq
@@ -287,7 +295,15 @@ class Scheduler:
         if request.num_tokens - request.num_computed_tokens != 1:
             raise ValueError("only a request with every token but its last computed can be adopted")
         room = self.max_model_len - request.num_prompt_tokens
-        request.max_output_tokens = room if request.max_output_tokens is None else min(request.max_output_tokens, room)
+        longest = room if request.max_output_tokens is None else min(request.max_output_tokens, room)
+        budget = self.config.max_num_batched_tokens
+        if not self.config.enable_chunked_prefill and request.num_prompt_tokens + longest > budget:
+            # Without chunks a step holds a whole prefill: this prompt (or its recompute after a
+            # preemption, prompt + outputs) would wait at the head of the queue forever.
+            raise ValueError(
+                f"prompt has {request.num_prompt_tokens} tokens and may generate {longest}; without chunked "
+                f"prefill a step computes at most {budget} (max_num_batched_tokens): raise it or enable chunking")
+        request.max_output_tokens = longest
         self.kv.adopt(request, block_ids)
         request.status = RequestStatus.RUNNING
         self.requests[rid] = request
