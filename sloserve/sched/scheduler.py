@@ -176,16 +176,7 @@ class Scheduler:
             raise ValueError(
                 f"prompt has {request.num_prompt_tokens} tokens; the context window is {self.max_model_len}"
             )
-        room = self.max_model_len - request.num_prompt_tokens
-        longest = room if request.max_output_tokens is None else min(request.max_output_tokens, room)
-        budget = self.config.max_num_batched_tokens
-        if not self.config.enable_chunked_prefill and request.num_prompt_tokens + longest > budget:
-            # Without chunks a step holds a whole prefill: this prompt (or its recompute after a
-            # preemption, prompt + outputs) would wait at the head of the queue forever.
-            raise ValueError(
-                f"prompt has {request.num_prompt_tokens} tokens and may generate {longest}; without chunked "
-                f"prefill a step computes at most {budget} (max_num_batched_tokens): raise it or enable chunking")
-        request.max_output_tokens = longest
+        request.max_output_tokens = self._output_room(request)
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self._seq[request.request_id] = self._next_seq
@@ -195,6 +186,20 @@ class Scheduler:
         if self.policy.prices_prefills and self.kv.enable_prefix_caching:
             self._expect_prefix(request)
         self._enqueue_waiting(request, now=request.arrival_time)
+
+    def _output_room(self, request: Request) -> int:
+        """The most tokens the request may generate here: what it asked for, within the context
+        window. Without chunked prefill a step holds a whole prefill, so a request whose prompt (or
+        its recompute after a preemption, prompt + outputs) no step can hold is refused: it would
+        wait at the head of the queue forever."""
+        room = self.max_model_len - request.num_prompt_tokens
+        longest = room if request.max_output_tokens is None else min(request.max_output_tokens, room)
+        budget = self.config.max_num_batched_tokens
+        if not self.config.enable_chunked_prefill and request.num_prompt_tokens + longest > budget:
+            raise ValueError(
+                f"prompt has {request.num_prompt_tokens} tokens and may generate {longest}; without chunked "
+                f"prefill a step computes at most {budget} (max_num_batched_tokens): raise it or enable chunking")
+        return longest
 
     def _cached_prefix(self, request: Request) -> tuple[list, int, list[TierHit]]:
         """What the request's prompt hits now: its device blocks, their tokens, and the lower-tier
@@ -294,16 +299,7 @@ class Scheduler:
             raise ValueError(f"duplicate request id {rid!r}")
         if request.num_tokens - request.num_computed_tokens != 1:
             raise ValueError("only a request with every token but its last computed can be adopted")
-        room = self.max_model_len - request.num_prompt_tokens
-        longest = room if request.max_output_tokens is None else min(request.max_output_tokens, room)
-        budget = self.config.max_num_batched_tokens
-        if not self.config.enable_chunked_prefill and request.num_prompt_tokens + longest > budget:
-            # Without chunks a step holds a whole prefill: this prompt (or its recompute after a
-            # preemption, prompt + outputs) would wait at the head of the queue forever.
-            raise ValueError(
-                f"prompt has {request.num_prompt_tokens} tokens and may generate {longest}; without chunked "
-                f"prefill a step computes at most {budget} (max_num_batched_tokens): raise it or enable chunking")
-        request.max_output_tokens = longest
+        request.max_output_tokens = self._output_room(request)
         self.kv.adopt(request, block_ids)
         request.status = RequestStatus.RUNNING
         self.requests[rid] = request
