@@ -3,6 +3,7 @@ roofline, joules from the power model), one chosen by the instance's clock polic
 books of what the steps spent."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -60,7 +61,8 @@ class ClockControl:
     def step(self, plan: StepPlan, waiting: Sequence[Request]) -> float:
         """The step's duration at the clock the policy picks (its joules booked)."""
         options = self._options(StepLoad.of_plan(plan))
-        end_by = step_end_by(plan.now, plan.scheduled, waiting, options[0].seconds, self.policy.ttft_share)
+        end_by = step_end_by(plan.now, plan.scheduled, waiting, options[0].seconds, self.policy.ttft_share) \
+            if self.policy.reads_deadlines else math.inf
         choice = self.policy.choose(plan.now, end_by, options)
         self.books.add(choice, self.power.mhz(choice.clock), any(s.is_prefill for s in plan.scheduled))
         return choice.seconds
@@ -71,7 +73,8 @@ class ClockControl:
         the one the policy picks for the run's longest (last) step."""
         last = StepLoad.decodes(num_decodes, context + steps * num_decodes)
         options = self._options(last)
-        end_by = decode_run_end_by(now, running, waiting, options[0].seconds, self.policy.ttft_share)
+        end_by = decode_run_end_by(now, running, waiting, options[0].seconds, self.policy.ttft_share) \
+            if self.policy.reads_deadlines else math.inf
         choice = self.policy.choose(now, end_by, options)
         durations = self.cost.decode_run_at(num_decodes, context, steps, choice.clock)  # type: ignore[attr-defined]
         joules = [self.gpus * self.power.step_energy(self.cost.work(StepLoad.decodes(num_decodes,

@@ -235,13 +235,7 @@ class RooflineCostModel(CostModel):
         step_time every other study uses, to the last bit."""
         if shape.num_tokens == 0:
             return self.kv_ops_time(shape) + self.save_time(shape)
-        if work is None:  # the simulator's hot path: no StepWork built
-            lin_c, lin_m, comm = self._linear_and_comm(shape.num_tokens, shape.num_sampled)
-            att_c, att_m = self._attention_phase(shape.decode_context + shape.prefill_attention,
-                                                 shape.decode_context + shape.prefill_context + shape.num_tokens)
-            overhead = self.eff.step_overhead_s
-        else:
-            lin_c, lin_m, att_c, att_m, comm, overhead = work
+        lin_c, lin_m, att_c, att_m, comm, overhead = work if work is not None else self.work(shape)
         t_linear = max(lin_c / clock, lin_m)
         t_attn = max(att_c / clock, att_m)
         compute = t_linear + t_attn + comm + overhead

@@ -30,6 +30,7 @@ class ClockOption:
 class ClockPolicy(ABC):
     name: str = ""
     ttft_share: float = 0.5  # what step_end_by may give of a TTFT slack (see TTFT_SHARE)
+    reads_deadlines: bool = False  # whether `choose` looks at `end_by` (else the caller passes inf, unpriced)
 
     @abstractmethod
     def choose(self, now: float, end_by: float, options: Sequence[ClockOption]) -> ClockOption:

@@ -16,6 +16,7 @@ class SLOSlackClock(ClockPolicy):
     a TTFT slack the step's end may use up (base.TTFT_SHARE); `slo-slack:0.3` by name."""
 
     name = "slo-slack"
+    reads_deadlines = True
 
     def __init__(self, margin: float = 0.9, ttft_share: float = TTFT_SHARE):
         if not 0 < margin <= 1:
