@@ -18,10 +18,14 @@ pytestmark = pytest.mark.slow
 
 # A lower target must hold 20 s before a start is cancelled or a worker drained: on a slow machine a worker
 # takes longer to come up than the 6 s window the burst stays in (at 2 s, the start was cancelled mid-load).
-ARGS = ["--instances", "1:2", "--autoscale", "reactive", "--capacity", "0.5", "--scaling-interval", "1",
+ARGS = ["--instances", "1:2", "--autoscale", "reactive", "--capacity", "1.25", "--scaling-interval", "1",
         "--scale-down-delay", "20", "--stable-window", "6", "--router", "least-requests", "--max-num-seqs", "8",
         "--kv-cache-gib", "0.1", "--admin-key", ADMIN, "--log-level", "warning"]
-LONG = 400  # tokens: long enough to be running when the lull drains a worker
+# Lull streams: two clients each keep one LONG-token stream running until a worker has drained, so streams are in
+# flight on both workers whenever the drain comes, however fast the machine (a fixed pair of streams finished before
+# the 20 s delay ran out on a fast one). At >= 4 ms a token each stream lasts >= 2.4 s: two clients arrive at under
+# 1 req/s, which one worker carries (capacity 1.25 x utilization 0.8), so the lull needs one instance.
+LONG = 600
 
 
 def stream_text(base: str, prompt: str, max_tokens: int) -> str:
@@ -69,15 +73,34 @@ def test_a_burst_adds_a_worker_and_the_lull_drains_one(tmp_path):
         for t in threads:
             t.join(180)
         assert len(results) == 10 and all(results[p] == expected[p] for p in prompts[:2])
-        # a long stream on each worker; the lull makes one worker drain: its stream must move, not break
-        long_threads = [threading.Thread(target=run, args=(p, LONG)) for p in long_prompts]
+        # Streams on both workers through the lull; one worker drains: its stream must move, not break. (The
+        # requests that computed `expected` may already have scaled the fleet up and down once: count from here.)
+        stops_before = instances(base)["autoscale"]["stops"]
+        lull_over = threading.Event()
+        lull: list[tuple[str, str]] = []
+
+        errors: list[BaseException] = []
+
+        def keep_streaming(p: str) -> None:
+            try:
+                while not lull_over.is_set():
+                    lull.append((p, stream_text(base, p, LONG)))
+            except BaseException as e:  # a broken stream fails the test, not only its thread
+                errors.append(e)
+                lull_over.set()
+
+        long_threads = [threading.Thread(target=keep_streaming, args=(p,)) for p in long_prompts]
         for t in long_threads:
             t.start()
-        wait_for(lambda: instances(base)["autoscale"]["stops"] >= 1, 120, interval=0.5,
-                 what="one worker drained and stopped")
-        for t in long_threads:
-            t.join(180)
-        assert all(results[p] == expected[p] for p in long_prompts)
+        try:
+            wait_for(lambda: instances(base)["autoscale"]["stops"] > stops_before, 150, interval=0.5,
+                     what="one worker drained and stopped")
+        finally:
+            lull_over.set()
+            for t in long_threads:
+                t.join(180)
+        assert not errors, errors
+        assert lull and all(text == expected[p] for p, text in lull), [(p, t == expected[p]) for p, t in lull]
         info = instances(base)
         assert sorted(d["status"] for d in info["data"]) == ["healthy", "stopped"]
         a = info["autoscale"]

@@ -17,7 +17,7 @@ from sloserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from sloserve.engine.llm import LLM
 from sloserve.engine.precision_probe import choose_cpu_dtype, quantized_max_rows
 from sloserve.engine.quality import (KV_TOLERANCES, TOLERANCES, chunked_next_token_logits, greedy_agreement, load_texts,
-                                     perplexity, top1_agreement)
+                                     next_token_logits, perplexity, top1_agreement)
 from sloserve.engine.quant import (DenseLinear, GroupAffine4, Int4Linear, Int8Linear, RowDispatchLinear,
                                    resolve_quantization)
 from sloserve.engine.weights import load_model
@@ -192,7 +192,11 @@ def test_kv_cache_precision_stays_within_its_tolerance(llm, heldout_ids, kv_dtyp
 
 
 def test_int8_kv_cache_holds_more_tokens_and_generates_what_float32_does(llm, heldout_ids):
-    prompts = [ids[:40] for ids in heldout_ids[:3]]
+    """Greedy runs through the engine's int8 cache (chunked prefill and decode both read it back) pick, at every
+    step, a token the float32 model ranks first or within a near-tie of first after the same prefix. A flipped
+    near-tie changes the rest of a greedy run, so equal whole outputs are luck (one of the first three prompts
+    differed on the AMX Xeon, where the EPYC had none); a wrong cache would show as large gaps."""
+    prompts = [ids[:40] for ids in heldout_ids[:8]]
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     small = dict(dtype="float32", quantization="none", scheduler=SchedulerConfig(max_num_batched_tokens=16))
     fp32 = LLM(config=EngineConfig(**small, cache=CacheConfig(kv_cache_gib=0.05)))
@@ -201,4 +205,11 @@ def test_int8_kv_cache_holds_more_tokens_and_generates_what_float32_does(llm, he
     assert int8.engine.kv.num_blocks >= 3.7 * fp32.engine.kv.num_blocks
     ref = [o.token_ids for o in fp32.generate(prompts, params)]
     got = [o.token_ids for o in int8.generate(prompts, params)]
-    assert greedy_agreement(ref, got).prefix_fraction >= 0.9
+    gaps = []
+    for prompt, out in zip(prompts, got):
+        logp = torch.log_softmax(next_token_logits(llm.engine.model, prompt + out)[len(prompt) - 1:], -1)
+        gaps += (logp.max(-1).values - logp.gather(1, torch.tensor(out).unsqueeze(1)).squeeze(1)).tolist()
+    assert max(gaps) < 0.25, gaps  # nats below float32's best: a near-tie at worst (measured flips: 0.05-0.06)
+    assert sum(g == 0 for g in gaps) >= 0.95 * len(gaps), gaps  # and almost always float32's own choice
+    assert greedy_agreement(ref, got).prefix_fraction >= 0.6  # measured 0.875 over these 8 (AMX Xeon)
+    assert int8.engine.kv.num_free_blocks == int8.engine.kv.num_blocks
