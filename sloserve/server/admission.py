@@ -91,6 +91,11 @@ class Admission:
         if self.shedder is not None:
             self.shedder.on_admit(ids)
 
+    def first_token(self, request_id: str) -> None:
+        """The engine request's first token reached its handler: the shedder learns from it."""
+        if self.shedder is not None:
+            self.shedder.on_first_token(request_id)
+
     def release(self, request_id: str) -> None:
         self._in_flight.discard(request_id)
         if self.shedder is not None:

@@ -538,6 +538,8 @@ class TrackedStream:
             self._serving.tenants.record(self._ctx.principal.tenant, k)
             if self._prev_t is not None:
                 self._itls.extend([(now - self._prev_t) / k] * k)
+            else:
+                self._serving.admission.first_token(self.choice.engine_id)
             self._prev_t = now
         self._last = out
         if out.finished:
