@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Callable, Optional
 
 from sloserve.bench.metrics import SLO, jsonable, percentile
 from sloserve.config import SchedulerConfig
@@ -92,17 +93,20 @@ def run(reqs: list[WorkloadRequest], policy: str, slo: SLO, instances: int, seed
 
 
 def measure_capacity(reqs: list[WorkloadRequest], slo: SLO, instances: int, iters: int,
+                     requests_at: Optional[Callable[[float], list[WorkloadRequest]]] = None,
                      **fleet_options) -> tuple[float, list[dict]]:
     """Highest rate at which the capacity router keeps >= 90% attainment (bisection on rate).
 
     Bracketing starts from the burst throughput (every request at once: requests / makespan).
     That is not an upper bound here (a burst's makespan is set by its longest outputs, not by
     the fleet's rate), so the bracket doubles up from it, or halves down, until one end meets
-    the SLO and the other does not; then `iters` geometric bisection steps."""
+    the SLO and the other does not; then `iters` geometric bisection steps. `requests_at` gives the
+    requests each rate is tried with (planning.sustained), by default `reqs` at that rate."""
     probes = []
 
     def probe(rate: float) -> bool:
-        res = run(at_rate(reqs, rate), CAPACITY_ROUTER, slo, instances, **fleet_options)
+        res = run(requests_at(rate) if requests_at else at_rate(reqs, rate), CAPACITY_ROUTER, slo, instances,
+                  **fleet_options)
         probes.append({"rate": rate, **res})
         logger.info("  capacity probe %.1f req/s: attainment %.1f%%", rate, 100 * res["slo_attainment"])
         return res["slo_attainment"] >= CAPACITY_ATTAINMENT

@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Callable
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -39,6 +40,7 @@ from routing import TRACES, Trace, measure_capacity, window  # noqa: E402  (the 
 
 from sloserve.bench.metrics import SLO, jsonable, percentile  # noqa: E402
 from sloserve.config import SchedulerConfig  # noqa: E402
+from sloserve.planning import sustained  # noqa: E402
 from sloserve.sched.costs import StepLoad  # noqa: E402
 from sloserve.sim.hardware import get_link  # noqa: E402
 from sloserve.simulation import FleetConfig, build_cost_model  # noqa: E402
@@ -99,6 +101,18 @@ def rule3(c: dict) -> str:
     return "pd" if wins else "colocated"
 
 
+def longer_windows(trace: Trace) -> Callable[[int], list]:
+    """The trace's first n requests, for any n (loaded once per size, rounded up to 1,000)."""
+    loaded: dict[int, list] = {}
+
+    def first(n: int) -> list:
+        size = -(-n // 1000) * 1000
+        if size not in loaded:
+            loaded[size] = window(replace(trace, num_requests=size))
+        return loaded[size][:n]
+    return first
+
+
 def mechanism(reqs, model: str, tp: int, link: str, transfer: str) -> dict:
     """What rule3 reads, priced by the simulator's own cost model and link table."""
     cost, shape, _ = build_cost_model(FleetConfig(model=model, tp=tp, hardware="h100-80g",
@@ -124,6 +138,10 @@ def main() -> int:
     p.add_argument("--requests", type=float, default=0.5, help="scale every trace window's request count")
     p.add_argument("--capacity-iters", type=int, default=3)
     p.add_argument("--pd-transfer", default="pipelined", choices=["pipelined", "blocking"])
+    p.add_argument("--sustain", type=float, default=0.0, metavar="S",
+                   help="try each rate with at least S seconds of arrivals (more of the trace; planning.sustained); "
+                        "0: the window alone, squeezed to the rate (a transient at high rates)")
+    p.add_argument("--max-requests", type=int, default=12000, help="with --sustain: at most this many per probe")
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
@@ -146,15 +164,19 @@ def main() -> int:
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console) as progress:
         task = progress.add_task("capacity searches", total=len(jobs))
-        windows = {}
+        windows, sources = {}, {}
         for trace, slo_name, slo, link, split in jobs:
             if trace.name not in windows:
                 windows[trace.name] = window(replace(trace, num_requests=max(50, int(trace.num_requests * args.requests))))
                 reqs = windows[trace.name]
                 shares[trace.name] = sum(r.prompt_len for r in reqs) / sum(r.prompt_len + r.output_len for r in reqs)
+                sources[trace.name] = longer_windows(trace)
             reqs = windows[trace.name]
+            requests_at = sustained(sources[trace.name], len(reqs), args.sustain, args.max_requests) \
+                if args.sustain > 0 else None
             options = {} if split is None else {"pd": split, "link": link, "pd_transfer": args.pd_transfer}
-            capacity, _ = measure_capacity(reqs, slo, args.instances, args.capacity_iters, **options, **model_options)
+            capacity, _ = measure_capacity(reqs, slo, args.instances, args.capacity_iters, requests_at=requests_at,
+                                           **options, **model_options)
             capacities[(trace.name, slo_name, link, split)] = capacity
             progress.advance(task)
     for trace in chosen:
@@ -198,6 +220,7 @@ def main() -> int:
     stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
     path = args.out / f"sim_pd-{stamp}.json"
     path.write_text(json.dumps(jsonable({"when": stamp, "instances": args.instances, "requests_scale": args.requests,
+                                         "sustain_s": args.sustain, "max_requests": args.max_requests,
                                          "pd_transfer": args.pd_transfer, "hardware": "h100-80g",
                                          "model": args.model, "tp": args.tp, "cells": cells, "rule_right": right,
                                          "rule2_right": right2, "rule3_right": right3}), indent=1))
