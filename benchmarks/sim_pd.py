@@ -17,6 +17,8 @@ against every cell (`rule`, `rule2`, `rule3`: each written down before the run t
 
     python benchmarks/sim_pd.py --instances 4 --requests 0.5
     python benchmarks/sim_pd.py --traces azure-code,azure-conv,mooncake-conv,sharegpt --model llama-3.1-70b --tp 4
+    python benchmarks/sim_pd.py ... --sustain 60     # each rate tried with >= 60 s of arrivals (steady state)
+    python benchmarks/sim_pd.py --rescore benchmarks/results/sim_pd-STAMP.json   # the rules again, no simulation
 Writes benchmarks/results/sim_pd-STAMP.json and .png.
 """
 from __future__ import annotations
@@ -109,7 +111,10 @@ def rule4(c: dict) -> str:
     """Written down 2026-12-02 01:30 UTC, before the first grid with sustained probes (`--sustain`) ran: a model of
     each layout's steady-state goodput on the simulator's own cost model, the window's request lengths and its
     arrival pattern (`analytic`), and the layout the model ranks first wins. It was built with the third run's
-    (transient) grid in view, but no constant in it is tuned to a cell; the sustained grid is its test."""
+    (transient) grid in view, but no constant in it is tuned to a cell; the sustained grid is its test.
+    Fixed 02:00 UTC, after the 70B sustained grid was read: the colocated TPOT took a request's share of time next
+    to prefill work as its share of chunk-carrying steps (a chunk step lasts several decode steps); that version is
+    in the 2026-12-02 01:38 results (`sim_pd-20261202-013812.json`, 10 of 16 cells)."""
     return "pd" if c["analytic_pd_rps"] > c["analytic_colocated_rps"] else "colocated"
 
 
@@ -121,8 +126,9 @@ def analytic(reqs, slo: SLO, instances: int, model: str, tp: int, exposed_handof
     q = L*P*t/B of steps carries a full chunk (P the mean prompt, B the budget) and the rest only decodes; the
     batch is b = L*O*t by Little's law (O the mean output), and the mean step t = (1-q) step(b, 0) + q step(b, B)
     is iterated to its fixed point. A request meets its TTFT when the wait for the prompts queued ahead plus its
-    own chunks fits, and its TPOT when its decode steps, at the two step times, carry chunks no more often than
-    its instance prefilled while it decoded (from the replay below). Disaggregated: the prefill pool serves prompts at the
+    own chunks fits, and its TPOT when its decode steps, at the two step times, carry chunks in the proportion its
+    instance prefilled while it decoded (from the replay below; a share of time, turned into a share of steps).
+    Not modelled: a P:D request the decode pool has no room for keeps decoding on its prefill instance. Disaggregated: the prefill pool serves prompts at the
     window's prefill times; a decode instance's batch follows from its rate by Little's law, and a request meets
     its TPOT when the pure-decode step plus the exposed hand-off spread over its output does. Batch and KV bounds
     apply to both. The split is the best n_p : n_d of `instances`.
@@ -181,7 +187,7 @@ def analytic(reqs, slo: SLO, instances: int, model: str, tp: int, exposed_handof
             if abs(t_next - t) < 1e-9:
                 break
             t = t_next
-        t_dec, t_chunk = step(b, 0), step(b, BUDGET)
+        t_dec, t_chunk = step(max(b, 1.0), 0), step(max(b, 1.0), BUDGET)  # a request decodes beside b - 1 others
         if t_dec > slo.tpot_s:
             return 0.0
         # each request's decode steps meet a chunk as often as its instance prefills while it decodes
@@ -199,7 +205,9 @@ def analytic(reqs, slo: SLO, instances: int, model: str, tp: int, exposed_handof
             lo, hi = int(np.searchsorted(ends, a, "right")), int(np.searchsorted(starts, z, "left"))
             share = float((np.minimum(ends[lo:hi], z) - np.maximum(starts[lo:hi], a)).clip(min=0).sum()) / (z - a) \
                 if hi > lo else 0.0
-            met += t_dec + share * (t_chunk - t_dec) <= slo.tpot_s
+            # `share` is of its time; of its steps a chunk step (t_chunk long) is the smaller part
+            chunk_steps = share / t_chunk / (share / t_chunk + (1 - share) / t_dec)
+            met += t_dec + chunk_steps * (t_chunk - t_dec) <= slo.tpot_s
         return met / len(prompts)
 
     colocated = instances * bisect_max(lambda rate: colocated_share(rate) >= 0.9, 1e-3, 1e4)
@@ -237,6 +245,41 @@ def bisect_max(ok: Callable[[float], bool], lo: float, hi: float, iters: int = 4
         mid = (lo * hi) ** 0.5
         lo, hi = (mid, hi) if ok(mid) else (lo, mid)
     return lo
+
+
+def rule_columns(reqs, trace: str, slo_name: str, slo: SLO, link: str, args) -> dict:
+    """What each rule predicts for a cell, with the quantities rule3 and rule4 read."""
+    share = sum(r.prompt_len for r in reqs) / sum(r.prompt_len + r.output_len for r in reqs)
+    c = {"prefill_share": share, "ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s, "rule": rule(share, slo_name, link),
+         "rule2": rule2(share, slo_name, link, args.pd_transfer),
+         **mechanism(reqs, args.model, args.tp, link, args.pd_transfer)}
+    c["rule3"] = rule3(c)
+    c.update(analytic(reqs, slo, args.instances, args.model, args.tp, c["exposed_handoff_s"]))
+    c["rule4"] = rule4(c)
+    return c
+
+
+def scored(cells: list[dict]) -> list[dict]:
+    """Cells with a winner: where neither layout meets the SLO at any rate, no rule can be right or wrong."""
+    return [c for c in cells if c["colocated_goodput_per_gpu"] > 0 or c["pd_goodput_per_gpu"] > 0]
+
+
+def rescore(path: Path) -> dict:
+    """A saved grid with every rule computed again by the code as it is now (the simulations are not rerun)."""
+    saved = json.loads(path.read_text())
+    args = argparse.Namespace(model=saved["model"], tp=saved["tp"], instances=saved["instances"],
+                              pd_transfer=saved["pd_transfer"])
+    traces = {t.name: t for t in STUDY_TRACES}
+    windows: dict[str, list] = {}
+    for c in saved["cells"]:
+        trace = traces[c["trace"]]
+        if trace.name not in windows:
+            windows[trace.name] = window(replace(trace, num_requests=max(50, int(trace.num_requests
+                                                                                * saved["requests_scale"]))))
+        c.update(rule_columns(windows[trace.name], trace.name, c["slo"], SLO(ttft_s=c["ttft_s"], tpot_s=c["tpot_s"]),
+                              c["link"], args))
+    saved["rescored_from"] = path.name
+    return saved
 
 
 def longer_windows(trace: Trace) -> Callable[[int], list]:
@@ -281,9 +324,14 @@ def main() -> int:
                         "0: the window alone, squeezed to the rate (a transient at high rates)")
     p.add_argument("--max-requests", type=int, default=12000, help="with --sustain: at most this many per probe")
     p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--rescore", type=Path, metavar="JSON",
+                   help="no simulations: compute every rule again on a saved grid (writes JSON-rescored.json)")
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
     console = Console(width=200)
+    if args.rescore:
+        report(rescore(args.rescore), console, args.rescore.with_name(args.rescore.stem + "-rescored.json"))
+        return 0
     links = args.links.split(",")
     chosen = [t for t in STUDY_TRACES if t.name in args.traces.split(",")]
     gpus = args.instances * args.tp
@@ -298,7 +346,6 @@ def main() -> int:
                     jobs.append((trace, slo_name, slo, link, split))
     t0 = time.perf_counter()
     capacities: dict[tuple, float] = {}
-    shares: dict[str, float] = {}
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console) as progress:
         task = progress.add_task("capacity searches", total=len(jobs))
@@ -306,8 +353,6 @@ def main() -> int:
         for trace, slo_name, slo, link, split in jobs:
             if trace.name not in windows:
                 windows[trace.name] = window(replace(trace, num_requests=max(50, int(trace.num_requests * args.requests))))
-                reqs = windows[trace.name]
-                shares[trace.name] = sum(r.prompt_len for r in reqs) / sum(r.prompt_len + r.output_len for r in reqs)
                 sources[trace.name] = longer_windows(trace)
             reqs = windows[trace.name]
             requests_at = sustained(sources[trace.name], len(reqs), args.sustain, args.max_requests) \
@@ -325,55 +370,63 @@ def main() -> int:
                 best = capacities[(trace.name, slo_name, link, best_split)]
                 winner = "pd" if best > colocated else "colocated"
                 cell = {"trace": trace.name, "slo": slo_name, "ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s,
-                        "link": link, "prefill_share": shares[trace.name], "model": args.model, "tp": args.tp,
+                        "link": link, "model": args.model, "tp": args.tp,
                         "colocated_goodput_per_gpu": colocated / gpus,
                         "best_split": best_split, "pd_goodput_per_gpu": best / gpus,
                         "splits": {s: capacities[(trace.name, slo_name, link, s)] / gpus
                                    for s in splits(args.instances)},
                         "winner": winner, "pd_over_colocated": best / colocated if colocated else float("inf"),
-                        "rule": rule(shares[trace.name], slo_name, link),
-                        "rule2": rule2(shares[trace.name], slo_name, link, args.pd_transfer),
-                        **mechanism(windows[trace.name], args.model, args.tp, link, args.pd_transfer)}
-                cell["rule3"] = rule3(cell)
-                cell.update(analytic(windows[trace.name], slo, args.instances, args.model, args.tp,
-                                     cell["exposed_handoff_s"]))
-                cell["rule4"] = rule4(cell)
+                        **rule_columns(windows[trace.name], trace.name, slo_name, slo, link, args)}
                 cells.append(cell)
-    right = sum(c["rule"] == c["winner"] for c in cells)
-    right2 = sum(c["rule2"] == c["winner"] for c in cells)
-    right3 = sum(c["rule3"] == c["winner"] for c in cells)
-    right4 = sum(c["rule4"] == c["winner"] for c in cells)
-    table = Table(title=f"goodput per GPU (req/s at >= 90% SLO attainment), {args.instances} x {args.model} "
-                        f"(TP {args.tp}) on H100, {args.pd_transfer} hand-off")
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
+    saved = {"when": stamp, "instances": args.instances, "requests_scale": args.requests, "sustain_s": args.sustain,
+             "max_requests": args.max_requests, "pd_transfer": args.pd_transfer, "hardware": "h100-80g",
+             "model": args.model, "tp": args.tp, "cells": cells}
+    report(saved, console, args.out / f"sim_pd-{stamp}.json")
+    console.print(f"{time.perf_counter() - t0:.0f} s")
+    return 0
+
+
+RULES = ("rule", "rule2", "rule3", "rule4")
+
+
+def report(saved: dict, console: Console, path: Path) -> None:
+    """Print the grid with each rule's calls, count them (over the cells with a winner), save and draw it."""
+    cells, gpus = saved["cells"], saved["instances"] * saved["tp"]
+    counted = scored(cells)
+    for name in RULES:
+        saved[f"{name}_right"] = sum(c[name] == c["winner"] for c in counted)
+    saved["scored_cells"] = len(counted)
+    table = Table(title=f"goodput per GPU (req/s at >= 90% SLO attainment), {saved['instances']} x {saved['model']} "
+                        f"(TP {saved['tp']}) on H100, {saved['pd_transfer']} hand-off"
+                        + (f", >= {saved.get('sustain_s'):g} s of arrivals per probe" if saved.get("sustain_s") else ""))
     for col in ("trace", "prompt share", "SLO (TTFT/TPOT)", "link", "colocated", "best P:D", "P:D", "P:D / coloc.",
                 "winner", "rule", "rule2", "chunk step ms", "exposed hand-off ms", "rule3", "model coloc. / P:D",
                 "rule4"):
         table.add_column(col, justify="right")
+
+    def ratio(x: float | None) -> str:  # a saved inf reads back as None
+        return "—" if x is None or x == float("inf") else f"{x:.2f}x"
+
+    def call(c: dict, name: str) -> str:
+        mark = "" if c not in counted else (" ✓" if c[name] == c["winner"] else " ✗")
+        return c[name] + mark
+
     for c in cells:
         table.add_row(c["trace"], f"{c['prefill_share']:.2f}", f"{c['slo']} ({c['ttft_s']:g}s/{1e3 * c['tpot_s']:g}ms)",
                       c["link"], f"{c['colocated_goodput_per_gpu']:.2f}", c["best_split"],
-                      f"{c['pd_goodput_per_gpu']:.2f}", f"{c['pd_over_colocated']:.2f}x", c["winner"],
-                      c["rule"] + (" ✓" if c["rule"] == c["winner"] else " ✗"),
-                      c["rule2"] + (" ✓" if c["rule2"] == c["winner"] else " ✗"), f"{1e3 * c['chunk_step_s']:.0f}",
-                      f"{1e3 * c['exposed_handoff_s']:.0f}", c["rule3"] + (" ✓" if c["rule3"] == c["winner"] else " ✗"),
+                      f"{c['pd_goodput_per_gpu']:.2f}", ratio(c['pd_over_colocated']),
+                      c["winner"] if c in counted else "—", call(c, "rule"), call(c, "rule2"),
+                      f"{1e3 * c['chunk_step_s']:.0f}", f"{1e3 * c['exposed_handoff_s']:.0f}", call(c, "rule3"),
                       f"{c['analytic_colocated_rps'] / gpus:.2f} / {c['analytic_pd_rps'] / gpus:.2f} "
-                      f"({c['analytic_split']})", c["rule4"] + (" ✓" if c["rule4"] == c["winner"] else " ✗"))
+                      f"({c['analytic_split']})", call(c, "rule4"))
     console.print(table)
-    console.print(f"the rule predicts {right}/{len(cells)} cells, rule2 {right2}/{len(cells)}, rule3 {right3}/{len(cells)}, "
-                  f"rule4 {right4}/{len(cells)}; "
-                  f"{time.perf_counter() - t0:.0f} s")
-    args.out.mkdir(parents=True, exist_ok=True)
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
-    path = args.out / f"sim_pd-{stamp}.json"
-    path.write_text(json.dumps(jsonable({"when": stamp, "instances": args.instances, "requests_scale": args.requests,
-                                         "sustain_s": args.sustain, "max_requests": args.max_requests,
-                                         "pd_transfer": args.pd_transfer, "hardware": "h100-80g",
-                                         "model": args.model, "tp": args.tp, "cells": cells, "rule_right": right,
-                                         "rule2_right": right2, "rule3_right": right3, "rule4_right": right4}),
-                                indent=1))
+    console.print(", ".join(f"{name} {saved[f'{name}_right']}/{len(counted)}" for name in RULES)
+                  + f" of the cells with a winner ({len(cells) - len(counted)} where neither layout meets the SLO)")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(jsonable(saved), indent=1))
     plot(cells, path.with_suffix(".png"), gpus)
     console.print(f"wrote {path} and {path.with_suffix('.png')}")
-    return 0
 
 
 def plot(cells: list[dict], path: Path, n: int) -> None:
