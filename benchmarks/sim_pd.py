@@ -264,6 +264,14 @@ def scored(cells: list[dict]) -> list[dict]:
     return [c for c in cells if c["colocated_goodput_per_gpu"] > 0 or c["pd_goodput_per_gpu"] > 0]
 
 
+def decided(cells: list[dict], iters: int) -> list[dict]:
+    """Scored cells whose layouts differ by more than the search's resolution: after bracketing within 2x,
+    `iters` geometric bisections leave a factor 2^(1/2^iters) (9% at 3), so a closer pair is a tie to it."""
+    resolution = 2 ** (1 / 2 ** iters)
+    return [c for c in scored(cells) if c["colocated_goodput_per_gpu"] == 0
+            or not 1 / resolution < c["pd_goodput_per_gpu"] / c["colocated_goodput_per_gpu"] < resolution]
+
+
 def rescore(path: Path) -> dict:
     """A saved grid with every rule computed again by the code as it is now (the simulations are not rerun)."""
     saved = json.loads(path.read_text())
@@ -381,6 +389,7 @@ def main() -> int:
     stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
     saved = {"when": stamp, "instances": args.instances, "requests_scale": args.requests, "sustain_s": args.sustain,
              "max_requests": args.max_requests, "pd_transfer": args.pd_transfer, "hardware": "h100-80g",
+             "capacity_iters": args.capacity_iters,
              "model": args.model, "tp": args.tp, "cells": cells}
     report(saved, console, args.out / f"sim_pd-{stamp}.json")
     console.print(f"{time.perf_counter() - t0:.0f} s")
@@ -394,9 +403,11 @@ def report(saved: dict, console: Console, path: Path) -> None:
     """Print the grid with each rule's calls, count them (over the cells with a winner), save and draw it."""
     cells, gpus = saved["cells"], saved["instances"] * saved["tp"]
     counted = scored(cells)
+    clear = decided(cells, saved.get("capacity_iters", 3))
     for name in RULES:
         saved[f"{name}_right"] = sum(c[name] == c["winner"] for c in counted)
-    saved["scored_cells"] = len(counted)
+        saved[f"{name}_right_decided"] = sum(c[name] == c["winner"] for c in clear)
+    saved["scored_cells"], saved["decided_cells"] = len(counted), len(clear)
     table = Table(title=f"goodput per GPU (req/s at >= 90% SLO attainment), {saved['instances']} x {saved['model']} "
                         f"(TP {saved['tp']}) on H100, {saved['pd_transfer']} hand-off"
                         + (f", >= {saved.get('sustain_s'):g} s of arrivals per probe" if saved.get("sustain_s") else ""))
@@ -422,7 +433,9 @@ def report(saved: dict, console: Console, path: Path) -> None:
                       f"({c['analytic_split']})", call(c, "rule4"))
     console.print(table)
     console.print(", ".join(f"{name} {saved[f'{name}_right']}/{len(counted)}" for name in RULES)
-                  + f" of the cells with a winner ({len(cells) - len(counted)} where neither layout meets the SLO)")
+                  + f" of the cells with a winner ({len(cells) - len(counted)} where neither layout meets the SLO); "
+                  + ", ".join(f"{name} {saved[f'{name}_right_decided']}/{len(clear)}" for name in RULES)
+                  + " of those the search decides (layouts further apart than its resolution)")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(jsonable(saved), indent=1))
     plot(cells, path.with_suffix(".png"), gpus)
@@ -430,20 +443,28 @@ def report(saved: dict, console: Console, path: Path) -> None:
 
 
 def plot(cells: list[dict], path: Path, n: int) -> None:
+    """Goodput per GPU of both layouts (log scale: the workloads differ by 100x) and their ratio per cell."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     labels = [f"{c['trace']}\n{c['slo']}\n{c['link']}" for c in cells]
-    fig, ax = plt.subplots(figsize=(max(8, 0.9 * len(cells)), 4.5))
-    xs = range(len(cells))
-    ax.bar([x - 0.2 for x in xs], [c["colocated_goodput_per_gpu"] for c in cells], 0.4, label="colocated")
-    ax.bar([x + 0.2 for x in xs], [c["pd_goodput_per_gpu"] for c in cells], 0.4, label="best P:D")
-    ax.set_xticks(list(xs), labels, fontsize=7)
-    ax.set_ylabel("goodput per GPU (req/s)")
-    ax.set_title(f"Prefill/decode disaggregation vs colocated, {n} GPUs (simulated)")
-    ax.legend()
+    xs = list(range(len(cells)))
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(max(8, 0.9 * len(cells)), 7), sharex=True,
+                                      gridspec_kw={"height_ratios": [3, 2]})
+    top.bar([x - 0.2 for x in xs], [c["colocated_goodput_per_gpu"] for c in cells], 0.4, label="colocated")
+    top.bar([x + 0.2 for x in xs], [c["pd_goodput_per_gpu"] for c in cells], 0.4, label="best P:D")
+    top.set_yscale("log")
+    top.set_ylabel("goodput per GPU (req/s)")
+    top.set_title(f"Prefill/decode disaggregation vs colocated, {n} GPUs (simulated)")
+    top.legend()
+    ratios = [c["pd_goodput_per_gpu"] / c["colocated_goodput_per_gpu"] if c["colocated_goodput_per_gpu"] else float("nan")
+              for c in cells]
+    bottom.bar(xs, ratios, 0.6, color=["tab:orange" if r > 1 else "tab:blue" for r in ratios])
+    bottom.axhline(1.0, color="black", linewidth=0.8)
+    bottom.set_ylabel("best P:D / colocated")
+    bottom.set_xticks(xs, labels, fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

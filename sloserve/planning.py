@@ -257,14 +257,16 @@ def layouts(gpus: int, prefill_pools: Sequence[PoolSettings] = (PoolSettings(),)
 
 
 def plan(reqs: Sequence[WorkloadRequest], cfg: FleetConfig, slo: SLO, gpus: int, candidates: Sequence[Layout],
-         iters: int = 3, on_done: Optional[Callable[[PlanRow], None]] = None) -> list[PlanRow]:
+         iters: int = 3, on_done: Optional[Callable[[PlanRow], None]] = None,
+         requests_at: Optional[Callable[[float], list[WorkloadRequest]]] = None) -> list[PlanRow]:
     """Goodput of every candidate layout on `gpus` devices, best per GPU first. Candidates whose
-    pools' tensor-parallel degrees do not add up to `gpus` are priced at the devices they use."""
+    pools' tensor-parallel degrees do not add up to `gpus` are priced at the devices they use.
+    `requests_at`: the requests each rate is tried with (`sustained`; by default `reqs` at it)."""
     rows = []
     for layout in candidates:
         fleet = layout.apply(cfg, gpus)
         fleet.validate()
-        row = PlanRow(layout, fleet_gpus(fleet), goodput(reqs, fleet, slo, iters))
+        row = PlanRow(layout, fleet_gpus(fleet), goodput(reqs, fleet, slo, iters, requests_at=requests_at))
         rows.append(row)
         if on_done is not None:
             on_done(row)
