@@ -4,20 +4,22 @@
 For each workload, SLO and link, the goodput per GPU of a colocated fleet (chunked prefill,
 `--instances` mixed instances) against every prefill:decode split of the same GPU count. Goodput is
 the highest request rate at which >= 90% of requests meet both TTFT and TPOT targets, found by
-bisection over the rate of the same requests (the routing study's `measure_capacity`: bracket
-from the burst throughput, then geometric bisection); divided by the GPUs it is goodput per GPU.
+bisection over the rate (the routing study's `measure_capacity`: bracket from the burst throughput,
+then geometric bisection), each rate tried with at least `--sustain` seconds of the trace's arrivals
+(`planning.sustained`); divided by the GPUs it is goodput per GPU.
 Disaggregated fleets hand each request's KV to a decode instance after its first token
 (`--pd-transfer`, pipelined by default), priced on the link.
 
 Workloads are the routing study's trace windows (Azure code: long prompts, short outputs;
 Azure conversation: decode-heavier; Mooncake conversation: long contexts) and ShareGPT (first
 turns, Poisson arrivals), each at a tight and a loose SLO; Llama-3.1-8B (or `--model`, `--tp`)
-on H100. Per cell the table says which layout wins and by how much; three rules are checked
-against every cell (`rule`, `rule2`, `rule3`: each written down before the run that tested it).
+on H100. Per cell the table says which layout wins and by how much; four rules are checked
+against every cell (`rule` to `rule4`: each written down before the run that tested it), counted over
+the cells with a winner and over those whose layouts differ by more than the search's resolution.
 
     python benchmarks/sim_pd.py --instances 4 --requests 0.5
     python benchmarks/sim_pd.py --traces azure-code,azure-conv,mooncake-conv,sharegpt --model llama-3.1-70b --tp 4
-    python benchmarks/sim_pd.py ... --sustain 60     # each rate tried with >= 60 s of arrivals (steady state)
+    python benchmarks/sim_pd.py ... --sustain 0      # the window alone at each rate (runs before 2026-12-02)
     python benchmarks/sim_pd.py --rescore benchmarks/results/sim_pd-STAMP.json   # the rules again, no simulation
 Writes benchmarks/results/sim_pd-STAMP.json and .png.
 """
@@ -327,9 +329,10 @@ def main() -> int:
     p.add_argument("--requests", type=float, default=0.5, help="scale every trace window's request count")
     p.add_argument("--capacity-iters", type=int, default=3)
     p.add_argument("--pd-transfer", default="pipelined", choices=["pipelined", "blocking"])
-    p.add_argument("--sustain", type=float, default=0.0, metavar="S",
+    p.add_argument("--sustain", type=float, default=60.0, metavar="S",
                    help="try each rate with at least S seconds of arrivals (more of the trace; planning.sustained); "
-                        "0: the window alone, squeezed to the rate (a transient at high rates)")
+                        "0: the window alone, squeezed to the rate, as the runs before 2026-12-02 (a transient at "
+                        "high rates)")
     p.add_argument("--max-requests", type=int, default=12000, help="with --sustain: at most this many per probe")
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--rescore", type=Path, metavar="JSON",

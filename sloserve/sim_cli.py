@@ -39,6 +39,11 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
                    help="prefill pool settings to try, ';'-separated (each as --pd-prefill; default: the fleet's)")
     g.add_argument("--decode-pools", default="", metavar="SPEC;SPEC", help="decode pool settings to try, as above")
     g.add_argument("--iters", type=int, default=3, help="bisection steps of each goodput search")
+    g.add_argument("--sustain", type=float, default=0.0, metavar="S",
+                   help="try each rate with at least S seconds of arrivals: more of the workload (up to "
+                        "--max-requests), not the same requests squeezed, which a loose TTFT absorbs as one burst; "
+                        "0 (default): the workload as given")
+    g.add_argument("--max-requests", type=int, default=20000, help="with --sustain: most requests per rate tried")
     g.add_argument("--out", default="plan-out", metavar="DIR", help="plan.json and plan.png go here")
     g.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=cmd_plan)
@@ -422,7 +427,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     from sloserve.bench.cli import resolve_rates, workload_spec_from_args
     from sloserve.bench.metrics import SLO
-    from sloserve.planning import layouts, plan
+    from sloserve.planning import layouts, plan, sustained
     from sloserve.simulation import PoolSettings
     from sloserve.workload.build import build_stream
 
@@ -431,9 +436,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
     spec = workload_spec_from_args(args)
     rates = resolve_rates(args, spec)
     rate = rates[0]
-    stream = build_stream(replace(spec, rate=rate, replay=spec.replay if rate is None else False))
+    source = replace(spec, rate=rate, replay=spec.replay if rate is None else False)
+    stream = build_stream(source)
     if len(stream) < 2 or stream[-1].arrival_s <= 0:
         raise ValueError("plan needs at least two requests with arrival times: pass --rate R or --replay")
+    if args.sustain < 0 or args.max_requests < len(stream):
+        raise ValueError(f"--sustain must be >= 0 and --max-requests at least the workload's {len(stream)} requests")
+    requests_at = sustained(lambda n: build_stream(replace(source, num_requests=n, duration_s=None)), len(stream),
+                            args.sustain, args.max_requests) if args.sustain > 0 else None
     fleet = fleet_config_from_args(args)
     if fleet.autoscale is not None:
         raise ValueError("plan sizes fixed fleets; drop --autoscale")
@@ -447,7 +457,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
                         console=console, disable=args.no_progress)
     with progress:
         task = progress.add_task("goodput searches", total=len(candidates))
-        rows = plan(stream, fleet, slo, args.gpus, candidates, args.iters, on_done=lambda _: progress.advance(task))
+        rows = plan(stream, fleet, slo, args.gpus, candidates, args.iters, on_done=lambda _: progress.advance(task),
+                    requests_at=requests_at)
     colocated = next(r for r in rows if r.layout.pd is None)
     best_pd = next((r for r in rows if r.layout.pd is not None), None)
     table = Table(title=f"goodput per GPU at >= 90% within {args.slo} ms: {len(stream)} requests of "
@@ -464,7 +475,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
               f"{colocated.per_gpu:.3f}" + (f"; best P:D {best_pd.layout.label} {best_pd.per_gpu:.3f}" if best_pd else ""))
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    record = {"workload": spec.name, "requests": len(stream), "gpus": args.gpus, "slo": args.slo,
+    record = {"workload": spec.name, "requests": len(stream), "sustain_s": args.sustain, "gpus": args.gpus, "slo": args.slo,
               "hardware": fleet.hardware, "model": fleet.model, "link": fleet.link, "pd_transfer": fleet.pd_transfer,
               "rows": [{"layout": r.layout.label, "pd": r.layout.pd, "prefill_pool": vars(r.layout.prefill_pool),
                         "decode_pool": vars(r.layout.decode_pool), "gpus": r.gpus, "goodput_rps": r.goodput,

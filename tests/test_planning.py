@@ -77,6 +77,8 @@ def test_plan_command(tmp_path):
     assert (out / "plan.png").stat().st_size > 0 and "best:" in done.stdout
     bad = subprocess.run(cmd[:-2] + ["--gpus", "1", "--out", str(out)], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "gpus" in bad.stderr and "Traceback" not in bad.stderr
+    bad = subprocess.run(cmd + ["--sustain", "-1"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--sustain" in bad.stderr and "Traceback" not in bad.stderr
 
 
 def test_a_sustained_search_finds_a_rate_that_holds_and_a_squeezed_sample_does_not():
