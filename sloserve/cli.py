@@ -185,7 +185,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                          scale_down_delay_s=args.scale_down_delay, target_utilization=args.target_utilization,
                          stable_window_s=args.stable_window,
                          cold_start_s=args.cold_start, forecaster=args.forecaster, scaling_history=history,
-                         pd_min=args.pd_min, pd_capacity=parse_pd_capacity(args.pd_capacity))
+                         pd_min=args.pd_min, pd_capacity=parse_pd_capacity(args.pd_capacity),
+                         forecast_level=args.forecast_level)
     return run_server(engine_config_from_args(args), settings, host=args.host, port=args.port)
 
 
@@ -270,6 +271,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     a.add_argument("--cold-start", type=float, default=30.0, metavar="S",
                    help="worker start time assumed until one of this fleet's workers has been timed")
     a.add_argument("--forecaster", default="seasonal-naive", help="predictive/hybrid: the demand forecaster")
+    a.add_argument("--forecast-level", type=float, default=0.9,
+                   help="predictive/hybrid: plan for the top of this forecast band (0-1; lower: fewer workers, "
+                        "more risk)")
     a.add_argument("--scaling-history", metavar="SERIES",
                    help="past demand for the forecaster: servegen:MODEL or a trace (as `sloserve forecast --series`)")
 

@@ -325,3 +325,19 @@ def test_the_forecast_band_planned_for_is_a_setting():
     sig = signals(list(daily(1)[:36]), now=36 * 600.0, capacity=10.0, cold_start=1800.0, step=600.0)
     top_wide, top_narrow = (p.forecast_peak(sig)[0] for p in policies)
     assert top_narrow < top_wide
+    # the real server's front builds its planners from the same setting (`sloserve serve --forecast-level`)
+    from sloserve.server.multi import scale_planners
+    from sloserve.workers.fleet import FrontConfig
+
+    served = scale_planners(FrontConfig(predictor=None, autoscale="predictive", forecast_level=0.5,
+                                        scaling_history=history, capacity_rps=10.0), 4)
+    assert served["mixed"].autoscaler.options.level == 0.5
+
+
+def test_serve_refuses_a_forecast_band_outside_0_1(capsys):
+    from sloserve.cli import main
+
+    assert main(["serve", "--instances", "1:2", "--autoscale", "reactive", "--capacity", "1", "--forecast-level", "1.5",
+                 "--port", "9"]) == 2
+    err = capsys.readouterr().err
+    assert "--forecast-level must be in (0, 1), got 1.5" in err and err.count("\n") == 1

@@ -266,6 +266,9 @@ class Front:
                                  "handoffs": self.handoff.describe() if fleet.disaggregated else None,
                                  "autoscale": None if self.autoscale is None else {
                                      "policy": fleet.config.autoscale,
+                                     **({"forecaster": fleet.config.forecaster,
+                                         "forecast_level": fleet.config.forecast_level}
+                                        if fleet.config.autoscale in ("predictive", "hybrid") else {}),
                                      "min": sum(fleet.config.pd_min) or fleet.config.min_instances,
                                      "max": len(fleet.instances), **self.autoscale.describe()},
                                  "in_flight": self.gate.num_in_flight, "max_in_flight": self.gate.capacity,

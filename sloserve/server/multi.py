@@ -106,7 +106,7 @@ def scale_planners(config, num_instances: int) -> dict:
 
     history = config.scaling_history
     options = ScalingOptions(target_utilization=config.target_utilization, forecaster=config.forecaster,
-                             history=None if history is None else history.values,
+                             level=config.forecast_level, history=None if history is None else history.values,
                              history_step_s=None if history is None else history.step_s,
                              history_start_s=0.0 if history is None else history.start_s,
                              extra={"interval_s": config.scaling_interval_s,
@@ -144,7 +144,8 @@ def run_multi(engine_config: EngineConfig, settings, *, instances: int, router: 
               scaling_interval_s: float = 10.0, scale_down_delay_s: float = 60.0, target_utilization: float = 0.8,
               stable_window_s: float = 60.0,
               cold_start_s: float = 30.0, forecaster: str = "seasonal-naive", scaling_history=None,
-              pd_min: Optional[str] = None, pd_capacity: Optional[tuple[float, float]] = None) -> int:
+              pd_min: Optional[str] = None, pd_capacity: Optional[tuple[float, float]] = None,
+              forecast_level: float = 0.9) -> int:
     """`settings` (ServerSettings) gives the edge: max_body_bytes, body and header timeouts,
     connection cap, retry_after_s, grace_period_s; max_queue applies to each worker.
     `pd` ("P:D") splits the instances into P prefill and D decode instances (front_handoff.py),
@@ -195,6 +196,8 @@ def run_multi(engine_config: EngineConfig, settings, *, instances: int, router: 
             raise ValueError(f"--instances MIN:MAX needs 0 <= MIN <= MAX, got {min_instances}:{instances}")
         if autoscale in ("predictive", "hybrid") and scaling_history is None:
             raise ValueError(f"--autoscale {autoscale} needs --scaling-history (the demand that trains its forecaster)")
+        if not 0 < forecast_level < 1:
+            raise ValueError(f"--forecast-level must be in (0, 1), got {forecast_level:g}")
         if not scaling_interval_s > 0 or scale_down_delay_s < 0 or not 0 < target_utilization <= 1 \
                 or not stable_window_s > 0:
             raise ValueError("need --scaling-interval > 0, --scale-down-delay >= 0, 0 < --target-utilization <= 1 "
@@ -242,7 +245,7 @@ def run_multi(engine_config: EngineConfig, settings, *, instances: int, router: 
         stable_window_s=stable_window_s,
         pd_min=parse_pd(pd_min or "1:1") if pd and autoscale else (),
         pd_capacity=tuple(pd_capacity) if pd and autoscale and pd_capacity else (),
-        forecaster=forecaster, scaling_history=scaling_history,
+        forecaster=forecaster, forecast_level=forecast_level, scaling_history=scaling_history,
         max_in_flight=max_in_flight or front_capacity(engine_config, settings.max_queue, instances),
         max_body_bytes=settings.max_body_bytes, body_timeout_s=settings.body_timeout_s,
         retry_after_s=settings.retry_after_s, admin_keys=tuple(admin_keys),

@@ -73,6 +73,7 @@ class FrontConfig:
     stable_window_s: float = 60.0  # reactive/hybrid: the demand averaging window
     cold_start_guess_s: float = 30.0  # until a worker of this fleet has started and been timed
     forecaster: str = "seasonal-naive"
+    forecast_level: float = 0.9  # predictive/hybrid plan for the top of this band of the forecast
     scaling_history: Optional[Any] = None  # workload.series.Series of past demand (predictive, hybrid)
     seed: int = 0
     # The front's edge (front_edge.py)
