@@ -45,7 +45,7 @@ from routing import TRACES, Trace, measure_capacity, window  # noqa: E402  (the 
 
 from sloserve.bench.metrics import SLO, jsonable, percentile  # noqa: E402
 from sloserve.config import SchedulerConfig  # noqa: E402
-from sloserve.planning import sustained  # noqa: E402
+from sloserve.planning import max_rate, sustained  # noqa: E402
 from sloserve.sched.costs import StepLoad  # noqa: E402
 from sloserve.sim.hardware import get_link  # noqa: E402
 from sloserve.simulation import FleetConfig, build_cost_model  # noqa: E402
@@ -107,6 +107,7 @@ def rule3(c: dict) -> str:
 
 
 MAX_SEQS = 256  # routing.run's max_num_seqs
+MODEL_ITERS = 30  # bisection steps of the model's own rate search (it costs no simulation)
 
 
 def rule4(c: dict) -> str:
@@ -116,13 +117,13 @@ def rule4(c: dict) -> str:
     (transient) grid in view, but no constant in it is tuned to a cell; the sustained grid is its test.
     Fixed 02:00 UTC, after the 70B sustained grid was read: the colocated TPOT took a request's share of time next
     to prefill work as its share of chunk-carrying steps (a chunk step lasts several decode steps); that version is
-    in the 2026-12-02 01:38 results (`sim_pd-20261202-013812.json`, 10 of 16 cells)."""
+    in the 2026-12-02 01:38 results (`sim_pd-20261202-013812.json`: 10 of 16 cells, 8 of the 14 with a winner)."""
     return "pd" if c["analytic_pd_rps"] > c["analytic_colocated_rps"] else "colocated"
 
 
 def analytic(reqs, slo: SLO, instances: int, model: str, tp: int, exposed_handoff_s: float) -> dict:
     """Steady-state goodput (>= 90% of requests within both targets) of a colocated fleet and of the best P:D
-    split, in closed form on the cost model, per request of the window.
+    split, from the cost model and a replay of the window's prefill queue (no fleet simulation), per request.
 
     Colocated, per instance at rate L: chunked prefill fills a step's budget whenever prompts wait, so a share
     q = L*P*t/B of steps carries a full chunk (P the mean prompt, B the budget) and the rest only decodes; the
@@ -130,10 +131,11 @@ def analytic(reqs, slo: SLO, instances: int, model: str, tp: int, exposed_handof
     is iterated to its fixed point. A request meets its TTFT when the wait for the prompts queued ahead plus its
     own chunks fits, and its TPOT when its decode steps, at the two step times, carry chunks in the proportion its
     instance prefilled while it decoded (from the replay below; a share of time, turned into a share of steps).
-    Not modelled: a P:D request the decode pool has no room for keeps decoding on its prefill instance. Disaggregated: the prefill pool serves prompts at the
-    window's prefill times; a decode instance's batch follows from its rate by Little's law, and a request meets
-    its TPOT when the pure-decode step plus the exposed hand-off spread over its output does. Batch and KV bounds
-    apply to both. The split is the best n_p : n_d of `instances`.
+    Disaggregated: the prefill pool serves prompts at the window's prefill times; a decode instance's batch
+    follows from its rate by Little's law, and a request meets its TPOT when the pure-decode step plus the exposed
+    hand-off spread over its output does. Batch and KV bounds apply to both. The split is the best n_p : n_d of
+    `instances`. Not modelled: a P:D request the decode pool has no room for keeps decoding on its prefill
+    instance; prefix reuse.
 
     Time to first token (`ttft_ok`) is a first-come-first-served queue of prompts over the c instances a router
     spreads them on, replayed on the window's own arrival pattern at the rate tried (Lindley's recursion, not the
@@ -141,14 +143,14 @@ def analytic(reqs, slo: SLO, instances: int, model: str, tp: int, exposed_handof
     Poisson 1.1, and at a tight TTFT its bursts, not the mean load, set the capacity."""
     import numpy as np
 
-    cost, shape, blocks = build_cost_model(FleetConfig(model=model, tp=tp, hardware="h100-80g",
-                                                       scheduler=SchedulerConfig(max_num_batched_tokens=BUDGET,
-                                                                                 max_num_seqs=MAX_SEQS)))
+    fleet = FleetConfig(model=model, tp=tp, hardware="h100-80g",
+                        scheduler=SchedulerConfig(max_num_batched_tokens=BUDGET, max_num_seqs=MAX_SEQS))
+    cost, shape, blocks = build_cost_model(fleet)
     prompts = np.array([r.prompt_len for r in reqs], dtype=float)
     outputs = np.array([max(1, r.output_len) for r in reqs], dtype=float)
     P, O = prompts.mean(), outputs.mean()
     ctx = P + O / 2  # tokens a decode attends to, on average over its life
-    kv_tokens = blocks * 16
+    kv_tokens = blocks * fleet.cache.block_size
 
     def step(b: float, k: float) -> float:
         load = StepLoad.decodes(max(0, round(b)), round(max(0.0, b) * ctx))
@@ -212,8 +214,7 @@ def analytic(reqs, slo: SLO, instances: int, model: str, tp: int, exposed_handof
             met += t_dec + chunk_steps * (t_chunk - t_dec) <= slo.tpot_s
         return met / len(prompts)
 
-    colocated = instances * bisect_max(lambda rate: colocated_share(rate) >= 0.9, 1e-3, 1e4)
-
+    colocated = instances * max_rate(lambda rate: colocated_share(rate) >= 0.9, 1.0, MODEL_ITERS)
 
     def decode_tpot_ok(rate: float) -> np.ndarray:
         t = step(1, 0)
@@ -231,25 +232,13 @@ def analytic(reqs, slo: SLO, instances: int, model: str, tp: int, exposed_handof
     def split_share(total: float, n_p: int) -> float:
         return float(np.mean(ttft_ok(prefill_alone, total, n_p) * decode_tpot_ok(total / (instances - n_p))))
 
-    best = max(((n_p, bisect_max(lambda rate: split_share(rate, n_p) >= 0.9, 1e-3, 1e4))
+    best = max(((n_p, max_rate(lambda rate: split_share(rate, n_p) >= 0.9, 1.0, MODEL_ITERS))
                 for n_p in range(1, instances)), key=lambda x: x[1])
     return {"analytic_colocated_rps": colocated, "analytic_pd_rps": best[1],
             "analytic_split": f"{best[0]}:{instances - best[0]}"}
 
 
-def bisect_max(ok: Callable[[float], bool], lo: float, hi: float, iters: int = 40) -> float:
-    """The largest x in [lo, hi] with ok(x), for ok true below a threshold; 0 if not even at lo."""
-    if not ok(lo):
-        return 0.0
-    if ok(hi):
-        return hi
-    for _ in range(iters):
-        mid = (lo * hi) ** 0.5
-        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
-    return lo
-
-
-def rule_columns(reqs, trace: str, slo_name: str, slo: SLO, link: str, args) -> dict:
+def rule_columns(reqs, slo_name: str, slo: SLO, link: str, args) -> dict:
     """What each rule predicts for a cell, with the quantities rule3 and rule4 read."""
     share = sum(r.prompt_len for r in reqs) / sum(r.prompt_len + r.output_len for r in reqs)
     c = {"prefill_share": share, "ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s, "rule": rule(share, slo_name, link),
@@ -284,12 +273,16 @@ def rescore(path: Path) -> dict:
     for c in saved["cells"]:
         trace = traces[c["trace"]]
         if trace.name not in windows:
-            windows[trace.name] = window(replace(trace, num_requests=max(50, int(trace.num_requests
-                                                                                * saved["requests_scale"]))))
-        c.update(rule_columns(windows[trace.name], trace.name, c["slo"], SLO(ttft_s=c["ttft_s"], tpot_s=c["tpot_s"]),
-                              c["link"], args))
+            windows[trace.name] = base_window(trace, saved["requests_scale"])
+        c.update(rule_columns(windows[trace.name], c["slo"], SLO(ttft_s=c["ttft_s"], tpot_s=c["tpot_s"]), c["link"],
+                              args))
     saved["rescored_from"] = path.name
     return saved
+
+
+def base_window(trace: Trace, scale: float) -> list:
+    """The trace's window for a grid: its first requests, `scale` times the routing study's count (at least 50)."""
+    return window(replace(trace, num_requests=max(50, int(trace.num_requests * scale))))
 
 
 def longer_windows(trace: Trace) -> Callable[[int], list]:
@@ -363,7 +356,7 @@ def main() -> int:
         windows, sources = {}, {}
         for trace, slo_name, slo, link, split in jobs:
             if trace.name not in windows:
-                windows[trace.name] = window(replace(trace, num_requests=max(50, int(trace.num_requests * args.requests))))
+                windows[trace.name] = base_window(trace, args.requests)
                 sources[trace.name] = longer_windows(trace)
             reqs = windows[trace.name]
             requests_at = sustained(sources[trace.name], len(reqs), args.sustain, args.max_requests) \
@@ -387,7 +380,7 @@ def main() -> int:
                         "splits": {s: capacities[(trace.name, slo_name, link, s)] / gpus
                                    for s in splits(args.instances)},
                         "winner": winner, "pd_over_colocated": best / colocated if colocated else float("inf"),
-                        **rule_columns(windows[trace.name], trace.name, slo_name, slo, link, args)}
+                        **rule_columns(windows[trace.name], slo_name, slo, link, args)}
                 cells.append(cell)
     stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
     saved = {"when": stamp, "instances": args.instances, "requests_scale": args.requests, "sustain_s": args.sustain,
