@@ -118,20 +118,31 @@ def simulator_fingerprint() -> str:
                                        root / "config.py"])
 
 
+CAPACITY_SUSTAIN_S = 60.0  # arrivals each rate of the capacity search is held for (see `sustained`)
+
+
 def instance_capacity(reqs: Sequence[WorkloadRequest], cfg: FleetConfig, slo: SLO, iters: int = 3,
-                      sample: int = 400, cache: Optional[JsonCache] = None) -> float:
+                      sample: int = 400, cache: Optional[JsonCache] = None,
+                      min_duration_s: float = CAPACITY_SUSTAIN_S) -> float:
     """The capacity model of autoscaling: requests/s ONE instance of `cfg` serves with >= 90% of
-    them within `slo`, by the goodput search on the first `sample` requests of the workload.
+    them within `slo`, by the goodput search. Each rate is tried with at least `sample` requests
+    of the workload and with as many of `reqs` as `min_duration_s` of arrivals at that rate take
+    (`sustained`), so the answer is what an instance keeps up with, not a burst it absorbs
+    (a 400-request sample at 30 req/s is 13 s of arrivals, which a 1 s TTFT forgives ~10% past
+    capacity). Give `reqs` long enough for that (rate x duration); the search warns when it runs out.
     Kept in `cache` (default: on disk, `capacity_cache()`) per hardware, model, tp, profile
     (its contents), scheduler and cache settings, SLO, workload shape and simulator code: the
     search runs dozens of simulations, and the same question comes back every run."""
-    head = _sample(reqs, sample)
+    head = _sample(reqs, len(reqs))
     cache = capacity_cache() if cache is None else cache
-    key = _capacity_key(head, cfg, slo, iters, "mixed")
+    key = _capacity_key(head, cfg, slo, iters, "mixed", sample, min_duration_s)
     known = cache.get(key)
     if isinstance(known, (int, float)):
         return float(known)
-    capacity = goodput(head, replace(cfg, instances=1, autoscale=None, pd=None, migration="none"), slo, iters)
+    probe = _probe(head, sample, min_duration_s)
+    capacity = goodput(head[:sample], replace(cfg, instances=1, autoscale=None, pd=None, migration="none"), slo,
+                       iters, requests_at=probe)
+    _warn_if_short(capacity, head, min_duration_s, "an instance")
     cache.put(key, capacity)
     return capacity
 
@@ -141,7 +152,8 @@ POOL_MOST = 16  # ... and at most: a pool this size is what the measured instanc
 
 
 def pool_capacity(reqs: Sequence[WorkloadRequest], cfg: FleetConfig, slo: SLO, iters: int = 3, sample: int = 400,
-                  cache: Optional[JsonCache] = None) -> tuple[float, float]:
+                  cache: Optional[JsonCache] = None,
+                  min_duration_s: float = CAPACITY_SUSTAIN_S) -> tuple[float, float]:
     """The capacity model of an autoscaled P/D fleet: requests/s ONE prefill instance serves
     within the SLO's TTFT, and ONE decode instance within its TPOT, with `cfg`'s pool settings
     (cached as instance_capacity).
@@ -154,15 +166,17 @@ def pool_capacity(reqs: Sequence[WorkloadRequest], cfg: FleetConfig, slo: SLO, i
     against prefill pools sized from that, then prefill again against decode pools sized from
     the decode answer. A decode instance is held to having room for (nearly) every hand-off too:
     one that has none leaves the request decoding on its prefill instance, which is the fleet's
-    fallback, not decode capacity."""
-    head = _sample(reqs, sample)
+    fallback, not decode capacity. Rates are held for `min_duration_s` as in instance_capacity."""
+    head = _sample(reqs, len(reqs))
     cache = capacity_cache() if cache is None else cache
-    key = _capacity_key(head, cfg, slo, iters, "prefill/decode")
+    key = _capacity_key(head, cfg, slo, iters, "prefill/decode", sample, min_duration_s)
     known = cache.get(key)
     if isinstance(known, list) and len(known) == 2:
         return float(known[0]), float(known[1])
     base = replace(cfg, autoscale=None, migration="none")
     ttft_only, tpot_only = replace(slo, tpot_s=None), replace(slo, ttft_s=None, e2e_s=None)
+    probe = _probe(head, sample, min_duration_s)
+    first = head[:sample]
 
     def sized(rate: float, capacity: float) -> int:
         return min(POOL_MOST, max(POOL_HEADROOM, math.ceil(2 * rate / capacity))) if capacity > 0 else POOL_HEADROOM
@@ -181,17 +195,19 @@ def pool_capacity(reqs: Sequence[WorkloadRequest], cfg: FleetConfig, slo: SLO, i
     def decode_keeps_up(rate: float) -> bool:
         """TPOT met, and the decode instance had room for the hand-offs: a request it cannot
         take keeps decoding on its prefill instance, which must not count as decode capacity."""
-        records, result = simulate(build_fleet(replace(base, pd=f"{sized(rate, prefill)}:1")),
-                                   sim_requests(at_rate(head, rate)))
-        met = sum(tpot_only.met(r) for r in records) / len(head)
-        decoding = sum(r.output_len > 1 for r in head)  # a one-token request has nothing to hand off
+        tried = probe(rate)
+        records, result = simulate(build_fleet(replace(base, pd=f"{sized(rate, prefill)}:1")), sim_requests(tried))
+        met = sum(tpot_only.met(r) for r in records) / len(tried)
+        decoding = sum(r.output_len > 1 for r in tried)  # a one-token request has nothing to hand off
         return met >= ATTAINMENT and result.handoffs.get("completed", 0) >= ATTAINMENT * decoding
 
-    prefill = goodput(head, replace(base, pd=f"1:{POOL_HEADROOM}"), ttft_only, iters)
-    start = burst_rate(head, replace(base, pd=f"{POOL_HEADROOM}:1"), tpot_only)
+    prefill = goodput(first, replace(base, pd=f"1:{POOL_HEADROOM}"), ttft_only, iters, requests_at=probe)
+    start = burst_rate(first, replace(base, pd=f"{POOL_HEADROOM}:1"), tpot_only)
     decode = bounded(max_rate(decode_keeps_up, start, iters), prefill, "decode")
-    prefill = bounded(goodput(head, lambda rate: replace(base, pd=f"1:{sized(rate, decode)}"), ttft_only, iters),
-                      decode, "prefill")
+    prefill = bounded(goodput(first, lambda rate: replace(base, pd=f"1:{sized(rate, decode)}"), ttft_only, iters,
+                              requests_at=probe), decode, "prefill")
+    _warn_if_short(prefill, head, min_duration_s, "a prefill instance")
+    _warn_if_short(decode, head, min_duration_s, "a decode instance")
     cache.put(key, [prefill, decode])
     return prefill, decode
 
@@ -203,15 +219,29 @@ def _sample(reqs: Sequence[WorkloadRequest], sample: int) -> list[WorkloadReques
     return head
 
 
-def _capacity_key(head: Sequence[WorkloadRequest], cfg: FleetConfig, slo: SLO, iters: int, what: str) -> str:
+def _probe(head: Sequence[WorkloadRequest], sample: int,
+           min_duration_s: float) -> Callable[[float], list[WorkloadRequest]]:
+    """The capacity search's requests at a rate: at least `sample`, and `min_duration_s` of them."""
+    return sustained(lambda n: head[:n], min(sample, len(head)), min_duration_s, len(head))
+
+
+def _warn_if_short(capacity: float, head: Sequence[WorkloadRequest], min_duration_s: float, what: str) -> None:
+    if capacity * min_duration_s > len(head):
+        logger.warning("capacity of %s: %.2f req/s for %.0f s needs %d requests, the workload gave %d: the answer "
+                       "may count a burst absorbed as capacity", what, capacity, min_duration_s,
+                       math.ceil(capacity * min_duration_s), len(head))
+
+
+def _capacity_key(head: Sequence[WorkloadRequest], cfg: FleetConfig, slo: SLO, iters: int, what: str,
+                  sample: int, min_duration_s: float) -> str:
     shape = (round(sum(r.prompt_len for r in head) / len(head), -1), round(sum(r.output_len for r in head) / len(head), -1))
     profile = source_fingerprint([Path(cfg.profile)]) if cfg.profile else None
     pools = [asdict(cfg.prefill_pool), asdict(cfg.decode_pool), cfg.link, cfg.pd_transfer, cfg.decode_router] \
         if what != "mixed" else []
     return json.dumps([cfg.hardware, cfg.model, cfg.tp, profile, asdict(cfg.scheduler), asdict(cfg.cache),
                        cfg.num_blocks, cfg.max_model_len, cfg.dtype_bytes, cfg.predictor, cfg.kv_store_gib,
-                       cfg.kv_store_link, slo.ttft_s, slo.tpot_s, slo.e2e_s, shape, len(head), iters,
-                       simulator_fingerprint(), what, *pools], sort_keys=True, default=str)
+                       cfg.kv_store_link, slo.ttft_s, slo.tpot_s, slo.e2e_s, shape, len(head), min(sample, len(head)),
+                       min_duration_s, iters, simulator_fingerprint(), what, *pools], sort_keys=True, default=str)
 
 
 @dataclass(frozen=True)

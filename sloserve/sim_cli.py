@@ -356,6 +356,9 @@ def timeline_interval(asked, stream) -> float:
     return frame_interval(max((w.arrival_s for w in stream), default=0.0), 600)
 
 
+CAPACITY_PROBE_REQUESTS = 4000
+
+
 def prepare_autoscaling(fleet, args: argparse.Namespace, spec, slo) -> None:
     """The capacity model's answer (unless --capacity) and the forecaster's history, before the runs."""
     from sloserve.planning import instance_capacity, pool_capacity
@@ -367,7 +370,8 @@ def prepare_autoscaling(fleet, args: argparse.Namespace, spec, slo) -> None:
     if measured and slo.empty:
         given = "--pd-capacity P_RPS:D_RPS" if fleet.pd else "--capacity RPS"
         raise ValueError(f"autoscaling needs {given}, or --slo to measure it on the workload")
-    head = build_stream(replace(spec, num_requests=400, duration_s=None)) if measured else []
+    # rates are held for planning.CAPACITY_SUSTAIN_S of arrivals: 4,000 requests last a minute up to ~66 req/s
+    head = build_stream(replace(spec, num_requests=CAPACITY_PROBE_REQUESTS, duration_s=None)) if measured else []
     if fleet.pd and fleet.pd_capacity is None:
         fleet.pd_capacity = pool_capacity(head, fleet, slo)
         if not all(c > 0 for c in fleet.pd_capacity):  # type: ignore[union-attr]

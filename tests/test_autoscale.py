@@ -228,6 +228,30 @@ def test_the_capacity_model_is_measured_once_and_read_back_from_disk(tmp_path, m
     assert "unreadable cache" in caplog.text and len(json.loads(path.read_text())) == 1
 
 
+def test_the_capacity_model_holds_rates_long_enough_to_see_a_queue_grow(tmp_path):
+    """An H100 serves short 8B requests at ~25 req/s; 400 of them at 40 req/s arrive in 10 s, and
+    a 3 s TTFT forgives that burst. Squeezing the sample measured such a transient (~1.6x the
+    sustained rate, at whose 0.8x a long run fails); holding each rate for 60 s of arrivals gives
+    a rate whose 0.8x a five-minute run meets."""
+    from sloserve import planning
+    from sloserve.bench.metrics import SLO
+    from sloserve.user_cache import JsonCache
+
+    reqs = burst_workload(phases=((1.0, 12000.0),), seed=3)  # only the lengths and the order matter
+    cfg = FleetConfig(instances=1, model="llama-3.1-8b", hardware="h100-80g", router="least-requests")
+    slo = SLO(ttft_s=3.0, tpot_s=0.1)
+    cache = JsonCache(tmp_path / "capacity.json")
+    squeezed = planning.instance_capacity(reqs, cfg, slo, cache=cache, min_duration_s=0.0)
+    held = planning.instance_capacity(reqs, cfg, slo, cache=cache)
+    assert held < squeezed / 1.3 and len(json.loads((tmp_path / "capacity.json").read_text())) == 2
+
+    def five_minutes_at(rate: float) -> float:
+        return planning.attainment(planning.at_rate(reqs[:round(rate * 300)], rate), cfg, slo)[0]
+
+    assert five_minutes_at(0.8 * held) >= 0.99
+    assert five_minutes_at(0.8 * squeezed) < 0.5
+
+
 def pd_fleet(**kw) -> FleetConfig:
     settings = dict(pd="4:4", pd_min="1:1", pd_capacity=(1.0, 8.0), model="llama-3.1-8b", hardware="a10-24g",
                     router="least-requests", autoscale="reactive", scaling_interval_s=30, cold_start_s=60,
