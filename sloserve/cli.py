@@ -325,6 +325,9 @@ def build_parser() -> argparse.ArgumentParser:
     from sloserve.kv_store_cli import add_kv_store_parser
 
     add_kv_store_parser(sub)
+    from sloserve.hetero_cli import add_place_parser
+
+    add_place_parser(sub)
     from sloserve.top import add_top_parser
 
     add_top_parser(sub)

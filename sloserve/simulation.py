@@ -7,7 +7,7 @@ policies) in charge of simulated instances, which only know the controller's int
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Optional
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Optional, Sequence
 
 from sloserve.records import RequestRecord, error_kind_for_status
 from sloserve.timeline import FleetTimeline
@@ -290,17 +290,8 @@ def build_fleet(cfg: FleetConfig, predictions: Optional["PredictionBook"] = None
     distributions from it."""
     cfg.validate()
     roles = fleet_roles(cfg)
-    instances = []
-    store = shared_store_for(cfg)
-    for i, role in enumerate(roles):
-        pool = pool_config(cfg, role)
-        cost, model, blocks = build_cost_model(pool)
-        context = min(pool.max_model_len or model.max_position_embeddings, blocks * pool.cache.block_size)
-        clock = None if cfg.clock_policy is None else \
-            ClockControl(make_clock_policy(cfg.clock_policy), get_power(pool.hardware), cost, gpus=pool.tp)
-        instances.append(SimInstance(i, cost, blocks, context, pool.scheduler, pool.cache,
-                                     fast_forward=pool.fast_forward, num_host_blocks=host_blocks_for(pool, model),
-                                     tiers=kv_tiers_for(pool, model, cost, store), clock=clock))
+    instances = sim_instances(cfg, roles, shared_store_for(cfg))
+    model = get_model(cfg.model)
     options = RouterOptions(seed=cfg.router_seed, epsilon=cfg.router_epsilon,
                             predictions=predictions.lookup if predictions is not None else None)
     decode_router = make_router(cfg.decode_router, options) if cfg.pd is not None else None
@@ -309,6 +300,43 @@ def build_fleet(cfg: FleetConfig, predictions: Optional["PredictionBook"] = None
                                  decode_router=decode_router, scalers=planners)
     return Simulator(instances, controller, move_costs(cfg, model), cfg.migration_interval_s,
                      roles=roles, pd_transfer=cfg.pd_transfer, num_layers=model.num_layers, scaling=scaling)
+
+
+def sim_instances(cfg: FleetConfig, roles: Sequence[str], store: Optional[SimKVStore],
+                  first_id: int = 0) -> list[SimInstance]:
+    """One simulated engine per role, each priced with its pool's settings, numbered from `first_id`."""
+    instances = []
+    for i, role in enumerate(roles, start=first_id):
+        pool = pool_config(cfg, role)
+        cost, model, blocks = build_cost_model(pool)
+        context = min(pool.max_model_len or model.max_position_embeddings, blocks * pool.cache.block_size)
+        clock = None if cfg.clock_policy is None else \
+            ClockControl(make_clock_policy(cfg.clock_policy), get_power(pool.hardware), cost, gpus=pool.tp)
+        instances.append(SimInstance(i, cost, blocks, context, pool.scheduler, pool.cache,
+                                     fast_forward=pool.fast_forward, num_host_blocks=host_blocks_for(pool, model),
+                                     tiers=kv_tiers_for(pool, model, cost, store), clock=clock))
+    return instances
+
+
+def build_mixed_fleet(groups: Sequence[FleetConfig], router: str = "least-requests",
+                      router_seed: int = 0) -> Simulator:
+    """One colocated fleet of one model whose instances come in groups on different hardware
+    (each group a FleetConfig: its `instances` on its `hardware` at its `tp`), behind one
+    router: a heterogeneous deployment. Groups of zero instances are left out; no migration,
+    autoscaling or disaggregation (build_fleet has those, for one group)."""
+    groups = [g for g in groups if g.instances > 0]
+    if not groups:
+        raise ValueError("a fleet needs at least one instance")
+    if len({g.model for g in groups}) != 1:
+        raise ValueError("the groups of one fleet must serve one model: " + ", ".join(sorted({g.model for g in groups})))
+    instances: list[SimInstance] = []
+    for g in groups:
+        if g.pd is not None or g.autoscale is not None or g.migration != "none" or g.kv_store_gib > 0:
+            raise ValueError("a mixed fleet's groups take no P/D, autoscaling, migration or shared store")
+        g.validate()
+        instances.extend(sim_instances(g, ["mixed"] * g.instances, None, first_id=len(instances)))
+    return Simulator(instances, FleetController(make_router(router, RouterOptions(seed=router_seed)),
+                                                make_migration_policy("none")))
 
 
 def move_costs(cfg: FleetConfig, model: ModelConfig) -> MoveCosts:
