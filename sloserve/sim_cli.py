@@ -124,6 +124,18 @@ def add_fleet_args(p: argparse.ArgumentParser) -> None:
                    help="extra expert copies per GPU per layer (replicate-hot, rebalance)")
     x.add_argument("--expert-offload", type=float, default=0.25,
                    help="share of each layer's experts offload-cold keeps in host memory")
+    from sloserve.cluster.stages import STAGE_POLICIES
+
+    g = p.add_argument_group("pipeline parallelism (each instance: --pp stages of --tp GPUs)")
+    g.add_argument("--pp", type=int, default=1, help="pipeline stages per instance (default 1: none)")
+    g.add_argument("--stages", default="even", metavar="POLICY",
+                   help=f"how the layers are split over the stages: one of {sorted(STAGE_POLICIES)} (even: the "
+                        "engine default; profiled: balanced once for a decode step; dynamic: re-split when the "
+                        "stages stay unbalanced)")
+    g.add_argument("--stage-window", type=float, default=30.0, metavar="S", help="dynamic: window of stage times")
+    g.add_argument("--stage-threshold", type=float, default=0.05,
+                   help="dynamic: re-split when the slowest stage is this much slower than the best split's")
+    g.add_argument("--stage-link", default="nvlink-h100", help=f"link between stages: one of {sorted(LINKS)}")
     a = p.add_argument_group("autoscaling")
     from sloserve.cluster.autoscale import AUTOSCALERS
     from sloserve.cluster.forecast import FORECASTERS
@@ -188,7 +200,10 @@ def fleet_config_from_args(args: argparse.Namespace):
         clock_policy=getattr(args, "clock_policy", None), experts=getattr(args, "experts", None),
         expert_skew=getattr(args, "expert_skew", 0.6), expert_drift_s=getattr(args, "expert_drift", 1800.0),
         expert_interval_s=getattr(args, "expert_interval", 600.0),
-        expert_redundant=getattr(args, "expert_redundant", 1), expert_offload=getattr(args, "expert_offload", 0.25))
+        expert_redundant=getattr(args, "expert_redundant", 1), expert_offload=getattr(args, "expert_offload", 0.25),
+        pp=getattr(args, "pp", 1), stages=getattr(args, "stages", "even"),
+        stage_window_s=getattr(args, "stage_window", 30.0), stage_threshold=getattr(args, "stage_threshold", 0.05),
+        stage_link=getattr(args, "stage_link", "nvlink-h100"))
 
 
 def parse_instances(text: str, autoscale) -> tuple[int, int]:
@@ -268,6 +283,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                 "clock_policy": fleet.clock_policy, "energy": energy_report(result.energy, records),
                 "experts": fleet.experts, "expert_books": result.experts,
                 "expert_weights_gb": [i.cost_model.weight_bytes() / 1e9 for i in sim.instances] if fleet.experts else None,
+                "pp": fleet.pp, "stages": fleet.stages if fleet.pp > 1 else None, "stage_books": result.stages,
                 "kv_blocks": [i.kv.pool.num_blocks for i in sim.instances],
                 "preemptions": sum(i.scheduler.stats.num_preemptions for i in sim.instances),
                 "prefix_hit_rate": (sum(i.kv.stats.hits for i in sim.instances)
@@ -326,6 +342,13 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                       f"{x['replacements']} re-placements moving {x['moved_bytes'] / 1e9:.1f} GB "
                       f"({x['stall_s']:.2f} s stalled), {x['fetched_bytes'] / 1e9:.1f} GB fetched from host; "
                       f"weights {c['expert_weights_gb'][0]:.1f} GB per GPU, {c['kv_blocks'][0]} KV blocks")
+        if c.get("stage_books"):
+            books = c["stage_books"]
+            last = books[0]["partitions"][-1][1]
+            out.print(f"pipeline ({c['pp']} stages, {c['stages']}): layers {'/'.join(map(str, last))} at the end, "
+                      f"{sum(b['moves'] for b in books)} re-splits moving {sum(b['layers_moved'] for b in books)} "
+                      f"layers ({sum(b['stall_s'] for b in books):.2f} s stalled); slowest stage "
+                      f"{sum(b['mean_imbalance'] for b in books) / len(books):.3f}x the mean")
         m = c["migrations"]
         if m:
             out.print(f"migration ({c['migration']} over {c['link']}): {m['started']} started, {m['completed']} "

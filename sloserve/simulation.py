@@ -17,6 +17,7 @@ from sloserve.cluster.routers import RouterOptions, make_router
 from sloserve.config import CacheConfig, ModelConfig, PoolSettings, SchedulerConfig, parse_pd, pd_pool_bounds, pd_roles  # noqa: F401 (parse_pd: re-exported)
 from sloserve.kv.tiers import DISK, STORE, KVTiers
 from sloserve.cluster.experts import make_expert_placer
+from sloserve.cluster.stages import make_stage_policy
 from sloserve.sched.clocks import make_clock_policy
 from sloserve.sim.catalog import get_model
 from sloserve.sim.clocking import ClockControl
@@ -25,6 +26,7 @@ from sloserve.sim.experts import ExpertParallelCostModel, ExpertPopularity
 from sloserve.sim.hardware import DEFAULT_LINK, get_hardware, get_link
 from sloserve.sim.instance import SimInstance, kv_blocks_for
 from sloserve.sim.kv_store import SimKVStore
+from sloserve.sim.pipeline import PipelineCostModel
 from sloserve.sim.power import get_power
 from sloserve.sim.prompts import SyntheticPrompt
 from sloserve.sim.simulator import SimResult, Simulator
@@ -115,6 +117,15 @@ class FleetConfig:
     expert_redundant: int = 1  # extra expert copies per GPU per layer (replicate-hot, rebalance)
     expert_offload: float = 0.25  # share of each layer's experts offload-cold keeps in host memory
     expert_seed: int = 0
+    # Pipeline parallelism (sim/pipeline.py, cluster/stages): each instance is `pp` stages of `tp`
+    # GPUs; a stage policy ("even", "profiled", "dynamic") partitions the layers and may move them
+    # at the end of each `stage_window_s` when the stages have been unbalanced by more than
+    # `stage_threshold`, moving weights over `stage_link`.
+    pp: int = 1
+    stages: str = "even"
+    stage_window_s: float = 30.0
+    stage_threshold: float = 0.05
+    stage_link: str = "nvlink-h100"
 
     def validate(self) -> None:
         if self.pd is not None:
@@ -141,6 +152,14 @@ class FleetConfig:
                 raise ValueError(f"--experts places the experts of a mixture-of-experts model; {self.model} has none")
             if self.profile or self.clock_policy is not None:
                 raise ValueError("--experts prices steps with its own roofline: drop --profile and --clock-policy")
+        if self.pp < 1:
+            raise ValueError("--pp must be >= 1")
+        if self.pp > 1:
+            make_stage_policy(self.stages, window_s=self.stage_window_s, threshold=self.stage_threshold)
+            get_link(self.stage_link)
+            if self.pd is not None or self.experts is not None or self.clock_policy is not None or self.profile:
+                raise ValueError("--pp prices steps with its own stage model: drop --pd, --experts, --clock-policy "
+                                 "and --profile")
         if self.clock_policy is not None:
             make_clock_policy(self.clock_policy)
             get_power(self.hardware)
@@ -207,7 +226,7 @@ def pool_config(cfg: FleetConfig, role: str) -> FleetConfig:
 
 def fleet_gpus(cfg: FleetConfig) -> int:
     """Devices the fleet occupies: each instance's tensor-parallel degree, summed."""
-    return sum(pool_config(cfg, role).tp for role in fleet_roles(cfg))
+    return sum(pool_config(cfg, role).tp for role in fleet_roles(cfg)) * cfg.pp
 
 
 def fleet_roles(cfg: FleetConfig) -> list[str]:
@@ -218,15 +237,27 @@ def build_cost_model(cfg: FleetConfig) -> tuple[CostModel, ModelConfig, int]:
     """The cost model, the model's shape, and KV blocks per instance."""
     model = get_model(cfg.model)
     hw = get_hardware(cfg.hardware)
-    roofline = RooflineCostModel(hw, model, cfg.tp, cfg.dtype_bytes, block_size=cfg.cache.block_size) \
-        if cfg.experts is None else expert_parallel_cost(cfg, hw, model)
+    if cfg.pp > 1:
+        roofline = pipeline_cost(cfg, hw, model)
+    elif cfg.experts is not None:
+        roofline = expert_parallel_cost(cfg, hw, model)
+    else:
+        roofline = RooflineCostModel(hw, model, cfg.tp, cfg.dtype_bytes, block_size=cfg.cache.block_size)
     cost: CostModel = roofline
     if cfg.profile:  # a profile times no swaps: price them over the hardware's host link
         cost = ProfiledCostModel(Profile.load(cfg.profile), swap_s_per_block=roofline.swap_time(1))
     blocks = cfg.num_blocks or kv_blocks_for(hw.mem_bytes, roofline.weight_bytes(), model, cfg.cache.block_size,
-                                             cfg.tp, cfg.scheduler.max_num_batched_tokens, cfg.scheduler.max_num_seqs,
+                                             cfg.tp * cfg.pp, cfg.scheduler.max_num_batched_tokens,
+                                             cfg.scheduler.max_num_seqs,
                                              cfg.dtype_bytes)
     return cost, model, blocks
+
+
+def pipeline_cost(cfg: FleetConfig, hw, model: ModelConfig) -> RooflineCostModel:
+    """An instance of `cfg.pp` stages of `cfg.tp` GPUs whose layers `cfg.stages` partitions."""
+    policy = make_stage_policy(cfg.stages, window_s=cfg.stage_window_s, threshold=cfg.stage_threshold)
+    return PipelineCostModel(hw, model, cfg.tp, cfg.pp, policy, get_link(cfg.stage_link), cfg.dtype_bytes,
+                             block_size=cfg.cache.block_size)
 
 
 def expert_parallel_cost(cfg: FleetConfig, hw, model: ModelConfig) -> ExpertParallelCostModel:

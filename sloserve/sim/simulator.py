@@ -58,6 +58,8 @@ class SimResult:
     energy: dict = field(default_factory=dict)
     # per instance, with an expert placement (sim/experts.py): re-placements, moves, stalls, stragglers
     experts: list = field(default_factory=list)
+    # per instance, pipeline-parallel (sim/pipeline.py): partitions, layer moves, stalls, stage imbalance
+    stages: list = field(default_factory=list)
 
 
 class RoutingOnly:
@@ -271,7 +273,9 @@ class Simulator:
                          self.controller.counters if self._ticks else {},
                          getattr(self.controller, "handoff_counters", {}) if self._prefill_ids else {},
                          scaling, energy, [i.cost_model.books.as_dict() for i in self.instances  # type: ignore[attr-defined]
-                                           if getattr(i.cost_model, "prices_experts", False)])
+                                           if getattr(i.cost_model, "prices_experts", False)],
+                         [i.cost_model.books.as_dict() for i in self.instances  # type: ignore[attr-defined]
+                          if getattr(i.cost_model, "prices_stages", False)])
 
     def _arrive(self, request: Request, observed: bool = False) -> Optional[str]:
         """Route and queue an arrival; returns why it was rejected, if it was. Under autoscaling,
