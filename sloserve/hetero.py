@@ -5,9 +5,10 @@ each trial a simulation of the whole deployment on the workload), or one after t
 sequential baseline: routing first, for cost at the quality target; then the deployment).
 
 Routing: each query carries a difficulty score in [0, 1] (a router's estimate); the easiest
-`share` of queries (a multiple of `share_step`: 0 means no small model at all) go to the small model. Quality (`QualityModel`): the small model's
-answer to a query of difficulty s is worth (1 - gap x s) of the large model's, so sending the
-easiest share t of uniformly scored queries keeps 1 - gap x t^2 / 2 of the large model's quality.
+`share` of queries (a multiple of `share_step`: 0 means no small model at all) go to the small
+model. Quality (`QualityModel`): the small model's answer to a query of difficulty s is worth
+(1 - gap x s) of the large model's, so sending the easiest share t of uniformly scored queries
+keeps 1 - gap x t^2 / 2 of the large model's quality.
 The default gap is calibrated to RouteLLM (Ong et al., 2024, arXiv 2406.18665): routers there keep
 95% of the strong model's MT-Bench quality while sending about a quarter of the queries to it, so
 75% to the small model keeps 95% here (gap = 0.1 / 0.75^2). A deployment's cost is its GPUs'
