@@ -20,6 +20,9 @@ def add_simulate_parser(sub: argparse._SubParsersAction) -> None:
                    help="results.json, report.md, PNGs and report.html (the fleet over time) go here")
     r.add_argument("--timeline-interval", type=float, default=None, metavar="S",
                    help="simulated seconds between two frames of report.html (default: about 600 frames per run)")
+    r.add_argument("--token-gaps", action="store_true",
+                   help="keep every request's gaps between tokens, so the results have ITL like a real run's "
+                        "(memory grows with output tokens)")
     r.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=cmd_simulate)
 
@@ -262,7 +265,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             met = slo_checker(slo, class_slos(spec.mix))
             wall0 = time.perf_counter()
             records, result = simulate(
-                sim, sim_requests(stream, classes, predictions),
+                sim, sim_requests(stream, classes, predictions, token_gaps=args.token_gaps),
                 on_progress=lambda t, n: progress.update(task, completed=n, sim_time=t), predictions=predictions,
                 timeline=timeline, met=met)
             wall = time.perf_counter() - wall0

@@ -379,26 +379,29 @@ def move_costs(cfg: FleetConfig, model: ModelConfig) -> MoveCosts:
 
 
 def sim_requests(stream: Iterable[WorkloadRequest], classes: Optional[dict[str, QoSClass]] = None,
-                 predictions: Optional["PredictionBook"] = None) -> Iterator[Request]:
+                 predictions: Optional["PredictionBook"] = None, token_gaps: bool = False) -> Iterator[Request]:
     """Workload requests as scheduler requests: ending at their recorded output length.
 
     With `predictions`, each request also carries a predicted output length, made from what a
     real front end would have: the prompt text where the workload has it (ShareGPT, ServeGen),
-    otherwise only the prompt's token count (Azure and Mooncake traces carry no text)."""
+    otherwise only the prompt's token count (Azure and Mooncake traces carry no text). With
+    `token_gaps`, each keeps every gap between its tokens (the records' ITL; memory per token)."""
     classes = classes or {}
     for i, w in enumerate(stream):
         prompt = w.prompt_token_ids if w.prompt_token_ids is not None else SyntheticPrompt(
             max(1, w.prompt_len), i, w.hash_ids, w.hash_block_size or 512)
         params = SamplingParams(max_tokens=max(1, w.output_len), ignore_eos=True, temperature=0.0)
         request = Request(w.request_id or f"sim-{i}", prompt, params, arrival_time=w.arrival_s,
-                          qos=classes.get(w.qos_class, DEFAULT_QOS), tenant=w.tenant)
+                          qos=classes.get(w.qos_class, DEFAULT_QOS), tenant=w.tenant,
+                          token_gaps=[] if token_gaps else None)
         if predictions is not None:
             predictions.annotate(request, w.prompt_text)
         yield request
 
 
 def record_of(index: int, request: Request, error: Optional[str] = None) -> RequestRecord:
-    """What a client would have recorded (no per-chunk gaps: TPOT comes from E2E and TTFT)."""
+    """What a client would have recorded (per-token gaps only if the request kept them: TPOT comes
+    from E2E and TTFT either way)."""
     arrival = request.arrival_time
     rec = RequestRecord(index=index, request_id=request.request_id, tenant=request.tenant,
                         qos_class=request.qos.name, scheduled_s=arrival, dispatch_s=arrival, send_s=arrival,
@@ -412,6 +415,8 @@ def record_of(index: int, request: Request, error: Optional[str] = None) -> Requ
     rec.e2e_s = request.finished_time - arrival
     rec.prompt_tokens = request.num_prompt_tokens
     rec.output_tokens = rec.num_chunks = request.num_output_tokens
+    if request.token_gaps is not None:
+        rec.itl_s = list(request.token_gaps)
     rec.finish_reason = request.finish_reason.value if request.finish_reason else None
     return rec
 

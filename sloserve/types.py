@@ -183,6 +183,9 @@ class Request:
     first_scheduled_time: Optional[float] = None
     first_token_time: Optional[float] = None
     last_token_time: Optional[float] = None
+    # Every gap between the steps that gave this request tokens (what a streaming client sees as
+    # inter-token latency), kept only when asked (the simulator's --token-gaps): None keeps nothing.
+    token_gaps: Optional[list[float]] = None
     finished_time: Optional[float] = None
     num_prompt_tokens: int = field(init=False, repr=False)
 

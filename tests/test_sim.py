@@ -45,14 +45,17 @@ def workload(n: int, rate: float, seed: int = 0, shared_prefix: int = 64, two_cl
 
 
 def simulate(fast_forward: bool, router: str, num_blocks: int, n: int = 400,
-             migration: Optional[MigrationPolicy] = None, policy: str = "fcfs"):
+             migration: Optional[MigrationPolicy] = None, policy: str = "fcfs", token_gaps: bool = False):
     model = get_model("llama-3.1-8b")
     cost = RooflineCostModel(get_hardware("a100-80g"), model)
     cfg = SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=32, policy=policy)
     instances = [SimInstance(i, cost, num_blocks, 4096, cfg, fast_forward=fast_forward) for i in range(3)]
     controller = FleetController(make_router(router), migration, min_interval_s=0.5)
     costs = MoveCosts.uniform(model.kv_bytes_per_token(2), get_link("infiniband-ndr"))
-    result = Simulator(instances, controller, costs).run(workload(n, rate=30.0, two_classes=migration is not None))
+    requests = workload(n, rate=30.0, two_classes=migration is not None)
+    for r in requests:
+        r.token_gaps = [] if token_gaps else None
+    result = Simulator(instances, controller, costs).run(requests)
     timings = sorted((f.request.request_id, f.instance_id, f.request.first_token_time, f.request.finished_time,
                       f.request.num_preemptions, f.request.num_cached_tokens) for f in result.finished)
     stats = [(i.scheduler.stats.num_steps, i.scheduler.stats.num_preemptions, i.kv.stats.hits,
@@ -74,6 +77,30 @@ def test_fast_forward_changes_no_decision(router, num_blocks):
     else:  # with room to spare, steady decoding dominates and fast-forward saves most events
         assert fast_res.num_events < slow_res.num_events / 2
     assert sum(s[2] for s in slow_stats) > 0  # and shared prefixes really hit the cache
+
+
+@pytest.mark.parametrize("num_blocks, migration", [(120, None), (160, "eager")])
+def test_token_gaps_are_the_same_fast_forwarded_and_step_by_step(num_blocks, migration):
+    """Each request's gaps between tokens (the simulated ITL) add up to its time from first to
+    last token, one per token after the first, and come out the same whether decode runs are
+    fast-forwarded or stepped one event at a time, through preemptions and migrations."""
+    policy = eager_migration() if migration else None
+    runs = []
+    for fast in (False, True):
+        _, _, result = simulate(fast, "least-kv", num_blocks, n=200, migration=policy, token_gaps=True)
+        runs.append({f.request.request_id: f.request for f in result.finished})
+    slow, fast = runs
+    assert slow.keys() == fast.keys() and len(slow) == 200
+    for rid, r in slow.items():
+        gaps = r.token_gaps
+        assert len(gaps) == r.num_output_tokens - 1 and min(gaps, default=0.0) >= 0
+        assert sum(gaps) == pytest.approx(r.finished_time - r.first_token_time)
+        assert gaps == pytest.approx(fast[rid].token_gaps)
+    if migration is None:
+        assert any(r.num_preemptions for r in slow.values())  # a preempted request's stall is one long gap
+        stalled = [max(r.token_gaps) for r in slow.values() if r.num_preemptions and r.token_gaps]
+        typical = sorted(g for r in slow.values() for g in r.token_gaps)[len(slow)]
+        assert stalled and max(stalled) > 5 * typical
 
 
 # Migration cuts decode runs at step boundaries (suspend), takes blocks on targets mid-run

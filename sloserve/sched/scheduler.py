@@ -22,7 +22,7 @@ import heapq
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Sequence
 
 from sloserve.config import SchedulerConfig
 from sloserve.kv.manager import CopyOp, KVCacheManager
@@ -655,11 +655,26 @@ class Scheduler:
                 continue
             if request.first_token_time is None:
                 request.first_token_time = now
+            elif request.token_gaps is not None:
+                request.token_gaps.append(now - request.last_token_time)  # type: ignore[operator]
             request.last_token_time = now
             produced.append(request)
             if reason is not None:
                 self._finish(request, reason, now)
         return produced
+
+    @staticmethod
+    def _run_gaps(gaps: list[float], last: Optional[float], num_steps: int, first_end: float, end_time: float,
+                  ends: Optional[Sequence[float]], first: int) -> None:
+        """The token gaps a decode run gives one request: from its last token to the run's first
+        step's end, then one per step (the steps' own durations, or their mean without `ends`)."""
+        if last is not None:
+            gaps.append(first_end - last)
+        if num_steps > 1:
+            if ends is not None:
+                gaps.extend(ends[k] - ends[k - 1] for k in range(first + 1, first + num_steps))
+            else:
+                gaps.extend([(end_time - first_end) / (num_steps - 1)] * (num_steps - 1))
 
     def _report_service(self, plan: StepPlan, result: StepResult) -> None:
         """Tell the policy what each request of a finished step received, before the step is
@@ -722,11 +737,13 @@ class Scheduler:
                 k = lo
         return DecodeRunPlan(k, len(running), context) if k >= 2 else None
 
-    def advance_decodes(self, num_steps: int, first_end: float, end_time: float, token: int) -> list[Request]:
+    def advance_decodes(self, num_steps: int, first_end: float, end_time: float, token: int,
+                        ends: Optional[Sequence[float]] = None, first: int = 0) -> list[Request]:
         """Apply `num_steps` pure-decode steps at once (after plan_decode_run said they are
         certain); every request gets `token` per step. `first_end` is when the first of them ended:
-        a request whose last prompt token was still pending gets its first token there. Returns
-        the requests that finished."""
+        a request whose last prompt token was still pending gets its first token there. `ends`
+        (from index `first`): when each step ended, for requests that keep their token gaps.
+        Returns the requests that finished."""
         if num_steps <= 0:
             return []
         finished = []
@@ -746,6 +763,9 @@ class Scheduler:
             request.output_token_ids.extend(tokens)
             if after // bs > before // bs:  # a block filled up: register it
                 kv.cache_blocks(request)
+            gaps = request.token_gaps
+            if gaps is not None:
+                self._run_gaps(gaps, request.last_token_time, num_steps, first_end, end_time, ends, first)
             if request.first_token_time is None:
                 request.first_token_time = first_end
             request.last_token_time = end_time

@@ -152,7 +152,7 @@ class SimInstance:
         done = bisect.bisect_left(run.ends, now, lo=run.applied)  # steps ending strictly before now
         if done > run.applied and done < len(run.ends):
             self.scheduler.advance_decodes(done - run.applied, run.ends[run.applied], run.ends[done - 1],
-                                           PLACEHOLDER_TOKEN)
+                                           PLACEHOLDER_TOKEN, run.ends, run.applied)
             run.applied = done
             run.reserved = False
 
@@ -192,7 +192,7 @@ class SimInstance:
         if run is not None:
             self.run, self.busy_until = None, None
             return self.scheduler.advance_decodes(len(run.ends) - run.applied, run.ends[run.applied], run.ends[-1],
-                                                  PLACEHOLDER_TOKEN)
+                                                  PLACEHOLDER_TOKEN, run.ends, run.applied)
         plan, self.current, self.busy_until = self.current, None, None
         if plan is None:
             return []
