@@ -199,7 +199,7 @@ def plot_engine(rows: list[dict], path: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    policies = [p for p in POLICIES if any(r["policy"] == p for r in rows)]
+    policies = list(dict.fromkeys(r["policy"] for r in rows))  # in run order (policy or policy/victim)
     repeats = sorted({r.get("repeat", 0) for r in rows})
     fig, ax = plt.subplots(figsize=(8, 4.2))
     width = 0.8 / (len(repeats) + 1)
@@ -223,15 +223,20 @@ def plot_engine(rows: list[dict], path: Path, title: str) -> None:
 
 
 # ---- the real engine (small) -------------------------------------------------------------
-def engine_run(policy: str, stream: list[WorkloadRequest], mix: Mix, num_threads: int, budget: int) -> Summary:
-    """Replay `stream` in real time on the embedded model; records as the bench client would."""
+def engine_run(policy: str, stream: list[WorkloadRequest], mix: Mix, num_threads: int, budget: int,
+               victim: str = "rank", num_blocks: Optional[int] = None,
+               preemption: str = "recompute") -> tuple[Summary, int]:
+    """Replay `stream` in real time on the embedded model; records as the bench client would.
+    Returns the summary and the engine's preemptions."""
     from sloserve.config import EngineConfig
     from sloserve.engine.llm_engine import LLMEngine
     from sloserve.types import SamplingParams
 
-    engine = LLMEngine(EngineConfig(num_threads=num_threads, cache=CacheConfig(kv_cache_gib=0.25),
+    cache = CacheConfig(kv_cache_gib=0.25) if num_blocks is None else CacheConfig(num_blocks=num_blocks)
+    engine = LLMEngine(EngineConfig(num_threads=num_threads, cache=cache,
                                     scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=32,
-                                                              policy=policy)))
+                                                              policy=policy, preemption_victim=victim,
+                                                              preemption_mode=preemption)))
     classes = {c.name: c.qos for c in mix.classes}
     vocab = engine.model_config.vocab_size
     rng = random.Random(1)
@@ -265,9 +270,9 @@ def engine_run(policy: str, stream: list[WorkloadRequest], mix: Mix, num_threads
                 rec.ttft_s = m.first_token_time - m.arrival_time
                 rec.e2e_s = m.finished_time - m.arrival_time
                 rec.prompt_tokens = len(out.prompt_token_ids)
-                rec.output_tokens = rec.num_chunks = len(out.token_ids)
+                rec.output_tokens = rec.num_chunks = out.num_output_tokens
                 rec.finish_reason = out.finish_reason
-    return summarize(list(recs.values()), None, None, class_slos(mix))
+    return summarize(list(recs.values()), None, None, class_slos(mix)), engine.scheduler.stats.num_preemptions
 
 
 def main() -> int:
@@ -292,6 +297,10 @@ def main() -> int:
     # fail every request under any policy: the engine run scales the targets to the machine.
     p.add_argument("--engine-targets", default="1.0,0.15,20,1.0", metavar="TTFT,TBT,TTFT,TBT",
                    help="interactive then batch TTFT/TBT targets (s) for --engine")
+    p.add_argument("--engine-victims", default="rank",
+                   help="--engine: preemption victim rules to compare (rank, slack), each with every policy")
+    p.add_argument("--engine-kv-blocks", type=int, default=None,
+                   help="--engine: KV blocks (default: 0.25 GiB); few blocks put the engine under memory pressure")
     p.add_argument("--num-threads", type=int, default=1)
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
@@ -307,12 +316,23 @@ def main() -> int:
         stream = mixed_stream(pools, args.engine_rate, math.inf, args.inter_share, args.seed, scale=0.1,
                               max_requests=args.engine_requests)
         rows = []
+        victims = [v for v in args.engine_victims.split(",") if v]
+        plain = victims == ["rank"]  # the table keeps the policy names as before
+        labels = [p if plain else f"{p}/{v}" for p in policies for v in victims]
+        engine_preemption = "recompute" if args.preemption == "auto" and args.engine_kv_blocks is None \
+            else args.preemption
         for rep in range(args.engine_repeats):  # policies interleaved, so a slow spell hits them alike
             for policy in policies:
-                t0 = time.perf_counter()
-                s = engine_run(policy, stream, mix, args.num_threads, budget=args.engine_budget)
-                rows.append({**row(policy, args.engine_rate, s), "repeat": rep})
-                console.print(f"{policy} (run {rep + 1}): {time.perf_counter() - t0:.0f} s wall")
+                for victim in victims:
+                    label = policy if plain else f"{policy}/{victim}"
+                    t0 = time.perf_counter()
+                    s, preempted = engine_run(policy, stream, mix, args.num_threads, budget=args.engine_budget,
+                                              victim=victim, num_blocks=args.engine_kv_blocks,
+                                              preemption=engine_preemption)
+                    rows.append({**row(label, args.engine_rate, s), "repeat": rep, "preemptions": preempted})
+                    console.print(f"{label} (run {rep + 1}): {time.perf_counter() - t0:.0f} s wall, "
+                                  f"{preempted} preemptions")
+        policies = labels
         title = (f"real engine (CPU, embedded model), {len(stream)} requests at {args.engine_rate:g} req/s; targets "
                  f"interactive {it:g} s/{ib * 1e3:g} ms, batch {bt:g} s/{bb * 1e3:g} ms")
         md = print_table(console, title, rows)
