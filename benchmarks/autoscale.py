@@ -70,6 +70,7 @@ def parse_args() -> argparse.Namespace:
                         "--peak instances of it): the same requests for runs whose fleets differ")
     p.add_argument("--pd", action="store_true",
                    help="also run each policy on a prefill/decode-disaggregated fleet whose pools scale apart")
+    p.add_argument("--no-figure", action="store_true", help="leave benchmarks/figures/ alone (results JSON only)")
     return p.parse_args()
 
 
@@ -197,6 +198,9 @@ def main() -> int:
     name = "autoscale" + ("" if args.forecaster == "seasonal-naive" else f"-{args.forecaster}") + ("-pd" if pools else "") \
         + ("" if args.forecast_level == 0.9 else f"-band{args.forecast_level:g}")
     figure = REPO / "benchmarks" / "figures" / f"{name}.png"
+    if args.no_figure:
+        console.print(f"wrote {out} ({time.perf_counter() - t0:.0f} s)")
+        return 0
     plot(rows, run, scale, capacity, figure, cold_starts[0])
     console.print(f"wrote {out} and {figure.relative_to(REPO)} ({time.perf_counter() - t0:.0f} s)")
     return 0
