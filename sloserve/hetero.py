@@ -307,8 +307,14 @@ def search(problem: Problem, strategy: str = "joint", trials: int = 60, sampler:
         return out.cost_per_hour, math.log10(out.p95_s)
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    study = optuna.create_study(directions=["minimize", "minimize"],
-                                sampler=make_sampler(sampler, seed, startup or max(4, trials // 5)))
+    startup = startup or max(4, trials // 5)
+    study = optuna.create_study(directions=["minimize", "minimize"], sampler=make_sampler(sampler, seed, startup))
+    if strategy == "joint" and top > 0:
+        # Half the opening trials at routing-first's split (their deployments drawn as usual): the joint
+        # space holds the sequential one, and starting there keeps the larger space from costing the
+        # slice the sequential search explores.
+        for _ in range(startup // 2):
+            study.enqueue_trial({"share": top})
     study.optimize(objective, n_trials=trials)
     return SearchResult(strategy, outcomes)
 
