@@ -10,8 +10,9 @@ quality kept at 95% of the large model's (a quality model calibrated to RouteLLM
 latency; the joint search against routing first (the most queries quality allows on the small
 model) then the deployment, each with the same trials (Gaussian-process MOBO), the fronts the union
 over the seeds: the setting of BENCHMARKS.md's study (benchmarks/sim_hetero.py), ~40 min. Ours = the
-largest cost saving at equal P95 over the targets both fronts reach. With fewer trials the joint
-search, whose space is larger, falls behind (40 trials, one seed: median saving -43%, best +3%).
+largest cost saving at equal P95 over the targets both fronts reach. The joint search opens half its
+random trials at routing-first's split; from a uniform opening its larger space fell behind at 40
+trials and one seed (median saving -43%, best +3%; with the opening: +9% and +42%).
 
     python benchmarks/reproduce/boute.py [--trials 80] [--seeds 0,1,2]
 """
