@@ -79,7 +79,7 @@ class PipelineCostModel(RooflineCostModel):
         self._window_end = policy.window_s
         self._pending_stall = 0.0
         self._now = 0.0
-        self._run: Optional[tuple[float, list[float], StageLoad]] = None  # start, step ends, load per step
+        self._run: Optional[tuple[list[float], StageLoad]] = None  # step ends, stage work per step
 
     def weight_bytes(self) -> float:
         """Device memory the weights take on one GPU (each stage holds its layers' share)."""
@@ -132,9 +132,12 @@ class PipelineCostModel(RooflineCostModel):
     def plan_time(self, plan: StepPlan) -> float:
         """A step the instance runs (estimates go through step_time and count for nothing)."""
         shape = StepLoad.of_plan(plan)
-        self.observe(shape)
         stall, self._pending_stall = self._pending_stall, 0.0
-        return self.step_time(shape) + stall
+        if shape.num_tokens == 0:
+            return self.step_time(shape) + stall
+        compute, work = self._cycle(shape)
+        self._window = self._window + work
+        return self.with_saves(compute, shape) + self.kv_ops_time(shape) + stall
 
     def observe(self, shape: StepLoad) -> None:
         """A step that ran: its stage work counts toward the window."""
@@ -143,12 +146,8 @@ class PipelineCostModel(RooflineCostModel):
 
     def decode_run(self, num_decodes: int, context: int, steps: int) -> list[float]:
         n = num_decodes
-        out, work = [], StageLoad(0.0, 0.0, 0.0)
-        for i in range(1, steps + 1):
-            shape = StepLoad.decodes(n, context + i * n)
-            compute, load = self._cycle(shape)
-            out.append(compute + self.swap_time(0))
-            work = load if i == 1 else work  # steps of one run differ only in attention: price the window once
+        cycles = [self._cycle(StepLoad.decodes(n, context + i * n)) for i in range(1, steps + 1)]
+        out = [compute for compute, _ in cycles]
         if out:
             out[0] += self._pending_stall
             self._pending_stall = 0.0
@@ -156,7 +155,7 @@ class PipelineCostModel(RooflineCostModel):
             for d in out:
                 t += d
                 ends.append(t)
-            self._run = (self._now, ends, work)
+            self._run = (ends, cycles[0][1])  # a run's steps differ only in attention: its first prices the window
         return out
 
     def advance(self, now: float) -> None:
@@ -164,7 +163,7 @@ class PipelineCostModel(RooflineCostModel):
         arrival ran only those), then close every window that ended."""
         self._now = now
         if self._run is not None:
-            _, ends, work = self._run
+            ends, work = self._run
             done = sum(1 for e in ends if e <= now + 1e-12)
             self._window = self._window + StageLoad(work.layer_s * done, work.head_s * done, work.send_s * done)
             self._run = None
