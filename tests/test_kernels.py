@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sloserve.engine.kernels import load_paged_decode_attention
+from sloserve.engine.kernels import amx_decode_attention, load_paged_decode_attention
 
 kernel = load_paged_decode_attention()
 pytestmark = pytest.mark.skipif(kernel is None, reason="no C++ toolchain to build the native kernel")
@@ -37,9 +37,41 @@ def test_other_head_sizes(hd, contexts):
     check_against_sdpa(0, 6, 2, torch.bfloat16, contexts, hd)
 
 
+@pytest.mark.skipif(kernel is None or not amx_decode_attention(), reason="no AMX on this CPU")
+@pytest.mark.parametrize("window", [0, 7, 40])
+@pytest.mark.parametrize("heads, kv_heads, hd", [(9, 3, 64), (8, 1, 64), (4, 4, 64), (32, 8, 128), (6, 2, 128)])
+@pytest.mark.parametrize("contexts", [FEW, MANY, [1, 16, 17, 31, 32, 33, 300]], ids=["few", "many", "tile-edges"])
+def test_amx_tiles_agree_with_the_vector_loop(window, heads, kv_heads, hd, contexts):
+    """The AMX path (bf16) rounds the probabilities to bf16 before P.V; against the vector
+    loop over the same cache it may differ by that rounding, not more. Its cases: partial
+    first and last tiles (windows, contexts off the 16-position grid), one and several KV
+    heads per tile, head size 128 (two column groups per KV head), and few sequences (one task
+    per KV head) as well as many."""
+    torch.manual_seed(2)
+    bs, nb = 16, 80
+    k_cache = torch.randn(nb * bs, kv_heads, hd).bfloat16()
+    v_cache = torch.randn(nb * bs, kv_heads, hd).bfloat16()
+    ctx = torch.tensor(contexts)
+    tables = torch.stack([torch.randperm(nb)[:-(-max(contexts) // bs)] for _ in ctx])
+    q = torch.randn(len(ctx), heads, hd).bfloat16()
+    amx = kernel(q, k_cache, v_cache, tables, ctx, bs, hd ** -0.5, window).float()
+    loop = kernel(q, k_cache, v_cache, tables, ctx, bs, hd ** -0.5, window, allow_amx=False).float()
+    torch.testing.assert_close(amx, loop, rtol=0, atol=1.6e-2)
+    assert (amx - loop).abs().mean() < 1e-3
+    check_against_sdpa(window, heads, kv_heads, torch.bfloat16, contexts, hd)
+
+
+def test_work_is_split_by_context_not_by_sequence_count():
+    """Threads get runs of sequences of about equal context (one long sequence among short ones
+    must not leave one thread with most of the work): the answer is the same whatever the cut."""
+    contexts = [1000] + [3] * 60 + [700, 2, 2, 900]
+    for hd, dtype in [(64, torch.bfloat16), (64, torch.float32), (40, torch.bfloat16)]:
+        check_against_sdpa(0, 9, 3, dtype, contexts, hd)
+
+
 def check_against_sdpa(window, heads, kv_heads, dtype, contexts, hd):
     torch.manual_seed(0)
-    bs, nb = 16, 64
+    bs, nb = 16, max(64, sum(-(-n // 16) for n in contexts))
     k_cache = torch.randn(nb * bs, kv_heads, hd).to(dtype)
     v_cache = torch.randn(nb * bs, kv_heads, hd).to(dtype)
     ctx = torch.tensor(contexts)

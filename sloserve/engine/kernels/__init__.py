@@ -90,10 +90,17 @@ def load_paged_decode_attention() -> Optional[Callable]:
     return None if module is None else module.paged_decode_attention
 
 
+def amx_decode_attention() -> bool:
+    """Whether bf16 decode attention runs on AMX tiles on this machine (the build has them and
+    the OS granted the tile state)."""
+    module = _load("cpu_kernels", "decode attention")
+    return module is not None and bool(module.amx_available())
+
+
 def load_fused_ops():
     """The compiled CPU elementwise kernels (rms_norm, add_rms_norm, silu_and_mul, rope_), or None
     (the portable ATen ops then)."""
     return _load("cpu_kernels", "fused elementwise ops")
 
 
-__all__ = ["cpu_tag", "load_fused_ops", "load_paged_decode_attention"]
+__all__ = ["amx_decode_attention", "cpu_tag", "load_fused_ops", "load_paged_decode_attention"]
