@@ -184,7 +184,9 @@ class EngineConfig:
     num_threads: Optional[int] = None  # torch intra-op threads; None = the cores this process may use
     max_model_len: Optional[int] = None  # defaults to the model's context window
     seed: int = 0
-    native_kernels: bool = True  # compile and use the CPU decode-attention kernel (falls back if it cannot)
+    # Compiled CPU kernels (decode attention, fused norms/RoPE/SiLU; falls back if it cannot build)
+    # and bf16 weights prepacked for oneDNN where the probe measures it faster. False = portable path.
+    native_kernels: bool = True
     step_trace: Optional[str] = None  # write one JSON line per engine step to this file (engine/step_trace.py)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

@@ -15,11 +15,11 @@ from gguf import GGMLQuantizationType as Q
 
 from sloserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from sloserve.engine.llm import LLM
-from sloserve.engine.precision_probe import choose_cpu_dtype, quantized_max_rows
+from sloserve.engine.precision_probe import choose_cpu_dtype, prepack_pays, quantized_max_rows
 from sloserve.engine.quality import (KV_TOLERANCES, TOLERANCES, chunked_next_token_logits, greedy_agreement, load_texts,
                                      next_token_logits, perplexity, top1_agreement)
 from sloserve.engine.quant import (DenseLinear, GroupAffine4, Int4Linear, Int8Linear, RowDispatchLinear,
-                                   resolve_quantization)
+                                   can_prepack, resolve_quantization)
 from sloserve.engine.weights import load_model
 from sloserve.types import SamplingParams
 from test_weights import random_hf_weights, write_tiny_gguf
@@ -68,6 +68,24 @@ def test_row_dispatch_sends_small_steps_to_the_packed_kernel():
     assert both.nbytes == packed.nbytes + dense.nbytes
 
 
+@pytest.mark.skipif(not can_prepack(torch.bfloat16, torch.device("cpu")), reason="torch built without oneDNN")
+def test_prepacked_bf16_linear_is_the_plain_one_without_the_per_call_reorder():
+    """Same kernel, the weight reordered once instead of on every call: bitwise the plain
+    product at every row count a step has, with and without a bias; the plain weight is kept
+    only when asked for (a tied embedding reads it)."""
+    torch.manual_seed(0)
+    w, b = torch.randn(192, 96).bfloat16(), torch.randn(192).bfloat16()
+    for bias in (None, b):
+        plain, packed = DenseLinear(w, bias), DenseLinear(w, bias, prepack=True)
+        assert packed.weight is None and packed.nbytes == plain.nbytes
+        for rows in (1, 3, 16, 64, 200, 700):
+            x = torch.randn(rows, 96).bfloat16()
+            assert torch.equal(packed(x), plain(x)), (rows, bias is None)
+    kept = DenseLinear(w, prepack=True, keep_weight=True)
+    assert kept.weight is w and kept.nbytes == 2 * DenseLinear(w).nbytes
+    assert not can_prepack(torch.float32, torch.device("cpu"))
+
+
 def test_quantization_names_resolve_per_device():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert resolve_quantization("auto", "int4", cpu) == "int4"
@@ -87,8 +105,11 @@ def test_the_probes_measure_once_and_then_read_their_cache(tmp_path):
     assert result.dtype == ("bfloat16" if mean < 0.9 else "float32")
     rows = quantized_max_rows(64, 128, "int4", torch.bfloat16, cache)
     assert rows is None or rows in (0, 1, 2, 4, 8, 16, 32, 64, 128)
+    pays = prepack_pays(64, 128, cache)
     entries = json.loads(cache.read_text())
-    assert result.key in entries and len(entries) == 2
+    assert result.key in entries and len(entries) == 3
+    ratios = next(v["packed_over_plain"] for k, v in entries.items() if k.endswith("prepack bfloat16"))
+    assert pays == (float(np.exp(np.mean(np.log(list(ratios.values()))))) < 0.95)
     # What the cache says is what the next engine start uses: no second measurement.
     flipped = "float32" if result.dtype == "bfloat16" else "bfloat16"
     entries[result.key]["dtype"] = flipped
@@ -124,7 +145,10 @@ def test_each_precision_stays_within_its_quality_tolerance(llm, heldout_ids, ref
     agreement = top1_agreement(llm.engine.model, model, heldout_ids)
     assert agreement >= tolerance.min_top1_agreement, (name, agreement)
     exact = llm.engine.model.weight_bytes
-    assert model.weight_bytes < {"bfloat16": 0.51, "int8": 0.3, "int4": 0.2}[name] * exact
+    # A tied table prepacked as the LM head is held twice: the embedding reads the plain rows.
+    head = model.lm_head
+    twice = head.nbytes / 2 if getattr(head, "packed", None) is not None and head.weight is not None else 0
+    assert model.weight_bytes - twice < {"bfloat16": 0.51, "int8": 0.3, "int4": 0.2}[name] * exact
 
 
 def test_the_default_engine_generates_what_the_reference_does_within_tolerance(llm, heldout_ids):

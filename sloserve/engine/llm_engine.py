@@ -19,8 +19,8 @@ from sloserve.engine.kernels import load_fused_ops, load_paged_decode_attention
 from sloserve.engine.migration import ResumeState
 from sloserve.engine.model import KVCache, LlamaModel
 from sloserve.engine.outputs import RequestMetrics, RequestOutput, TokenLogprob
-from sloserve.engine.precision_probe import choose_cpu_dtype, quantized_max_rows
-from sloserve.engine.quant import resolve_quantization
+from sloserve.engine.precision_probe import choose_cpu_dtype, prepack_pays, quantized_max_rows
+from sloserve.engine.quant import can_prepack, resolve_quantization
 from sloserve.engine.kv_store import KVStoreClient
 from sloserve.engine.kv_tiers import DiskKVTier, TierMovers, kv_fingerprint, model_identity
 from sloserve.engine.runner import KVTransferError, ModelRunner, TierLoadFailed
@@ -122,13 +122,14 @@ class LLMEngine:
         if config.native_kernels and self.device.type == "cpu":
             decode_attention = load_paged_decode_attention()
             fused_ops = load_fused_ops()
+        hidden, intermediate = loaded.config.hidden_size, loaded.config.intermediate_size
+        prepack = config.native_kernels and can_prepack(self.dtype, self.device) and prepack_pays(hidden, intermediate)
         dense_above: dict[str, Optional[int]] = {}
         if self.quantization != "none" and config.quantized_dense_copy:
             for kind in {self.quantization, "int8"}:  # the LM head is int8 in both modes
-                dense_above[kind] = quantized_max_rows(loaded.config.hidden_size, loaded.config.intermediate_size,
-                                                       kind, self.dtype)
+                dense_above[kind] = quantized_max_rows(hidden, intermediate, kind, self.dtype, prepack=prepack)
         self.model = LlamaModel(loaded.config, loaded.weights, self.device, self.dtype, decode_attention,
-                                self.quantization, dense_above, fused_ops)
+                                self.quantization, dense_above, fused_ops, prepack)
         del loaded
 
         cache = config.cache

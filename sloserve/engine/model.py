@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from sloserve.config import ModelConfig
-from sloserve.engine.quant import DenseLinear, GroupAffine4, Int4Linear, Int8Linear, Linear, RowDispatchLinear
+from sloserve.engine.quant import (DenseLinear, GroupAffine4, Int4Linear, Int8Linear, Linear, RowDispatchLinear,
+                                   can_prepack)
 
 
 @dataclass
@@ -160,11 +161,12 @@ class LlamaModel:
     def __init__(self, config: ModelConfig, weights: dict[str, Union[torch.Tensor, GroupAffine4]],
                  device: torch.device, dtype: torch.dtype, decode_attention: Optional[Callable] = None,
                  quantization: str = "none", dense_above: Optional[dict[str, Optional[int]]] = None,
-                 fused_ops=None):
+                 fused_ops=None, prepack: bool = False):
         """`quantization` is resolved ("none", "int8" or "int4"); `dense_above` maps a packed form
         to the most rows its kernel serves before a dense copy takes over (None: no copy; a form
         absent from it keeps no copy either). The LM head is packed as int8 in both quantized
-        modes: it is the most sensitive matrix."""
+        modes: it is the most sensitive matrix. `prepack`: dense bf16 weights live in oneDNN's
+        layout (quant.can_prepack)."""
         self.config = config
         # A native kernel reading K/V in place (see engine/kernels); None = gather + SDPA.
         self.decode_attention = decode_attention
@@ -182,12 +184,15 @@ class LlamaModel:
                 value = value.dequantize()
             return value.to(device=device, dtype=dtype)
 
-        def linear(names: list[str], bias: list[str] = (), kind: str = quantization) -> Linear:
+        prepack = prepack and can_prepack(dtype, device)
+        tied = config.tie_word_embeddings or "lm_head.weight" not in weights
+
+        def linear(names: list[str], bias: list[str] = (), kind: str = quantization, keep_weight: bool = False) -> Linear:
             # Fusing q/k/v and gate/up makes two GEMMs out of five: fewer, larger calls.
             b = torch.cat([w(n) for n in bias]) if bias else None
             max_rows = dense_above.get(kind)
             if kind == "none" or max_rows == 0:
-                return DenseLinear(torch.cat([w(n) for n in names]), b)
+                return DenseLinear(torch.cat([w(n) for n in names]), b, prepack, keep_weight)
             if kind == "int4":
                 parts = [v if isinstance(v, GroupAffine4) else GroupAffine4.quantize(v)
                          for v in (weights[n] for n in names)]
@@ -196,14 +201,14 @@ class LlamaModel:
                 packed = Int8Linear(torch.cat([w(n) for n in names]), b)
             # The dense copy holds the packed form's own weights, so a request computes with the
             # same numbers whichever kernel its step runs.
-            dense = None if max_rows is None else DenseLinear(packed.dequantized(dtype).to(device), b)
+            dense = None if max_rows is None else DenseLinear(packed.dequantized(dtype).to(device), b, prepack,
+                                                              keep_weight)
             if isinstance(packed, Int4Linear):
                 packed.drop_codes()
             return packed if dense is None else RowDispatchLinear(packed, dense, max_rows)
 
-        tied = config.tie_word_embeddings or "lm_head.weight" not in weights
         head_name = "model.embed_tokens.weight" if tied else "lm_head.weight"
-        self.lm_head = linear([head_name], kind="none" if quantization == "none" else "int8")
+        self.lm_head = linear([head_name], kind="none" if quantization == "none" else "int8", keep_weight=tied)
         dense_head = self.lm_head if isinstance(self.lm_head, DenseLinear) else getattr(self.lm_head, "large", None)
         if not tied:
             self.embed: Optional[torch.Tensor] = w("model.embed_tokens.weight")
