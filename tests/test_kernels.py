@@ -119,6 +119,30 @@ def test_reads_the_int8_cache_as_its_dequantized_values(dtype, contexts):
         torch.testing.assert_close(out[d], ref, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("vocab", [1, 15, 16, 49152, 1000003 % 4099])
+def test_argmax_rows_is_torchs_max_index(dtype, vocab):
+    """Greedy sampling's native argmax: torch's `max(dim=-1).indices` exactly, ties to the first
+    index, a NaN wins (the first one), +inf beats everything, an all -inf row gives 0, and
+    row lengths off the vector width."""
+    from sloserve.engine.kernels import load_fused_ops
+
+    ops = load_fused_ops()
+    torch.manual_seed(3)
+    x = torch.randn(12, vocab).to(dtype)
+    x[1] = x[1].round()  # many ties
+    x[2, vocab // 2] = float("nan")
+    x[2, -1] = float("nan")
+    x[3, vocab - 1] = float("inf")
+    x[4] = float("-inf")
+    x[5, 0] = 50.0
+    x[6, -1] = 50.0
+    got = ops.argmax_rows(x)
+    assert got.dtype == torch.long and got.tolist() == x.max(dim=-1).indices.tolist()
+    with pytest.raises(RuntimeError, match="argmax_rows"):
+        ops.argmax_rows(torch.randn(4, 8).to(dtype)[:, ::2])
+
+
 def test_rejects_what_it_cannot_do():
     q = torch.randn(1, 9, 64)
     cache = torch.randn(16, 3, 64)

@@ -49,6 +49,21 @@ def test_greedy_ties_pick_lowest_index():
     assert out.token_ids == [1]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_with_the_native_argmax_picks_the_same_tokens(dtype):
+    from sloserve.engine.kernels import load_fused_ops
+
+    ops = load_fused_ops()
+    if ops is None:
+        pytest.skip("no C++ toolchain to build the native kernels")
+    x = torch.randn(40, 4099, generator=gen(2)).to(dtype)
+    x[3, 10:20] = 9.0  # a tie
+    rows = [row(temperature=0.0) for _ in range(40)]
+    native = Sampler(argmax=ops.argmax_rows)(x, rows)
+    assert native.token_ids == Sampler()(x, rows).token_ids
+    assert native.token_ids[3] == 10
+
+
 def test_greedy_rows_unaffected_and_draw_no_randomness_in_mixed_batch():
     x = torch.randn(8, 30, generator=gen(2))
     rows = [row(temperature=0.0, gen=gen(9)) if i % 2 == 0 else row(temperature=1.0)

@@ -61,7 +61,7 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids
         default = torch.Generator(device=self.device)
         default.manual_seed(seed)
-        self.sampler = Sampler(default)
+        self.sampler = Sampler(default, argmax=getattr(model.fused, "argmax_rows", None))
         self._generators: dict[str, torch.Generator] = {}
 
     def execute(self, plan: StepPlan) -> StepResult:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -120,9 +120,12 @@ def _apply_top_k_top_p(logits: torch.Tensor, scaled: torch.Tensor, top_k: torch.
 class Sampler:
     """Picks one token per row of a logits matrix. Holds no per-request state."""
 
-    def __init__(self, default_generator: Optional[torch.Generator] = None) -> None:
+    def __init__(self, default_generator: Optional[torch.Generator] = None,
+                 argmax: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> None:
         # Used by random rows without their own generator; None = torch's global RNG.
         self.default_generator = default_generator
+        # The native row argmax for the plain greedy case (engine/kernels; CPU tensors), or None.
+        self.argmax = argmax
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SampleOutput:
         """Sample one token per row of logits [R, V]; the input tensor is not modified."""
@@ -138,8 +141,13 @@ class Sampler:
         if not (pen_idx or ban or lp_idx or rand_idx):
             # The common case: plain greedy decoding, on the logits as they come (16-bit ones
             # too). max().indices is argmax with the same first-index tie-break, and on bf16
-            # it is vectorized where argmax is not (200 x 49k: 2.9 ms against 15.7 ms).
-            return SampleOutput(logits.max(dim=-1).indices.tolist(), [None] * n_rows, [None] * n_rows)
+            # it is vectorized where argmax is not (200 x 49k: 2.9 ms against 15.7 ms on the
+            # EPYC); the native kernel, same answer, took 0.59 ms against 3.9 on the AMX Xeon.
+            if self.argmax is not None and logits.device.type == "cpu" and logits.is_contiguous():
+                ids = self.argmax(logits)
+            else:
+                ids = logits.max(dim=-1).indices
+            return SampleOutput(ids.tolist(), [None] * n_rows, [None] * n_rows)
 
         dev = logits.device
         x = logits.to(torch.float32, copy=True)

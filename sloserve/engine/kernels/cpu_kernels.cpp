@@ -19,6 +19,10 @@
 #include <type_traits>
 #include <vector>
 
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && \
     defined(__linux__)
 #include <immintrin.h>
@@ -612,6 +616,70 @@ void rope_rows(scalar_t* base, const scalar_t* c, const scalar_t* s, int64_t row
   });
 }
 
+// ---------------------------------------------------------------- greedy sampling
+
+// The index of the largest value of x[n] (the first on ties; the first NaN if any, as torch's
+// max does). Two passes over a row that the LM head has just written (it sits in cache): the
+// max, then the first position holding it, a vector's width at a time.
+template <typename scalar_t>
+int64_t argmax_row_scalar(const scalar_t* x, int64_t n) {
+  float best = load(x[0]);
+  int64_t at = 0;
+  for (int64_t i = 1; i < n && best == best; ++i) {
+    const float v = load(x[i]);
+    if (v > best || v != v) best = v, at = i;
+  }
+  return at;
+}
+
+#ifndef __AVX512F__
+template <typename scalar_t>
+int64_t argmax_row(const scalar_t* x, int64_t n) {
+  return argmax_row_scalar(x, n);
+}
+#else
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline __m512 load16(const double*) { return _mm512_setzero_ps(); }  // unused: doubles take the scalar loop
+
+template <typename scalar_t>
+int64_t argmax_row(const scalar_t* x, int64_t n) {
+  if constexpr (std::is_same_v<scalar_t, double>) return argmax_row_scalar(x, n);
+  const int64_t vec_end = n / 16 * 16;
+  __m512 best16 = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __mmask16 nan_lanes = 0;
+  for (int64_t i = 0; i < vec_end; i += 16) {
+    const __m512 v = load16(x + i);
+    best16 = _mm512_max_ps(best16, v);
+    nan_lanes |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  }
+  float best = _mm512_reduce_max_ps(best16);
+  bool nans = nan_lanes != 0;
+  for (int64_t i = vec_end; i < n; ++i) {
+    const float v = load(x[i]);
+    best = std::max(best, v);
+    nans |= v != v;
+  }
+  const __m512 target = _mm512_set1_ps(best);
+  for (int64_t i = 0; i < vec_end; i += 16) {
+    const __m512 v = load16(x + i);
+    const __mmask16 hit = nans ? _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) : _mm512_cmp_ps_mask(v, target, _CMP_EQ_OQ);
+    if (hit) return i + __builtin_ctz(hit);
+  }
+  for (int64_t i = vec_end; i < n; ++i) {
+    const float v = load(x[i]);
+    if (nans ? v != v : v == best) return i;
+  }
+  return 0;
+}
+#endif
+
 }  // namespace
 
 torch::Tensor paged_decode_attention(const torch::Tensor& q,             // [D, nh, hd]
@@ -707,6 +775,23 @@ void rope_(torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
   });
 }
 
+// Greedy tokens: the argmax of each row of logits [R, V] (int64 [R]). torch's bf16 argmax is
+// scalar (15.7 ms for 200 x 49k) and max().indices, its vectorized stand-in, 3.8 ms.
+torch::Tensor argmax_rows(const torch::Tensor& logits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() && logits.size(1) > 0,
+              "argmax_rows: contiguous logits [R, V] with V > 0 expected");
+  const int64_t rows = logits.size(0), n = logits.size(1);
+  auto out = torch::empty({rows}, logits.options().dtype(at::kLong));
+  int64_t* op = out.data_ptr<int64_t>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "argmax_rows", [&] {
+    const scalar_t* x = logits.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) op[r] = argmax_row(x + r * n, n);
+    });
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   const auto no_gil = pybind11::call_guard<pybind11::gil_scoped_release>();
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache",
@@ -724,4 +809,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "residual add then RMSNorm", no_gil);
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up", no_gil);
   m.def("rope_", &rope_, "rotary embedding in place", no_gil);
+  m.def("argmax_rows", &argmax_rows, "index of each row's largest value (first on ties)", no_gil);
 }
