@@ -119,6 +119,52 @@ def test_reads_the_int8_cache_as_its_dequantized_values(dtype, contexts):
         torch.testing.assert_close(out[d], ref, rtol=tol, atol=tol)
 
 
+@pytest.mark.skipif(kernel is None or not amx_decode_attention(), reason="no AMX on this CPU")
+@pytest.mark.parametrize("window", [0, 20])
+@pytest.mark.parametrize("heads, kv_heads, hd", [(9, 3, 64), (4, 4, 64), (6, 2, 128)])
+def test_prefill_attention_matches_sdpa_over_the_paged_context(window, heads, kv_heads, hd):
+    """The native prefill kernel: each chunk's queries (rows of a strided view, as the fused QKV
+    output gives them) attend causally to the cached prefix and the chunk, read through the
+    block table; chunks on and off the 16-row tile grid, with and without a cached prefix.
+    Rows of other spans stay untouched."""
+    from sloserve.engine.kernels import load_fused_ops
+
+    ops = load_fused_ops()
+    torch.manual_seed(4)
+    bs, nb = 16, 200
+    k_cache = torch.randn(nb * bs, kv_heads, hd).bfloat16()
+    v_cache = torch.randn(nb * bs, kv_heads, hd).bfloat16()
+    specs = [(5, 0), (16, 0), (17, 0), (140, 0), (33, 40), (300, 7), (1, 100)]  # (rows, cached start)
+    width = max(-(-(n + s) // bs) for n, s in specs)
+    perm = torch.randperm(nb)
+    tables = torch.stack([perm[i * width:(i + 1) * width] for i in range(len(specs))])
+    total = sum(n for n, _ in specs) + 3  # three rows belong to no span
+    fused = torch.randn(total, (heads + 2 * kv_heads) * hd).bfloat16()
+    q = fused[:, :heads * hd].view(total, heads, hd)
+    spans, row = [], 3
+    for n, s in specs:
+        spans.append([row, n, s])
+        row += n
+    out = torch.full((total, heads, hd), 7.0, dtype=torch.bfloat16)
+    assert ops.prefill_attention(q, k_cache, v_cache, tables, torch.tensor(spans), bs, hd ** -0.5, window, out)
+    assert (out[:3] == 7.0).all()
+    for i, (r0, n, s) in enumerate(spans):
+        pos = torch.arange(s + n)
+        slots = tables[i][pos // bs] * bs + pos % bs
+        qpos = torch.arange(s, s + n).unsqueeze(1)
+        mask = pos.unsqueeze(0) <= qpos
+        if window:
+            mask &= pos.unsqueeze(0) > qpos - window
+        ref = F.scaled_dot_product_attention(
+            q[r0:r0 + n].float().transpose(0, 1).unsqueeze(0), k_cache[slots].float().transpose(0, 1).unsqueeze(0),
+            v_cache[slots].float().transpose(0, 1).unsqueeze(0), attn_mask=mask, scale=hd ** -0.5, enable_gqa=True,
+        )[0].transpose(0, 1)
+        torch.testing.assert_close(out[r0:r0 + n].float(), ref, rtol=0, atol=2e-2)
+    # what it cannot take, it leaves to the caller
+    assert not ops.prefill_attention(q.float(), k_cache.float(), v_cache.float(), tables, torch.tensor(spans), bs,
+                                     hd ** -0.5, window, out.float())
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 @pytest.mark.parametrize("vocab", [1, 15, 16, 49152, 1000003 % 4099])
 def test_argmax_rows_is_torchs_max_index(dtype, vocab):

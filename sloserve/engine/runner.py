@@ -222,6 +222,13 @@ class ModelRunner:
             if p.samples:
                 sample_indices.append(len(ids) - 1)
 
+        prefill_tables = None
+        if spans and self.device.type == "cpu":  # for the native prefill kernel (model.py)
+            width = max(-(-(p.start + p.num_new_tokens) // bs) for p in prefills)
+            prefill_tables = torch.zeros(len(prefills), width, dtype=torch.long)
+            for i, p in enumerate(prefills):
+                n = -(-(p.start + p.num_new_tokens) // bs)
+                prefill_tables[i, :n] = torch.tensor(p.block_table[:n], dtype=torch.long)
         dev = self.device
         return ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
@@ -233,4 +240,5 @@ class ModelRunner:
             decode_context_lens=None if ctx is None else ctx.to(dev),
             prefills=spans,
             sample_indices=torch.tensor(sample_indices, dtype=torch.long, device=dev),
+            prefill_tables=prefill_tables,
         )
