@@ -484,13 +484,19 @@ void decode_attention_amx(const torch::Tensor& q, const torch::Tensor& k_cache, 
 // ---------------------------------------------------------------- prefill attention on AMX tiles
 //
 // Causal attention of a step's prefill chunks to their whole context (cached prefix and the
-// chunk itself, both read from the paged cache after the chunk's K/V are written), flash-style:
-// per (chunk, query head, 16 queries) the keys are visited 16 at a time with a running max and
-// sum. torch's CPU flash attention, one call per chunk and layer, reached 110-360 GFLOP/s on the
-// chunks of ShareGPT prompts (most of its time fixed costs on short ones) and was ~40% of a
-// prefill step. Keys are first packed per (chunk, KV head) into the tile unit's layouts:
-// K^T pair-interleaved by dimension, V by position; both are shared by the KV head's query heads
-// and by every query block of the chunk.
+// chunk itself, both read from the paged cache after the chunk's K/V are written), flash-style
+// per (chunk, query head, 16 queries), 32 keys at a time. torch's CPU flash attention, one call
+// per chunk and layer, reached 110-360 GFLOP/s on ShareGPT-sized chunks (mostly fixed costs on
+// the short ones) and was ~40% of a prefill step.
+//
+// The scores are computed transposed, S^T [keys][queries] = K Q^T: K tiles load straight from
+// the cache rows, and each key's scores across the 16 queries fill one vector register, so the
+// softmax needs no horizontal reductions (the running max and sum are per-lane vectors). The
+// output accumulates transposed as well, O^T [dims][queries] += V^T P^T, in four tiles that stay
+// in the tile unit across key blocks: the running max is raised lazily (only when a block's max
+// exceeds it by RESCALE_MARGIN, as FlashAttention-3 does), so the accumulators are rarely taken
+// out to be rescaled. V^T is packed once per (chunk, KV head) and shared by the KV head's query
+// heads and every query block.
 
 // fast_exp above, sixteen at a time.
 inline __m512 fast_exp16(__m512 x) {
@@ -509,9 +515,50 @@ inline __m512 fast_exp16(__m512 x) {
   return _mm512_castsi512_ps(bits);
 }
 
+constexpr float RESCALE_MARGIN = 8.0f;  // probabilities up to e^8 before a rescale: far inside bf16 and float32
+constexpr int64_t KEYS = 32;             // keys per block: one PV product
+
+void configure_prefill_tiles() {
+  TileConfig c;
+  for (int t = 0; t < 8; ++t) {  // every tile 16 rows x 64 bytes
+    c.rows[t] = 16;
+    c.colsb[t] = 64;
+  }
+  asm volatile("" ::: "memory");  // see configure_tiles
+  _tile_loadconfig(&c);
+}
+
+// Tiles: 0-3 O^T (16 dims x 16 queries each), 4 S^T, 5 K, 6 Q^T then P^T, 7 V^T.
+#define PT_S 4
+#define PT_K 5
+#define PT_B 6
+#define PT_V 7
+
 struct PrefillTask {
   int64_t span, head, qblock, cost;
 };
+
+// The 16 x 16 products of 32 keys x 16 queries, for output dims [64 cg, 64 cg + 64).
+struct PrefillScratch {
+  alignas(64) uint16_t qt[4][16 * 32];  // Q^T, pair-interleaved by dimension, per 32 dims (hd <= 128)
+  alignas(64) float st[KEYS * 16];      // S^T of one key block
+  alignas(64) uint16_t pt[16 * 32];     // P^T, pair-interleaved by key
+  alignas(64) float ot[64 * 16];        // O^T taken out of the tiles
+};
+
+inline void store_o(float* ot) {
+  _tile_stored(0, ot, 64);
+  _tile_stored(1, ot + 256, 64);
+  _tile_stored(2, ot + 512, 64);
+  _tile_stored(3, ot + 768, 64);
+}
+
+inline void load_o(const float* ot) {
+  _tile_loadd(0, ot, 64);
+  _tile_loadd(1, ot + 256, 64);
+  _tile_loadd(2, ot + 512, 64);
+  _tile_loadd(3, ot + 768, 64);
+}
 
 void prefill_attention_amx(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                            const torch::Tensor& tables, const torch::Tensor& spans, int64_t block_size, float scale,
@@ -520,36 +567,29 @@ void prefill_attention_amx(const torch::Tensor& q, const torch::Tensor& k_cache,
   const int64_t S = spans.size(0), W = tables.size(1);
   const int64_t* sp = spans.data_ptr<int64_t>();  // [S, 3]: first row in q, rows, start position
   const int64_t* bt = tables.data_ptr<int64_t>();
-  const auto* kp = reinterpret_cast<const uint16_t*>(k_cache.data_ptr<c10::BFloat16>());
+  const auto* kp = reinterpret_cast<const char*>(k_cache.data_ptr<c10::BFloat16>());
   const auto* vp = reinterpret_cast<const uint16_t*>(v_cache.data_ptr<c10::BFloat16>());
-  const auto* qp = q.data_ptr<c10::BFloat16>();
+  const auto* qp = reinterpret_cast<const uint16_t*>(q.data_ptr<c10::BFloat16>());
   auto* op = out.data_ptr<c10::BFloat16>();
-  const int64_t kv_row = nkv * hd;  // cache elements between positions
+  const int64_t kv_row = nkv * hd;    // cache elements between positions
   const int64_t q_row = q.stride(0);  // q may be a view into the fused QKV output
+  auto slot = [&](int64_t s, int64_t pos) { return bt[s * W + pos / block_size] * block_size + pos % block_size; };
 
-  // 1. pack each chunk's keys and values: key blocks of 16 positions, per KV head
+  // 1. V^T per (chunk, 32-key block, KV head): [hd][32 keys], zero past the context
   std::vector<int64_t> first_block(S + 1, 0);
-  for (int64_t s = 0; s < S; ++s) first_block[s + 1] = first_block[s] + (sp[3 * s + 2] + sp[3 * s + 1] + TILE - 1) / TILE;
-  const int64_t block_elems = TILE * hd;  // uint16 per packed block of one KV head
-  std::vector<uint16_t, AlignedAllocator<uint16_t>> kpack(first_block[S] * nkv * block_elems);
+  for (int64_t s = 0; s < S; ++s) first_block[s + 1] = first_block[s] + (sp[3 * s + 2] + sp[3 * s + 1] + KEYS - 1) / KEYS;
+  const int64_t block_elems = KEYS * hd;
   std::vector<uint16_t, AlignedAllocator<uint16_t>> vpack(first_block[S] * nkv * block_elems);
-  at::parallel_for(0, first_block[S], 16, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, first_block[S], 8, [&](int64_t begin, int64_t end) {
     for (int64_t gb = begin; gb < end; ++gb) {
       const int64_t s = std::upper_bound(first_block.begin(), first_block.end(), gb) - first_block.begin() - 1;
       const int64_t kb = gb - first_block[s], ctx = sp[3 * s + 2] + sp[3 * s + 1];
-      for (int64_t g = 0; g < nkv; ++g) {
-        uint16_t* kd = kpack.data() + (gb * nkv + g) * block_elems;  // [hd/2 pairs][16 keys][2]
-        uint16_t* vd = vpack.data() + (gb * nkv + g) * block_elems;  // [8 key pairs][hd][2]
-        for (int64_t j = 0; j < TILE; ++j) {
-          const int64_t pos = kb * TILE + j;
-          const bool valid = pos < ctx;
-          const int64_t slot = valid ? bt[s * W + pos / block_size] * block_size + pos % block_size : 0;
-          const uint16_t* krow = kp + slot * kv_row + g * hd;
-          const uint16_t* vrow = vp + slot * kv_row + g * hd;
-          for (int64_t x = 0; x < hd; ++x) {
-            kd[(x / 2) * 32 + j * 2 + x % 2] = valid ? krow[x] : 0;
-            vd[(j / 2) * hd * 2 + x * 2 + j % 2] = valid ? vrow[x] : 0;
-          }
+      for (int64_t j = 0; j < KEYS; ++j) {
+        const int64_t pos = kb * KEYS + j;
+        const uint16_t* vrow = pos < ctx ? vp + slot(s, pos) * kv_row : nullptr;
+        for (int64_t g = 0; g < nkv; ++g) {
+          uint16_t* vd = vpack.data() + (gb * nkv + g) * block_elems;
+          for (int64_t x = 0; x < hd; ++x) vd[x * KEYS + j] = vrow ? vrow[g * hd + x] : 0;
         }
       }
     }
@@ -562,7 +602,7 @@ void prefill_attention_amx(const torch::Tensor& q, const torch::Tensor& k_cache,
     for (int64_t qb = 0; qb * TILE < n; ++qb) {
       const int64_t last = start + std::min(n, (qb + 1) * TILE) - 1;
       const int64_t lo = window > 0 ? std::max<int64_t>(0, start + qb * TILE - window + 1) : 0;
-      for (int64_t h = 0; h < nh; ++h) tasks.push_back({s, h, qb, last / TILE - lo / TILE + 2});
+      for (int64_t h = 0; h < nh; ++h) tasks.push_back({s, h, qb, last / KEYS - lo / KEYS + 2});
     }
   }
   int64_t total = 0;
@@ -577,105 +617,122 @@ void prefill_attention_amx(const torch::Tensor& q, const torch::Tensor& k_cache,
   }
 
   // 3. flash attention per task
+  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  // [a0..a15 | b0..b15] -> a0 b0 a1 b1 ...: two keys' probabilities pair-interleaved
+  const __m512i pair_idx = _mm512_setr_epi32(0x00100000, 0x00110001, 0x00120002, 0x00130003, 0x00140004, 0x00150005,
+                                             0x00160006, 0x00170007, 0x00180008, 0x00190009, 0x001A000A, 0x001B000B,
+                                             0x001C000C, 0x001D000D, 0x001E000E, 0x001F000F);
   at::parallel_for(0, threads, 1, [&](int64_t tb, int64_t te) {
-    configure_tiles();
-    alignas(64) float sc[TILE * TILE], acc[TILE * 64], m[TILE], l[TILE];
-    alignas(64) uint16_t pb[TILE * TILE];
-    std::vector<float> o(TILE * hd);
+    configure_prefill_tiles();
+    PrefillScratch w;
     for (int64_t k = tb; k < te; ++k)
       for (int64_t ti = bounds[k]; ti < bounds[k + 1]; ++ti) {
         const PrefillTask& t = tasks[ti];
         const int64_t row0 = sp[3 * t.span], n = sp[3 * t.span + 1], start = sp[3 * t.span + 2];
-        const int64_t g = t.head / group, q0 = t.qblock * TILE, rows = std::min<int64_t>(TILE, n - q0);
+        const int64_t ctx = start + n, g = t.head / group, q0 = t.qblock * TILE;
+        const int64_t rows = std::min<int64_t>(TILE, n - q0);
         const int64_t last = start + q0 + rows - 1;  // the block's last query position
         const int64_t lo = window > 0 ? std::max<int64_t>(0, start + q0 - window + 1) : 0;
-        std::fill(m, m + TILE, -std::numeric_limits<float>::infinity());
-        std::fill(l, l + TILE, 0.f);
-        std::fill(o.begin(), o.end(), 0.f);
-        const c10::BFloat16* qrow = qp + (row0 + q0) * q_row + t.head * hd;
-        const int64_t qstride = q_row * 2;
-        alignas(64) uint16_t qtail[TILE * 128];
-        const void* qbase = qrow;
-        int64_t qs = qstride;
-        if (rows < TILE) {  // copy the valid rows so the tile load stays inside q
-          std::fill(qtail, qtail + TILE * hd, 0);
-          for (int64_t r = 0; r < rows; ++r)
-            std::memcpy(qtail + r * hd, qrow + r * q_row, hd * 2);
-          qbase = qtail;
-          qs = hd * 2;
-        }
-        for (int64_t kb = lo / TILE; kb <= last / TILE; ++kb) {
-          const int64_t gb = first_block[t.span] + kb;
-          const uint16_t* kd = kpack.data() + (gb * nkv + g) * block_elems;
-          const uint16_t* vd = vpack.data() + (gb * nkv + g) * block_elems;
-          _tile_zero(0);
-          for (int64_t dt = 0; dt < hd / 32; ++dt) {
-            _tile_loadd(T_Q, reinterpret_cast<const char*>(qbase) + dt * 64, qs);
-            _tile_loadd(T_K, kd + dt * 16 * 32, 64);
-            _tile_dpbf16ps(0, T_Q, T_K);
-          }
-          _tile_stored(0, sc, 64);
-          for (int64_t r = 0; r < TILE; ++r) {
-            // keys kb*16 + c this query sees: c <= its position (causal), > position - window
-            const int64_t qpos = start + q0 + r, rel = qpos - kb * TILE;
-            __mmask16 keep = r >= rows || rel < 0 ? 0 : rel >= TILE - 1 ? 0xFFFF : (1u << (rel + 1)) - 1;
-            if (window > 0) {
-              const int64_t from = qpos - window + 1 - kb * TILE;  // first key kept, relative
-              if (from >= TILE) keep = 0;
-              else if (from > 0) keep &= static_cast<__mmask16>(0xFFFFu << from);
-            }
-            if (!keep) {
-              _mm256_store_si256(reinterpret_cast<__m256i*>(pb + r * TILE), _mm256_setzero_si256());
-              continue;
-            }
-            const __m512 x = _mm512_mul_ps(_mm512_load_ps(sc + r * TILE), _mm512_set1_ps(scale));
-            const float mnew = std::max(m[r], _mm512_mask_reduce_max_ps(keep, x));
-            const __m512 e = _mm512_maskz_mov_ps(keep, fast_exp16(_mm512_sub_ps(x, _mm512_set1_ps(mnew))));
-            const float alpha = m[r] == -std::numeric_limits<float>::infinity() ? 0.f : fast_exp(m[r] - mnew);
-            m[r] = mnew;
-            l[r] = l[r] * alpha + _mm512_reduce_add_ps(e);
-            if (alpha != 1.f) {
-              float* orow = o.data() + r * hd;
-              for (int64_t x0 = 0; x0 < hd; x0 += 16)
-                _mm512_storeu_ps(orow + x0, _mm512_mul_ps(_mm512_loadu_ps(orow + x0), _mm512_set1_ps(alpha)));
-            }
-            _mm256_store_si256(reinterpret_cast<__m256i*>(pb + r * TILE), (__m256i)_mm512_cvtneps_pbh(e));
-          }
-          for (int64_t cg = 0; cg < hd / 64; ++cg) {
-            _tile_zero(0);
-            _tile_zero(1);
-            _tile_zero(2);
-            _tile_zero(3);
-            _tile_loadd(T_P, pb, 32);
-            const uint16_t* vc = vd + cg * 64 * 2;
-            _tile_loadd(T_V, vc, hd * 4);
-            _tile_dpbf16ps(0, T_P, T_V);
-            _tile_loadd(T_V, vc + 32, hd * 4);
-            _tile_dpbf16ps(1, T_P, T_V);
-            _tile_loadd(T_V, vc + 64, hd * 4);
-            _tile_dpbf16ps(2, T_P, T_V);
-            _tile_loadd(T_V, vc + 96, hd * 4);
-            _tile_dpbf16ps(3, T_P, T_V);
-            _tile_stored(0, acc, 256);
-            _tile_stored(1, acc + 16, 256);
-            _tile_stored(2, acc + 32, 256);
-            _tile_stored(3, acc + 48, 256);
-            for (int64_t r = 0; r < rows; ++r) {
-              float* orow = o.data() + r * hd + cg * 64;
-#pragma omp simd
-              for (int64_t x = 0; x < 64; ++x) orow[x] += acc[r * 64 + x];
-            }
-          }
-        }
+        const __mmask16 qvalid = static_cast<__mmask16>((1u << rows) - 1);
+        const __m512i qpos = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(start + q0)));
+        const __m512i qfloor = _mm512_sub_epi32(qpos, _mm512_set1_epi32(static_cast<int>(window)));
+        // Q^T tiles: qt[dt][i][2 q + e] = q[q][32 dt + 2 i + e]
+        for (int64_t dt = 0; dt < hd / 32; ++dt) std::fill(w.qt[dt], w.qt[dt] + 512, 0);
         for (int64_t r = 0; r < rows; ++r) {
-          c10::BFloat16* dst = op + ((row0 + q0 + r) * nh + t.head) * hd;
-          const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
-          for (int64_t x = 0; x < hd; ++x) dst[x] = store<c10::BFloat16>(o[r * hd + x] * inv);
+          const uint16_t* qr = qp + (row0 + q0 + r) * q_row + t.head * hd;
+          for (int64_t x = 0; x < hd; ++x) w.qt[x / 32][((x % 32) / 2) * 32 + 2 * r + x % 2] = qr[x];
+        }
+        for (int64_t cg = 0; cg < hd / 64; ++cg) {  // output dims [64 cg, 64 cg + 64): the scores are redone per group
+          __m512 m = ninf, l = _mm512_setzero_ps();
+          _tile_zero(0);
+          _tile_zero(1);
+          _tile_zero(2);
+          _tile_zero(3);
+          for (int64_t kb = lo / KEYS; kb <= last / KEYS; ++kb) {
+            for (int64_t half = 0; half < 2; ++half) {  // S^T for keys [k0, k0 + 16)
+              const int64_t k0 = kb * KEYS + half * TILE;
+              if (k0 >= ctx) {
+                std::fill(w.st + half * 256, w.st + half * 256 + 256, 0.f);
+                continue;
+              }
+              const char* krows = kp + (slot(t.span, k0) * kv_row + g * hd) * 2;
+              _tile_zero(PT_S);
+              for (int64_t dt = 0; dt < hd / 32; ++dt) {
+                _tile_loadd(PT_K, krows + dt * 64, kv_row * 2);
+                _tile_loadd(PT_B, w.qt[dt], 64);
+                _tile_dpbf16ps(PT_S, PT_K, PT_B);
+              }
+              _tile_stored(PT_S, w.st + half * 256, 64);
+            }
+            // masks and this block's max, per query lane
+            __mmask16 keep[KEYS];
+            __m512 bmax = ninf;
+            for (int64_t j = 0; j < KEYS; ++j) {
+              const int64_t kpos = kb * KEYS + j;
+              const __m512i kv = _mm512_set1_epi32(static_cast<int>(kpos));
+              __mmask16 kk = qvalid & _mm512_cmp_epi32_mask(kv, qpos, _MM_CMPINT_LE);
+              if (window > 0) kk &= _mm512_cmp_epi32_mask(kv, qfloor, _MM_CMPINT_NLE);
+              keep[j] = kk;
+              const __m512 x = _mm512_mask_mul_ps(ninf, kk, _mm512_load_ps(w.st + j * 16), _mm512_set1_ps(scale));
+              _mm512_store_ps(w.st + j * 16, x);
+              bmax = _mm512_max_ps(bmax, x);
+            }
+            // raise the running max where this block exceeds it by the margin (or it was unset)
+            const __mmask16 raise = _mm512_cmp_ps_mask(bmax, _mm512_add_ps(m, _mm512_set1_ps(RESCALE_MARGIN)),
+                                                       _CMP_GT_OQ);
+            if (raise) {
+              const __m512 mnew = _mm512_mask_mov_ps(m, raise, bmax);
+              const __mmask16 had = _mm512_cmp_ps_mask(m, ninf, _CMP_NEQ_OQ) & raise;
+              const __m512 alpha = _mm512_mask_mov_ps(_mm512_set1_ps(1.f), raise,
+                                                      _mm512_maskz_mov_ps(had, fast_exp16(_mm512_sub_ps(m, mnew))));
+              l = _mm512_mul_ps(l, alpha);
+              if (had) {  // accumulators hold something to rescale
+                store_o(w.ot);
+                for (int64_t d = 0; d < 64; ++d)
+                  _mm512_store_ps(w.ot + d * 16, _mm512_mul_ps(_mm512_load_ps(w.ot + d * 16), alpha));
+                load_o(w.ot);
+              }
+              m = mnew;
+            }
+            // probabilities, pair-interleaved by key into P^T
+            for (int64_t j = 0; j < KEYS; j += 2) {
+              const __m512 e0 = _mm512_maskz_mov_ps(keep[j], fast_exp16(_mm512_sub_ps(_mm512_load_ps(w.st + j * 16), m)));
+              const __m512 e1 =
+                  _mm512_maskz_mov_ps(keep[j + 1], fast_exp16(_mm512_sub_ps(_mm512_load_ps(w.st + (j + 1) * 16), m)));
+              l = _mm512_add_ps(l, _mm512_add_ps(e0, e1));
+              const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(e1, e0);  // e0 in the low half
+              _mm512_store_si512(w.pt + j * 16, _mm512_permutexvar_epi16(pair_idx, both));
+            }
+            // O^T += V^T P^T
+            const uint16_t* vt = vpack.data() + ((first_block[t.span] + kb) * nkv + g) * block_elems + cg * 64 * KEYS;
+            _tile_loadd(PT_B, w.pt, 64);
+            _tile_loadd(PT_V, vt, 64);
+            _tile_dpbf16ps(0, PT_V, PT_B);
+            _tile_loadd(PT_V, vt + 16 * KEYS, 64);
+            _tile_dpbf16ps(1, PT_V, PT_B);
+            _tile_loadd(PT_V, vt + 32 * KEYS, 64);
+            _tile_dpbf16ps(2, PT_V, PT_B);
+            _tile_loadd(PT_V, vt + 48 * KEYS, 64);
+            _tile_dpbf16ps(3, PT_V, PT_B);
+          }
+          store_o(w.ot);
+          alignas(64) float inv[16];
+          _mm512_store_ps(inv, _mm512_maskz_div_ps(_mm512_cmp_ps_mask(l, _mm512_setzero_ps(), _CMP_GT_OQ),
+                                                   _mm512_set1_ps(1.f), l));
+          for (int64_t r = 0; r < rows; ++r) {
+            c10::BFloat16* dst = op + ((row0 + q0 + r) * nh + t.head) * hd + cg * 64;
+            for (int64_t d = 0; d < 64; ++d) dst[d] = store<c10::BFloat16>(w.ot[d * 16 + r] * inv[r]);
+          }
         }
       }
     _tile_release();
   });
 }
+#undef PT_S
+#undef PT_K
+#undef PT_B
+#undef PT_V
 #undef T_P
 #undef T_V
 #undef T_K
