@@ -189,28 +189,36 @@ void attend(const float* qf, const cache_t* kp, const cache_t* vp, const int64_t
 // at::parallel_for cuts a range into equal counts, but a task's cost is its sequence's context:
 // with ShareGPT's spread of prompt lengths one thread got most of the positions while the other
 // waited. Here each thread gets one contiguous run of tasks of about equal context.
+// Runs tasks [0, costs.size()) on the threads, each thread one contiguous run of about equal
+// total cost: body(begin, end) once per non-empty run, on its thread.
 template <typename F>
-void parallel_over_sequences(int64_t sequences, int64_t per_sequence, const int64_t* context_lens, int64_t window,
-                             const F& body) {
-  const int64_t tasks = sequences * per_sequence;
+void parallel_balanced(const std::vector<int64_t>& costs, const F& body) {
+  const int64_t tasks = costs.size();
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tasks));
-  auto cost = [&](int64_t task) {
-    const int64_t ctx = context_lens[task / per_sequence];
-    return (window > 0 ? std::min(ctx, window) : ctx) + 16;  // + a fixed cost per task
-  };
   int64_t total = 0;
-  for (int64_t t = 0; t < tasks; ++t) total += cost(t);
+  for (int64_t c : costs) total += c;
   std::vector<int64_t> bounds(threads + 1, tasks);
   bounds[0] = 0;
   int64_t done = 0, next = 1;
   for (int64_t t = 0; t < tasks && next < threads; ++t) {
-    done += cost(t);
+    done += costs[t];
     if (done * threads >= total * next) bounds[next++] = t + 1;
   }
   at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t k = begin; k < end; ++k)
       if (bounds[k] < bounds[k + 1]) body(bounds[k], bounds[k + 1]);
   });
+}
+
+template <typename F>
+void parallel_over_sequences(int64_t sequences, int64_t per_sequence, const int64_t* context_lens, int64_t window,
+                             const F& body) {
+  std::vector<int64_t> costs(sequences * per_sequence);
+  for (int64_t t = 0; t < static_cast<int64_t>(costs.size()); ++t) {
+    const int64_t ctx = context_lens[t / per_sequence];
+    costs[t] = (window > 0 ? std::min(ctx, window) : ctx) + 16;  // + a fixed cost per task
+  }
+  parallel_balanced(costs, body);
 }
 
 #ifdef SLOSERVE_AMX
@@ -292,7 +300,6 @@ struct AmxScratch {
   alignas(64) float acc[16 * 64];    // the four accumulators stored: [16 heads][64 dims]
 };
 
-inline uint16_t bf16_bits(float f) { return store<c10::BFloat16>(f).x; }
 
 // Rows r and r+1 (64 bf16 each, nullptr = zeros) interleaved element by element into dst[128].
 inline void interleave_pair(const uint16_t* a, const uint16_t* b, uint16_t* dst) {
@@ -605,16 +612,8 @@ void prefill_attention_amx(const torch::Tensor& q, const torch::Tensor& k_cache,
       for (int64_t h = 0; h < nh; ++h) tasks.push_back({s, h, qb, last / KEYS - lo / KEYS + 2});
     }
   }
-  int64_t total = 0;
-  for (const auto& t : tasks) total += t.cost;
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tasks.size()));
-  std::vector<int64_t> bounds(threads + 1, tasks.size());
-  bounds[0] = 0;
-  int64_t done = 0, next = 1;
-  for (size_t t = 0; t < tasks.size() && next < threads; ++t) {
-    done += tasks[t].cost;
-    if (done * threads >= total * next) bounds[next++] = t + 1;
-  }
+  std::vector<int64_t> costs(tasks.size());
+  for (size_t t = 0; t < tasks.size(); ++t) costs[t] = tasks[t].cost;
 
   // 3. flash attention per task
   const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
@@ -623,109 +622,108 @@ void prefill_attention_amx(const torch::Tensor& q, const torch::Tensor& k_cache,
   const __m512i pair_idx = _mm512_setr_epi32(0x00100000, 0x00110001, 0x00120002, 0x00130003, 0x00140004, 0x00150005,
                                              0x00160006, 0x00170007, 0x00180008, 0x00190009, 0x001A000A, 0x001B000B,
                                              0x001C000C, 0x001D000D, 0x001E000E, 0x001F000F);
-  at::parallel_for(0, threads, 1, [&](int64_t tb, int64_t te) {
+  parallel_balanced(costs, [&](int64_t tb, int64_t te) {
     configure_prefill_tiles();
     PrefillScratch w;
-    for (int64_t k = tb; k < te; ++k)
-      for (int64_t ti = bounds[k]; ti < bounds[k + 1]; ++ti) {
-        const PrefillTask& t = tasks[ti];
-        const int64_t row0 = sp[3 * t.span], n = sp[3 * t.span + 1], start = sp[3 * t.span + 2];
-        const int64_t ctx = start + n, g = t.head / group, q0 = t.qblock * TILE;
-        const int64_t rows = std::min<int64_t>(TILE, n - q0);
-        const int64_t last = start + q0 + rows - 1;  // the block's last query position
-        const int64_t lo = window > 0 ? std::max<int64_t>(0, start + q0 - window + 1) : 0;
-        const __mmask16 qvalid = static_cast<__mmask16>((1u << rows) - 1);
-        const __m512i qpos = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(start + q0)));
-        const __m512i qfloor = _mm512_sub_epi32(qpos, _mm512_set1_epi32(static_cast<int>(window)));
-        // Q^T tiles: qt[dt][i][2 q + e] = q[q][32 dt + 2 i + e]
-        for (int64_t dt = 0; dt < hd / 32; ++dt) std::fill(w.qt[dt], w.qt[dt] + 512, 0);
-        for (int64_t r = 0; r < rows; ++r) {
-          const uint16_t* qr = qp + (row0 + q0 + r) * q_row + t.head * hd;
-          for (int64_t x = 0; x < hd; ++x) w.qt[x / 32][((x % 32) / 2) * 32 + 2 * r + x % 2] = qr[x];
+    for (int64_t ti = tb; ti < te; ++ti) {
+      const PrefillTask& t = tasks[ti];
+      const int64_t row0 = sp[3 * t.span], n = sp[3 * t.span + 1], start = sp[3 * t.span + 2];
+      const int64_t ctx = start + n, g = t.head / group, q0 = t.qblock * TILE;
+      const int64_t rows = std::min<int64_t>(TILE, n - q0);
+      const int64_t last = start + q0 + rows - 1;  // the block's last query position
+      const int64_t lo = window > 0 ? std::max<int64_t>(0, start + q0 - window + 1) : 0;
+      const __mmask16 qvalid = static_cast<__mmask16>((1u << rows) - 1);
+      const __m512i qpos = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(start + q0)));
+      const __m512i qfloor = _mm512_sub_epi32(qpos, _mm512_set1_epi32(static_cast<int>(window)));
+      // Q^T tiles: qt[dt][i][2 q + e] = q[q][32 dt + 2 i + e]
+      for (int64_t dt = 0; dt < hd / 32; ++dt) std::fill(w.qt[dt], w.qt[dt] + 512, 0);
+      for (int64_t r = 0; r < rows; ++r) {
+        const uint16_t* qr = qp + (row0 + q0 + r) * q_row + t.head * hd;
+        for (int64_t x = 0; x < hd; ++x) w.qt[x / 32][((x % 32) / 2) * 32 + 2 * r + x % 2] = qr[x];
+      }
+      for (int64_t cg = 0; cg < hd / 64; ++cg) {  // output dims [64 cg, 64 cg + 64): the scores are redone per group
+        __m512 m = ninf, l = _mm512_setzero_ps();
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t kb = lo / KEYS; kb <= last / KEYS; ++kb) {
+          for (int64_t half = 0; half < 2; ++half) {  // S^T for keys [k0, k0 + 16)
+            const int64_t k0 = kb * KEYS + half * TILE;
+            if (k0 >= ctx) {
+              std::fill(w.st + half * 256, w.st + half * 256 + 256, 0.f);
+              continue;
+            }
+            const char* krows = kp + (slot(t.span, k0) * kv_row + g * hd) * 2;
+            _tile_zero(PT_S);
+            for (int64_t dt = 0; dt < hd / 32; ++dt) {
+              _tile_loadd(PT_K, krows + dt * 64, kv_row * 2);
+              _tile_loadd(PT_B, w.qt[dt], 64);
+              _tile_dpbf16ps(PT_S, PT_K, PT_B);
+            }
+            _tile_stored(PT_S, w.st + half * 256, 64);
+          }
+          // masks and this block's max, per query lane
+          __mmask16 keep[KEYS];
+          __m512 bmax = ninf;
+          for (int64_t j = 0; j < KEYS; ++j) {
+            const int64_t kpos = kb * KEYS + j;
+            const __m512i kv = _mm512_set1_epi32(static_cast<int>(kpos));
+            __mmask16 kk = qvalid & _mm512_cmp_epi32_mask(kv, qpos, _MM_CMPINT_LE);
+            if (window > 0) kk &= _mm512_cmp_epi32_mask(kv, qfloor, _MM_CMPINT_NLE);
+            keep[j] = kk;
+            const __m512 x = _mm512_mask_mul_ps(ninf, kk, _mm512_load_ps(w.st + j * 16), _mm512_set1_ps(scale));
+            _mm512_store_ps(w.st + j * 16, x);
+            bmax = _mm512_max_ps(bmax, x);
+          }
+          // raise the running max where this block exceeds it by the margin (or it was unset)
+          const __mmask16 raise = _mm512_cmp_ps_mask(bmax, _mm512_add_ps(m, _mm512_set1_ps(RESCALE_MARGIN)),
+                                                     _CMP_GT_OQ);
+          if (raise) {
+            const __m512 mnew = _mm512_mask_mov_ps(m, raise, bmax);
+            const __mmask16 had = _mm512_cmp_ps_mask(m, ninf, _CMP_NEQ_OQ) & raise;
+            const __m512 alpha = _mm512_mask_mov_ps(_mm512_set1_ps(1.f), raise,
+                                                    _mm512_maskz_mov_ps(had, fast_exp16(_mm512_sub_ps(m, mnew))));
+            l = _mm512_mul_ps(l, alpha);
+            if (had) {  // accumulators hold something to rescale
+              store_o(w.ot);
+              for (int64_t d = 0; d < 64; ++d)
+                _mm512_store_ps(w.ot + d * 16, _mm512_mul_ps(_mm512_load_ps(w.ot + d * 16), alpha));
+              load_o(w.ot);
+            }
+            m = mnew;
+          }
+          // probabilities, pair-interleaved by key into P^T
+          for (int64_t j = 0; j < KEYS; j += 2) {
+            const __m512 e0 = _mm512_maskz_mov_ps(keep[j], fast_exp16(_mm512_sub_ps(_mm512_load_ps(w.st + j * 16), m)));
+            const __m512 e1 =
+                _mm512_maskz_mov_ps(keep[j + 1], fast_exp16(_mm512_sub_ps(_mm512_load_ps(w.st + (j + 1) * 16), m)));
+            l = _mm512_add_ps(l, _mm512_add_ps(e0, e1));
+            const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(e1, e0);  // e0 in the low half
+            _mm512_store_si512(w.pt + j * 16, _mm512_permutexvar_epi16(pair_idx, both));
+          }
+          // O^T += V^T P^T
+          const uint16_t* vt = vpack.data() + ((first_block[t.span] + kb) * nkv + g) * block_elems + cg * 64 * KEYS;
+          _tile_loadd(PT_B, w.pt, 64);
+          _tile_loadd(PT_V, vt, 64);
+          _tile_dpbf16ps(0, PT_V, PT_B);
+          _tile_loadd(PT_V, vt + 16 * KEYS, 64);
+          _tile_dpbf16ps(1, PT_V, PT_B);
+          _tile_loadd(PT_V, vt + 32 * KEYS, 64);
+          _tile_dpbf16ps(2, PT_V, PT_B);
+          _tile_loadd(PT_V, vt + 48 * KEYS, 64);
+          _tile_dpbf16ps(3, PT_V, PT_B);
         }
-        for (int64_t cg = 0; cg < hd / 64; ++cg) {  // output dims [64 cg, 64 cg + 64): the scores are redone per group
-          __m512 m = ninf, l = _mm512_setzero_ps();
-          _tile_zero(0);
-          _tile_zero(1);
-          _tile_zero(2);
-          _tile_zero(3);
-          for (int64_t kb = lo / KEYS; kb <= last / KEYS; ++kb) {
-            for (int64_t half = 0; half < 2; ++half) {  // S^T for keys [k0, k0 + 16)
-              const int64_t k0 = kb * KEYS + half * TILE;
-              if (k0 >= ctx) {
-                std::fill(w.st + half * 256, w.st + half * 256 + 256, 0.f);
-                continue;
-              }
-              const char* krows = kp + (slot(t.span, k0) * kv_row + g * hd) * 2;
-              _tile_zero(PT_S);
-              for (int64_t dt = 0; dt < hd / 32; ++dt) {
-                _tile_loadd(PT_K, krows + dt * 64, kv_row * 2);
-                _tile_loadd(PT_B, w.qt[dt], 64);
-                _tile_dpbf16ps(PT_S, PT_K, PT_B);
-              }
-              _tile_stored(PT_S, w.st + half * 256, 64);
-            }
-            // masks and this block's max, per query lane
-            __mmask16 keep[KEYS];
-            __m512 bmax = ninf;
-            for (int64_t j = 0; j < KEYS; ++j) {
-              const int64_t kpos = kb * KEYS + j;
-              const __m512i kv = _mm512_set1_epi32(static_cast<int>(kpos));
-              __mmask16 kk = qvalid & _mm512_cmp_epi32_mask(kv, qpos, _MM_CMPINT_LE);
-              if (window > 0) kk &= _mm512_cmp_epi32_mask(kv, qfloor, _MM_CMPINT_NLE);
-              keep[j] = kk;
-              const __m512 x = _mm512_mask_mul_ps(ninf, kk, _mm512_load_ps(w.st + j * 16), _mm512_set1_ps(scale));
-              _mm512_store_ps(w.st + j * 16, x);
-              bmax = _mm512_max_ps(bmax, x);
-            }
-            // raise the running max where this block exceeds it by the margin (or it was unset)
-            const __mmask16 raise = _mm512_cmp_ps_mask(bmax, _mm512_add_ps(m, _mm512_set1_ps(RESCALE_MARGIN)),
-                                                       _CMP_GT_OQ);
-            if (raise) {
-              const __m512 mnew = _mm512_mask_mov_ps(m, raise, bmax);
-              const __mmask16 had = _mm512_cmp_ps_mask(m, ninf, _CMP_NEQ_OQ) & raise;
-              const __m512 alpha = _mm512_mask_mov_ps(_mm512_set1_ps(1.f), raise,
-                                                      _mm512_maskz_mov_ps(had, fast_exp16(_mm512_sub_ps(m, mnew))));
-              l = _mm512_mul_ps(l, alpha);
-              if (had) {  // accumulators hold something to rescale
-                store_o(w.ot);
-                for (int64_t d = 0; d < 64; ++d)
-                  _mm512_store_ps(w.ot + d * 16, _mm512_mul_ps(_mm512_load_ps(w.ot + d * 16), alpha));
-                load_o(w.ot);
-              }
-              m = mnew;
-            }
-            // probabilities, pair-interleaved by key into P^T
-            for (int64_t j = 0; j < KEYS; j += 2) {
-              const __m512 e0 = _mm512_maskz_mov_ps(keep[j], fast_exp16(_mm512_sub_ps(_mm512_load_ps(w.st + j * 16), m)));
-              const __m512 e1 =
-                  _mm512_maskz_mov_ps(keep[j + 1], fast_exp16(_mm512_sub_ps(_mm512_load_ps(w.st + (j + 1) * 16), m)));
-              l = _mm512_add_ps(l, _mm512_add_ps(e0, e1));
-              const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(e1, e0);  // e0 in the low half
-              _mm512_store_si512(w.pt + j * 16, _mm512_permutexvar_epi16(pair_idx, both));
-            }
-            // O^T += V^T P^T
-            const uint16_t* vt = vpack.data() + ((first_block[t.span] + kb) * nkv + g) * block_elems + cg * 64 * KEYS;
-            _tile_loadd(PT_B, w.pt, 64);
-            _tile_loadd(PT_V, vt, 64);
-            _tile_dpbf16ps(0, PT_V, PT_B);
-            _tile_loadd(PT_V, vt + 16 * KEYS, 64);
-            _tile_dpbf16ps(1, PT_V, PT_B);
-            _tile_loadd(PT_V, vt + 32 * KEYS, 64);
-            _tile_dpbf16ps(2, PT_V, PT_B);
-            _tile_loadd(PT_V, vt + 48 * KEYS, 64);
-            _tile_dpbf16ps(3, PT_V, PT_B);
-          }
-          store_o(w.ot);
-          alignas(64) float inv[16];
-          _mm512_store_ps(inv, _mm512_maskz_div_ps(_mm512_cmp_ps_mask(l, _mm512_setzero_ps(), _CMP_GT_OQ),
-                                                   _mm512_set1_ps(1.f), l));
-          for (int64_t r = 0; r < rows; ++r) {
-            c10::BFloat16* dst = op + ((row0 + q0 + r) * nh + t.head) * hd + cg * 64;
-            for (int64_t d = 0; d < 64; ++d) dst[d] = store<c10::BFloat16>(w.ot[d * 16 + r] * inv[r]);
-          }
+        store_o(w.ot);
+        alignas(64) float inv[16];
+        _mm512_store_ps(inv, _mm512_maskz_div_ps(_mm512_cmp_ps_mask(l, _mm512_setzero_ps(), _CMP_GT_OQ),
+                                                 _mm512_set1_ps(1.f), l));
+        for (int64_t r = 0; r < rows; ++r) {
+          c10::BFloat16* dst = op + ((row0 + q0 + r) * nh + t.head) * hd + cg * 64;
+          for (int64_t d = 0; d < 64; ++d) dst[d] = store<c10::BFloat16>(w.ot[d * 16 + r] * inv[r]);
         }
       }
+    }
     _tile_release();
   });
 }
