@@ -47,7 +47,6 @@ class ForwardBatch:
 _SCALE_BYTES = 4  # an int8 slot's float32 scale, stored in the slot's own bytes
 
 
-
 class KVCache:
     """K and V for every layer, as flat slot arrays: slot = block_id * block_size + offset.
 
@@ -298,19 +297,18 @@ class LlamaModel:
         )
         return out.squeeze(2)
 
-    def _native_prefill_spans(self, batch: ForwardBatch, kv_cache: KVCache):
+    def _native_prefill_args(self, batch: ForwardBatch, kv_cache: KVCache):
         """The native prefill kernel's arguments for this batch's spans: their block tables
-        [P, W], their [P, 3] (first row, rows, start position), and the set of their first rows;
-        None when it cannot run (no build, a non-bf16 or quantized cache: SDPA per span then).
-        Measured on the 2-vCPU AMX Xeon, one layer: 2,048 tokens in ShareGPT-sized chunks
-        (30-367 tokens) 2.48 ms against 4.12 ms in per-chunk SDPA calls, one 512-token chunk
-        0.81 against 1.08 ms, one 2,048-token chunk 7.2 against 9.5 ms."""
+        [P, W] and their [P, 3] (first row, rows, start position); None when it cannot run (no
+        build, a non-bf16 or quantized cache: SDPA per span then). Measured on the 2-vCPU AMX
+        Xeon, one layer: 2,048 tokens in ShareGPT-sized chunks (30-367 tokens) 2.48 ms against
+        4.12 ms in per-chunk SDPA calls, one 512-token chunk 0.81 against 1.08 ms, one
+        2,048-token chunk 7.2 against 9.5 ms."""
         if (self.fused is None or not hasattr(self.fused, "prefill_attention") or batch.prefill_tables is None
                 or not batch.prefills or not kv_cache.native or kv_cache.storage_dtype != torch.bfloat16):
             return None
-        spans = batch.prefills
-        meta = torch.tensor([[sp.token_start, sp.num_tokens, sp.start_pos] for sp in spans], dtype=torch.long)
-        return batch.prefill_tables, meta, {sp.token_start for sp in spans}
+        meta = [[sp.token_start, sp.num_tokens, sp.start_pos] for sp in batch.prefills]
+        return batch.prefill_tables, torch.tensor(meta, dtype=torch.long)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
@@ -320,8 +318,8 @@ class LlamaModel:
         nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         h = self._embed(batch.input_ids)
         D = batch.num_decodes
-        prefill_masks = {span.token_start: self._prefill_mask(span) for span in batch.prefills}
-        native = self._native_prefill_spans(batch, kv_cache)  # (tables, spans, token starts) or None
+        native = self._native_prefill_args(batch, kv_cache)  # None: SDPA per span
+        prefill_masks = None
         fused = self.fused
         cos, sin = self.cos[batch.positions], self.sin[batch.positions]  # [T, hd]
         if fused is None:
@@ -352,12 +350,12 @@ class LlamaModel:
                 if D:
                     attn[:D] = self._decode_attention(li, q[:D], batch, kv_cache)
             if native is not None and not self.fused.prefill_attention(
-                    q, kv_cache.data[li, 0], kv_cache.data[li, 1], native[0], native[1], kv_cache.block_size,
-                    self.scale, cfg.sliding_window or 0, attn):
+                    q, kv_cache.data[li, 0], kv_cache.data[li, 1], *native, kv_cache.block_size, self.scale,
+                    cfg.sliding_window or 0, attn):
                 native = None  # this build or cache cannot take it: SDPA for every span
-            for span in batch.prefills:
-                if native is not None and span.token_start in native[2]:
-                    continue
+            if native is None and prefill_masks is None:
+                prefill_masks = {span.token_start: self._prefill_mask(span) for span in batch.prefills}
+            for span in batch.prefills if native is None else ():
                 s, n = span.token_start, span.num_tokens
                 qp = q[s:s + n].transpose(0, 1).unsqueeze(0)
                 if span.context_blocks is None:
