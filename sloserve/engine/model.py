@@ -172,7 +172,7 @@ class LlamaModel:
         self.config = config
         # A native kernel reading K/V in place (see engine/kernels); None = gather + SDPA.
         self.decode_attention = decode_attention
-        # Native fused RMSNorm(+residual), SiLU-and-mul and in-place RoPE (engine/kernels/cpu_kernels.cpp);
+        # Native fused RMSNorm(+residual), SiLU-and-mul and in-place RoPE (engine/kernels/elementwise.cpp);
         # None = the portable ATen ops.
         self.fused = fused_ops
         self.device = device

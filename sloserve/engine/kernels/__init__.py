@@ -63,8 +63,18 @@ def _drop_stale_build_lock(name: str) -> None:
         lock.unlink(missing_ok=True)
 
 
+def _sources_digest() -> str:
+    """torch rebuilds an extension when a source file changes but not when a header does: the
+    headers' digest goes into the compiler flags, so editing one rebuilds too."""
+    digest = hashlib.sha1()
+    for header in sorted(_HERE.glob("*.h")):
+        digest.update(header.read_bytes())
+    return digest.hexdigest()[:12]
+
+
 def _load(stem: str, what: str):
-    """Compile (or load the cached build of) kernels/<stem>.cpp; None, with a logged reason, if it cannot be built."""
+    """Compile (or load the cached build of) the extension bound in kernels/<stem>.cpp with every
+    other .cpp beside it; None, with a logged reason, if it cannot be built."""
     _put_ninja_on_path()
     name = f"sloserve_{stem}_{cpu_tag()}"
     try:
@@ -73,8 +83,8 @@ def _load(stem: str, what: str):
         _drop_stale_build_lock(name)
         return cpp_extension.load(
             name=name,
-            sources=[str(_HERE / f"{stem}.cpp")],
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            sources=[str(_HERE / f"{stem}.cpp")] + sorted(str(p) for p in _HERE.glob("*.cpp") if p.stem != stem),
+            extra_cflags=["-O3", "-march=native", "-fopenmp", f"-DSLOSERVE_HEADERS={_sources_digest()}"],
             extra_ldflags=["-fopenmp"],
             verbose=False,
         )

@@ -1,0 +1,34 @@
+// The entry points of sloserve's native CPU kernels (float32, bfloat16 or float16 tensors), one
+// source file per kind of work; cpu_kernels.cpp binds them to Python.
+//
+// Arithmetic is in float32 whatever the tensors' type (bf16 products accumulate in float32).
+// 16-bit values are converted by bit operations rather than c10's scalar conversions, so the
+// loops vectorize.
+#pragma once
+
+#include <ATen/ATen.h>
+
+namespace sloserve {
+
+// decode_attention.cpp
+at::Tensor paged_decode_attention(const at::Tensor& q,             // [D, nh, hd]
+                                  const at::Tensor& k_cache,       // [slots, nkv, hd] (int8: hd + 4)
+                                  const at::Tensor& v_cache,       // [slots, nkv, hd] (int8: hd + 4)
+                                  const at::Tensor& block_tables,  // [D, W] int64
+                                  const at::Tensor& context_lens,  // [D] int64
+                                  int64_t block_size, double scale, int64_t window, bool allow_amx);
+bool amx_available();
+
+// prefill_attention.cpp
+bool prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                       const at::Tensor& block_tables, const at::Tensor& spans, int64_t block_size, double scale,
+                       int64_t window, at::Tensor& out);
+
+// elementwise.cpp
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+at::Tensor add_rms_norm(at::Tensor& residual, const at::Tensor& delta, const at::Tensor& weight, double eps);
+at::Tensor silu_and_mul(const at::Tensor& gate_up);
+void rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads);
+at::Tensor argmax_rows(const at::Tensor& logits);
+
+}  // namespace sloserve
