@@ -187,9 +187,16 @@ class EngineConfig:
     # Compiled CPU kernels (decode attention, fused norms/RoPE/SiLU; falls back if it cannot build)
     # and bf16 weights prepacked for oneDNN where the probe measures it faster. False = portable path.
     native_kernels: bool = True
+    # Which native path runs bf16 attention: "auto" (the fastest this CPU offers: AMX tiles, then
+    # AVX512-BF16 dot products, then the portable loops), or one of those by name ("amx",
+    # "avx512_bf16", "portable"), for comparisons; other cache dtypes always take the portable path.
+    attention_kernel: str = "auto"
     step_trace: Optional[str] = None  # write one JSON line per engine step to this file (engine/step_trace.py)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+
+ATTENTION_KERNELS = ("auto", "amx", "avx512_bf16", "portable")
 
 
 @dataclass(frozen=True)

@@ -5,10 +5,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sloserve.engine.kernels import amx_decode_attention, load_paged_decode_attention
+from sloserve.engine.kernels import attention_kernels, load_paged_decode_attention
 
 kernel = load_paged_decode_attention()
 pytestmark = pytest.mark.skipif(kernel is None, reason="no C++ toolchain to build the native kernel")
+# The bf16 paths beside the portable loop that this machine has (AMX tiles, AVX512-BF16): each
+# is checked against the portable loop and SDPA; an empty list skips those tests.
+FAST_BF16 = [name for name in attention_kernels() if name != "portable"]
 
 
 # A 16-bit cache is summed in float32: against a float32 reference over the same (rounded)
@@ -37,16 +40,15 @@ def test_other_head_sizes(hd, contexts):
     check_against_sdpa(0, 6, 2, torch.bfloat16, contexts, hd)
 
 
-@pytest.mark.skipif(kernel is None or not amx_decode_attention(), reason="no AMX on this CPU")
+@pytest.mark.parametrize("path", FAST_BF16)
 @pytest.mark.parametrize("window", [0, 7, 40])
 @pytest.mark.parametrize("heads, kv_heads, hd", [(9, 3, 64), (8, 1, 64), (4, 4, 64), (32, 8, 128), (6, 2, 128)])
 @pytest.mark.parametrize("contexts", [FEW, MANY, [1, 16, 17, 31, 32, 33, 300]], ids=["few", "many", "tile-edges"])
-def test_amx_tiles_agree_with_the_vector_loop(window, heads, kv_heads, hd, contexts):
-    """The AMX path (bf16) rounds the probabilities to bf16 before P.V; against the vector
-    loop over the same cache it may differ by that rounding, not more. Its cases: partial
-    first and last tiles (windows, contexts off the 16-position grid), one and several KV
-    heads per tile, head size 128 (two column groups per KV head), and few sequences (one task
-    per KV head) as well as many."""
+def test_bf16_paths_agree_with_the_vector_loop(path, window, heads, kv_heads, hd, contexts):
+    """The AMX and AVX512-BF16 paths round the probabilities to bf16 before P.V; against the
+    portable loop over the same cache they may differ by that rounding, not more. The cases:
+    partial first and last 16-position blocks (windows, contexts off the grid), one and several
+    KV heads per tile, head size 128, and few sequences (one task per KV head) as well as many."""
     torch.manual_seed(2)
     bs, nb = 16, 80
     k_cache = torch.randn(nb * bs, kv_heads, hd).bfloat16()
@@ -54,10 +56,10 @@ def test_amx_tiles_agree_with_the_vector_loop(window, heads, kv_heads, hd, conte
     ctx = torch.tensor(contexts)
     tables = torch.stack([torch.randperm(nb)[:-(-max(contexts) // bs)] for _ in ctx])
     q = torch.randn(len(ctx), heads, hd).bfloat16()
-    amx = kernel(q, k_cache, v_cache, tables, ctx, bs, hd ** -0.5, window).float()
-    loop = kernel(q, k_cache, v_cache, tables, ctx, bs, hd ** -0.5, window, allow_amx=False).float()
-    torch.testing.assert_close(amx, loop, rtol=0, atol=1.6e-2)
-    assert (amx - loop).abs().mean() < 1e-3
+    fast = kernel(q, k_cache, v_cache, tables, ctx, bs, hd ** -0.5, window, kernel=path).float()
+    loop = kernel(q, k_cache, v_cache, tables, ctx, bs, hd ** -0.5, window, kernel="portable").float()
+    torch.testing.assert_close(fast, loop, rtol=0, atol=1.6e-2)
+    assert (fast - loop).abs().mean() < 1e-3
     check_against_sdpa(window, heads, kv_heads, torch.bfloat16, contexts, hd)
 
 
@@ -119,10 +121,10 @@ def test_reads_the_int8_cache_as_its_dequantized_values(dtype, contexts):
         torch.testing.assert_close(out[d], ref, rtol=tol, atol=tol)
 
 
-@pytest.mark.skipif(kernel is None or not amx_decode_attention(), reason="no AMX on this CPU")
-@pytest.mark.parametrize("window", [0, 20])
+@pytest.mark.parametrize("path", FAST_BF16)
+@pytest.mark.parametrize("window", [0, 20, 21])
 @pytest.mark.parametrize("heads, kv_heads, hd", [(9, 3, 64), (4, 4, 64), (6, 2, 128)])
-def test_prefill_attention_matches_sdpa_over_the_paged_context(window, heads, kv_heads, hd):
+def test_prefill_attention_matches_sdpa_over_the_paged_context(path, window, heads, kv_heads, hd):
     """The native prefill kernel: each chunk's queries (rows of a strided view, as the fused QKV
     output gives them) attend causally to the cached prefix and the chunk, read through the
     block table; chunks on and off the 16-row tile grid, with and without a cached prefix.
@@ -146,7 +148,8 @@ def test_prefill_attention_matches_sdpa_over_the_paged_context(window, heads, kv
         spans.append([row, n, s])
         row += n
     out = torch.full((total, heads, hd), 7.0, dtype=torch.bfloat16)
-    assert ops.prefill_attention(q, k_cache, v_cache, tables, torch.tensor(spans), bs, hd ** -0.5, window, out)
+    assert ops.prefill_attention(q, k_cache, v_cache, tables, torch.tensor(spans), bs, hd ** -0.5, window, out,
+                                 kernel=path)
     assert (out[:3] == 7.0).all()
     for i, (r0, n, s) in enumerate(spans):
         pos = torch.arange(s + n)
@@ -163,6 +166,8 @@ def test_prefill_attention_matches_sdpa_over_the_paged_context(window, heads, kv
     # what it cannot take, it leaves to the caller
     assert not ops.prefill_attention(q.float(), k_cache.float(), v_cache.float(), tables, torch.tensor(spans), bs,
                                      hd ** -0.5, window, out.float())
+    assert not ops.prefill_attention(q, k_cache, v_cache, tables, torch.tensor(spans), bs, hd ** -0.5, window, out,
+                                     kernel="portable")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
@@ -197,6 +202,11 @@ def test_rejects_what_it_cannot_do():
         kernel(q.bfloat16(), cache, cache, one, torch.ones(1, dtype=torch.long), 16, 0.125, 0)
     with pytest.raises(RuntimeError, match="int64"):
         kernel(q, cache, cache, one.int(), torch.ones(1, dtype=torch.long), 16, 0.125, 0)
+    with pytest.raises(RuntimeError, match="unknown attention kernel 'fast'"):
+        kernel(q, cache, cache, one, torch.ones(1, dtype=torch.long), 16, 0.125, 0, kernel="fast")
+    for path in FAST_BF16:  # a path asked for by name fails where it cannot serve (here: float32)
+        with pytest.raises(RuntimeError, match="cannot take these tensors"):
+            kernel(q, cache, cache, one, torch.ones(1, dtype=torch.long), 16, 0.125, 0, kernel=path)
 
 
 def test_a_build_lock_left_by_a_killed_process_does_not_hang_the_engine():

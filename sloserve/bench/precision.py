@@ -6,20 +6,25 @@
     D+Q              dtype D, quantization Q (`bfloat16+int8`, `float32+int4`, `bfloat16+auto`)
     D+Q/only         the same without the dense 16-bit copy of the quantized linears
                      (`quantized_dense_copy=False`, `sloserve serve --quantized-only`)
+    SPEC@K           any of these with bf16 attention on native path K (amx|avx512_bf16|portable;
+                     `attention_kernel=K`, `sloserve serve --attention-kernel K`), e.g. `default@portable`
 
 D is one of auto|float32|bfloat16, Q one of auto|none|int8|int4 (the choices of `sloserve serve
 --dtype/--quantization`). No torch import here: the benchmarks' parents parse specs before any
-engine exists.
+engine exists (sloserve.config imports no torch).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
+from sloserve.config import ATTENTION_KERNELS
+
 DTYPES = ("auto", "float32", "bfloat16")
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
 DEFAULT = "default"
-SYNTAX = "default, D, D+Q or D+Q/only (D: auto|float32|bfloat16, Q: auto|none|int8|int4)"
+SYNTAX = ("default, D, D+Q or D+Q/only, each optionally @K (D: auto|float32|bfloat16, Q: auto|none|int8|int4, "
+          "K: amx|avx512_bf16|portable)")
 
 
 @dataclass(frozen=True)
@@ -47,7 +52,16 @@ def precision_flags(spec: str) -> tuple[dict[str, Any], list[str]]:
 
 
 def parse_precision(spec: str) -> Precision:
-    text = spec.strip()
+    text, at, kernel = spec.strip().partition("@")
+    if at:
+        if kernel not in ATTENTION_KERNELS:
+            raise ValueError(f"precision {spec!r}: attention kernel {kernel!r} is not one of "
+                             f"{'|'.join(ATTENTION_KERNELS)} (expected {SYNTAX})")
+        base = parse_precision(text)
+        if kernel == "auto":
+            return base
+        return Precision(f"{base.label}@{kernel}", {**base.engine_kwargs, "attention_kernel": kernel},
+                         base.serve_args + ("--attention-kernel", kernel))
     if text == DEFAULT:
         return Precision(DEFAULT)
     body, slash, suffix = text.partition("/")

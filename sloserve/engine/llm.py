@@ -37,12 +37,13 @@ class LLM:
         speculative: str = "off",
         num_speculative_tokens: int = 4,
         native_kernels: bool = True,
+        attention_kernel: str = "auto",
         config: Optional[EngineConfig] = None,
     ):
         if config is None:
             config = EngineConfig(
                 model=model, dtype=dtype, device=device, quantization=quantization, seed=seed, max_model_len=max_model_len,
-                num_threads=num_threads, native_kernels=native_kernels,
+                num_threads=num_threads, native_kernels=native_kernels, attention_kernel=attention_kernel,
                 cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, kv_cache_gib=kv_cache_gib,
                                   enable_prefix_caching=enable_prefix_caching),
                 scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,

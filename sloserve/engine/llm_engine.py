@@ -14,8 +14,8 @@ from typing import Callable, Optional, Union
 
 import torch
 
-from sloserve.config import EngineConfig, ModelConfig
-from sloserve.engine.kernels import load_fused_ops, load_paged_decode_attention
+from sloserve.config import ATTENTION_KERNELS, EngineConfig, ModelConfig
+from sloserve.engine.kernels import attention_kernels, load_fused_ops, load_paged_decode_attention
 from sloserve.engine.migration import ResumeState
 from sloserve.engine.model import KVCache, LlamaModel
 from sloserve.engine.outputs import RequestMetrics, RequestOutput, TokenLogprob
@@ -103,6 +103,9 @@ class LLMEngine:
         self.config = config = config or EngineConfig()
         config.cache.validate()
         config.scheduler.validate()
+        if config.attention_kernel not in ATTENTION_KERNELS:
+            raise ValueError(f"attention_kernel must be one of {', '.join(ATTENTION_KERNELS)}, "
+                             f"got {config.attention_kernel!r}")
         self.clock = clock
         self.device = resolve_device(config.device)
         resolve_dtype(config.dtype, self.device)  # a bad name fails before the model loads
@@ -122,6 +125,10 @@ class LLMEngine:
         if config.native_kernels and self.device.type == "cpu":
             decode_attention = load_paged_decode_attention()
             fused_ops = load_fused_ops()
+            offered = attention_kernels()
+            if config.attention_kernel not in ("auto", "portable") and config.attention_kernel not in offered:
+                raise ValueError(f"attention kernel {config.attention_kernel!r} is not available on this machine "
+                                 f"(available: {', '.join(offered) or 'none, the native build failed'})")
         hidden, intermediate = loaded.config.hidden_size, loaded.config.intermediate_size
         prepack = config.native_kernels and can_prepack(self.dtype, self.device) and prepack_pays(hidden, intermediate)
         dense_above: dict[str, Optional[int]] = {}
@@ -129,7 +136,7 @@ class LLMEngine:
             for kind in {self.quantization, "int8"}:  # the LM head is int8 in both modes
                 dense_above[kind] = quantized_max_rows(hidden, intermediate, kind, self.dtype, prepack=prepack)
         self.model = LlamaModel(loaded.config, loaded.weights, self.device, self.dtype, decode_attention,
-                                self.quantization, dense_above, fused_ops, prepack)
+                                self.quantization, dense_above, fused_ops, prepack, config.attention_kernel)
         del loaded
 
         cache = config.cache

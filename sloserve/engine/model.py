@@ -163,7 +163,7 @@ class LlamaModel:
     def __init__(self, config: ModelConfig, weights: dict[str, Union[torch.Tensor, GroupAffine4]],
                  device: torch.device, dtype: torch.dtype, decode_attention: Optional[Callable] = None,
                  quantization: str = "none", dense_above: Optional[dict[str, Optional[int]]] = None,
-                 fused_ops=None, prepack: bool = False):
+                 fused_ops=None, prepack: bool = False, attention_kernel: str = "auto"):
         """`quantization` is resolved ("none", "int8" or "int4"); `dense_above` maps a packed form
         to the most rows its kernel serves before a dense copy takes over (None: no copy; a form
         absent from it keeps no copy either). The LM head is packed as int8 in both quantized
@@ -172,6 +172,7 @@ class LlamaModel:
         self.config = config
         # A native kernel reading K/V in place (see engine/kernels); None = gather + SDPA.
         self.decode_attention = decode_attention
+        self.attention_kernel = attention_kernel  # the native path for a bf16 cache (EngineConfig.attention_kernel)
         # Native fused RMSNorm(+residual), SiLU-and-mul and in-place RoPE (engine/kernels/elementwise.cpp);
         # None = the portable ATen ops.
         self.fused = fused_ops
@@ -282,12 +283,17 @@ class LlamaModel:
             mask &= k_pos > q_pos - window
         return mask
 
+    def _kernel_for(self, kv_cache: KVCache) -> str:
+        """The configured native path applies to a bf16 cache; any other takes the portable one."""
+        return self.attention_kernel if kv_cache.native and kv_cache.storage_dtype == torch.bfloat16 else "auto"
+
     def _decode_attention(self, li: int, q: torch.Tensor, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
         """[D, nh, hd] attention of the batch's decodes to their cached context."""
         if self.decode_attention is not None and (kv_cache.native or kv_cache.quantized):
             return self.decode_attention(
                 q.contiguous(), kv_cache.data[li, 0], kv_cache.data[li, 1], batch.decode_blocks,
                 batch.decode_context_lens, kv_cache.block_size, self.scale, self.config.sliding_window or 0,
+                kernel=self._kernel_for(kv_cache),
             )
         # [D, nh, 1, hd] against each decode's gathered context [D, nkv, ctx, hd].
         kd = kv_cache.gather(li, 0, batch.decode_blocks).transpose(1, 2)
@@ -300,10 +306,9 @@ class LlamaModel:
     def _native_prefill_args(self, batch: ForwardBatch, kv_cache: KVCache):
         """The native prefill kernel's arguments for this batch's spans: their block tables
         [P, W] and their [P, 3] (first row, rows, start position); None when it cannot run (no
-        build, a non-bf16 or quantized cache: SDPA per span then). Measured on the 2-vCPU AMX
-        Xeon, one layer: 2,048 tokens in ShareGPT-sized chunks (30-367 tokens) 2.48 ms against
-        4.12 ms in per-chunk SDPA calls, one 512-token chunk 0.81 against 1.08 ms, one
-        2,048-token chunk 7.2 against 9.5 ms."""
+        build, a non-bf16 or quantized cache: SDPA per span then). One layer, 2,048 tokens in
+        ShareGPT-sized chunks (30-367 tokens) against per-chunk SDPA calls: AMX on the 2-vCPU Xeon
+        2.48 against 4.12 ms; AVX512-BF16 on the 2-vCPU EPYC (Zen4) 8.3 against 17.4 ms."""
         if (self.fused is None or not hasattr(self.fused, "prefill_attention") or batch.prefill_tables is None
                 or not batch.prefills or not kv_cache.native or kv_cache.storage_dtype != torch.bfloat16):
             return None
@@ -351,7 +356,7 @@ class LlamaModel:
                     attn[:D] = self._decode_attention(li, q[:D], batch, kv_cache)
             if native is not None and not self.fused.prefill_attention(
                     q, kv_cache.data[li, 0], kv_cache.data[li, 1], *native, kv_cache.block_size, self.scale,
-                    cfg.sliding_window or 0, attn):
+                    cfg.sliding_window or 0, attn, kernel=self._kernel_for(kv_cache)):
                 native = None  # this build or cache cannot take it: SDPA for every span
             if native is None and prefill_masks is None:
                 prefill_masks = {span.token_start: self._prefill_mask(span) for span in batch.prefills}

@@ -100,11 +100,13 @@ def load_paged_decode_attention() -> Optional[Callable]:
     return None if module is None else module.paged_decode_attention
 
 
-def amx_decode_attention() -> bool:
-    """Whether bf16 decode attention runs on AMX tiles on this machine (the build has them and
-    the OS granted the tile state)."""
+def attention_kernels() -> list[str]:
+    """The bf16 attention paths of the native build on this machine, fastest first: "amx" (AMX
+    tiles, where the CPU has them and the OS grants the tile state), "avx512_bf16" (bf16 dot
+    products, e.g. AMD Zen4), "portable" (float32 vector loops); [] without a build. "auto" in the
+    kernels' `kernel` argument picks the first that serves the tensors."""
     module = _load("cpu_kernels", "decode attention")
-    return module is not None and bool(module.amx_available())
+    return [] if module is None else list(module.attention_kernels())
 
 
 def load_fused_ops():
@@ -113,4 +115,4 @@ def load_fused_ops():
     return _load("cpu_kernels", "fused elementwise ops")
 
 
-__all__ = ["amx_decode_attention", "cpu_tag", "load_fused_ops", "load_paged_decode_attention"]
+__all__ = ["attention_kernels", "cpu_tag", "load_fused_ops", "load_paged_decode_attention"]

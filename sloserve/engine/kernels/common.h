@@ -19,6 +19,11 @@
 #include <immintrin.h>
 #endif
 
+// AVX512-BF16's dot products of bf16 pairs (AMD Zen4 and later, Intel Cooper Lake and later).
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#define SLOSERVE_AVX512BF16 1
+#endif
+
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && \
     defined(__linux__)
 #include <sys/syscall.h>
@@ -144,6 +149,28 @@ inline __m512 fast_exp16(__m512 x) {
   return _mm512_castsi512_ps(bits);
 }
 #endif
+
+#ifdef SLOSERVE_AVX512BF16
+// Two rows' 32 values a[0, 32) and b[0, 32) (nullptr: zeros) interleaved element by element into
+// dst[64]: a0 b0 a1 b1 ..., the pairs a bf16 dot-product instruction multiplies by a pair of weights.
+inline void interleave32(const uint16_t* a, const uint16_t* b, uint16_t* dst) {
+  static const __m512i lo = [] {
+    alignas(64) uint16_t idx[32];
+    for (int i = 0; i < 32; ++i) idx[i] = static_cast<uint16_t>((i / 2) + (i % 2) * 32);
+    return _mm512_load_si512(idx);
+  }();
+  static const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+  const __m512i x = a ? _mm512_loadu_si512(a) : _mm512_setzero_si512();
+  const __m512i y = b ? _mm512_loadu_si512(b) : _mm512_setzero_si512();
+  _mm512_storeu_si512(dst, _mm512_permutex2var_epi16(x, lo, y));
+  _mm512_storeu_si512(dst + 32, _mm512_permutex2var_epi16(x, hi, y));
+}
+
+// acc + the products of the bf16 pairs in a and b, summed pairwise into 16 float lanes.
+inline __m512 dot_pairs(__m512 acc, __m512i a, __m512i b) {
+  return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
+}
+#endif  // SLOSERVE_AVX512BF16
 
 #ifdef SLOSERVE_AMX
 // Linux hands the tile state only to processes that ask for it (once, for every thread).

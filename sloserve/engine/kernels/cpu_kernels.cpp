@@ -11,12 +11,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache",
         pybind11::arg("q"), pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("block_tables"),
         pybind11::arg("context_lens"), pybind11::arg("block_size"), pybind11::arg("scale"), pybind11::arg("window"),
-        pybind11::arg("allow_amx") = true, no_gil);
-  m.def("amx_available", &amx_available, "whether bf16 attention runs on AMX tiles here");
+        pybind11::arg("kernel") = "auto", no_gil);
+  m.def("attention_kernels", &attention_kernels, "the bf16 attention paths this machine offers, fastest first");
   m.def("rms_norm", &rms_norm, "RMSNorm over rows", no_gil);
   m.def("add_rms_norm", &add_rms_norm, "residual add then RMSNorm", no_gil);
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up", no_gil);
   m.def("rope_", &rope_, "rotary embedding in place", no_gil);
-  m.def("prefill_attention", &prefill_attention, "causal prefill attention over a paged KV cache (AMX)", no_gil);
+  m.def("prefill_attention", &prefill_attention, "causal prefill attention over a paged KV cache",
+        pybind11::arg("q"), pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("block_tables"),
+        pybind11::arg("spans"), pybind11::arg("block_size"), pybind11::arg("scale"), pybind11::arg("window"),
+        pybind11::arg("out"), pybind11::arg("kernel") = "auto", no_gil);
   m.def("argmax_rows", &argmax_rows, "index of each row's largest value (first on ties)", no_gil);
 }

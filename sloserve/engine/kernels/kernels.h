@@ -8,6 +8,9 @@
 
 #include <ATen/ATen.h>
 
+#include <string>
+#include <vector>
+
 namespace sloserve {
 
 // decode_attention.cpp
@@ -16,13 +19,17 @@ at::Tensor paged_decode_attention(const at::Tensor& q,             // [D, nh, hd
                                   const at::Tensor& v_cache,       // [slots, nkv, hd] (int8: hd + 4)
                                   const at::Tensor& block_tables,  // [D, W] int64
                                   const at::Tensor& context_lens,  // [D] int64
-                                  int64_t block_size, double scale, int64_t window, bool allow_amx);
-bool amx_available();
+                                  int64_t block_size, double scale, int64_t window, const std::string& kernel);
+// The bf16 attention paths this build and CPU offer, fastest first: "amx" (AMX tiles),
+// "avx512_bf16" (vdpbf16ps), "portable" (float32 vector loops; for prefill, SDPA by the caller).
+std::vector<std::string> attention_kernels();
+// Fails with a clear message on an unknown name or one this machine lacks ("auto" always passes).
+void check_kernel_name(const std::string& kernel);
 
 // prefill_attention.cpp
 bool prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                        const at::Tensor& block_tables, const at::Tensor& spans, int64_t block_size, double scale,
-                       int64_t window, at::Tensor& out);
+                       int64_t window, at::Tensor& out, const std::string& kernel);
 
 // elementwise.cpp
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);

@@ -7,6 +7,20 @@
 namespace sloserve {
 namespace {
 
+// A unit of work: 16 queries of one chunk and query head; its cost, the keys it visits.
+struct PrefillTask {
+  int64_t span, head, qblock, cost;
+};
+
+#ifdef SLOSERVE_AVX512BF16
+// The permutation [a0..a15 | b0..b15] (16-bit) -> a0 b0 a1 b1 ...: two keys' probabilities pair-interleaved.
+inline __m512i pair_interleave_index() {
+  return _mm512_setr_epi32(0x00100000, 0x00110001, 0x00120002, 0x00130003, 0x00140004, 0x00150005, 0x00160006,
+                           0x00170007, 0x00180008, 0x00190009, 0x001A000A, 0x001B000B, 0x001C000C, 0x001D000D,
+                           0x001E000E, 0x001F000F);
+}
+#endif
+
 #ifdef SLOSERVE_AMX
 // ---------------------------------------------------------------- prefill attention on AMX tiles
 //
@@ -43,10 +57,6 @@ void configure_prefill_tiles() {
 #define PT_K 5
 #define PT_B 6
 #define PT_V 7
-
-struct PrefillTask {
-  int64_t span, head, qblock, cost;
-};
 
 // The 16 x 16 products of 32 keys x 16 queries, for output dims [64 cg, 64 cg + 64).
 struct PrefillScratch {
@@ -121,10 +131,7 @@ void prefill_attention_amx(const at::Tensor& q, const at::Tensor& k_cache, const
   // 3. flash attention per task
   const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  // [a0..a15 | b0..b15] -> a0 b0 a1 b1 ...: two keys' probabilities pair-interleaved
-  const __m512i pair_idx = _mm512_setr_epi32(0x00100000, 0x00110001, 0x00120002, 0x00130003, 0x00140004, 0x00150005,
-                                             0x00160006, 0x00170007, 0x00180008, 0x00190009, 0x001A000A, 0x001B000B,
-                                             0x001C000C, 0x001D000D, 0x001E000E, 0x001F000F);
+  const __m512i pair_idx = pair_interleave_index();
   parallel_balanced(costs, [&](int64_t tb, int64_t te) {
     configure_prefill_tiles();
     PrefillScratch w;
@@ -236,30 +243,199 @@ void prefill_attention_amx(const at::Tensor& q, const at::Tensor& k_cache, const
 #undef PT_V
 #endif  // SLOSERVE_AMX
 
+#ifdef SLOSERVE_AVX512BF16
+// ---------------------------------------------------------------- prefill attention, AVX512-BF16
+//
+// For CPUs with AVX512-BF16 but no AMX (AMD Zen4), where torch's flash attention per chunk ran
+// at ~100 GFLOP/s and was ~40% of a prefill step. Per (chunk, query head, 16 queries), with the
+// transposed layout of the AMX path so each key's 16 query scores fill one vector:
+//   1. S^T[key] = sum over dim pairs of vdpbf16ps(Q^T pair row, the key's dim pair broadcast),
+//      four keys at a time (four accumulator chains, one Q^T load per four products);
+//   2. exact softmax per query lane over all the visited keys (two passes: the scores of a
+//      ShareGPT-sized context stay in cache), probabilities rounded to bf16 and pair-interleaved by
+//      key;
+//   3. O[query][dims] += the probability pair broadcast times V's key pairs (interleaved once per
+//      chunk and KV head, shared by its query heads), 8 queries x 32 dims of accumulators.
+
+struct VecPrefillScratch {
+  std::vector<int32_t, AlignedAllocator<int32_t>> qt;  // Q^T [hd / 2][16]: each query's dim pair
+  std::vector<float, AlignedAllocator<float>> st;      // S^T [keys][16]
+  std::vector<int32_t, AlignedAllocator<int32_t>> pt;  // P^T [key pairs][16]: each query's key pair (bf16 x 2)
+};
+
+void prefill_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const at::Tensor& tables, const at::Tensor& spans, int64_t block_size, float scale,
+                            int64_t window, at::Tensor& out) {
+  const int64_t nh = q.size(1), hd = q.size(2), nkv = k_cache.size(1), group = nh / nkv;
+  const int64_t S = spans.size(0), W = tables.size(1);
+  const int64_t* sp = spans.data_ptr<int64_t>();  // [S, 3]: first row in q, rows, start position
+  const int64_t* bt = tables.data_ptr<int64_t>();
+  const auto* kp = reinterpret_cast<const uint16_t*>(k_cache.data_ptr<c10::BFloat16>());
+  const auto* vp = reinterpret_cast<const uint16_t*>(v_cache.data_ptr<c10::BFloat16>());
+  const auto* qp = reinterpret_cast<const uint16_t*>(q.data_ptr<c10::BFloat16>());
+  auto* op = out.data_ptr<c10::BFloat16>();
+  const int64_t kv_row = nkv * hd, q_row = q.stride(0);
+  auto slot = [&](int64_t s, int64_t pos) { return bt[s * W + pos / block_size] * block_size + pos % block_size; };
+
+  // 1. V pair-interleaved per (chunk, absolute key pair, KV head): [hd dims][2 keys], zero past the context
+  std::vector<int64_t> first_pair(S + 1, 0);
+  for (int64_t s = 0; s < S; ++s) first_pair[s + 1] = first_pair[s] + (sp[3 * s + 2] + sp[3 * s + 1] + 1) / 2;
+  const int64_t pair_elems = 2 * hd;
+  std::vector<uint16_t, AlignedAllocator<uint16_t>> vi(first_pair[S] * nkv * pair_elems);
+  at::parallel_for(0, first_pair[S], 16, [&](int64_t begin, int64_t end) {
+    for (int64_t gp = begin; gp < end; ++gp) {
+      const int64_t s = std::upper_bound(first_pair.begin(), first_pair.end(), gp) - first_pair.begin() - 1;
+      const int64_t pos = 2 * (gp - first_pair[s]), ctx = sp[3 * s + 2] + sp[3 * s + 1];
+      const uint16_t* a = vp + slot(s, pos) * kv_row;
+      const uint16_t* b = pos + 1 < ctx ? vp + slot(s, pos + 1) * kv_row : nullptr;
+      for (int64_t g = 0; g < nkv; ++g)
+        for (int64_t c = 0; c < hd / 32; ++c)
+          interleave32(a + g * hd + 32 * c, b ? b + g * hd + 32 * c : nullptr,
+                       vi.data() + (gp * nkv + g) * pair_elems + 64 * c);
+    }
+  });
+
+  // 2. tasks: (chunk, query head, 16 queries), costed by the keys they visit
+  std::vector<PrefillTask> tasks;
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t n = sp[3 * s + 1], start = sp[3 * s + 2];
+    for (int64_t qb = 0; qb * 16 < n; ++qb) {
+      const int64_t last = start + std::min(n, (qb + 1) * 16) - 1;
+      const int64_t lo = window > 0 ? std::max<int64_t>(0, start + qb * 16 - window + 1) : 0;
+      for (int64_t h = 0; h < nh; ++h) tasks.push_back({s, h, qb, last - lo + 8});
+    }
+  }
+  std::vector<int64_t> costs(tasks.size());
+  for (size_t t = 0; t < tasks.size(); ++t) costs[t] = tasks[t].cost;
+
+  // 3. attention per task
+  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i pair_idx = pair_interleave_index();
+  parallel_balanced(costs, [&](int64_t tb, int64_t te) {
+    VecPrefillScratch w;
+    w.qt.resize(hd / 2 * 16);
+    for (int64_t ti = tb; ti < te; ++ti) {
+      const PrefillTask& t = tasks[ti];
+      const int64_t row0 = sp[3 * t.span], n = sp[3 * t.span + 1], start = sp[3 * t.span + 2];
+      const int64_t g = t.head / group, q0 = t.qblock * 16, rows = std::min<int64_t>(16, n - q0);
+      const int64_t last = start + q0 + rows - 1;  // the block's last query position
+      // from an even key (pairs are absolute); a key before the window is masked like any other
+      const int64_t lo = (window > 0 ? std::max<int64_t>(0, start + q0 - window + 1) : 0) & ~int64_t(1);
+      const int64_t keys = last - lo + 1, pairs = (keys + 1) / 2;
+      const __mmask16 qvalid = static_cast<__mmask16>((1u << rows) - 1);
+      const __m512i qpos = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(start + q0)));
+      const __m512i qfloor = _mm512_sub_epi32(qpos, _mm512_set1_epi32(static_cast<int>(window)));
+      // Q^T: qt[i][r] = q[r][2 i], q[r][2 i + 1]
+      std::fill(w.qt.begin(), w.qt.end(), 0);
+      for (int64_t r = 0; r < rows; ++r) {
+        const auto* qr = reinterpret_cast<const int32_t*>(qp + (row0 + q0 + r) * q_row + t.head * hd);
+        for (int64_t i = 0; i < hd / 2; ++i) w.qt[i * 16 + r] = qr[i];
+      }
+      w.st.resize(2 * pairs * 16);
+      __m512 m = ninf;
+      for (int64_t k = lo; k <= last; k += 4) {
+        const int64_t kk = std::min<int64_t>(4, last + 1 - k);
+        const int32_t* kr[4];
+        for (int64_t u = 0; u < 4; ++u)
+          kr[u] = reinterpret_cast<const int32_t*>(kp + slot(t.span, k + std::min(u, kk - 1)) * kv_row + g * hd);
+        __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+        for (int64_t i = 0; i < hd / 2; ++i) {
+          const __m512i qv = _mm512_load_si512(w.qt.data() + i * 16);
+          for (int u = 0; u < 4; ++u) acc[u] = dot_pairs(acc[u], qv, _mm512_set1_epi32(kr[u][i]));
+        }
+        for (int64_t u = 0; u < kk; ++u) {
+          const __m512i kv = _mm512_set1_epi32(static_cast<int>(k + u));
+          __mmask16 keep = qvalid & _mm512_cmp_epi32_mask(kv, qpos, _MM_CMPINT_LE);
+          if (window > 0) keep &= _mm512_cmp_epi32_mask(kv, qfloor, _MM_CMPINT_NLE);
+          const __m512 x = _mm512_mask_mul_ps(ninf, keep, acc[u], _mm512_set1_ps(scale));
+          _mm512_store_ps(w.st.data() + (k + u - lo) * 16, x);
+          m = _mm512_max_ps(m, x);
+        }
+      }
+      if (keys % 2) _mm512_store_ps(w.st.data() + keys * 16, ninf);
+      // probabilities: a lane's masked keys (-inf) give 0, and so does every key of a lane past the rows
+      __m512 l = _mm512_setzero_ps();
+      w.pt.resize(pairs * 16);
+      for (int64_t p = 0; p < pairs; ++p) {
+        const __m512 s0 = _mm512_load_ps(w.st.data() + 2 * p * 16), s1 = _mm512_load_ps(w.st.data() + (2 * p + 1) * 16);
+        const __m512 e0 = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(s0, ninf, _CMP_NEQ_OQ), fast_exp16(_mm512_sub_ps(s0, m)));
+        const __m512 e1 = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(s1, ninf, _CMP_NEQ_OQ), fast_exp16(_mm512_sub_ps(s1, m)));
+        l = _mm512_add_ps(l, _mm512_add_ps(e0, e1));
+        const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(e1, e0);  // e0 in the low half
+        _mm512_store_si512(w.pt.data() + p * 16, _mm512_permutexvar_epi16(pair_idx, both));
+      }
+      alignas(64) float inv[16];
+      _mm512_store_ps(inv, _mm512_maskz_div_ps(_mm512_cmp_ps_mask(l, _mm512_setzero_ps(), _CMP_GT_OQ),
+                                               _mm512_set1_ps(1.f), l));
+      // O = P V, 8 queries x 32 dims of accumulators at a time
+      const uint16_t* vbase = vi.data() + ((first_pair[t.span] + lo / 2) * nkv + g) * pair_elems;
+      for (int64_t qb = 0; qb < rows; qb += 8) {
+        const int64_t nq = std::min<int64_t>(8, rows - qb);
+        for (int64_t db = 0; db < hd; db += 32) {
+          __m512 o[8][2];
+          for (int u = 0; u < 8; ++u) o[u][0] = o[u][1] = _mm512_setzero_ps();
+          for (int64_t p = 0; p < pairs; ++p) {
+            const uint16_t* vpair = vbase + p * nkv * pair_elems + 2 * db;
+            const __m512i v0 = _mm512_load_si512(vpair), v1 = _mm512_load_si512(vpair + 32);
+            const int32_t* pp = w.pt.data() + p * 16 + qb;
+            for (int u = 0; u < 8; ++u) {
+              const __m512i pr = _mm512_set1_epi32(pp[u]);
+              o[u][0] = dot_pairs(o[u][0], v0, pr);
+              o[u][1] = dot_pairs(o[u][1], v1, pr);
+            }
+          }
+          for (int64_t u = 0; u < nq; ++u) {
+            const int64_t r = qb + u;
+            auto* dst = reinterpret_cast<uint16_t*>(op + ((row0 + q0 + r) * nh + t.head) * hd + db);
+            const __m512 scale_r = _mm512_set1_ps(inv[r]);
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(o[u][0], scale_r)));
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 16),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(o[u][1], scale_r)));
+          }
+        }
+      }
+    }
+  });
+}
+#endif  // SLOSERVE_AVX512BF16
+
 }  // namespace
 
 // Prefill chunks' causal attention to their context in the paged cache, written into `out`'s
-// rows of the chunks; false (nothing written) when this build or these tensors cannot take the
-// AMX path (the caller then runs SDPA per chunk). spans [S, 3] int64: first row in q, rows,
-// start position (tokens of the sequence cached before the chunk); block_tables [S, W].
+// rows of the chunks; false (nothing written) when no native path of this build takes these
+// tensors (the caller then runs SDPA per chunk). spans [S, 3] int64: first row in q, rows, start
+// position (tokens of the sequence cached before the chunk); block_tables [S, W]. `kernel`:
+// "auto" (the fastest that serves), or one of attention_kernels() ("portable": always false).
 bool prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                        const at::Tensor& block_tables, const at::Tensor& spans, int64_t block_size, double scale,
-                       int64_t window, at::Tensor& out) {
-#ifdef SLOSERVE_AMX
-  if (!amx_serves(q, k_cache, block_size) || q.size(2) > 128 || v_cache.scalar_type() != k_cache.scalar_type() ||
-      out.scalar_type() != q.scalar_type())
-    return false;
+                       int64_t window, at::Tensor& out, const std::string& kernel) {
+  check_kernel_name(kernel);
+  const bool bf16 = q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 &&
+                    v_cache.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16;
+  if (!bf16 || kernel == "portable") return false;
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2) && q.stride(0) >= q.size(1) * q.size(2),
               "prefill_attention: q [T, nh, hd] with dense rows expected");
   TORCH_CHECK(out.sizes() == q.sizes() && out.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
               block_tables.is_contiguous() && spans.is_contiguous(), "prefill_attention: contiguous inputs expected");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && spans.scalar_type() == at::kLong && spans.dim() == 2 &&
               spans.size(1) == 3 && block_tables.size(0) == spans.size(0), "prefill_attention: bad spans or tables");
-  prefill_attention_amx(q, k_cache, v_cache, block_tables, spans, block_size, static_cast<float>(scale), window, out);
-  return true;
-#else
-  return false;
+  const float s = static_cast<float>(scale);
+#ifdef SLOSERVE_AMX
+  if ((kernel == "auto" || kernel == "amx") && amx_serves(q, k_cache, block_size) && q.size(2) <= 128) {
+    prefill_attention_amx(q, k_cache, v_cache, block_tables, spans, block_size, s, window, out);
+    return true;
+  }
 #endif
+#ifdef SLOSERVE_AVX512BF16
+  if ((kernel == "auto" || kernel == "avx512_bf16") && q.size(2) % 32 == 0) {
+    prefill_attention_bf16(q, k_cache, v_cache, block_tables, spans, block_size, s, window, out);
+    return true;
+  }
+#endif
+  TORCH_CHECK(kernel == "auto", "prefill_attention: the ", kernel, " kernel cannot take these tensors here");
+  return false;
 }
 
 }  // namespace sloserve
