@@ -339,11 +339,16 @@ void prefill_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache, cons
         const int32_t* kr[4];
         for (int64_t u = 0; u < 4; ++u)
           kr[u] = reinterpret_cast<const int32_t*>(kp + slot(t.span, k + std::min(u, kk - 1)) * kv_row + g * hd);
-        __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+        // four accumulator chains in registers (an indexed array of them was spilled to the stack)
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
         for (int64_t i = 0; i < hd / 2; ++i) {
           const __m512i qv = _mm512_load_si512(w.qt.data() + i * 16);
-          for (int u = 0; u < 4; ++u) acc[u] = dot_pairs(acc[u], qv, _mm512_set1_epi32(kr[u][i]));
+          a0 = dot_pairs(a0, qv, _mm512_set1_epi32(kr[0][i]));
+          a1 = dot_pairs(a1, qv, _mm512_set1_epi32(kr[1][i]));
+          a2 = dot_pairs(a2, qv, _mm512_set1_epi32(kr[2][i]));
+          a3 = dot_pairs(a3, qv, _mm512_set1_epi32(kr[3][i]));
         }
+        const __m512 acc[4] = {a0, a1, a2, a3};
         for (int64_t u = 0; u < kk; ++u) {
           const __m512i kv = _mm512_set1_epi32(static_cast<int>(k + u));
           __mmask16 keep = qvalid & _mm512_cmp_epi32_mask(kv, qpos, _MM_CMPINT_LE);
@@ -374,18 +379,22 @@ void prefill_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache, cons
         const int64_t nq = std::min<int64_t>(8, rows - qb);
         for (int64_t db = 0; db < hd; db += 32) {
           __m512 o[8][2];
+#pragma GCC unroll 8
           for (int u = 0; u < 8; ++u) o[u][0] = o[u][1] = _mm512_setzero_ps();
           for (int64_t p = 0; p < pairs; ++p) {
             const uint16_t* vpair = vbase + p * nkv * pair_elems + 2 * db;
             const __m512i v0 = _mm512_load_si512(vpair), v1 = _mm512_load_si512(vpair + 32);
             const int32_t* pp = w.pt.data() + p * 16 + qb;
+#pragma GCC unroll 8
             for (int u = 0; u < 8; ++u) {
               const __m512i pr = _mm512_set1_epi32(pp[u]);
               o[u][0] = dot_pairs(o[u][0], v0, pr);
               o[u][1] = dot_pairs(o[u][1], v1, pr);
             }
           }
-          for (int64_t u = 0; u < nq; ++u) {
+#pragma GCC unroll 8
+          for (int64_t u = 0; u < 8; ++u) {
+            if (u >= nq) break;
             const int64_t r = qb + u;
             auto* dst = reinterpret_cast<uint16_t*>(op + ((row0 + q0 + r) * nh + t.head) * hd + db);
             const __m512 scale_r = _mm512_set1_ps(inv[r]);
