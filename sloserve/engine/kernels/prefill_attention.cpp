@@ -12,6 +12,44 @@ struct PrefillTask {
   int64_t span, head, qblock, cost;
 };
 
+// One call's tensors, unpacked once for either kernel (bf16 values as their bits).
+struct PrefillCall {
+  int64_t nh, hd, nkv, group, S, W, block_size;
+  int64_t kv_row;  // cache elements between positions
+  int64_t q_row;   // q may be a view into the fused QKV output
+  const int64_t* sp;  // [S, 3]: first row in q, rows, start position
+  const int64_t* bt;  // [S, W] block tables
+  const uint16_t *k, *v, *q;
+  c10::BFloat16* out;
+
+  PrefillCall(const at::Tensor& q_, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& tables,
+              const at::Tensor& spans, int64_t block_size_, at::Tensor& out_)
+      : nh(q_.size(1)), hd(q_.size(2)), nkv(k_cache.size(1)), group(nh / nkv), S(spans.size(0)), W(tables.size(1)),
+        block_size(block_size_), kv_row(nkv * hd), q_row(q_.stride(0)), sp(spans.data_ptr<int64_t>()),
+        bt(tables.data_ptr<int64_t>()), k(reinterpret_cast<const uint16_t*>(k_cache.data_ptr<c10::BFloat16>())),
+        v(reinterpret_cast<const uint16_t*>(v_cache.data_ptr<c10::BFloat16>())),
+        q(reinterpret_cast<const uint16_t*>(q_.data_ptr<c10::BFloat16>())), out(out_.data_ptr<c10::BFloat16>()) {}
+
+  int64_t slot(int64_t s, int64_t pos) const { return bt[s * W + pos / block_size] * block_size + pos % block_size; }
+
+  // The tasks, each costed by cost(last key, first key) in the kernel's own units; fills `costs`.
+  template <typename Cost>
+  std::vector<PrefillTask> tasks(int64_t window, const Cost& cost, std::vector<int64_t>& costs) const {
+    std::vector<PrefillTask> out_tasks;
+    for (int64_t s = 0; s < S; ++s) {
+      const int64_t n = sp[3 * s + 1], start = sp[3 * s + 2];
+      for (int64_t qb = 0; qb * 16 < n; ++qb) {
+        const int64_t last = start + std::min(n, (qb + 1) * 16) - 1;
+        const int64_t lo = window > 0 ? std::max<int64_t>(0, start + qb * 16 - window + 1) : 0;
+        for (int64_t h = 0; h < nh; ++h) out_tasks.push_back({s, h, qb, cost(last, lo)});
+      }
+    }
+    costs.resize(out_tasks.size());
+    for (size_t t = 0; t < out_tasks.size(); ++t) costs[t] = out_tasks[t].cost;
+    return out_tasks;
+  }
+};
+
 #ifdef SLOSERVE_AVX512BF16
 // The permutation [a0..a15 | b0..b15] (16-bit) -> a0 b0 a1 b1 ...: two keys' probabilities pair-interleaved.
 inline __m512i pair_interleave_index() {
@@ -83,17 +121,13 @@ inline void load_o(const float* ot) {
 void prefill_attention_amx(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& tables, const at::Tensor& spans, int64_t block_size, float scale,
                            int64_t window, at::Tensor& out) {
-  const int64_t nh = q.size(1), hd = q.size(2), nkv = k_cache.size(1), group = nh / nkv;
-  const int64_t S = spans.size(0), W = tables.size(1);
-  const int64_t* sp = spans.data_ptr<int64_t>();  // [S, 3]: first row in q, rows, start position
-  const int64_t* bt = tables.data_ptr<int64_t>();
-  const auto* kp = reinterpret_cast<const char*>(k_cache.data_ptr<c10::BFloat16>());
-  const auto* vp = reinterpret_cast<const uint16_t*>(v_cache.data_ptr<c10::BFloat16>());
-  const auto* qp = reinterpret_cast<const uint16_t*>(q.data_ptr<c10::BFloat16>());
-  auto* op = out.data_ptr<c10::BFloat16>();
-  const int64_t kv_row = nkv * hd;    // cache elements between positions
-  const int64_t q_row = q.stride(0);  // q may be a view into the fused QKV output
-  auto slot = [&](int64_t s, int64_t pos) { return bt[s * W + pos / block_size] * block_size + pos % block_size; };
+  const PrefillCall c(q, k_cache, v_cache, tables, spans, block_size, out);
+  const int64_t nh = c.nh, hd = c.hd, nkv = c.nkv, group = c.group, S = c.S, kv_row = c.kv_row, q_row = c.q_row;
+  const int64_t* sp = c.sp;
+  const auto* kp = reinterpret_cast<const char*>(c.k);
+  const uint16_t *vp = c.v, *qp = c.q;
+  auto* op = c.out;
+  auto slot = [&](int64_t s, int64_t pos) { return c.slot(s, pos); };
 
   // 1. V^T per (chunk, 32-key block, KV head): [hd][32 keys], zero past the context
   std::vector<int64_t> first_block(S + 1, 0);
@@ -116,17 +150,8 @@ void prefill_attention_amx(const at::Tensor& q, const at::Tensor& k_cache, const
   });
 
   // 2. tasks: (chunk, query head, 16 queries), costed by the key blocks they visit
-  std::vector<PrefillTask> tasks;
-  for (int64_t s = 0; s < S; ++s) {
-    const int64_t n = sp[3 * s + 1], start = sp[3 * s + 2];
-    for (int64_t qb = 0; qb * TILE < n; ++qb) {
-      const int64_t last = start + std::min(n, (qb + 1) * TILE) - 1;
-      const int64_t lo = window > 0 ? std::max<int64_t>(0, start + qb * TILE - window + 1) : 0;
-      for (int64_t h = 0; h < nh; ++h) tasks.push_back({s, h, qb, last / KEYS - lo / KEYS + 2});
-    }
-  }
-  std::vector<int64_t> costs(tasks.size());
-  for (size_t t = 0; t < tasks.size(); ++t) costs[t] = tasks[t].cost;
+  std::vector<int64_t> costs;
+  const auto tasks = c.tasks(window, [](int64_t last, int64_t lo) { return last / KEYS - lo / KEYS + 2; }, costs);
 
   // 3. flash attention per task
   const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
@@ -266,16 +291,12 @@ struct VecPrefillScratch {
 void prefill_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& tables, const at::Tensor& spans, int64_t block_size, float scale,
                             int64_t window, at::Tensor& out) {
-  const int64_t nh = q.size(1), hd = q.size(2), nkv = k_cache.size(1), group = nh / nkv;
-  const int64_t S = spans.size(0), W = tables.size(1);
-  const int64_t* sp = spans.data_ptr<int64_t>();  // [S, 3]: first row in q, rows, start position
-  const int64_t* bt = tables.data_ptr<int64_t>();
-  const auto* kp = reinterpret_cast<const uint16_t*>(k_cache.data_ptr<c10::BFloat16>());
-  const auto* vp = reinterpret_cast<const uint16_t*>(v_cache.data_ptr<c10::BFloat16>());
-  const auto* qp = reinterpret_cast<const uint16_t*>(q.data_ptr<c10::BFloat16>());
-  auto* op = out.data_ptr<c10::BFloat16>();
-  const int64_t kv_row = nkv * hd, q_row = q.stride(0);
-  auto slot = [&](int64_t s, int64_t pos) { return bt[s * W + pos / block_size] * block_size + pos % block_size; };
+  const PrefillCall c(q, k_cache, v_cache, tables, spans, block_size, out);
+  const int64_t nh = c.nh, hd = c.hd, nkv = c.nkv, group = c.group, S = c.S, kv_row = c.kv_row, q_row = c.q_row;
+  const int64_t* sp = c.sp;
+  const uint16_t *kp = c.k, *vp = c.v, *qp = c.q;
+  auto* op = c.out;
+  auto slot = [&](int64_t s, int64_t pos) { return c.slot(s, pos); };
 
   // 1. V pair-interleaved per (chunk, absolute key pair, KV head): [hd dims][2 keys], zero past the context
   std::vector<int64_t> first_pair(S + 1, 0);
@@ -296,17 +317,8 @@ void prefill_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache, cons
   });
 
   // 2. tasks: (chunk, query head, 16 queries), costed by the keys they visit
-  std::vector<PrefillTask> tasks;
-  for (int64_t s = 0; s < S; ++s) {
-    const int64_t n = sp[3 * s + 1], start = sp[3 * s + 2];
-    for (int64_t qb = 0; qb * 16 < n; ++qb) {
-      const int64_t last = start + std::min(n, (qb + 1) * 16) - 1;
-      const int64_t lo = window > 0 ? std::max<int64_t>(0, start + qb * 16 - window + 1) : 0;
-      for (int64_t h = 0; h < nh; ++h) tasks.push_back({s, h, qb, last - lo + 8});
-    }
-  }
-  std::vector<int64_t> costs(tasks.size());
-  for (size_t t = 0; t < tasks.size(); ++t) costs[t] = tasks[t].cost;
+  std::vector<int64_t> costs;
+  const auto tasks = c.tasks(window, [](int64_t last, int64_t lo) { return last - lo + 8; }, costs);
 
   // 3. attention per task
   const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
@@ -430,7 +442,7 @@ bool prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at:
               block_tables.is_contiguous() && spans.is_contiguous(), "prefill_attention: contiguous inputs expected");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && spans.scalar_type() == at::kLong && spans.dim() == 2 &&
               spans.size(1) == 3 && block_tables.size(0) == spans.size(0), "prefill_attention: bad spans or tables");
-  const float s = static_cast<float>(scale);
+  [[maybe_unused]] const float s = static_cast<float>(scale);
 #ifdef SLOSERVE_AMX
   if ((kernel == "auto" || kernel == "amx") && amx_serves(q, k_cache, block_size) && q.size(2) <= 128) {
     prefill_attention_amx(q, k_cache, v_cache, block_tables, spans, block_size, s, window, out);
