@@ -173,6 +173,7 @@ class LlamaModel:
         # A native kernel reading K/V in place (see engine/kernels); None = gather + SDPA.
         self.decode_attention = decode_attention
         self.attention_kernel = attention_kernel  # the native path for a bf16 cache (EngineConfig.attention_kernel)
+        self._native_prefill = True  # until the native prefill kernel declines this model's tensors
         # Native fused RMSNorm(+residual), SiLU-and-mul and in-place RoPE (engine/kernels/elementwise.cpp);
         # None = the portable ATen ops.
         self.fused = fused_ops
@@ -283,6 +284,12 @@ class LlamaModel:
             mask &= k_pos > q_pos - window
         return mask
 
+    def takes_prefill_tables(self, kv_cache: KVCache) -> bool:
+        """Whether a native prefill kernel may run over this cache: the runner builds the prefill
+        spans' block tables only then. False for good once the build declined these tensors."""
+        return (self._native_prefill and self.fused is not None and hasattr(self.fused, "prefill_attention")
+                and kv_cache.native and kv_cache.storage_dtype == torch.bfloat16 and self.attention_kernel != "portable")
+
     def _kernel_for(self, kv_cache: KVCache) -> str:
         """The configured native path applies to a bf16 cache; any other takes the portable one."""
         return self.attention_kernel if kv_cache.native and kv_cache.storage_dtype == torch.bfloat16 else "auto"
@@ -308,9 +315,8 @@ class LlamaModel:
         [P, W] and their [P, 3] (first row, rows, start position); None when it cannot run (no
         build, a non-bf16 or quantized cache: SDPA per span then). One layer, 2,048 tokens in
         ShareGPT-sized chunks (30-367 tokens) against per-chunk SDPA calls: AMX on the 2-vCPU Xeon
-        2.48 against 4.12 ms; AVX512-BF16 on the 2-vCPU EPYC (Zen4) 8.3 against 17.4 ms."""
-        if (self.fused is None or not hasattr(self.fused, "prefill_attention") or batch.prefill_tables is None
-                or not batch.prefills or not kv_cache.native or kv_cache.storage_dtype != torch.bfloat16):
+        2.48 against 4.12 ms; AVX512-BF16 on the 2-vCPU EPYC (Zen4) 3.2-4.2 against 11-14 ms."""
+        if batch.prefill_tables is None or not batch.prefills or not self.takes_prefill_tables(kv_cache):
             return None
         meta = [[sp.token_start, sp.num_tokens, sp.start_pos] for sp in batch.prefills]
         return batch.prefill_tables, torch.tensor(meta, dtype=torch.long)
@@ -357,7 +363,8 @@ class LlamaModel:
             if native is not None and not self.fused.prefill_attention(
                     q, kv_cache.data[li, 0], kv_cache.data[li, 1], *native, kv_cache.block_size, self.scale,
                     cfg.sliding_window or 0, attn, kernel=self._kernel_for(kv_cache)):
-                native = None  # this build or cache cannot take it: SDPA for every span
+                native = None  # this build or cache cannot take it: SDPA for every span, from now on
+                self._native_prefill = False
             if native is None and prefill_masks is None:
                 prefill_masks = {span.token_start: self._prefill_mask(span) for span in batch.prefills}
             for span in batch.prefills if native is None else ():

@@ -223,7 +223,7 @@ class ModelRunner:
                 sample_indices.append(len(ids) - 1)
 
         prefill_tables = None
-        if spans and self.device.type == "cpu":  # for the native prefill kernel (model.py)
+        if spans and self.device.type == "cpu" and self.model.takes_prefill_tables(self.kv_cache):  # model.py
             width = max(-(-(p.start + p.num_new_tokens) // bs) for p in prefills)
             prefill_tables = torch.zeros(len(prefills), width, dtype=torch.long)
             for i, p in enumerate(prefills):
