@@ -160,6 +160,17 @@ def test_missing_and_corrupt_models(tmp_path):
         LLM(model=str(bad))
 
 
+def test_attention_kernel_names_are_checked_before_the_model_loads():
+    from sloserve.engine.kernels import attention_kernels
+
+    with pytest.raises(ValueError, match="attention_kernel must be one of"):
+        LLM(attention_kernel="fast")
+    missing = [k for k in ("amx", "avx512_bf16") if k not in attention_kernels()]
+    for name in missing:  # this CPU (or a failed build) lacks it: refused with what there is
+        with pytest.raises(ValueError, match=f"attention kernel '{name}' is not available on this machine"):
+            LLM(attention_kernel=name)
+
+
 def test_portable_attention_path_gives_the_same_tokens(reference_tokens):
     portable = LLM(native_kernels=False, max_num_batched_tokens=64, **EXACT)
     assert portable.engine.model.decode_attention is None

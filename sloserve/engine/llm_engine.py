@@ -111,6 +111,11 @@ class LLMEngine:
         resolve_dtype(config.dtype, self.device)  # a bad name fails before the model loads
         if self.device.type == "cpu":
             torch.set_num_threads(config.num_threads or available_cores())
+        if config.attention_kernel not in ("auto", "portable") and config.native_kernels and self.device.type == "cpu":
+            offered = attention_kernels()  # before the model loads: a path this CPU lacks fails at once
+            if config.attention_kernel not in offered:
+                raise ValueError(f"attention kernel {config.attention_kernel!r} is not available on this machine "
+                                 f"(available: {', '.join(offered) or 'none, the native build failed'})")
         # A 4-bit file's codes are kept as stored only when they will be packed as int4.
         keep_int4 = config.quantization in ("auto", "int4") and self.device.type == "cpu"
         load_dtype = torch.float32 if config.dtype == "auto" and self.device.type == "cpu" else \
@@ -125,10 +130,6 @@ class LLMEngine:
         if config.native_kernels and self.device.type == "cpu":
             decode_attention = load_paged_decode_attention()
             fused_ops = load_fused_ops()
-            offered = attention_kernels()
-            if config.attention_kernel not in ("auto", "portable") and config.attention_kernel not in offered:
-                raise ValueError(f"attention kernel {config.attention_kernel!r} is not available on this machine "
-                                 f"(available: {', '.join(offered) or 'none, the native build failed'})")
         hidden, intermediate = loaded.config.hidden_size, loaded.config.intermediate_size
         prepack = config.native_kernels and can_prepack(self.dtype, self.device) and prepack_pays(hidden, intermediate)
         dense_above: dict[str, Optional[int]] = {}
