@@ -94,12 +94,13 @@ def all_healthy(base: str, n: int) -> None:
              what=f"{n} workers healthy")
 
 
-def colocated(base: str, prompt: str, params: dict) -> str:
-    """The answer computed whole on the instance it was routed to: a two-choice call is never
-    relayed (so never handed off or moved), and its first choice samples with the call's own seed."""
-    r = httpx.post(base + "/v1/completions", json={"prompt": prompt, **params, "n": 2}, timeout=120)
+def colocated(base: str, prompt: str, params: dict, *, whole: bool = False):
+    """The answer computed on one worker, asked directly (the front neither relays, hands off
+    nor moves it): its first choice's text, or with `whole` the worker's JSON."""
+    url = next(d["url"] for d in instances(base)["data"] if d["status"] == "healthy")
+    r = httpx.post(url + "/v1/completions", json={"prompt": prompt, **params}, timeout=120)
     assert r.status_code == 200, r.text
-    return r.json()["choices"][0]["text"]
+    return r.json() if whole else r.json()["choices"][0]["text"]
 
 
 def stream(base: str, prompt: str, params: dict) -> tuple[str, dict]:

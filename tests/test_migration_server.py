@@ -17,7 +17,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from migration_helpers import ADMIN, Stream, admin, instances, pools_free
+from migration_helpers import ADMIN, Stream, admin, colocated, instances, pools_free
 from server_helpers import ServerProcess, wait_for
 
 pytestmark = pytest.mark.slow
@@ -137,10 +137,10 @@ def test_a_non_streamed_call_moves_live_and_survives_its_worker(fleet):
              what="both workers healthy")
     params = {"max_tokens": 96, "temperature": 0, "ignore_eos": True}
     prompt = "Write a letter to a friend about a summer holiday by the sea."
-    expected = httpx.post(base + "/v1/completions", json={"prompt": prompt, **params, "n": 2}, timeout=120).json()
+    expected = colocated(base, prompt, params, whole=True)
 
-    def call(rid: str) -> dict:
-        r = httpx.post(base + "/v1/completions", json={"prompt": prompt, **params}, headers={"X-Request-Id": rid},
+    def call(rid: str, settings: dict = params) -> dict:
+        r = httpx.post(base + "/v1/completions", json={"prompt": prompt, **settings}, headers={"X-Request-Id": rid},
                        timeout=240)
         assert r.status_code == 200, r.text
         return r.json()
@@ -159,18 +159,24 @@ def test_a_non_streamed_call_moves_live_and_survives_its_worker(fleet):
     assert answer["choices"][0]["text"] == expected["choices"][0]["text"]
     assert answer["usage"]["completion_tokens"] == 96 and answer["object"] == "text_completion"
 
+    # Two samples (split into two one-choice calls, round-robin puts one on each worker): the
+    # one whose worker dies resumes elsewhere, and the answer is the worker's own n = 2 answer.
+    seeded = {**params, "temperature": 0.8, "seed": 11, "n": 2}
+    expected = colocated(base, prompt, seeded, whole=True)
     before = instances(base)["counters"]
     with ThreadPoolExecutor(1) as pool:
-        killed = pool.submit(call, "whole-kill")
+        killed = pool.submit(call, "whole-kill", seeded)
         busy = wait_for(lambda: next((d for d in instances(base)["data"] if d["in_flight"] > 0), None), 60,
                         interval=0.02, what="the call in flight")
         time.sleep(0.5)  # a short prompt's prefill takes ~0.1 s, its 96 tokens over a second
         os.kill(busy["pid"], signal.SIGKILL)
         answer = killed.result(timeout=240)
-    assert answer["choices"][0]["text"] == expected["choices"][0]["text"]
+    assert [c["text"] for c in answer["choices"]] == [c["text"] for c in expected["choices"]]
+    assert answer["id"] == "whole-kill" and answer["usage"]["completion_tokens"] == 2 * 96
     after = instances(base)["counters"]
-    assert after["resumed_midstream"] == before["resumed_midstream"] + 1
+    assert after["resumed_midstream"] >= before["resumed_midstream"] + 1
     assert after["failed_midstream"] == before["failed_midstream"]
+    assert after["split_calls"] == before["split_calls"] + 1
     wait_for(lambda: [d["status"] for d in instances(base)["data"]] == ["healthy", "healthy"], 240, interval=0.5,
              what="the replacement worker healthy")
     wait_for(lambda: pools_free(base), 30, interval=0.3, what="both KV pools free")

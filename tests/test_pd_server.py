@@ -1,9 +1,9 @@
 """Prefill/decode disaggregation on a real fleet (`sloserve serve --pd P:D`, the embedded model,
 worker processes, 127.0.0.1). Every stream is prefilled on the prefill instance and handed to a
 decode instance after its first token; the client sees one stream with each token once and
-exactly the text a colocated run gives (a two-choice call is not handed off: it decodes where it
-was prefilled, which makes it the colocated reference). A non-streamed call is relayed as a stream
-and handed off too, and answered whole with the JSON the worker would have sent. Failures: a decode
+exactly the text a colocated run gives (the reference: a worker asked directly). A non-streamed
+call is relayed as a stream and handed off too, and answered whole with the JSON the worker would
+have sent; one with several choices is split into one such call per choice and put back together. Failures: a decode
 instance dying after the hand-off, every decode instance gone before it. Pools end free every
 time. (test_pd_live.py: the live transfer, per-pool settings, the prefill instance gone.)"""
 from __future__ import annotations
@@ -94,8 +94,8 @@ def test_a_non_streamed_call_is_handed_off_and_answered_whole(fleet):
     base = fleet.base_url
     prompt = "Explain why the sky is blue in two sentences."
     params = {**GREEDY, "logprobs": 2}
-    ref = httpx.post(base + "/v1/completions", json={"prompt": prompt, **params, "n": 2}, timeout=120).json()
-    expected, ref_lp = ref["choices"][0]["text"], ref["choices"][0]["logprobs"]  # colocated (see colocated())
+    ref = colocated(base, prompt, params, whole=True)
+    expected, ref_lp = ref["choices"][0]["text"], ref["choices"][0]["logprobs"]
     before = handoffs(base)["completed"]
     r = httpx.post(base + "/v1/completions", json={"prompt": prompt, **params}, timeout=120)
     assert r.status_code == 200, r.text
@@ -115,6 +115,62 @@ def test_a_non_streamed_call_is_handed_off_and_answered_whole(fleet):
     assert answer["usage"]["prompt_tokens_details"] == {"cached_tokens": answer["usage"]["prompt_tokens_details"]
                                                         ["cached_tokens"]}
     wait_for(lambda: pools_free(base), 30, interval=0.3, what="every KV pool free")
+
+
+def test_a_call_with_several_choices_is_split_and_each_choice_handed_off(fleet):
+    """n = 2 over two prompts: four one-choice calls, each handed off, answered as the one JSON the
+    worker sends for the whole call (same order, seeds, texts, usage counting each prompt once)."""
+    base = fleet.base_url
+    prompts = ["Name three rivers in Europe.", "Describe a cat in one sentence."]
+    params = {**SEEDED, "max_tokens": 16, "logprobs": 1, "n": 2}
+    ref = colocated(base, prompts, params, whole=True)  # the worker's own four choices
+    before = handoffs(base)["completed"]
+    splits = instances(base)["counters"]["split_calls"]
+    r = httpx.post(base + "/v1/completions", json={"prompt": prompts, **params}, headers={"X-Request-Id": "split-1"},
+                   timeout=180)
+    assert r.status_code == 200, r.text
+    answer = r.json()
+    assert r.headers["x-request-id"] == answer["id"] == "split-1"
+    assert handoffs(base)["completed"] == before + 4 and instances(base)["counters"]["split_calls"] == splits + 1
+    assert set(answer) == set(ref) and answer["object"] == "text_completion"
+    assert [(c["index"], c["text"], c["finish_reason"]) for c in answer["choices"]] == \
+        [(c["index"], c["text"], c["finish_reason"]) for c in ref["choices"]]
+    assert [c["logprobs"]["tokens"] for c in answer["choices"]] == [c["logprobs"]["tokens"] for c in ref["choices"]]
+    assert answer["choices"][0]["text"] != answer["choices"][1]["text"]  # two samples of one prompt differ
+    usage = answer["usage"]
+    assert usage["prompt_tokens"] == ref["usage"]["prompt_tokens"] and usage["completion_tokens"] == 4 * 16
+    assert usage["total_tokens"] == usage["prompt_tokens"] + 64
+
+    # One part the worker refuses (its prompt and max_tokens overflow the context) ends the
+    # others, which had started: the client gets that part's error, and no KV block stays taken.
+    short = httpx.post(fleet.base_url + "/tokenize", json={"prompt": prompts[0]}).json()["tokens"]
+    r = httpx.post(base + "/v1/completions", json={"prompt": [short, [42] * 8100], "n": 2, "max_tokens": 200,
+                                                   "ignore_eos": True}, timeout=180)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+    wait_for(lambda: pools_free(base), 30, interval=0.3, what="every KV pool free")
+
+
+def test_a_stream_with_several_choices_is_split_and_each_choice_handed_off(fleet):
+    """The openai client's n = 2 stream: each choice a stream of its own, handed off, merged into
+    one stream (one id, one usage chunk) whose choices equal the worker's own."""
+    client = OpenAI(base_url=fleet.base_url + "/v1", api_key="none")
+    prompt = "Write a haiku about the moon."
+    params = {"max_tokens": 16, "temperature": 0.9, "seed": 5, "n": 2}
+    ref = colocated(fleet.base_url, prompt, {**params, "ignore_eos": True}, whole=True)
+    before = handoffs(fleet.base_url)["completed"]
+    texts, ids, usage = {0: "", 1: ""}, set(), None
+    for chunk in client.completions.create(model=MODEL, prompt=prompt, stream=True, extra_body={"ignore_eos": True},
+                                           stream_options={"include_usage": True}, **params):
+        ids.add(chunk.id)
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+        if chunk.usage:
+            assert usage is None
+            usage = chunk.usage
+    assert handoffs(fleet.base_url)["completed"] == before + 2 and len(ids) == 1
+    assert [texts[0], texts[1]] == [c["text"] for c in ref["choices"]] and texts[0] != texts[1]
+    assert usage.completion_tokens == 32 and usage.prompt_tokens == ref["usage"]["prompt_tokens"]
+    wait_for(lambda: pools_free(fleet.base_url), 30, interval=0.3, what="every KV pool free")
 
 
 def test_openai_chat_answered_whole_after_a_handoff_equals_its_stream(fleet):

@@ -18,9 +18,10 @@ another instance from the tokens already sent, and the fleet controller's migrat
 live (front_migration.py); a stream nothing can resume ends with an SSE event
 `{"error": {"code": "instance_failed"}}` and `data: [DONE]`. A non-streamed single-choice call
 is relayed the same way, as a stream the front reads to its end and answers whole
-(front_whole.py), so it fails over, migrates and is handed off like a stream; other
-non-streamed calls (n > 1, several prompts) are retried whenever their worker fails before
-answering.
+(front_whole.py), so it fails over, migrates and is handed off like a stream; a non-streamed
+call with several choices (n > 1, several prompts) is split into one such call per choice and
+its answer assembled (front_fanout.py). Streams with several choices are retried whenever their
+worker fails before they start.
 
 Nothing outlives its client: while the front waits on a worker (connecting, the buffered
 start of a stream, a non-streamed answer) it also watches for the client's disconnect, and
@@ -63,6 +64,7 @@ from sloserve.server.front_autoscale import AutoscaleDriver
 from sloserve.server.front_handoff import HandoffDriver
 from sloserve.server.front_migration import MigrationDriver
 from sloserve.server.front_relay import RelaySession, Upstream
+from sloserve.server.front_fanout import MergedStream, Part, merge, split
 from sloserve.server.front_whole import answers_whole, as_stream, collect_whole
 from sloserve.server.front_stream import Interrupted, SSESplitter, Stop, carries_output
 from sloserve.server.qos import CacheSalter, QoSRegistry, cache_secret
@@ -140,7 +142,8 @@ def _check_prompt(body: dict, chat: bool) -> None:
 
 def resumable(body: dict, chat: bool) -> bool:
     """Whether another instance can continue this call's stream: one choice of one prompt
-    (n > 1 streams interleave choices; those fail over as a whole, not resumed)."""
+    (calls with several choices are split first, front_fanout.py; what reaches here with
+    several is a body the worker refuses)."""
     return body.get("stream") is True and single_choice(body, chat)
 
 
@@ -175,15 +178,20 @@ class _RelayResponse(StreamingResponse):
 
     def __init__(self, relay: AsyncIterator[bytes], release: Callable[[], Awaitable[None]], **kwargs) -> None:
         super().__init__(relay, **kwargs)
-        self._relay = relay
+        self.relay = relay
         self._release = release
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            await self._relay.aclose()  # type: ignore[attr-defined]
-            await self._release()
+            await self.close()
+
+    async def close(self) -> None:
+        """End the relay and release its upstream (also for a stream never sent: a split call's
+        parts when another part failed, front_fanout.py)."""
+        await self.relay.aclose()  # type: ignore[attr-defined]
+        await self._release()
 
 
 class Front:
@@ -431,6 +439,9 @@ class Front:
         ticket: Optional[Ticket] = getattr(request.state, "ticket", None)
         stop = Stop(request.receive, ticket.abort if ticket is not None else None)
         try:
+            parts = split(body, chat, request.headers.get("x-request-id"))
+            if parts is not None:
+                return await self._split_call(*parts, path, chat, request, principal, headers, stop, ticket)
             ids, err = await stop.run(self._prompt_ids(body, chat, headers))
             if err is not None:
                 return err
@@ -449,6 +460,64 @@ class Front:
             return _error(503, "server is shutting down; the request was not completed", "draining")
         finally:
             stop.close()
+
+    async def _split_call(self, call_id: str, parts: list[Part], path: str, chat: bool, request: HTTPRequest,
+                          principal, headers: dict, stop: Stop, ticket: Optional[Ticket]) -> Response:
+        """A call with several choices, run as one-choice calls together (front_fanout.py); the
+        first part that fails ends the others and its error is the answer."""
+        firsts = [part for part in parts if part.sample == 0]
+        tokenized = await stop.run(asyncio.gather(*(self._prompt_ids(p.body, chat, headers) for p in firsts)))
+        for _, err in tokenized:
+            if err is not None:
+                return err
+        ids_of = {part.prompt_index: ids for part, (ids, _) in zip(firsts, tokenized)}
+        qos = self._qos(parts[0].body, request, principal)
+        ended = asyncio.Event()
+        failed: list[Response] = []
+        interrupted: list[Interrupted] = []
+
+        async def run(part: Part) -> Optional[Response]:
+            routed = Request(part.request_id, ids_of[part.prompt_index] or [0],
+                             SamplingParams(max_tokens=None, temperature=0.0), arrival_time=self.fleet.clock(),
+                             tenant=principal.tenant, cache_salt=self.salter.salt(principal))
+            routed.qos, routed.priority = qos
+            if self.fleet.predictions is not None:
+                self.fleet.predictions.annotate(routed, _prompt_text(part.body, chat))
+            part_stop = stop.joined(ended)
+            try:
+                response = await self._proxy(routed, path, json.dumps(part.body).encode(), part.body,
+                                             {**headers, "x-request-id": part.request_id}, chat, part_stop, ticket)
+            except Interrupted as e:
+                interrupted.append(e)
+                return None
+            finally:
+                part_stop.close()
+            if response.status_code != 200:
+                failed.append(response)
+                ended.set()
+            return response
+
+        responses = await asyncio.gather(*(run(part) for part in parts))
+        relays = [r for r in responses if isinstance(r, _RelayResponse)]
+
+        async def release() -> None:
+            for relay in relays:
+                await relay.close()
+
+        if failed or interrupted:
+            await release()
+            if failed:
+                return failed[0]
+            raise interrupted[0]
+        self.fleet.counters["split_calls"] += 1
+        back = {k: v for k, v in responses[0].headers.items() if k in _PASS_BACK}  # type: ignore[union-attr]
+        back["x-request-id"] = call_id
+        if parts[0].body.get("stream") is not True:
+            return JSONResponse(merge(call_id, parts, [json.loads(r.body) for r in responses]),  # type: ignore
+                                headers=_whole_headers(back))
+        sources = [r.relay if isinstance(r, _RelayResponse) else _chunks(r.body) for r in responses]  # type: ignore
+        return _RelayResponse(MergedStream(call_id, parts, sources).events(), release, status_code=200, headers=back,
+                              media_type=responses[0].media_type)  # type: ignore[union-attr]
 
     def _qos(self, body: dict, request: HTTPRequest, principal) -> tuple:
         """The request's class and priority as its worker will resolve them (the controller's

@@ -88,16 +88,24 @@ class Stop:
 
     def __init__(self, receive=None, abort: Optional[asyncio.Event] = None) -> None:
         self._gone = asyncio.ensure_future(_disconnected(receive)) if receive is not None else None
-        self._abort = asyncio.ensure_future(abort.wait()) if abort is not None else None
+        self._signals = [f for f in (self._gone, _waiter(abort)) if f is not None]
+        self._owned = list(self._signals)
+
+    def joined(self, abort: asyncio.Event) -> "Stop":
+        """A stop that also fires on `abort` (one part of a split call ended the others,
+        front_fanout.py); closing it leaves this one's signals alone."""
+        child = Stop()
+        extra = _waiter(abort)
+        child._gone, child._signals, child._owned = self._gone, [*self._signals, extra], [extra]
+        return child
 
     async def run(self, work: Awaitable[T]) -> T:
         """`work`'s result, or Interrupted (with `work` cancelled) if a stop signal comes first."""
-        stops = [f for f in (self._gone, self._abort) if f is not None]
         task = asyncio.ensure_future(work)
-        if not stops:
+        if not self._signals:
             return await task
         try:
-            await asyncio.wait([task, *stops], return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait([task, *self._signals], return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:
             task.cancel()
             raise
@@ -109,9 +117,12 @@ class Stop:
         raise Interrupted(client_gone=self._gone is not None and self._gone.done())
 
     def close(self) -> None:
-        for f in (self._gone, self._abort):
-            if f is not None:
-                f.cancel()
+        for f in self._owned:
+            f.cancel()
+
+
+def _waiter(event: Optional[asyncio.Event]) -> Optional[asyncio.Future]:
+    return asyncio.ensure_future(event.wait()) if event is not None else None
 
 
 async def _disconnected(receive) -> None:

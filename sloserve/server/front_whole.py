@@ -6,8 +6,8 @@ hand-off). A non-streamed answer arrives all at once at the end, so before this 
 worker failing mid-generation lost the work done, and a `--pd` fleet decoded non-streamed
 requests on the prefill instance. The front now asks the worker for a stream (with the usage
 chunk) and assembles the answer the worker would have sent: the same JSON, field for field,
-built with the same response models. Requests the stream form cannot carry as one choice
-(n > 1, several prompts) keep the plain path.
+built with the same response models. A call with several choices (n > 1, several prompts)
+is split into one-choice calls first (front_fanout.py).
 """
 from __future__ import annotations
 

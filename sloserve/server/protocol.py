@@ -8,6 +8,7 @@ offline engine uses too.
 """
 from __future__ import annotations
 
+import re
 import time
 from typing import Any, Literal, Optional, Union
 
@@ -17,6 +18,18 @@ from sloserve.server.errors import APIError, bad_request, param_from_message
 from sloserve.types import SamplingParams
 
 MAX_CHOICES = 64  # n x prompts per HTTP request; each choice is one engine request
+MAX_REQUEST_ID = 128
+REQUEST_ID = re.compile(rf"^[A-Za-z0-9._:\-]{{1,{MAX_REQUEST_ID}}}$")  # X-Request-Id as a client may set it
+_SEED_SPAN = 2**64  # seeds are 64-bit
+
+
+def choice_seed(seed: Optional[int], j: int) -> Optional[int]:
+    """The seed of a prompt's j-th sample: n samples must differ even with a seed, so the j-th
+    uses seed + j, wrapped into the signed 64-bit range (the same generator seed mod 2**64).
+    The worker seeds its choices this way, and the front's split calls (front_fanout.py) too."""
+    if seed is None or j == 0:
+        return seed
+    return (seed + j + _SEED_SPAN // 2) % _SEED_SPAN - _SEED_SPAN // 2
 
 
 class _Strict(BaseModel):

@@ -34,6 +34,8 @@ from sloserve.server.logprobs import TokenStrings, chat_logprobs, completion_log
 from sloserve.server.metrics import FinishedRequest, ServerMetrics
 from sloserve.server.protocol import (
     MAX_CHOICES,
+    REQUEST_ID,
+    choice_seed,
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
@@ -57,10 +59,8 @@ from sloserve.types import QoSClass, SamplingParams
 logger = logging.getLogger(__name__)
 access_log = logging.getLogger("sloserve.access")
 
-_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 _COUNTED_REJECTIONS = ("queue_full", "draining", "slo_unattainable", "tenant_concurrency_limit", "tenant_token_limit")
 DEFAULT_STALL_TIMEOUT_S = 60.0
-_SEED_SPAN = 2**64  # seeds are 64-bit; choice j of n uses seed + j, wrapped to stay a valid seed
 # What a tokenizer may raise on bad input (UnicodeError is a ValueError): a 400, never a 500.
 _TOKENIZER_ERRORS = (ValueError, TypeError)
 
@@ -194,7 +194,7 @@ class OpenAIServing:
     def _context(self, body: SamplingFields, request: Request, prefix: str) -> CallContext:
         model = self.check_model(body.model)
         header_id = request.headers.get("x-request-id")
-        if header_id is not None and not _REQUEST_ID.match(header_id):
+        if header_id is not None and not REQUEST_ID.match(header_id):
             raise bad_request("X-Request-Id must be 1-128 characters of [A-Za-z0-9._:-]", "X-Request-Id")
         request_id = header_id or f"{prefix}-{uuid.uuid4().hex}"
         request.state.request_id = request_id
@@ -240,9 +240,7 @@ class OpenAIServing:
             for j in range(n):
                 index = p * n + j
                 engine_id = base if total == 1 else f"{base}-{index}"
-                # n samples of one prompt must differ even with a seed: offset it per choice.
-                choice_params = replace(params, seed=_offset_seed(params.seed, j)) if params.seed is not None and j \
-                    else params
+                choice_params = replace(params, seed=choice_seed(params.seed, j))
                 choices.append(Choice(index, engine_id, ids, choice_params, p))
         return choices
 
@@ -597,11 +595,6 @@ class SSEResponse(StreamingResponse):
 
 
 # ---------------------------------------------------------------------- helpers
-
-
-def _offset_seed(seed: int, j: int) -> int:
-    """seed + j, wrapped into the signed 64-bit range: the same generator seed mod 2**64."""
-    return (seed + j + _SEED_SPAN // 2) % _SEED_SPAN - _SEED_SPAN // 2
 
 
 async def _merge(streams: list[TrackedStream]) -> AsyncIterator[tuple[int, RequestOutput]]:

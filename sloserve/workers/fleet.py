@@ -179,7 +179,8 @@ class WorkerFleet:
         self.controller = controller
         self.block_size = 16
         self.counters = {"retries": 0, "failed_midstream": 0, "resumed_midstream": 0, "replacements": 0,
-                         "no_instance": 0, "moved_unstarted": 0, "moved_stalled": 0, "pd_fallback": 0}
+                         "no_instance": 0, "moved_unstarted": 0, "moved_stalled": 0, "pd_fallback": 0,
+                         "split_calls": 0}
         self._client: Optional[httpx.AsyncClient] = None
         self._health: Optional[httpx.AsyncClient] = None
         self._monitors: list[asyncio.Task] = []
