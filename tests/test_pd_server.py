@@ -170,6 +170,22 @@ def test_a_stream_with_several_choices_is_split_and_each_choice_handed_off(fleet
     assert handoffs(fleet.base_url)["completed"] == before + 2 and len(ids) == 1
     assert [texts[0], texts[1]] == [c["text"] for c in ref["choices"]] and texts[0] != texts[1]
     assert usage.completion_tokens == 32 and usage.prompt_tokens == ref["usage"]["prompt_tokens"]
+
+    # Chat: each choice opens with its role and is handed off; a part refused before it
+    # starts fails the stream's call with the worker's 400 (nothing was sent yet).
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say hello."}],
+                                          max_tokens=8, temperature=0, n=2, stream=True)
+    roles, contents = {}, {0: "", 1: ""}
+    for chunk in chat:
+        for choice in chunk.choices:
+            roles.setdefault(choice.index, choice.delta.role)
+            contents[choice.index] += choice.delta.content or ""
+    assert roles == {0: "assistant", 1: "assistant"} and contents[0] == contents[1] != ""  # greedy: twice the same
+    assert handoffs(fleet.base_url)["completed"] == before + 4
+    short = httpx.post(fleet.base_url + "/tokenize", json={"prompt": prompt}).json()["tokens"]
+    r = httpx.post(fleet.base_url + "/v1/completions", json={"prompt": [short, [42] * 8100], "max_tokens": 200,
+                                                             "stream": True}, timeout=180)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
     wait_for(lambda: pools_free(fleet.base_url), 30, interval=0.3, what="every KV pool free")
 
 
