@@ -167,7 +167,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         low = 1  # --instances N --autoscale P: between 1 and N (a --pd fleet's pools take --pd-min)
     if args.pd is not None and high == 1:
         low = high = sum(parse_pd(args.pd))  # --pd 1:2 alone means 3 instances
-    pd_flags = args.pd or args.decode_router or args.pd_prefill or args.pd_decode  # run_multi checks them
+    pd_flags = args.pd or args.decode_router or args.pd_prefill or args.pd_decode \
+        or args.mixed_handoff != "never"  # run_multi checks them
     if high > 1 or low != high or args.backend != "process" or pd_flags or args.autoscale:
         from sloserve.server.multi import run_multi
 
@@ -183,6 +184,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                          migration=args.migration, migration_interval_s=args.migration_interval,
                          predictor=None if args.predictor == "none" else args.predictor, pd=args.pd,
                          pd_transfer=args.pd_transfer, decode_router=args.decode_router,
+                         mixed_handoff=args.mixed_handoff, mixed_handoff_tokens=args.mixed_handoff_tokens,
                          prefill_pool=PoolSettings.parse(args.pd_prefill), decode_pool=PoolSettings.parse(args.pd_decode),
                          min_instances=low if low != high else None, autoscale=args.autoscale,
                          capacity_rps=args.capacity, scaling_interval_s=args.scaling_interval,
@@ -255,6 +257,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "instance keeps decoding, then a short pause)")
     m.add_argument("--decode-router", metavar="POLICY", help="routing policy that picks the decode instance of a "
                    "hand-off (default: --router)")
+    m.add_argument("--mixed-handoff", default="never", choices=["never", "always", "prefill-pressure"],
+                   help="without --pd: a stream prefilled on one instance decodes on another (picked by "
+                        "--decode-router) when this policy says it pays (Llumnix-style); same copy as --pd-transfer")
+    m.add_argument("--mixed-handoff-tokens", type=int, default=1024, metavar="TOKENS",
+                   help="prefill-pressure: hand off when the source has this many prompt tokens queued")
     m.add_argument("--pd-prefill", default="", metavar="SPEC",
                    help="prefill pool scheduler settings, e.g. budget=2048,seqs=8,chunk=1024 (default: the fleet's)")
     m.add_argument("--pd-decode", default="", metavar="SPEC", help="decode pool scheduler settings, as --pd-prefill")

@@ -55,6 +55,7 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
 def add_fleet_args(p: argparse.ArgumentParser) -> None:
     from sloserve.cluster.migration import MIGRATION_POLICIES
     from sloserve.cluster.routers import ROUTERS
+    from sloserve.cluster.mixed_handoff import DEFAULT_QUEUED_TOKENS, MIXED_HANDOFFS
     from sloserve.sched.policies import POLICIES
     from sloserve.sim.catalog import MODELS
     from sloserve.sim.hardware import DEFAULT_LINK, HARDWARE, LINKS
@@ -85,6 +86,11 @@ def add_fleet_args(p: argparse.ArgumentParser) -> None:
                    help="prefill pool settings: tp=N,budget=TOKENS,seqs=N,chunk=TOKENS (any subset)")
     f.add_argument("--pd-decode", default="", metavar="SPEC", help="decode pool settings, as --pd-prefill")
     f.add_argument("--decode-router", default="least-kv", help=f"picks the decode instance: one of {sorted(ROUTERS)}")
+    f.add_argument("--mixed-handoff", default="never", choices=sorted(MIXED_HANDOFFS),
+                   help="a request prefilled on a mixed instance decodes on another when this policy says it pays "
+                        "(Llumnix-style; the KV crosses --link, --pd-transfer, target by --decode-router)")
+    f.add_argument("--mixed-handoff-tokens", type=int, default=DEFAULT_QUEUED_TOKENS, metavar="TOKENS",
+                   help="prefill-pressure: hand off when the source has this many prompt tokens queued")
     f.add_argument("--scheduler", default="fcfs", help=f"instance scheduling policy: one of {sorted(POLICIES)}")
     f.add_argument("--profile", help="price steps with a `sloserve profile` file instead of the roofline model")
     f.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -173,6 +179,7 @@ def fleet_config_from_args(args: argparse.Namespace):
     from sloserve.config import CacheConfig, SchedulerConfig, parse_pd_capacity
     from sloserve.sim.hardware import DEFAULT_LINK
     from sloserve.simulation import FleetConfig, PoolSettings
+    from sloserve.cluster.mixed_handoff import DEFAULT_QUEUED_TOKENS
 
     low, high = parse_instances(args.instances, getattr(args, "autoscale", None))
     return FleetConfig(
@@ -191,7 +198,9 @@ def fleet_config_from_args(args: argparse.Namespace):
         online_predictor=not args.no_online_predictor, router_seed=args.router_seed,
         router_epsilon=args.router_epsilon, migration=args.migration, link=args.link,
         migration_interval_s=args.migration_interval, pd=args.pd, pd_transfer=args.pd_transfer,
-        decode_router=args.decode_router, prefill_pool=PoolSettings.parse(args.pd_prefill),
+        decode_router=args.decode_router, mixed_handoff=getattr(args, "mixed_handoff", "never"),
+        mixed_handoff_tokens=getattr(args, "mixed_handoff_tokens", DEFAULT_QUEUED_TOKENS),
+        prefill_pool=PoolSettings.parse(args.pd_prefill),
         decode_pool=PoolSettings.parse(args.pd_decode), autoscale=getattr(args, "autoscale", None),
         cold_start_s=getattr(args, "cold_start", 120.0), warm_start_s=getattr(args, "warm_start", None),
         keep_alive_s=getattr(args, "keep_alive", 0.0), scaling_interval_s=getattr(args, "scaling_interval", 60.0),
@@ -276,7 +285,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                 "router": fleet.router, "predictor": fleet.predictor, "scheduler": fleet.scheduler.policy,
                 "profile": fleet.profile, "migration": fleet.migration, "link": fleet.link,
                 "migrations": result.migration, "pd": fleet.pd, "pd_transfer": fleet.pd_transfer,
-                "prefill_pool": vars(fleet.prefill_pool), "decode_pool": vars(fleet.decode_pool),
+                "mixed_handoff": fleet.mixed_handoff, "prefill_pool": vars(fleet.prefill_pool), "decode_pool": vars(fleet.decode_pool),
                 "handoffs": result.handoffs, "autoscale": fleet.autoscale,
                 "min_instances": fleet.min_instances if fleet.autoscale else None,
                 "capacity_rps": fleet.capacity_rps, "cold_start_s": fleet.cold_start_s if fleet.autoscale else None,
@@ -329,7 +338,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                       f"{sc['warm_starts']} warm starts, {sc['drained']} drained, peak {peak} ready")
         h = c.get("handoffs")
         if h:
-            out.print(f"P/D {c['pd']} ({c['pd_transfer']} over {c['link']}): {h['completed']} hand-offs, "
+            who = f"P/D {c['pd']}" if c["pd"] else f"mixed hand-off ({c.get('mixed_handoff')})"
+            out.print(f"{who} ({c['pd_transfer']} over {c['link']}): {h['completed']} hand-offs, "
                       f"{h['aborted']} aborted; {h['bytes'] / 1e9:.2f} GB of KV, mean wait "
                       f"{1e3 * h['downtime_s'] / max(1, h['completed']):.1f} ms per hand-off")
         en = c.get("energy")

@@ -13,6 +13,7 @@ from sloserve.records import RequestRecord, error_kind_for_status
 from sloserve.timeline import FleetTimeline
 from sloserve.cluster.controller import FleetController
 from sloserve.cluster.migration import MoveCosts, make_migration_policy, parse_migration
+from sloserve.cluster.mixed_handoff import DEFAULT_QUEUED_TOKENS, make_mixed_handoff
 from sloserve.cluster.routers import RouterOptions, make_router
 from sloserve.config import CacheConfig, ModelConfig, PoolSettings, SchedulerConfig, parse_pd, pd_pool_bounds, pd_roles  # noqa: F401 (parse_pd: re-exported)
 from sloserve.kv.tiers import DISK, STORE, KVTiers
@@ -73,6 +74,10 @@ class FleetConfig:
     pd: Optional[str] = None
     pd_transfer: str = "pipelined"
     decode_router: str = "least-kv"
+    # Llumnix-style hand-off from mixed instances (cluster/mixed_handoff): a request prefilled on
+    # one may decode on another (`decode_router` picks it) when the policy says it pays.
+    mixed_handoff: str = "never"
+    mixed_handoff_tokens: int = DEFAULT_QUEUED_TOKENS  # prefill-pressure's queued prompt tokens
     prefill_pool: PoolSettings = field(default_factory=PoolSettings)  # per-pool overrides (P/D only)
     decode_pool: PoolSettings = field(default_factory=PoolSettings)
     # Autoscaling (cluster/autoscale, sim/scaling.py): a policy name, or None for a fixed fleet.
@@ -139,6 +144,9 @@ class FleetConfig:
         if self.migration_interval_s <= 0:
             raise ValueError("--migration-interval must be > 0")
         parse_migration(self.migration)
+        make_mixed_handoff(self.mixed_handoff, self.mixed_handoff_tokens)
+        if self.mixed_handoff != "never" and self.pd is not None:
+            raise ValueError("--mixed-handoff hands off between mixed instances; a --pd fleet has none")
         get_link(self.link)
         get_link(self.kv_store_link)
         if self.kv_store_gib < 0:
@@ -325,10 +333,12 @@ def build_fleet(cfg: FleetConfig, predictions: Optional["PredictionBook"] = None
     model = get_model(cfg.model)
     options = RouterOptions(seed=cfg.router_seed, epsilon=cfg.router_epsilon,
                             predictions=predictions.lookup if predictions is not None else None)
-    decode_router = make_router(cfg.decode_router, options) if cfg.pd is not None else None
+    handoff = make_mixed_handoff(cfg.mixed_handoff, cfg.mixed_handoff_tokens)
+    decode_router = make_router(cfg.decode_router, options) \
+        if cfg.pd is not None or handoff.hands_off_anything else None
     planners, scaling = scaling_parts(cfg)
     controller = FleetController(make_router(cfg.router, options), make_migration_policy(cfg.migration),
-                                 decode_router=decode_router, scalers=planners)
+                                 decode_router=decode_router, scalers=planners, mixed_handoff=handoff)
     return Simulator(instances, controller, move_costs(cfg, model), cfg.migration_interval_s,
                      roles=roles, pd_transfer=cfg.pd_transfer, num_layers=model.num_layers, scaling=scaling)
 

@@ -91,7 +91,10 @@ def test_handoff_latency_histogram_is_cumulative():
 @pytest.mark.parametrize("args, message", [
     (["--pd", "2"], "P:D"),
     (["--pd", "1:2", "--instances", "2"], "makes 3 instances"),
-    (["--decode-router", "round-robin"], "need --pd"),
+    (["--decode-router", "round-robin"], "needs --pd P:D or --mixed-handoff"),
+    (["--pd-decode", "seqs=4"], "need --pd"),
+    (["--pd", "1:1", "--mixed-handoff", "always"], "a --pd fleet has none"),
+    (["--instances", "2", "--mixed-handoff", "prefill-pressure", "--mixed-handoff-tokens", "0"], "must be >= 1"),
     (["--pd", "1:1", "--pd-decode", "tp=2"], "tp is for `sloserve simulate`"),
     (["--pd", "1:1", "--decode-router", "nope"], "unknown router"),
     (["--pd", "2:2", "--autoscale", "reactive"], "needs --pd-capacity P_RPS:D_RPS"),

@@ -1,12 +1,14 @@
 """Prefill/decode disaggregation with the live transfer (pre-copy while the prefill instance
 keeps decoding) and per-pool scheduler settings, on a real 1:1 fleet; and the prefill instance
-gone: a decode instance serves requests whole until its replacement is up."""
+gone: a decode instance serves requests whole until its replacement is up. And a fleet without
+pools whose mixed instances hand each stream off after its first token (`--mixed-handoff`)."""
 from __future__ import annotations
 
 import os
 import signal
 import time
 
+import httpx
 import pytest
 
 from migration_helpers import all_healthy, colocated, handoffs, instances, pools_free, start_fleet, stream
@@ -51,3 +53,32 @@ def test_with_the_prefill_instance_gone_a_decode_instance_serves_it_whole(live_f
     assert instances(base)["counters"]["pd_fallback"] >= 1
     all_healthy(base, 2)
     wait_for(lambda: pools_free(base), 60, interval=0.5, what="every KV pool free")
+
+
+@pytest.fixture(scope="module")
+def mixed_fleet(tmp_path_factory):
+    """Two mixed instances; every stream decodes on the one that did not prefill it."""
+    server = start_fleet(["--instances", "2", "--mixed-handoff", "always"], tmp_path_factory, 2)
+    try:
+        yield server
+    finally:
+        server.kill()
+
+
+def test_a_mixed_instance_hands_a_stream_off_once_and_the_output_is_unchanged(mixed_fleet):
+    base = mixed_fleet.base_url
+    info = instances(base)
+    assert [d["role"] for d in info["data"]] == ["mixed", "mixed"] and info["handoffs"]["mixed_handoff"] == "always"
+    prompt = "Write two sentences about autumn leaves."
+    expected = colocated(base, prompt, GREEDY)
+    before = handoffs(base)
+    text, usage = stream(base, prompt, GREEDY)
+    assert text == expected and usage["completion_tokens"] == GREEDY["max_tokens"]
+    after = handoffs(base)
+    assert after["completed"] == before["completed"] + 1 and after["started"] == before["started"] + 1  # not bounced
+    assert after["decoded_on_prefill"] == 0
+    # a call with two choices: two one-choice calls, each handed off once
+    whole = httpx.post(base + "/v1/completions", json={"prompt": prompt, **GREEDY, "n": 2}, timeout=120)
+    assert whole.status_code == 200 and [c["text"] for c in whole.json()["choices"]] == [expected, expected]
+    assert handoffs(base)["completed"] == after["completed"] + 2
+    wait_for(lambda: pools_free(base), 30, interval=0.3, what="every KV pool free")

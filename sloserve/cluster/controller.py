@@ -15,6 +15,7 @@ from typing import Mapping, Optional, Sequence
 
 from sloserve.cluster.autoscale.planner import ScalePlanner
 from sloserve.cluster.migration import InstanceView, MigrationPolicy, Move, MoveCosts
+from sloserve.cluster.mixed_handoff import MixedHandoff, NeverHandOff
 from sloserve.cluster.routers.base import Router
 from sloserve.fleet_view import HANDOFF, InstanceSlot, ScalingPlan, ScalingSignals
 from sloserve.sched.state import InstanceState
@@ -49,15 +50,19 @@ class FleetController:
 
     def __init__(self, router: Router, migration: Optional[MigrationPolicy] = None,
                  max_concurrent_per_instance: int = 1, min_interval_s: float = 2.0,
-                 decode_router: Optional[Router] = None, scalers: Optional[Mapping[str, ScalePlanner]] = None):
+                 decode_router: Optional[Router] = None, scalers: Optional[Mapping[str, ScalePlanner]] = None,
+                 mixed_handoff: Optional[MixedHandoff] = None):
         """`decode_router` picks the decode instance of a prefill/decode hand-off (default:
         `router`). Hand-offs are counted apart from migrations (`handoff_counters`) and are
         not subject to the per-instance caps: every request on a prefill instance makes one.
-        `scalers`: a scale planner per pool ("mixed"; or "prefill" and "decode", scaled apart)."""
+        `scalers`: a scale planner per pool ("mixed"; or "prefill" and "decode", scaled apart).
+        `mixed_handoff` (default: never) decides whether a request prefilled on a mixed instance
+        decodes on another one (`route_mixed_handoff`)."""
         if max_concurrent_per_instance < 1:
             raise ValueError("max_concurrent_per_instance must be >= 1")
         self.router = router
         self.decode_router = decode_router or router
+        self.mixed_handoff = mixed_handoff or NeverHandOff()
         self.scalers = dict(scalers or {})
         self.migration = migration
         self.max_concurrent_per_instance = max_concurrent_per_instance
@@ -77,6 +82,15 @@ class FleetController:
     def route_decode(self, request: Request, states: Sequence[InstanceState]) -> int:
         """The decode instance (index into `states`) a prefilled request moves to."""
         return self.decode_router.route(request, states)
+
+    def route_mixed_handoff(self, request: Request, source: InstanceState,
+                            others: Sequence[InstanceState]) -> Optional[int]:
+        """Where (index into `others`, the other mixed instances that accept) a request that just
+        got its first token on a mixed instance goes to decode, or None: it stays."""
+        if not others or not self.mixed_handoff.considers(source):
+            return None
+        k = self.decode_router.route(request, others)
+        return k if self.mixed_handoff.pays(source, others[k]) else None
 
     @property
     def handoff_counters(self) -> dict[str, float]:

@@ -271,7 +271,7 @@ class Front:
         async def instances() -> JSONResponse:
             return JSONResponse({"router": fleet.config.router, "migration": fleet.config.migration,
                                  "counters": fleet.counters, "migrations": fleet.controller.counters,
-                                 "handoffs": self.handoff.describe() if fleet.disaggregated else None,
+                                 "handoffs": self.handoff.describe() if fleet.hands_off else None,
                                  "autoscale": None if self.autoscale is None else {
                                      "policy": fleet.config.autoscale,
                                      **({"forecaster": fleet.config.forecaster,
@@ -781,7 +781,7 @@ class Front:
                         c = CounterMetricFamily(f"sloserve:autoscale_{key}", f"autoscaling: {key.replace('_', ' ')}")
                         c.add_metric([], described[key])
                         yield c
-                if not fleet.disaggregated:
+                if not fleet.hands_off:
                     return
                 handoffs = fleet.controller.handoff_counters
                 for key, (name, help_text) in HANDOFF_METRICS.items():

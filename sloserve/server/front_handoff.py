@@ -16,6 +16,11 @@ Two ways to copy (`--pd-transfer`):
 Neither overlaps the copy with the prefill's own compute, layer by layer, as the simulator's
 `pipelined` transfer does: on one host the KV of a request is copied once its first token exists.
 
+Without prefill/decode pools, a mixed instance may play the prefill side for one request
+(Llumnix): `--mixed-handoff POLICY` (cluster/mixed_handoff) is asked once, when a stream has its
+first token on the instance it started on, whether it decodes on another mixed instance (the
+decode router's pick); the move is the same hand-off. A stream that stays decodes where it is.
+
 Failures: a decode instance that refuses (no room) or fails is left out and the next one tried
 (up to the fleet's `max_attempts`); when none takes the request it decodes where it is, on the
 prefill instance, and nothing is lost. A stream whose decode instance dies later fails over
@@ -80,24 +85,29 @@ class HandoffDriver:
         self._tasks: set[asyncio.Task] = set()
 
     def offer(self, session: "RelaySession") -> None:
-        """`session` has tokens on a new instance: hand it off if that is a prefill instance."""
-        if session.upstream.inst.role != "prefill" or not session.movable:
+        """`session` has tokens on a new instance: hand it off if that is a prefill instance, or
+        a mixed one it started on whose hand-off policy (controller.mixed_handoff) says it pays."""
+        role = session.upstream.inst.role
+        mixed = role == "mixed" and session.num_instances == 1 \
+            and self.fleet.controller.mixed_handoff.hands_off_anything
+        if not (role == "prefill" or mixed) or not session.movable:
             return
         limit = session.max_tokens
         if limit is not None and len(session.tokens) >= limit:
             return  # nothing left to decode
-        task = asyncio.get_running_loop().create_task(self._hand_off(session, self.fleet.clock()))
+        task = asyncio.get_running_loop().create_task(self._hand_off(session, self.fleet.clock(), mixed))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _hand_off(self, session: "RelaySession", offered_at: float) -> None:
+    async def _hand_off(self, session: "RelaySession", offered_at: float, mixed: bool = False) -> None:
         source = session.upstream.inst
         tried: set = set()
         reason: Optional[str] = "no decode instance is healthy"
         for _ in range(self.fleet.config.max_attempts):
             if session.upstream.inst is not source or not session.movable:
                 return  # it ended, failed over, or another move took it
-            target = self.fleet.pick_decode(session.routed, tried)
+            target = self.fleet.pick_mixed(session.routed, source, tried) if mixed \
+                else self.fleet.pick_decode(session.routed, tried)
             if target is None:
                 break
             tried.add((target.slot, target.generation))
@@ -109,6 +119,8 @@ class HandoffDriver:
             if outcome.reason in _OVER or not source.handle.is_running():
                 return
             reason = f"instance {target.slot}: {outcome.reason}"
+        if mixed:
+            return  # it decodes where it was prefilled, as in a colocated fleet
         self.decoded_on_prefill += 1
         logger.warning("request %s decodes on prefill instance %d: no decode instance took it (%s)",
                        session.routed.request_id, source.slot, reason)
@@ -124,6 +136,7 @@ class HandoffDriver:
 
     def describe(self) -> dict:
         n = self.latency.count
-        return {"transfer": self.transfer, **self.fleet.controller.handoff_counters,
+        return {"transfer": self.transfer, "mixed_handoff": self.fleet.controller.mixed_handoff.name,
+                **self.fleet.controller.handoff_counters,
                 "decoded_on_prefill": self.decoded_on_prefill,
                 "mean_latency_s": round(self.latency.sum / n, 6) if n else None}

@@ -80,6 +80,7 @@ def build_worker_fleet(spawn, num_instances: int, config, clock=None, fleet_secr
 
     from sloserve.cluster.controller import FleetController
     from sloserve.cluster.migration import make_migration_policy
+    from sloserve.cluster.mixed_handoff import make_mixed_handoff
     from sloserve.cluster.routers import RouterOptions, make_router
     from sloserve.workers.fleet import WorkerFleet
 
@@ -93,7 +94,8 @@ def build_worker_fleet(spawn, num_instances: int, config, clock=None, fleet_secr
     decode_router = make_router(config.decode_router, options) if config.decode_router else None
     names = [n for n in config.migration.split(",") if n.strip() and n.strip() != "none"]
     controller = FleetController(router, make_migration_policy(",".join(dict.fromkeys(["drain", *names]))),
-                                 decode_router=decode_router, scalers=scale_planners(config, num_instances))
+                                 decode_router=decode_router, scalers=scale_planners(config, num_instances),
+                                 mixed_handoff=make_mixed_handoff(config.mixed_handoff, config.mixed_handoff_tokens))
     return WorkerFleet(spawn, num_instances, config, controller, predictions, clock or time.monotonic, fleet_secret)
 
 
@@ -139,6 +141,7 @@ def run_multi(engine_config: EngineConfig, settings, *, instances: int, router: 
               admin_keys: Sequence[str] = (), max_in_flight: Optional[int] = None,
               hang_timeout_s: float = 60.0, migration: str = "none", migration_interval_s: float = 0.5,
               pd: Optional[str] = None, pd_transfer: str = "blocking", decode_router: Optional[str] = None,
+              mixed_handoff: str = "never", mixed_handoff_tokens: int = 1024,
               prefill_pool: PoolSettings = PoolSettings(), decode_pool: PoolSettings = PoolSettings(),
               min_instances: Optional[int] = None, autoscale: Optional[str] = None, capacity_rps: Optional[float] = None,
               scaling_interval_s: float = 10.0, scale_down_delay_s: float = 60.0, target_utilization: float = 0.8,
@@ -154,6 +157,7 @@ def run_multi(engine_config: EngineConfig, settings, *, instances: int, router: 
     (front_autoscale.py); `capacity_rps` is what one worker sustains within the SLOs. A `pd`
     fleet scales each pool apart: `pd` is then the most of each, `pd_min` ("P:D", default 1:1)
     the fewest, `pd_capacity` the req/s one prefill and one decode worker sustain."""
+    from sloserve.cluster.mixed_handoff import make_mixed_handoff
     from sloserve.cluster.routers import ROUTERS
     from sloserve.server.connections import uvicorn_config
     from sloserve.server.front import Front, FrontConfig
@@ -171,8 +175,13 @@ def run_multi(engine_config: EngineConfig, settings, *, instances: int, router: 
     roles = pd_roles(pd, instances)  # a bad --pd fails here
     if len(roles) != instances:
         raise ValueError(f"--pd {pd} makes {len(roles)} instances but --instances is {instances}")
-    if pd is None and (decode_router or prefill_pool != PoolSettings() or decode_pool != PoolSettings()):
-        raise ValueError("--decode-router, --pd-prefill and --pd-decode need --pd P:D")
+    make_mixed_handoff(mixed_handoff, mixed_handoff_tokens)  # an unknown policy or a bad threshold fails here
+    if pd is not None and mixed_handoff != "never":
+        raise ValueError("--mixed-handoff hands off between mixed instances; a --pd fleet has none")
+    if pd is None and mixed_handoff == "never" and decode_router:
+        raise ValueError("--decode-router needs --pd P:D or --mixed-handoff")
+    if pd is None and (prefill_pool != PoolSettings() or decode_pool != PoolSettings()):
+        raise ValueError("--pd-prefill and --pd-decode need --pd P:D")
     if pd_transfer not in TRANSFERS:
         raise ValueError(f"unknown --pd-transfer {pd_transfer!r}; use one of {', '.join(TRANSFERS)}")
     if prefill_pool.tp or decode_pool.tp:
@@ -235,7 +244,8 @@ def run_multi(engine_config: EngineConfig, settings, *, instances: int, router: 
     config = FrontConfig(
         router=router, predictor=predictor, hang_timeout_s=hang_timeout_s, migration=migration,
         migration_interval_s=migration_interval_s, roles=tuple(roles) if pd else (), pd_transfer=pd_transfer,
-        decode_router=decode_router, autoscale=autoscale,
+        decode_router=decode_router, mixed_handoff=mixed_handoff, mixed_handoff_tokens=mixed_handoff_tokens,
+        autoscale=autoscale,
         min_instances=instances if min_instances is None else min_instances,
         # MIN 0 still starts one worker: it proves the model loads and times the cold start
         # before the fleet may scale to zero.

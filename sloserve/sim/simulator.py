@@ -131,7 +131,12 @@ class Simulator:
         self.draining: set[int] = set()  # instances out of routing, to be emptied by the `drain` policy
         self.migrator: Optional[SimMigrator] = None
         self._ticks = self.controller.migration_enabled  # the control tick plans migrations
-        if self._ticks or self._prefill_ids:
+        # Mixed instances may hand a request they prefilled to another (controller.mixed_handoff).
+        mixed_handoff = getattr(self.controller, "mixed_handoff", None)
+        self._mixed_handoff = mixed_handoff is not None and mixed_handoff.hands_off_anything \
+            and sum(r == "mixed" for r in self.roles) > 1
+        self._asked: set[str] = set()  # requests the mixed hand-off policy was asked about
+        if self._ticks or self._prefill_ids or self._mixed_handoff:
             if costs is None:
                 raise ValueError("migration and P/D hand-off need MoveCosts (KV bytes per token, link bandwidth)")
             self.migrator = SimMigrator(self.controller, self.instances, self._states, costs, self._push_transfer,
@@ -256,6 +261,8 @@ class Simulator:
                     self.migrator.at_step_boundary(instance, time)
                     if self.roles[instance.instance_id] == "prefill":
                         self._hand_off(instance)
+                    elif self._mixed_handoff and self.roles[instance.instance_id] == "mixed":
+                        self._hand_off_mixed(instance)
                 self._start(instance)
                 if self.scaling is not None and instance.instance_id in self.draining:
                     self._stop_if_empty(instance)
@@ -271,7 +278,8 @@ class Simulator:
                                 self.scaling.books.pool_seconds if self.scaling is not None else None)
         return SimResult(finished, rejected, last_work, events, num_finished, [i.busy_time for i in self.instances],
                          self.controller.counters if self._ticks else {},
-                         getattr(self.controller, "handoff_counters", {}) if self._prefill_ids else {},
+                         getattr(self.controller, "handoff_counters", {})
+                         if self._prefill_ids or self._mixed_handoff else {},
                          scaling, energy, [i.cost_model.books.as_dict() for i in self.instances  # type: ignore[attr-defined]
                                            if getattr(i.cost_model, "prices_experts", False)],
                          [i.cost_model.books.as_dict() for i in self.instances  # type: ignore[attr-defined]
@@ -323,9 +331,7 @@ class Simulator:
         is not already leaving) goes to the decode instance the controller picks. One that finds
         no room decodes here meanwhile and is offered again at the next step boundary."""
         migrator = self.migrator
-        leaving = migrator.transfers  # type: ignore[union-attr]
-        ready = [r for r in instance.scheduler.running if r.request_id not in leaving and r.output_token_ids
-                 and r.num_prompt_tokens + len(r.output_token_ids) - r.num_computed_tokens == 1]
+        ready = self._decoding(instance)
         if not ready:
             return
         decode_ids = self._decode_ids
@@ -341,6 +347,40 @@ class Simulator:
             if self.pd_transfer == "pipelined" and request.first_scheduled_time is not None:
                 overlap = self.now - request.first_scheduled_time
             migrator.handoff(request, instance, target, self.now, overlap, self.num_layers)  # type: ignore[union-attr]
+
+    def _decoding(self, instance: SimInstance, first_token_only: bool = False) -> list[Request]:
+        """`instance`'s requests in their decode phase (prompt computed, a token to feed back)
+        that are not already leaving; with `first_token_only`, those that have just one token."""
+        leaving = self.migrator.transfers  # type: ignore[union-attr]
+        return [r for r in instance.scheduler.running if r.request_id not in leaving and r.output_token_ids
+                and r.num_prompt_tokens + len(r.output_token_ids) - r.num_computed_tokens == 1
+                and (len(r.output_token_ids) == 1 or not first_token_only)]
+
+    def _hand_off_mixed(self, instance: SimInstance) -> None:
+        """Between two steps of a mixed instance: each request that has just got its first token
+        goes to decode on another mixed instance when the controller's mixed hand-off policy says
+        it pays (asked once: at the next boundary it has two tokens). One the target has no
+        room for stays."""
+        ready = [r for r in self._decoding(instance, first_token_only=True) if r.request_id not in self._asked]
+        if not ready:
+            return
+        self._asked.update(r.request_id for r in ready)  # once, where it was prefilled (not again on its target)
+        others = [i for i, r in enumerate(self.roles) if r == "mixed" and i != instance.instance_id
+                  and i not in self.draining and i not in self.migrator.offline]  # type: ignore[union-attr]
+        if not others:
+            return
+        self._moment.advance(self.now)
+        states = [self._states[i] for i in others]
+        source = self._states[instance.instance_id]
+        for request in ready:
+            k = self.controller.route_mixed_handoff(request, source, states)  # type: ignore[attr-defined]
+            if k is None:
+                continue
+            overlap = 0.0
+            if self.pd_transfer == "pipelined" and request.first_scheduled_time is not None:
+                overlap = self.now - request.first_scheduled_time
+            self.migrator.handoff(request, instance, self.instances[others[k]], self.now, overlap,  # type: ignore
+                                  self.num_layers)
 
     # ---- migration ------------------------------------------------------------------------
     def _schedule_tick(self, k: int) -> None:

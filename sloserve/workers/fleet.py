@@ -58,6 +58,8 @@ class FrontConfig:
     roles: tuple[str, ...] = ()  # each slot's role (fleet_view.ROLES); empty: all `mixed`
     pd_transfer: str = "blocking"  # how a prefill instance hands KV to a decode one: blocking | live
     decode_router: Optional[str] = None  # picks the decode instance of a hand-off (default: `router`)
+    mixed_handoff: str = "never"  # when a mixed instance hands a stream it prefilled to another (cluster/mixed_handoff)
+    mixed_handoff_tokens: int = 1024  # prefill-pressure's queued prompt tokens
     initial_instances: Optional[int] = None  # autoscaling: slots started at first (the rest stay stopped)
     # Autoscaling (server/front_autoscale.py): a policy name (cluster/autoscale), or None for a fixed fleet
     autoscale: Optional[str] = None
@@ -406,11 +408,31 @@ class WorkerFleet:
         candidates = [i for i in self.routable() if i.role == "decode" and (i.slot, i.generation) not in exclude]
         return self._choose(request, candidates, self.controller.route_decode, 0)
 
+    def pick_mixed(self, request: Request, source: Instance, exclude: set) -> Optional[Instance]:
+        """Another mixed instance for a request that just got its first token on `source`, when
+        the controller's mixed hand-off policy says moving pays; else None (it stays)."""
+        if source.state is None:
+            return None
+        candidates = [i for i in self.routable() if i.role == "mixed" and i is not source
+                      and (i.slot, i.generation) not in exclude]
+        source_state = source.routing_state(self.block_size)
+        return self._choose(request, candidates,
+                            lambda r, states: self.controller.route_mixed_handoff(r, source_state, states), 0)
+
+    @property
+    def hands_off(self) -> bool:
+        """Whether requests change instance after their first token: prefill/decode pools, or
+        a mixed hand-off policy."""
+        return self.disaggregated or self.controller.mixed_handoff.hands_off_anything
+
     def _choose(self, request: Request, candidates: list[Instance], route, prompt_tokens: int) -> Optional[Instance]:
         if not candidates:
             return None
         states = [i.routing_state(self.block_size) for i in candidates]
-        chosen = candidates[route(request, states)]
+        k = route(request, states)
+        if k is None:
+            return None
+        chosen = candidates[k]
         chosen.pending.append((self.clock(), prompt_tokens, request.predicted_output_len or 0))
         chosen.routed += 1
         return chosen
