@@ -1,8 +1,9 @@
 """Hand-off from mixed instances (Llumnix-style `--mixed-handoff`) on a simulated fleet: does
 letting a colocated fleet move a request to another instance after its first token pay, and when?
 
-Setting: 8 x Llama-3.1-8B on H100 80 GB, least-requests routing, chunked prefill (2,048-token
-budget), KV over InfiniBand NDR, pipelined transfer. Workloads: windows of the Azure LLM 2023 code
+Setting: 8 x Llama-3.1-8B on H100 80 GB, chunked prefill (2,048-token budget), KV over InfiniBand
+NDR, pipelined transfer; arrivals routed by least-requests (load-aware) and by round-robin (blind to
+load, so prefill backlogs build unevenly: where a hand-off has something to fix). Workloads: windows of the Azure LLM 2023 code
 trace (prefill-heavy) and conversation trace, their own lengths and arrival pattern, replayed at
 0.8x, 1.0x and 1.2x the fleet's measured capacity (least-requests, no hand-off, >= 90% of
 requests within the SLO: benchmarks/routing.py's search), with a tight SLO (TTFT 1 s, TPOT
@@ -15,7 +16,7 @@ requests within the SLO: benchmarks/routing.py's search), with a tight SLO (TTFT
 
 Per run: SLO attainment, TTFT p50/p99, TPOT p50/p90/p99, hand-offs and KV moved. Writes
 benchmarks/results/sim_mixed_handoff-<time>.json and benchmarks/figures/sim_mixed_handoff.png;
-prints the table. About 10 minutes on 2 CPU cores.
+prints the table. About 6 minutes on 2 CPU cores.
 """
 from __future__ import annotations
 
@@ -47,14 +48,15 @@ SLO_TIGHT = SLO(ttft_s=1.0, tpot_s=0.05)
 LOADS = (0.8, 1.0, 1.2)
 POLICIES = (("never", 0), ("prefill-pressure", 1024), ("prefill-pressure", 4096), ("always", 0))
 FLEET = {"hardware": "h100-80g", "model": "llama-3.1-8b", "link": "infiniband-ndr"}
+ROUTERS = ("least-requests", "round-robin")
 
 
 def label(policy: str, tokens: int) -> str:
     return f"{policy} {tokens}" if policy == "prefill-pressure" else policy
 
 
-def run(reqs: list[WorkloadRequest], policy: str, tokens: int, instances: int, slo: SLO) -> dict:
-    fleet = FleetConfig(instances=instances, router="least-requests", mixed_handoff=policy,
+def run(reqs: list[WorkloadRequest], router: str, policy: str, tokens: int, instances: int, slo: SLO) -> dict:
+    fleet = FleetConfig(instances=instances, router=router, mixed_handoff=policy,
                         mixed_handoff_tokens=max(1, tokens),
                         scheduler=SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=256), **FLEET)
     sim = build_fleet(fleet)
@@ -64,7 +66,7 @@ def run(reqs: list[WorkloadRequest], policy: str, tokens: int, instances: int, s
     ttft = sorted(r.ttft_s for r in ok if r.ttft_s is not None)
     tpot = sorted(t for t in (r.tpot_s for r in ok) if t is not None)
     h = result.handoffs or {}
-    return {"policy": label(policy, tokens), "requests": len(reqs), "completed": result.num_finished,
+    return {"router": router, "policy": label(policy, tokens), "requests": len(reqs), "completed": result.num_finished,
             "slo_attainment": sum(slo.met(r) for r in records) / max(1, len(reqs)),
             "p50_ttft_s": percentile(ttft, 50), "p99_ttft_s": percentile(ttft, 99),
             "p50_tpot_s": percentile(tpot, 50), "p90_tpot_s": percentile(tpot, 90), "p99_tpot_s": percentile(tpot, 99),
@@ -74,13 +76,13 @@ def run(reqs: list[WorkloadRequest], policy: str, tokens: int, instances: int, s
 
 def print_table(results: dict, console: Console) -> None:
     for w in results["workloads"]:
-        table = Table(title=f"{w['label']}: capacity {w['capacity_rps']:.1f} req/s (8 x 8B on H100, "
-                            f"TTFT <= 1 s, TPOT <= 50 ms)")
-        for col in ("load", "policy", "SLO met", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p90", "TPOT p99",
+        table = Table(title=f"{w['label']}: capacity {w['capacity_rps']:.1f} req/s with least-requests "
+                            f"(8 x 8B on H100, TTFT <= 1 s, TPOT <= 50 ms)")
+        for col in ("load", "router", "policy", "SLO met", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p90", "TPOT p99",
                     "hand-offs"):
             table.add_column(col, justify="right")
         for r in w["runs"]:
-            table.add_row(f"{r['load']:.1f}x", r["policy"], f"{100 * r['slo_attainment']:.1f}%",
+            table.add_row(f"{r['load']:.1f}x", r["router"], r["policy"], f"{100 * r['slo_attainment']:.1f}%",
                           *(f"{1e3 * r[k]:,.0f}" for k in ("p50_ttft_s", "p99_ttft_s")),
                           *(f"{1e3 * r[k]:.1f}" for k in ("p50_tpot_s", "p90_tpot_s", "p99_tpot_s")),
                           f"{r['handoffs']}/{r['requests']}")
@@ -96,12 +98,15 @@ def plot(results: dict, path: Path) -> None:
     workloads = results["workloads"]
     fig, axes = plt.subplots(2, len(workloads), figsize=(5.5 * len(workloads), 7), squeeze=False)
     for col, w in enumerate(workloads):
-        names = list(dict.fromkeys(r["policy"] for r in w["runs"]))
-        for name in names:
-            runs = [r for r in w["runs"] if r["policy"] == name]
+        names = list(dict.fromkeys((r["router"], r["policy"]) for r in w["runs"]))
+        for router, policy in names:
+            runs = [r for r in w["runs"] if (r["router"], r["policy"]) == (router, policy)]
+            name = f"{router}: {policy}"
             loads = [r["load"] for r in runs]
-            axes[0][col].plot(loads, [100 * r["slo_attainment"] for r in runs], marker="o", label=name)
-            axes[1][col].plot(loads, [1e3 * r["p90_tpot_s"] for r in runs], marker="o", label=name)
+            style = "-" if router == ROUTERS[0] else "--"
+            axes[0][col].plot(loads, [100 * r["slo_attainment"] for r in runs], marker="o", linestyle=style,
+                              label=name)
+            axes[1][col].plot(loads, [1e3 * r["p90_tpot_s"] for r in runs], marker="o", linestyle=style, label=name)
         axes[0][col].set_title(f"{w['label']} (capacity {w['capacity_rps']:.0f} req/s)")
         axes[0][col].set_ylabel("requests within SLO (%)")
         axes[1][col].set_ylabel("TPOT p90 (ms)")
@@ -109,7 +114,7 @@ def plot(results: dict, path: Path) -> None:
         axes[1][col].axhline(1e3 * SLO_TIGHT.tpot_s, color="grey", linestyle=":", linewidth=1)
         for ax in axes[:, col]:
             ax.grid(alpha=0.3)
-        axes[0][col].legend(fontsize=8)
+        axes[0][col].legend(fontsize=7)
     fig.suptitle("Hand-off from mixed instances (simulated, 8 x Llama-3.1-8B on H100)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -132,14 +137,14 @@ def main() -> int:
                            if t.name in args.workloads.split(",")]
     console = Console(width=max(140, Console().width))
     results = {"when": datetime.now(timezone.utc).isoformat(timespec="seconds"), "instances": args.instances,
-               "fleet": FLEET, "router": "least-requests", "slo": {"ttft_s": SLO_TIGHT.ttft_s,
+               "fleet": FLEET, "routers": ROUTERS, "capacity_router": "least-requests", "slo": {"ttft_s": SLO_TIGHT.ttft_s,
                                                                     "tpot_s": SLO_TIGHT.tpot_s},
                "loads": loads, "workloads": []}
     t_start = time.perf_counter()
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                         console=console)
     with progress:
-        task = progress.add_task("runs", total=len(traces) * (1 + len(loads) * len(POLICIES)))
+        task = progress.add_task("runs", total=len(traces) * (1 + len(loads) * len(ROUTERS) * len(POLICIES)))
         for trace in traces:
             reqs = window(trace)
             progress.update(task, description=f"{trace.label}: capacity")
@@ -149,11 +154,12 @@ def main() -> int:
                      "runs": []}
             for load in loads:
                 batch = at_rate(reqs, load * capacity)
-                for policy, tokens in POLICIES:
-                    progress.update(task, description=f"{trace.label} {load:.1f}x {label(policy, tokens)}")
-                    entry["runs"].append({"load": load, "rate": load * capacity,
-                                          **run(batch, policy, tokens, args.instances, trace.slo)})
-                    progress.advance(task)
+                for router in ROUTERS:
+                    for policy, tokens in POLICIES:
+                        progress.update(task, description=f"{trace.label} {load:.1f}x {router} {label(policy, tokens)}")
+                        entry["runs"].append({"load": load, "rate": load * capacity,
+                                              **run(batch, router, policy, tokens, args.instances, trace.slo)})
+                        progress.advance(task)
             results["workloads"].append(entry)
     results["wall_s"] = time.perf_counter() - t_start
     print_table(results, console)
