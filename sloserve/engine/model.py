@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from sloserve.config import ModelConfig
 from sloserve.engine.quant import (DenseLinear, GroupAffine4, Int4Linear, Int8Linear, Linear, RowDispatchLinear,
-                                   can_prepack)
+                                   as_dtype, can_prepack)
 
 
 @dataclass
@@ -88,8 +88,8 @@ class KVCache:
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store the new tokens' K and V [T, kv_heads, head_dim] at `slots`."""
         if not self.quantized:
-            self.data[layer, 0].index_copy_(0, slots, k.to(self.storage_dtype))
-            self.data[layer, 1].index_copy_(0, slots, v.to(self.storage_dtype))
+            self.data[layer, 0].index_copy_(0, slots, as_dtype(k, self.storage_dtype))
+            self.data[layer, 1].index_copy_(0, slots, as_dtype(v, self.storage_dtype))
             return
         for kind, x in ((0, k), (1, v)):
             self.data[layer, kind].index_copy_(0, slots, quantize_int8(x))
