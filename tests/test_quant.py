@@ -237,3 +237,45 @@ def test_int8_kv_cache_holds_more_tokens_and_generates_what_float32_does(llm, he
     assert sum(g == 0 for g in gaps) >= 0.95 * len(gaps), gaps  # and almost always float32's own choice
     assert greedy_agreement(ref, got).prefix_fraction >= 0.6  # measured 0.875 over these 8 (AMX Xeon)
     assert int8.engine.kv.num_free_blocks == int8.engine.kv.num_blocks
+
+
+def test_a_bf16_model_reads_an_int8_cache_through_the_native_prefill_kernel(heldout_ids):
+    """An int8 cache's context is dequantized into a bf16 copy and attended by the native prefill
+    kernel (it ran SDPA per chunk before): the same next-token scores as the SDPA path over the same
+    int8 cache, chunk after chunk (each chunk after the first reads its context back)."""
+    from sloserve.engine.model import ForwardBatch, KVCache, PrefillSpan
+
+    llm = LLM(config=EngineConfig(dtype="bfloat16", cache=CacheConfig(kv_cache_gib=0.05, kv_dtype="int8")))
+    model = llm.engine.model
+    probe = KVCache(model.config, 1, 16, model.dtype, model.device, torch.int8)
+    if not model.takes_prefill_tables(probe):
+        pytest.skip("no native prefill kernel in this build")
+    ids, chunk, bs = heldout_ids[0][:150], 37, 16
+    blocks = -(-len(ids) // bs)
+    scores = {}
+    for native in (True, False):
+        cache = KVCache(model.config, blocks + 3, bs, model.dtype, model.device, torch.int8)
+        table = torch.arange(3, blocks + 3)  # not starting at block 0: the compact copy must renumber them
+        out = []
+        for start in range(0, len(ids) - 1, chunk):
+            m = min(chunk, len(ids) - start)
+            positions = torch.arange(start, start + m)
+            used = table[:-(-(start + m) // bs)]
+            batch = ForwardBatch(
+                input_ids=torch.tensor(ids[start:start + m]), positions=positions,
+                slot_mapping=table[positions // bs] * bs + positions % bs, num_decodes=0, decode_blocks=None,
+                decode_mask=None, decode_context_lens=None,
+                prefills=[PrefillSpan(0, m, start, None if start == 0 else used)],
+                sample_indices=torch.arange(min(m, len(ids) - 1 - start)),
+                prefill_tables=used.unsqueeze(0) if native else None)
+            out.append(model.forward(batch, cache).float())
+        scores[native] = torch.log_softmax(torch.cat(out), -1)
+    assert model.takes_prefill_tables(probe)  # the kernel took every call (it sets this false when it declines)
+    same = (scores[True].argmax(-1) == scores[False].argmax(-1)).float().mean().item()
+    # the SDPA path attends a chunk's own keys unquantized, the native one reads them back from the cache
+    assert same >= 0.95, same
+    top = scores[False].argmax(-1, keepdim=True)
+    gap = (scores[True].gather(1, top) - scores[False].gather(1, top)).abs().max().item()
+    kl = (scores[False].exp() * (scores[False] - scores[True])).sum(-1).max().item()
+    print(f"top-1 agreement {same:.3f}, largest top-1 logprob gap {gap:.3f}, largest KL {kl:.4f}")
+    assert gap < 0.5 and kl < 0.1, (gap, kl)

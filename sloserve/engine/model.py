@@ -287,8 +287,22 @@ class LlamaModel:
     def takes_prefill_tables(self, kv_cache: KVCache) -> bool:
         """Whether a native prefill kernel may run over this cache: the runner builds the prefill
         spans' block tables only then. False for good once the build declined these tensors."""
+        bf16_cache = kv_cache.native and kv_cache.storage_dtype == torch.bfloat16
+        int8_cache = kv_cache.quantized and self.dtype == torch.bfloat16  # read through a dequantized copy
         return (self._native_prefill and self.fused is not None and hasattr(self.fused, "prefill_attention")
-                and kv_cache.native and kv_cache.storage_dtype == torch.bfloat16 and self.attention_kernel != "portable")
+                and (bf16_cache or int8_cache) and self.attention_kernel != "portable")
+
+    def _prefill_kv(self, li: int, kv_cache: KVCache, tables: torch.Tensor) -> tuple:
+        """The K and V caches and block tables the native prefill kernel reads for layer `li`:
+        the cache itself, or for an int8 cache the spans' blocks dequantized into a compact bf16
+        copy (span i's j-th block at i * W + j). Dequantizing the context once per layer is what
+        the SDPA fallback's gather does too; the attention then runs in the native kernel."""
+        if not kv_cache.quantized:
+            return kv_cache.data[li, 0], kv_cache.data[li, 1], tables
+        shape = (-1, *kv_cache.data.shape[-2:-1], kv_cache.head_dim)
+        k = kv_cache.gather(li, 0, tables).reshape(shape)
+        v = kv_cache.gather(li, 1, tables).reshape(shape)
+        return k, v, torch.arange(tables.numel(), dtype=torch.long).view(tables.shape)
 
     def _kernel_for(self, kv_cache: KVCache) -> str:
         """The configured native path applies to a bf16 cache; any other takes the portable one."""
@@ -361,7 +375,7 @@ class LlamaModel:
                 if D:
                     attn[:D] = self._decode_attention(li, q[:D], batch, kv_cache)
             if native is not None and not self.fused.prefill_attention(
-                    q, kv_cache.data[li, 0], kv_cache.data[li, 1], *native, kv_cache.block_size, self.scale,
+                    q, *self._prefill_kv(li, kv_cache, native[0]), native[1], kv_cache.block_size, self.scale,
                     cfg.sliding_window or 0, attn, kernel=self._kernel_for(kv_cache)):
                 native = None  # this build or cache cannot take it: SDPA for every span, from now on
                 self._native_prefill = False
