@@ -327,7 +327,7 @@ class LlamaModel:
     def _native_prefill_args(self, batch: ForwardBatch, kv_cache: KVCache):
         """The native prefill kernel's arguments for this batch's spans: their block tables
         [P, W] and their [P, 3] (first row, rows, start position); None when it cannot run (no
-        build, a non-bf16 or quantized cache: SDPA per span then). One layer, 2,048 tokens in
+        build, a cache neither bf16 nor int8 under a bf16 model: SDPA per span then). One layer, 2,048 tokens in
         ShareGPT-sized chunks (30-367 tokens) against per-chunk SDPA calls: AMX on the 2-vCPU Xeon
         2.48 against 4.12 ms; AVX512-BF16 on the 2-vCPU EPYC (Zen4) 3.2-4.2 against 11-14 ms."""
         if batch.prefill_tables is None or not batch.prefills or not self.takes_prefill_tables(kv_cache):
