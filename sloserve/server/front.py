@@ -18,10 +18,10 @@ another instance from the tokens already sent, and the fleet controller's migrat
 live (front_migration.py); a stream nothing can resume ends with an SSE event
 `{"error": {"code": "instance_failed"}}` and `data: [DONE]`. A non-streamed single-choice call
 is relayed the same way, as a stream the front reads to its end and answers whole
-(front_whole.py), so it fails over, migrates and is handed off like a stream; a non-streamed
-call with several choices (n > 1, several prompts) is split into one such call per choice and
-its answer assembled (front_fanout.py). Streams with several choices are retried whenever their
-worker fails before they start.
+(front_whole.py), so it fails over, migrates and is handed off like a stream. A call with
+several choices (n > 1, several prompts; streamed or not) is split into one-choice calls, each
+relayed that way, and its answer (or merged stream) assembled as the worker would have sent it
+(front_fanout.py).
 
 Nothing outlives its client: while the front waits on a worker (connecting, the buffered
 start of a stream, a non-streamed answer) it also watches for the client's disconnect, and
