@@ -177,7 +177,7 @@ ENGINE = [
 I = "exported_instance"  # the front's slot label, as Prometheus stores it (see the module docstring)
 FRONT = 'model_name=""'  # series without model_name: the front's own (slo_* exist on both)
 FRONT_COUNTERS = ("retries", "failed_midstream", "resumed_midstream", "replacements", "no_instance",
-                  "moved_unstarted", "moved_stalled", "pd_fallback")
+                  "moved_unstarted", "moved_stalled", "pd_fallback", "split_calls")
 FLEET = [
     panel("SLO attainment at the front, last 5 min", [
         (f"sum by (qos_class) (rate(sloserve:slo_attained_requests_total{{{FRONT}}}[{EVENTS}]))"
