@@ -102,15 +102,20 @@ def test_a_client_that_stops_reading_is_cut_off_and_its_requests_aborted(llm):
         assert ended < stall_s + 30, ended
         assert metric(scrape(srv.base_url), "sloserve:client_stalled_total") == 1
         # Memory while stalled grows with the output itself (tokens held for the reader), not
-        # with a copy of it per step: compare the second half of the stall with the first.
+        # with a copy of it per step. A copy per step kept for the reader would grow with the
+        # square of the output: ~200 KB per token on average at these ~260 tokens of 4 choices with
+        # 5 logprobs each. One-off allocations of a few MB land in either half of the stall (runs
+        # on the slow EPYC read 28 KB then 0.8 KB per token, and 0.9 KB then 64 KB), so the bound
+        # is on the whole stall's growth per token, not on one half.
         window = [s for s in samples if s[2] > 0]
         mid = len(window) // 2
         (_, m0, k0), (_, m1, k1), (_, m2, k2) = window[0], window[mid], window[-1]
         per_token_first = (m1 - m0) / max(1, k1 - k0)
         per_token_second = (m2 - m1) / max(1, k2 - k1)
+        per_token = (m2 - m0) / max(1, k2 - k0)
         print(f"stalled {ended:.1f}s, {generated} tokens; bytes/token {per_token_first:.0f} then "
-              f"{per_token_second:.0f}")
-        assert per_token_second < 8192, (per_token_first, per_token_second)
+              f"{per_token_second:.0f}, {per_token:.0f} over the stall")
+        assert per_token < 64 * 1024, (per_token_first, per_token_second, per_token)
 
 
 def test_a_slow_consumer_gets_merged_outputs_that_add_up(llm):
@@ -208,7 +213,9 @@ def test_health_answers_while_huge_prompts_are_tokenized(llm):
             t.join()
         print(f"/health worst latency {worst * 1000:.0f} ms")
         assert results == [400, 400, 400]
-        assert worst < 0.5, worst
+        # Tokenizing the three prompts takes seconds; parsing each 3.8 MB body on the loop takes
+        # ~0.25-0.5 s on the slow 2-vCPU EPYC (504 ms once in a full suite): the bound separates them.
+        assert worst < 1.0, worst
 
 
 def test_chat_role_goes_out_with_the_first_token(llm):
