@@ -197,6 +197,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
+    from sloserve.cluster.mixed_handoff import DEFAULT_QUEUED_TOKENS, MIXED_HANDOFFS
+
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, local only)")
     g.add_argument("--port", type=int, default=8000)
@@ -257,10 +259,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "instance keeps decoding, then a short pause)")
     m.add_argument("--decode-router", metavar="POLICY", help="routing policy that picks the decode instance of a "
                    "hand-off (default: --router)")
-    m.add_argument("--mixed-handoff", default="never", choices=["never", "always", "prefill-pressure"],
+    m.add_argument("--mixed-handoff", default="never", choices=sorted(MIXED_HANDOFFS),
                    help="without --pd: a stream prefilled on one instance decodes on another (picked by "
                         "--decode-router) when this policy says it pays (Llumnix-style); same copy as --pd-transfer")
-    m.add_argument("--mixed-handoff-tokens", type=int, default=1024, metavar="TOKENS",
+    m.add_argument("--mixed-handoff-tokens", type=int, default=DEFAULT_QUEUED_TOKENS, metavar="TOKENS",
                    help="prefill-pressure: hand off when the source has this many prompt tokens queued")
     m.add_argument("--pd-prefill", default="", metavar="SPEC",
                    help="prefill pool scheduler settings, e.g. budget=2048,seqs=8,chunk=1024 (default: the fleet's)")

@@ -141,7 +141,7 @@ def run_multi(engine_config: EngineConfig, settings, *, instances: int, router: 
               admin_keys: Sequence[str] = (), max_in_flight: Optional[int] = None,
               hang_timeout_s: float = 60.0, migration: str = "none", migration_interval_s: float = 0.5,
               pd: Optional[str] = None, pd_transfer: str = "blocking", decode_router: Optional[str] = None,
-              mixed_handoff: str = "never", mixed_handoff_tokens: int = 1024,
+              mixed_handoff: str = "never", mixed_handoff_tokens: Optional[int] = None,
               prefill_pool: PoolSettings = PoolSettings(), decode_pool: PoolSettings = PoolSettings(),
               min_instances: Optional[int] = None, autoscale: Optional[str] = None, capacity_rps: Optional[float] = None,
               scaling_interval_s: float = 10.0, scale_down_delay_s: float = 60.0, target_utilization: float = 0.8,

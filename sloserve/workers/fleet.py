@@ -59,7 +59,7 @@ class FrontConfig:
     pd_transfer: str = "blocking"  # how a prefill instance hands KV to a decode one: blocking | live
     decode_router: Optional[str] = None  # picks the decode instance of a hand-off (default: `router`)
     mixed_handoff: str = "never"  # when a mixed instance hands a stream it prefilled to another (cluster/mixed_handoff)
-    mixed_handoff_tokens: int = 1024  # prefill-pressure's queued prompt tokens
+    mixed_handoff_tokens: Optional[int] = None  # prefill-pressure's queued prompt tokens (None: its default)
     initial_instances: Optional[int] = None  # autoscaling: slots started at first (the rest stay stopped)
     # Autoscaling (server/front_autoscale.py): a policy name (cluster/autoscale), or None for a fixed fleet
     autoscale: Optional[str] = None

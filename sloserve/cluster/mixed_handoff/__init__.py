@@ -2,6 +2,8 @@
 (`--mixed-handoff`). A new policy is one file plus one line here."""
 from __future__ import annotations
 
+from typing import Optional
+
 from sloserve.cluster.mixed_handoff.always import AlwaysHandOff
 from sloserve.cluster.mixed_handoff.base import MixedHandoff
 from sloserve.cluster.mixed_handoff.never import NeverHandOff
@@ -12,7 +14,10 @@ MIXED_HANDOFFS: dict[str, type[MixedHandoff]] = {p.name: p for p in (NeverHandOf
 DEFAULT_QUEUED_TOKENS = 1024
 
 
-def make_mixed_handoff(name: str, queued_tokens: int = DEFAULT_QUEUED_TOKENS) -> MixedHandoff:
+def make_mixed_handoff(name: str, queued_tokens: Optional[int] = None) -> MixedHandoff:
+    """`queued_tokens`: prefill-pressure's threshold (None: DEFAULT_QUEUED_TOKENS)."""
+    if queued_tokens is None:
+        queued_tokens = DEFAULT_QUEUED_TOKENS
     if name not in MIXED_HANDOFFS:
         raise ValueError(f"unknown mixed hand-off policy {name!r}; choose from {sorted(MIXED_HANDOFFS)}")
     if name == PrefillPressureHandOff.name:
