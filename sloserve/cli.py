@@ -198,6 +198,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     from sloserve.cluster.mixed_handoff import DEFAULT_QUEUED_TOKENS, MIXED_HANDOFFS
+    from sloserve.server.front_handoff import TRANSFERS
 
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, local only)")
@@ -254,9 +255,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="how often the fleet controller looks for requests to move")
     m.add_argument("--pd", metavar="P:D", help="prefill/decode disaggregation: P prefill and D decode instances; each "
                    "stream moves to a decode instance after its first token (implies --instances P+D)")
-    m.add_argument("--pd-transfer", default="blocking", choices=["blocking", "live"],
-                   help="hand-off copy: blocking (pause, copy all KV, go on) or live (pre-copy while the prefill "
-                        "instance keeps decoding, then a short pause)")
+    m.add_argument("--pd-transfer", default="blocking", choices=TRANSFERS,
+                   help="hand-off copy: blocking (pause, copy all KV, go on), live (pre-copy while the prefill "
+                        "instance keeps decoding, then a short pause) or pipelined (the decode instance is picked "
+                        "at arrival and gets each KV block as the prefill computes it; a mixed hand-off, decided "
+                        "at the first token, copies as blocking)")
     m.add_argument("--decode-router", metavar="POLICY", help="routing policy that picks the decode instance of a "
                    "hand-off (default: --router)")
     m.add_argument("--mixed-handoff", default="never", choices=sorted(MIXED_HANDOFFS),

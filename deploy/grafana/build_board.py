@@ -243,7 +243,9 @@ FLEET = [
           description="First token on the prefill instance to the next on the decode instance."),
     panel("P/D hand-off KV bytes", [
         (f"sum(rate(sloserve:pd_handoff_bytes_total[{EVENTS}]))", "bytes/s"),
-    ], unit="Bps"),
+        (f"sum(rate(sloserve:pd_handoff_pipelined_bytes_total[{EVENTS}]))", "sent during the prefill"),
+    ], unit="Bps", description="All hand-off KV bytes, and those a pipelined transfer sent while the prompt was "
+                               "computed (--pd-transfer pipelined)."),
 ]
 
 ROWS = [

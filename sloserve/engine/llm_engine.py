@@ -334,12 +334,31 @@ class LLMEngine:
         """A migration's pre-copy round: pin the request's full computed blocks from index
         `start` on, so their bytes can be read off the engine thread while it keeps decoding.
         Returns (block ids, their prefix keys from block 0), or None if the request is gone."""
+        movable = self._movable(request_id)
+        if movable is None:
+            return None
+        request, full = movable
+        hashes = [int(h) for h in self.kv.request_hashes(request)[:full]]
+        return self.kv.pin_request(request_id, full, start), hashes
+
+    def prefill_progress(self, request_id: str, start: int) -> Optional[tuple[list[int], list[int], bool]]:
+        """A pipelined hand-off's round while the prompt is computed: the full computed blocks
+        from index `start` on, pinned (as pin_full_blocks); the prefix keys of every full block
+        of the prompt, computed or not (the target reserves for all of it and says which it
+        caches); and whether the prompt is done. None once the request is gone."""
+        movable = self._movable(request_id)
+        if movable is None:
+            return None
+        request, full = movable
+        hashes = [int(h) for h in self.kv.request_hashes(request)]
+        return self.kv.pin_request(request_id, full, start), hashes, request.num_output_tokens > 0
+
+    def _movable(self, request_id: str) -> Optional[tuple[Request, int]]:
+        """The request if it is here and not already moving, with its count of full computed blocks."""
         request = self.scheduler.requests.get(request_id)
         if request is None or request.status is RequestStatus.MIGRATING:
             return None
-        full = min(request.num_computed_tokens // self.kv.block_size, self.kv.num_blocks_of(request_id))
-        hashes = [int(h) for h in self.kv.request_hashes(request)[:full]]
-        return self.kv.pin_request(request_id, full, start), hashes
+        return request, min(request.num_computed_tokens // self.kv.block_size, self.kv.num_blocks_of(request_id))
 
     def suspend(self, request_id: str) -> Optional[tuple[ResumeState, list[int]]]:
         """The stop-and-copy: stop scheduling the request, keep (and pin) its blocks. Returns

@@ -565,11 +565,14 @@ class Front:
                 inst.in_flight += 1
                 upstream: Optional[httpx.Response] = None
                 session_owns = False  # a RelaySession took the upstream over (and releases it)
+                # a pipelined hand-off: the decode instance is chosen now and gets the KV as it is computed
+                early = self.handoff.early_target(routed, inst) if resumable(body, chat) else None
                 try:
                     try:
                         upstream = await self._before_start(stop, inst, tried, self.fleet.client.send(
                             self.fleet.client.build_request("POST", handle.url + path, content=raw,
-                                                            headers=upstream_headers),
+                                                            headers=upstream_headers if early is None
+                                                            else {**upstream_headers, **early.header()}),
                             stream=True))
                         if not stream or upstream.status_code != 200:
                             content = await self._before_start(stop, inst, tried, upstream.aread())
@@ -607,6 +610,7 @@ class Front:
                                            Upstream(inst, inst.generation, upstream, chunks),
                                            ticket.abort if ticket is not None else None)
                     session.answered_whole = whole
+                    session.early_target = early
                     self.sessions.add(session)
                     session_owns = True
                     if whole:
@@ -790,6 +794,10 @@ class Front:
                     yield c
                 c = CounterMetricFamily("sloserve:pd_decoded_on_prefill", "streams no decode instance took")
                 c.add_metric([], handoff.decoded_on_prefill)
+                yield c
+                c = CounterMetricFamily("sloserve:pd_handoff_pipelined_bytes",
+                                        "KV bytes hand-offs sent while the prompt was computed (--pd-transfer pipelined)")
+                c.add_metric([], handoff.pipelined_bytes)
                 yield c
                 h = HistogramMetricFamily("sloserve:pd_handoff_seconds",
                                           "first token on the prefill instance to the next on the decode instance")

@@ -7,14 +7,18 @@ the controller's decode router picks the target among the decode instances, and 
 on the migration path (one transfer mechanism for both: the source copies the request's KV
 blocks into blocks the target reserved, over HTTP between the workers, and the front switches
 the client's stream between two events, so the client sees one stream and each token once).
-Two ways to copy (`--pd-transfer`):
+Three ways to copy (`--pd-transfer`):
 - `blocking`: suspend the request at once, copy all its KV, continue on the decode instance
   (DistServe's hand-off: the second token waits for the whole copy);
-- `live`: pre-copy rounds while the prefill instance keeps decoding the request, then a short
+- `live`: pre-copy rounds while the prefill instance keeps decoding, then a short
   stop-and-copy (Llumnix-style: hides most of the copy, at the price of decode steps on the
-  prefill instance meanwhile).
-Neither overlaps the copy with the prefill's own compute, layer by layer, as the simulator's
-`pipelined` transfer does: on one host the KV of a request is copied once its first token exists.
+  prefill instance meanwhile);
+- `pipelined`: the decode instance is chosen when the request is sent to the prefill instance
+  (as Splitwise does), which sends each full KV block there as chunked prefill computes it; at
+  the first token only the last, partial block is left for the stop-and-copy. The simulator's
+  `pipelined` sends layer by layer; the real worker sends block by block, as its engine steps
+  compute them. A decode instance that refuses or fails meanwhile changes nothing: the
+  hand-off at the first token starts afresh, as `blocking` does.
 
 Without prefill/decode pools, a mixed instance may play the prefill side for one request
 (Llumnix): `--mixed-handoff POLICY` (cluster/mixed_handoff) is asked once, when a stream has its
@@ -31,18 +35,22 @@ from __future__ import annotations
 import asyncio
 import bisect
 import logging
+import uuid
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
 from sloserve.fleet_view import HANDOFF, Move
+from sloserve.workers.contract import KV_PUSH_HEADER
 
 if TYPE_CHECKING:
     from sloserve.server.front_migration import MigrationDriver
     from sloserve.server.front_relay import RelaySession
-    from sloserve.workers.fleet import WorkerFleet
+    from sloserve.types import Request
+    from sloserve.workers.fleet import Instance, WorkerFleet
 
 logger = logging.getLogger(__name__)
 
-TRANSFERS = ("blocking", "live")
+TRANSFERS = ("blocking", "live", "pipelined")
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 # outcomes that mean the stream ended or changed hands meanwhile: nothing to retry
 _OVER = ("not movable", "client gone", "stream ended", "token count mismatch", "already migrating")
@@ -73,6 +81,25 @@ class HandoffLatency:
         return out
 
 
+@dataclass(frozen=True)
+class EarlyTarget:
+    """The decode instance a pipelined hand-off sends to from the start, and the migration id
+    both workers know the transfer by."""
+
+    inst: "Instance"
+    generation: int
+    migration_id: str
+
+    def header(self) -> dict[str, str]:
+        return {KV_PUSH_HEADER: f"{self.inst.handle.url} {self.migration_id}"}
+
+    @property
+    def usable(self) -> bool:
+        """Still the same worker, and still taking requests."""
+        inst = self.inst
+        return inst.generation == self.generation and inst.status == "healthy" and not inst.draining
+
+
 class HandoffDriver:
     def __init__(self, fleet: "WorkerFleet", migration: "MigrationDriver", transfer: str = "blocking") -> None:
         if transfer not in TRANSFERS:
@@ -82,7 +109,17 @@ class HandoffDriver:
         self.transfer = transfer
         self.latency = HandoffLatency()
         self.decoded_on_prefill = 0  # streams no decode instance took: they finished where they started
+        self.pipelined = 0  # completed hand-offs that went on from KV sent during the prefill
+        self.pipelined_bytes = 0  # of their bytes, those sent during the prefill
         self._tasks: set[asyncio.Task] = set()
+
+    def early_target(self, routed: "Request", inst: "Instance") -> Optional[EarlyTarget]:
+        """With the `pipelined` transfer, the decode instance a stream sent to prefill instance
+        `inst` will move to (the decode router's pick now), so its KV can go there as computed."""
+        if self.transfer != "pipelined" or inst.role != "prefill":
+            return None
+        target = self.fleet.pick_decode(routed, set())
+        return None if target is None else EarlyTarget(target, target.generation, uuid.uuid4().hex)
 
     def offer(self, session: "RelaySession") -> None:
         """`session` has tokens on a new instance: hand it off if that is a prefill instance, or
@@ -103,18 +140,28 @@ class HandoffDriver:
         source = session.upstream.inst
         tried: set = set()
         reason: Optional[str] = "no decode instance is healthy"
+        early = session.early_target if session.num_instances == 1 else None  # after a failover: none
         for _ in range(self.fleet.config.max_attempts):
             if session.upstream.inst is not source or not session.movable:
                 return  # it ended, failed over, or another move took it
-            target = self.fleet.pick_mixed(session.routed, source, tried) if mixed \
-                else self.fleet.pick_decode(session.routed, tried)
+            migration_id = None
+            if early is not None and early.usable:  # where the KV has been going since admission
+                target, migration_id = early.inst, early.migration_id
+            else:
+                target = self.fleet.pick_mixed(session.routed, source, tried) if mixed \
+                    else self.fleet.pick_decode(session.routed, tried)
+            early = None
             if target is None:
                 break
             tried.add((target.slot, target.generation))
             move = Move(session.engine_id or session.routed.request_id, source.slot, target.slot, HANDOFF)
-            outcome = await self.migration.carry_out(session, target, move, precopy=self.transfer == "live")
+            outcome = await self.migration.carry_out(session, target, move, precopy=self.transfer == "live",
+                                                     migration_id=migration_id)
             if outcome.ok:
                 self.latency.observe(self.fleet.clock() - offered_at)
+                if outcome.early_bytes:
+                    self.pipelined += 1
+                    self.pipelined_bytes += outcome.early_bytes
                 return
             if outcome.reason in _OVER or not source.handle.is_running():
                 return
@@ -139,4 +186,5 @@ class HandoffDriver:
         return {"transfer": self.transfer, "mixed_handoff": self.fleet.controller.mixed_handoff.name,
                 **self.fleet.controller.handoff_counters,
                 "decoded_on_prefill": self.decoded_on_prefill,
+                "pipelined": self.pipelined, "pipelined_bytes": self.pipelined_bytes,
                 "mean_latency_s": round(self.latency.sum / n, 6) if n else None}

@@ -118,9 +118,11 @@ class MigrationDriver:
 
     # ---- one move ------------------------------------------------------------------
     async def carry_out(self, session: "RelaySession", target: "Instance", move: Optional[Move] = None,
-                        precopy: bool = True) -> "MigrationOutcome":
+                        precopy: bool = True, migration_id: Optional[str] = None) -> "MigrationOutcome":
         """Migrate one relayed request to `target`, with the controller's bookkeeping (its
-        counters are the front's migration metrics); the admin API calls this too."""
+        counters are the front's migration metrics); the admin API calls this too.
+        `migration_id`: the one a pipelined hand-off's early sends used (the source goes on
+        from them); None: a fresh one."""
         source = session.upstream.inst.slot
         move = move or Move(session.engine_id or session.routed.request_id, source, target.slot, "operator")
         if move.request_id in self.controller.in_flight:
@@ -129,7 +131,7 @@ class MigrationDriver:
         tokens = session.num_tokens
         outcome = MigrationOutcome(False, "cancelled")
         try:
-            outcome = await session.migrate(target, precopy)
+            outcome = await session.migrate(target, precopy, migration_id)
         finally:
             self.controller.finished(move, outcome.ok, self.fleet.clock(), outcome.kv_bytes, outcome.downtime_s)
         if move.reason != HANDOFF:  # hand-offs are every request's: counted, not listed

@@ -31,6 +31,7 @@ from sloserve.server.front_stream import Interrupted, SSESplitter, Stop, carries
 from sloserve.workers.contract import FLEET_SECRET_HEADER, RELAY_COMMENT
 
 if TYPE_CHECKING:
+    from sloserve.server.front_handoff import EarlyTarget
     from sloserve.workers.fleet import Instance, WorkerFleet
     from sloserve.types import Request
 
@@ -74,6 +75,7 @@ class MigrationOutcome:
     downtime_s: float = 0.0  # the request paused: the source's stop-and-copy until the target's first token
     rounds: int = 0  # pre-copy rounds
     copy_s: float = 0.0  # the whole copy, pre-copy rounds included (the request decoded meanwhile)
+    early_bytes: int = 0  # of kv_bytes, those a pipelined hand-off sent while the prompt was computed
 
 
 @dataclass
@@ -117,6 +119,7 @@ class RelaySession:
         self.migrating = False
         self.answered_whole = False  # the client asked for no stream: the front answers it at the end
         self.num_instances = 1
+        self.early_target: Optional["EarlyTarget"] = None  # a pipelined hand-off's decode instance
         self._splitter = SSESplitter()
         self._tail = b""
         self._read: Optional[asyncio.Future] = None
@@ -352,14 +355,15 @@ class RelaySession:
         return None
 
     # ---- migration -------------------------------------------------------------------------
-    async def migrate(self, target: "Instance", precopy: bool = True) -> MigrationOutcome:
+    async def migrate(self, target: "Instance", precopy: bool = True,
+                      migration_id: Optional[str] = None) -> MigrationOutcome:
         """Move the stream's request to `target` (live pre-copy by the source, then a switch
         between two events). Never raises; the outcome says what happened."""
         if not self.movable:
             return MigrationOutcome(False, "not movable")
         source = self.upstream
         self.migrating = True
-        mid = uuid.uuid4().hex
+        mid = migration_id or uuid.uuid4().hex
         try:
             try:
                 resp = await self.fleet.client.post(
@@ -416,7 +420,8 @@ class RelaySession:
             self.num_instances += 1
             downtime = float(snapshot.get("stop_copy_s", 0.0)) + (self.fleet.clock() - switch.snapshot_at)
             outcome = MigrationOutcome(True, "", int(snapshot.get("bytes", 0)), downtime,
-                                       int(snapshot.get("rounds", 0)), float(snapshot.get("copy_s", 0.0)))
+                                       int(snapshot.get("rounds", 0)), float(snapshot.get("copy_s", 0.0)),
+                                       int(snapshot.get("early_bytes", 0)))
             out = self._filter(head)
             if out:
                 yield out

@@ -19,7 +19,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import AsyncIterator, Optional, Sequence, Union
+from typing import AsyncIterator, Callable, Optional, Sequence, Union
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -53,7 +53,7 @@ from sloserve.server.protocol import (
 )
 from sloserve.server.qos import ANONYMOUS, CacheSalter, Principal, QoSRegistry, cache_secret
 from sloserve.server.tenants import TenantLimiter, client_request_id, scope_request_id
-from sloserve.workers.contract import RELAY_COMMENT
+from sloserve.workers.contract import KV_PUSH_HEADER, RELAY_COMMENT
 from sloserve.types import QoSClass, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -77,6 +77,7 @@ class CallContext:
     created: int = field(default_factory=lambda: int(time.time()))
     relay: bool = False  # a fleet front relays this stream: annotate each event for a resume elsewhere
     resume: Optional[ResumeState] = None  # the call continues one begun on another instance
+    kv_push: Optional[tuple[str, str]] = None  # (target worker URL, migration id): a pipelined P/D hand-off
 
 
 @dataclass
@@ -121,6 +122,9 @@ class OpenAIServing:
         self.tokenizer = engine.engine.tokenizer
         self.strings = TokenStrings(self.tokenizer)
         self._tokenize_pool = ThreadPoolExecutor(max_workers=tokenizer_threads, thread_name_prefix="sloserve-tokenize")
+        # A fleet worker's pipelined hand-off (worker_migration.Migrations.push_early): called
+        # with (engine id, target URL, migration id) once a request that asked for one is queued.
+        self.push_kv: Optional[Callable[[str, str, str], None]] = None
 
     # ------------------------------------------------------------------ endpoints
 
@@ -208,7 +212,10 @@ class OpenAIServing:
             priority = int(raw)
         # The classes and priorities a key may use come from the QoS config: 403 beyond them.
         qos, priority = self.registry.authorize(class_name, principal, priority)
-        return CallContext(request_id, model, principal, qos, priority, relay=getattr(request.state, "fleet", False))
+        relay = getattr(request.state, "fleet", False)
+        push = request.headers.get(KV_PUSH_HEADER, "").split() if relay else []
+        return CallContext(request_id, model, principal, qos, priority, relay=relay,
+                           kv_push=(push[0], push[1]) if len(push) == 2 else None)
 
     async def _off_loop(self, work, param: str):
         """Run tokenizer work in the pool; its bad-input errors become a 400 on `param`."""
@@ -290,6 +297,8 @@ class OpenAIServing:
                                                                   else "prompt")
             code = "context_length_exceeded" if isinstance(exc, ContextLengthError) else None
             raise bad_request(message, param, code) from None
+        if ctx.kv_push is not None and self.push_kv is not None and len(choices) == 1 and ctx.resume is None:
+            self.push_kv(choices[0].engine_id, *ctx.kv_push)
         return [TrackedStream(self, ctx, c, s) for c, s in zip(choices, streams)]
 
     def account(self, ctx: CallContext, choice: Choice, last: Optional[RequestOutput], itls: list[float],

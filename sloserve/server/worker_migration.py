@@ -18,6 +18,15 @@ block index), `/internal/kv/{id}/release`; the front then resumes the call with
 `/internal/resume/v1/...`, naming the reservation, and the request is adopted with its KV.
 A reservation nobody claims within `HOLD_S` is released. Every path that fails leaves each
 side's pool as it was: pins and reservations are dropped, whatever failed.
+
+Pipelined (a P/D hand-off whose target the front chose when it sent the request here, named in
+`KV_PUSH_HEADER`): from admission on, the target reserves blocks for the whole prompt and each
+full block is sent as chunked prefill computes it, while the rest of the prompt is computed.
+The move at the first token (`/internal/migrate` with the same target and migration id) goes
+on from there: its stop-and-copy sends only what the early rounds did not (the last, partial
+block and the first token's). A target that refuses or fails early changes nothing: the move
+starts from scratch, as without the header. A request that ends here without moving lets its
+reservation go at once.
 """
 from __future__ import annotations
 
@@ -43,12 +52,31 @@ logger = logging.getLogger(__name__)
 MAX_ROUNDS = 4  # pre-copy rounds before the stop-and-copy
 HOLD_S = 30.0  # a reservation or a suspended request nobody claims is let go after this
 MAX_PUT_BYTES = 64 * 2**20  # KV bytes per request to the target: bounds memory on both sides
+PREFILL_POLL_S = 0.005  # a pipelined send looks for newly computed blocks this often (and between steps)
+WAIT_POLL_S = 0.2  # after the prompt: how often it checks the request is still here, until the move
 
 
 @dataclass
 class _Held:
     block_ids: list[int]
     expires_at: float
+
+
+@dataclass
+class _Early:
+    """A pipelined send in progress (source side): how far it got, and whether it can go on."""
+
+    target: str
+    mid: str
+    expires_at: float
+    sent: int = 0  # blocks of the table the target has (sent, or in its prefix cache)
+    bytes: int = 0
+    overlapped_bytes: int = 0  # of `bytes`, those sent while the prompt was still being computed
+    reserved: bool = False
+    failed: bool = False
+    claimed: bool = False  # the move at the first token took it over (it releases nothing)
+    stop: asyncio.Event = field(default_factory=asyncio.Event)
+    task: Optional[asyncio.Task] = None
 
 
 @dataclass
@@ -60,6 +88,8 @@ class MigrationStats:
     in_adopted: int = 0
     bytes_sent: int = 0
     bytes_received: int = 0
+    early_started: int = 0  # pipelined sends begun at admission
+    early_bytes: int = 0  # KV bytes they sent while the prompt was still being computed
     last: dict = field(default_factory=dict)  # the latest outgoing migration's timings
 
 
@@ -74,6 +104,7 @@ class Migrations:
         self.clock = clock
         self.reservations: dict[str, _Held] = {}
         self.suspended: dict[str, _Held] = {}  # engine request id -> its pinned blocks
+        self.early: dict[str, _Early] = {}  # engine request id -> its pipelined send
         self.stats = MigrationStats()
         self._client: Optional[httpx.AsyncClient] = None
 
@@ -142,13 +173,85 @@ class Migrations:
         self.stats.in_adopted += 1
         return held.block_ids
 
+    # ---- source side: pipelined sends during the prefill ------------------------------
+    def push_early(self, request_id: str, target: str, mid: str) -> None:
+        """Send `request_id`'s KV to `target` as its prompt is computed (the serving layer calls
+        this right after admitting a request whose front asked for it)."""
+        if request_id in self.early:
+            return
+        rec = _Early(target.rstrip("/"), mid, self.clock() + HOLD_S)
+        self.early[request_id] = rec
+        self.stats.early_started += 1
+        rec.task = asyncio.get_running_loop().create_task(self._run_early(request_id, rec))
+
+    async def _run_early(self, request_id: str, rec: _Early) -> None:
+        done = False
+        try:
+            while not rec.stop.is_set() and self.clock() < rec.expires_at:
+                if done:  # all of the prompt is there: wait for the move, or for the request to end
+                    if not await self.engine.call(lambda e: request_id in e.scheduler.requests):
+                        break
+                    await _wait(rec.stop, WAIT_POLL_S)
+                    continue
+                progress = await self.engine.call(lambda e: e.prefill_progress(request_id, rec.sent))
+                if progress is None:
+                    break  # it ended (or was aborted) before moving
+                pinned, hashes, done = progress
+                try:
+                    start = rec.sent
+                    if not rec.reserved:  # the target holds room for the prompt and says what it caches
+                        have = await self._reserve_remote(rec.target, rec.mid, request_id, hashes)
+                        rec.reserved = True
+                        rec.sent = max(rec.sent, have)
+                    ids = pinned[rec.sent - start:]
+                    sent = await self._push(rec.target, rec.mid, rec.sent, ids)
+                    rec.sent += len(ids)
+                    rec.bytes += sent
+                    if ids:  # the target keeps the reservation as long as blocks keep coming
+                        rec.expires_at = self.clock() + HOLD_S
+                    if not done:  # computed before the first token: this copy overlapped the prefill
+                        rec.overlapped_bytes += sent
+                        self.stats.early_bytes += sent
+                finally:
+                    await self.engine.call(lambda e: e.kv.unpin(pinned))
+                if not done:
+                    await _wait(rec.stop, PREFILL_POLL_S)
+        except Exception as e:  # noqa: BLE001 - the target refused or failed: the move starts afresh
+            rec.failed = True
+            logger.info("pipelined KV send of %s to %s stopped: %s", request_id, rec.target, e)
+        if not rec.claimed:
+            if self.early.get(request_id) is rec:
+                del self.early[request_id]
+            if rec.reserved:
+                await self._release_remote(rec.target, rec.mid)
+
+    async def _take_early(self, request_id: str, target: str, mid: str) -> Optional[_Early]:
+        """Stop the request's pipelined send; return it if the move goes where that send went
+        (the move goes on from it), else let its reservation go."""
+        rec = self.early.pop(request_id, None)
+        if rec is None:
+            return None
+        rec.claimed = True
+        rec.stop.set()
+        if rec.task is not None:
+            await asyncio.shield(rec.task)
+        if rec.reserved and not rec.failed and (rec.target, rec.mid) == (target, mid):
+            return rec
+        if rec.reserved:
+            await self._release_remote(rec.target, rec.mid)
+        return None
+
     # ---- source side ---------------------------------------------------------------
     async def migrate_out(self, request_id: str, target: str, mid: str, precopy: bool = True) -> dict:
         """Pre-copy rounds, then stop-and-copy; the ResumeState of the suspended request.
-        Without `precopy`, only the stop-and-copy (the baseline: downtime grows with the KV)."""
+        Without `precopy`, only the stop-and-copy (the baseline: downtime grows with the KV).
+        After a pipelined send to the same target under the same id, it goes on from there."""
         self.stats.out_started += 1
         started = self.clock()
         sent, sent_bytes, rounds, reserved = 0, 0, 0, False
+        early = await self._take_early(request_id, target, mid)
+        if early is not None:
+            sent, sent_bytes, reserved = early.sent, early.bytes, True
         try:
             while True:
                 pinned = await self.engine.call(lambda e: e.pin_full_blocks(request_id, sent))
@@ -187,9 +290,10 @@ class Migrations:
                 await self._release_remote(target, mid)
             raise
         now = self.clock()
-        self.stats.bytes_sent += sent_bytes
+        self.stats.bytes_sent += sent_bytes - (early.bytes if early is not None else 0)
         self.stats.last = {"rounds": rounds, "bytes": sent_bytes, "copy_s": now - started,
-                           "stop_copy_s": now - stop_started, "stop_copy_blocks": len(all_ids) - sent}
+                           "stop_copy_s": now - stop_started, "stop_copy_blocks": len(all_ids) - sent,
+                           "early_bytes": early.overlapped_bytes if early is not None else 0}
         return {"resume": state.to_json(), "num_output_tokens": len(state.output_token_ids), **self.stats.last}
 
     async def _reserve_remote(self, target: str, mid: str, request_id: str, hashes: list[int]) -> int:
@@ -247,6 +351,12 @@ class Migrations:
             logger.info("could not release migration %s on %s: %s", mid, target, e)
 
 
+async def _wait(event: asyncio.Event, timeout_s: float) -> None:
+    """Until `event` is set or `timeout_s` passes, whichever is first."""
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(event.wait(), timeout_s)
+
+
 @contextlib.contextmanager
 def _peer_errors(where: str) -> Iterator[None]:
     """The target unreachable or gone mid-copy: a 502 for the front, not a logged 500."""
@@ -273,6 +383,7 @@ def _raise_for(resp: httpx.Response) -> None:
 def add_migration_routes(app: FastAPI, engine: Any, fleet_secret: Optional[str]) -> Migrations:
     migrations = Migrations(engine, fleet_secret)
     app.state.migrations = migrations
+    app.state.sloserve.serving.push_kv = migrations.push_early
 
     @app.post("/internal/kv/reserve")
     async def kv_reserve(request: Request) -> JSONResponse:

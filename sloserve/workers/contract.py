@@ -15,6 +15,9 @@ CACHE_SECRET_ENV = "SLOSERVE_CACHE_SECRET"  # keys the prefix cache's salts, sha
 FLEET_SECRET_HEADER = "X-Sloserve-Fleet-Secret"
 INTERNAL_PREFIX = "/internal/"
 RELAY_COMMENT = ": sloserve "  # SSE comment lines a worker adds for its front (which strips them)
+# "TARGET_URL MIGRATION_ID" on a generation request from the front (with the fleet secret): send
+# the request's KV blocks to that worker as its prefill computes them (a pipelined P/D hand-off).
+KV_PUSH_HEADER = "X-Sloserve-KV-Push"
 
 
 def config_to_json(config: EngineConfig) -> str:

@@ -56,7 +56,7 @@ class FrontConfig:
     migration: str = "none"  # migration policies, comma-separated (cluster/migration); drain always works
     migration_interval_s: float = 0.5  # how often the controller looks for moves
     roles: tuple[str, ...] = ()  # each slot's role (fleet_view.ROLES); empty: all `mixed`
-    pd_transfer: str = "blocking"  # how a prefill instance hands KV to a decode one: blocking | live
+    pd_transfer: str = "blocking"  # how a prefill instance hands KV to a decode one: blocking | live | pipelined
     decode_router: Optional[str] = None  # picks the decode instance of a hand-off (default: `router`)
     mixed_handoff: str = "never"  # when a mixed instance hands a stream it prefilled to another (cluster/mixed_handoff)
     mixed_handoff_tokens: Optional[int] = None  # prefill-pressure's queued prompt tokens (None: its default)
