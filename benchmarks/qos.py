@@ -301,6 +301,8 @@ def main() -> int:
                    help="--engine: preemption victim rules to compare (rank, slack), each with every policy")
     p.add_argument("--engine-kv-blocks", type=int, default=None,
                    help="--engine: KV blocks (default: 0.25 GiB); few blocks put the engine under memory pressure")
+    p.add_argument("--engine-scale", type=float, default=0.1,
+                   help="--engine: ShareGPT prompt and output lengths times this (longer outputs hold KV longer)")
     p.add_argument("--num-threads", type=int, default=1)
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
@@ -313,8 +315,8 @@ def main() -> int:
         it, ib, bt, bb = (float(x) for x in args.engine_targets.split(","))
         mix = make_mix(it, ib, bt, bb, args.inter_share)
         pools = Pools.load(max_prompt=6000, max_output=600)
-        stream = mixed_stream(pools, args.engine_rate, math.inf, args.inter_share, args.seed, scale=0.1,
-                              max_requests=args.engine_requests)
+        stream = mixed_stream(pools, args.engine_rate, math.inf, args.inter_share, args.seed,
+                              scale=args.engine_scale, max_requests=args.engine_requests)
         rows = []
         victims = [v for v in args.engine_victims.split(",") if v]
         plain = victims == ["rank"]  # the table keeps the policy names as before

@@ -137,7 +137,8 @@ class LLMEngine:
             for kind in {self.quantization, "int8"}:  # the LM head is int8 in both modes
                 dense_above[kind] = quantized_max_rows(hidden, intermediate, kind, self.dtype, prepack=prepack)
         self.model = LlamaModel(loaded.config, loaded.weights, self.device, self.dtype, decode_attention,
-                                self.quantization, dense_above, fused_ops, prepack, config.attention_kernel)
+                                self.quantization, dense_above, fused_ops, prepack, config.attention_kernel,
+                                config.head_w8a8)
         del loaded
 
         cache = config.cache

@@ -163,17 +163,21 @@ class LlamaModel:
     def __init__(self, config: ModelConfig, weights: dict[str, Union[torch.Tensor, GroupAffine4]],
                  device: torch.device, dtype: torch.dtype, decode_attention: Optional[Callable] = None,
                  quantization: str = "none", dense_above: Optional[dict[str, Optional[int]]] = None,
-                 fused_ops=None, prepack: bool = False, attention_kernel: str = "auto"):
+                 fused_ops=None, prepack: bool = False, attention_kernel: str = "auto", head_w8a8: bool = False):
         """`quantization` is resolved ("none", "int8" or "int4"); `dense_above` maps a packed form
         to the most rows its kernel serves before a dense copy takes over (None: no copy; a form
         absent from it keeps no copy either). The LM head is packed as int8 in both quantized
         modes: it is the most sensitive matrix. `prepack`: dense bf16 weights live in oneDNN's
-        layout (quant.can_prepack)."""
+        layout (quant.can_prepack). `head_w8a8`: that int8 head quantizes its activations too
+        and runs the native W8A8 product (kernels' int8_gemv), where `fused_ops` has it."""
         self.config = config
         # A native kernel reading K/V in place (see engine/kernels); None = gather + SDPA.
         self.decode_attention = decode_attention
         self.attention_kernel = attention_kernel  # the native path for a bf16 cache (EngineConfig.attention_kernel)
-        self._native_prefill = True  # until the native prefill kernel declines this model's tensors
+        # A native bf16 prefill path on this CPU (AMX or AVX512-BF16; the portable one is SDPA), until
+        # the kernel declines this model's tensors.
+        self._native_prefill = fused_ops is not None and hasattr(fused_ops, "attention_kernels") and any(
+            k in ("amx", "avx512_bf16") for k in fused_ops.attention_kernels())
         # Native fused RMSNorm(+residual), SiLU-and-mul and in-place RoPE (engine/kernels/elementwise.cpp);
         # None = the portable ATen ops.
         self.fused = fused_ops
@@ -191,7 +195,14 @@ class LlamaModel:
         prepack = prepack and can_prepack(dtype, device)
         tied = config.tie_word_embeddings or "lm_head.weight" not in weights
 
-        def linear(names: list[str], bias: list[str] = (), kind: str = quantization, keep_weight: bool = False) -> Linear:
+        w8a8 = None
+        if head_w8a8 and fused_ops is not None and hasattr(fused_ops, "int8_gemv") \
+                and fused_ops.int8_gemv_supported() and config.hidden_size % 32 == 0 and device.type == "cpu":
+            w8a8 = fused_ops.int8_gemv
+        self.head_w8a8 = False  # set below when the head runs it
+
+        def linear(names: list[str], bias: list[str] = (), kind: str = quantization, keep_weight: bool = False,
+                   int8_kernel=None) -> Linear:
             # Fusing q/k/v and gate/up makes two GEMMs out of five: fewer, larger calls.
             b = torch.cat([w(n) for n in bias]) if bias else None
             max_rows = dense_above.get(kind)
@@ -202,7 +213,7 @@ class LlamaModel:
                          for v in (weights[n] for n in names)]
                 packed: Union[Int4Linear, Int8Linear] = Int4Linear(GroupAffine4.cat(parts), b)
             else:
-                packed = Int8Linear(torch.cat([w(n) for n in names]), b)
+                packed = Int8Linear(torch.cat([w(n) for n in names]), b, w8a8=int8_kernel)
             # The dense copy holds the packed form's own weights, so a request computes with the
             # same numbers whichever kernel its step runs.
             dense = None if max_rows is None else DenseLinear(packed.dequantized(dtype).to(device), b, prepack,
@@ -212,7 +223,10 @@ class LlamaModel:
             return packed if dense is None else RowDispatchLinear(packed, dense, max_rows)
 
         head_name = "model.embed_tokens.weight" if tied else "lm_head.weight"
-        self.lm_head = linear([head_name], kind="none" if quantization == "none" else "int8", keep_weight=tied)
+        self.lm_head = linear([head_name], kind="none" if quantization == "none" else "int8", keep_weight=tied,
+                              int8_kernel=w8a8)
+        packed_head = getattr(self.lm_head, "small", self.lm_head)
+        self.head_w8a8 = isinstance(packed_head, Int8Linear) and packed_head.w8a8 is not None
         dense_head = self.lm_head if isinstance(self.lm_head, DenseLinear) else getattr(self.lm_head, "large", None)
         if not tied:
             self.embed: Optional[torch.Tensor] = w("model.embed_tokens.weight")

@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 
 from sloserve.engine.kernels import cpu_tag
-from sloserve.engine.quant import DenseLinear, GroupAffine4, Int4Linear, Int8Linear
+from sloserve.engine.quant import DenseLinear, GroupAffine4, Int4Linear, Int8Linear, can_prepack
 from sloserve.user_cache import JsonCache, user_cache_path
 
 logger = logging.getLogger(__name__)
@@ -71,7 +71,9 @@ def prepack_pays(hidden: int, intermediate: int, cache_path: Optional[Path] = No
     """Whether bf16 linears with their weights prepacked for oneDNN (quant.can_prepack) beat
     torch's plain bf16 linear here (cached). On the 2-vCPU AMX Xeon the probe read packed/plain
     0.70 / 0.67 / 0.73 at 1 / 16 / 128 rows; a 576x3072 matrix took 0.81x at 200 rows and about
-    the same time at 2048."""
+    the same time at 2048. False without measuring where it cannot run (can_prepack)."""
+    if not can_prepack(torch.bfloat16, torch.device("cpu")):
+        return False
     cache_path = cache_path or default_cache_path()
     key = _key(f"{hidden}x{intermediate}", "prepack bfloat16")
     cache = JsonCache(cache_path)

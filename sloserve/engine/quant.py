@@ -11,7 +11,7 @@ weights the engine computes with are the file's, not a re-quantization of a dequ
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Protocol
+from typing import Callable, Optional, Protocol
 
 import numpy as np
 import torch
@@ -103,8 +103,10 @@ PREPACK_ROWS_HINT = 16
 def can_prepack(dtype: torch.dtype, device: torch.device) -> bool:
     """torch's bf16 CPU linear hands its weight to oneDNN, which reorders it into a blocked
     layout on every call; prepacking does that once. Only bf16: for float32 the prepacked
-    kernel is another one (not the same sums) and was not faster."""
-    return device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+    kernel is another one (not the same sums) and was not faster. oneDNN's bf16 reorder needs
+    AVX-512 (BW, VL, DQ): an AVX2 CPU (AMD Zen3) raises at load instead."""
+    return (device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+            and torch.backends.cpu.get_cpu_capability() == "AVX512")
 
 
 class DenseLinear:
@@ -130,17 +132,28 @@ class DenseLinear:
 
 
 class Int8Linear:
-    """Symmetric int8 per output channel: w = scale[row] * q."""
+    """Symmetric int8 per output channel: w = scale[row] * q.
 
-    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None):
+    `w8a8`: the native W8A8 product (kernels' int8_gemv: activations quantized to int8 per
+    32-element block, integer dot products), used instead of torch's weight-only kernel; the
+    weights are the same, the activations lose precision (the LM head's, measured in BENCHMARKS.md)."""
+
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                 w8a8: Optional[Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]] = None):
         w = weight.float()
         scale = (w.abs().amax(1) / 127).clamp_min(1e-12)
         self.codes = (w / scale.unsqueeze(1)).round().clamp(-127, 127).to(torch.int8).contiguous()
         self.scale = scale.to(torch.bfloat16)
         self.bias = bias
+        self.w8a8 = w8a8
+        # the bf16 scales in float32: the same weights as the weight-only kernel and the dense copy
+        self._scale_f32 = self.scale.float().contiguous() if w8a8 is not None else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.aten._weight_int8pack_mm(as_dtype(x, torch.bfloat16), self.codes, self.scale)
+        if self.w8a8 is not None:
+            y = self.w8a8(x, self.codes, self._scale_f32)
+        else:
+            y = torch.ops.aten._weight_int8pack_mm(as_dtype(x, torch.bfloat16), self.codes, self.scale)
         y = as_dtype(y, x.dtype)
         return y if self.bias is None else y + self.bias
 

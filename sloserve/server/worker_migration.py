@@ -54,6 +54,7 @@ HOLD_S = 30.0  # a reservation or a suspended request nobody claims is let go af
 MAX_PUT_BYTES = 64 * 2**20  # KV bytes per request to the target: bounds memory on both sides
 PREFILL_POLL_S = 0.005  # a pipelined send looks for newly computed blocks this often (and between steps)
 WAIT_POLL_S = 0.2  # after the prompt: how often it checks the request is still here, until the move
+UNSEEN_ROUNDS = 3  # rounds (each at least one engine step) a pipelined send waits for its request to appear
 
 
 @dataclass
@@ -186,6 +187,7 @@ class Migrations:
 
     async def _run_early(self, request_id: str, rec: _Early) -> None:
         done = False
+        misses = 0  # rounds that did not find the request before it was ever seen
         try:
             while not rec.stop.is_set() and self.clock() < rec.expires_at:
                 if done:  # all of the prompt is there: wait for the move, or for the request to end
@@ -195,7 +197,13 @@ class Migrations:
                     continue
                 progress = await self.engine.call(lambda e: e.prefill_progress(request_id, rec.sent))
                 if progress is None:
-                    break  # it ended (or was aborted) before moving
+                    # The engine thread runs calls before the requests added since its last step,
+                    # so the first round may come before the request is there.
+                    if rec.reserved or misses >= UNSEEN_ROUNDS:
+                        break  # it ended (or was aborted, or refused) before moving
+                    misses += 1
+                    await _wait(rec.stop, PREFILL_POLL_S)
+                    continue
                 pinned, hashes, done = progress
                 try:
                     start = rec.sent

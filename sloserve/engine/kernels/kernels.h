@@ -39,4 +39,10 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up);
 void rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads);
 at::Tensor argmax_rows(const at::Tensor& logits);
 
+// int8_gemv.cpp: W8A8 products for few rows (the LM head of a small decode step); needs AVX2.
+bool int8_gemv_supported();
+at::Tensor int8_gemv(const at::Tensor& x,             // [M, K] float32/bf16, K a multiple of 32
+                     const at::Tensor& codes,         // [N, K] int8 in [-127, 127]
+                     const at::Tensor& weight_scale);  // [N] float32; returns [M, N] float32
+
 }  // namespace sloserve
