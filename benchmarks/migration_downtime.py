@@ -40,6 +40,7 @@ from rich.table import Table
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from figure import measured_ticks, save  # noqa: E402
 from sloserve.bench.local_server import LocalServer  # noqa: E402
 
 ADMIN = "bench-admin"
@@ -198,14 +199,8 @@ def plot(summary: dict, path: Path, cpu: str) -> None:
             title="request paused during a migration")
     ax2.set(xscale="log", xlabel="context (tokens)", ylabel="KV copy rate (MB/s)", title="copy rate over loopback HTTP")
     for ax in (ax1, ax2):
-        ax.set_xticks(lengths, [str(n) for n in lengths], minor=False)
-        ax.set_xticks([], minor=True)
-        ax.grid(alpha=0.3)
-        ax.legend()
-    fig.suptitle(f"sloserve live migration, 2 workers of SmolLM2-135M fp32 on {cpu}", fontsize=9)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+        measured_ticks(ax, lengths)
+    save(fig, path, f"sloserve live migration, 2 workers of SmolLM2-135M fp32 on {cpu}")
 
 
 if __name__ == "__main__":

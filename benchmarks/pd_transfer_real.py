@@ -39,6 +39,7 @@ from rich.table import Table
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from figure import measured_ticks, save  # noqa: E402
 from migration_downtime import ADMIN, cpu_model, instances  # noqa: E402  (the same admin client)
 from sloserve.bench.local_server import LocalServer  # noqa: E402
 
@@ -180,15 +181,9 @@ def plot(summary: dict, path: Path, cpu: str, budget: int) -> None:
             title="hand-off: first token to the next, on the decode worker")
     ax2.set(xscale="log", xlabel="prompt (tokens)", ylabel="ms (median)", title="TTFT (prefill worker)")
     for ax in (ax1, ax2):
-        ax.set_xticks(lengths, [str(n) for n in lengths], minor=False)
-        ax.set_xticks([], minor=True)
-        ax.grid(alpha=0.3)
-        ax.legend()
-    fig.suptitle(f"sloserve P/D hand-off transfers, 1+1 workers of SmolLM2-135M on {cpu}, prefill {budget} "
-                 f"tokens a step", fontsize=9)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+        measured_ticks(ax, lengths)
+    save(fig, path, f"sloserve P/D hand-off transfers, 1+1 workers of SmolLM2-135M on {cpu}, prefill {budget} "
+                    f"tokens a step")
 
 
 if __name__ == "__main__":

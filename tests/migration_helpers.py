@@ -2,8 +2,9 @@
 completion read on a thread that asks the front to migrate it at given token counts."""
 from __future__ import annotations
 
+import contextlib
 import json
-from typing import Optional
+from typing import Iterator, Optional
 
 import httpx
 
@@ -87,6 +88,16 @@ def start_fleet(args: list[str], tmp_path_factory, n: int) -> ServerProcess:
     server = ServerProcess([*args, *FLEET_ARGS], tmp_path_factory.mktemp("pd") / "front.log", startup_timeout=300)
     all_healthy(server.base_url, n)
     return server
+
+
+@contextlib.contextmanager
+def running_fleet(args: list[str], tmp_path_factory, n: int) -> Iterator[ServerProcess]:
+    """start_fleet for a fixture: the fleet is killed however the tests using it end."""
+    server = start_fleet(args, tmp_path_factory, n)
+    try:
+        yield server
+    finally:
+        server.kill()
 
 
 def all_healthy(base: str, n: int) -> None:

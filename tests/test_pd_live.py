@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from migration_helpers import all_healthy, colocated, handoffs, instances, pools_free, start_fleet, stream
+from migration_helpers import all_healthy, colocated, handoffs, instances, pools_free, running_fleet, stream
 from server_helpers import wait_for
 
 pytestmark = pytest.mark.slow
@@ -26,12 +26,9 @@ GREEDY = {"max_tokens": 32, "temperature": 0, "ignore_eos": True}
 @pytest.fixture(scope="module")
 def live_fleet(tmp_path_factory):
     """1 prefill + 1 decode with the live (pre-copy) transfer and per-pool settings."""
-    server = start_fleet(["--pd", "1:1", "--pd-transfer", "live", "--pd-prefill", "seqs=4,budget=256",
-                     "--pd-decode", "seqs=8"], tmp_path_factory, 2)
-    try:
+    with running_fleet(["--pd", "1:1", "--pd-transfer", "live", "--pd-prefill", "seqs=4,budget=256",
+                        "--pd-decode", "seqs=8"], tmp_path_factory, 2) as server:
         yield server
-    finally:
-        server.kill()
 
 
 def test_live_transfer_matches_colocated_output(live_fleet):
@@ -62,11 +59,8 @@ def test_with_the_prefill_instance_gone_a_decode_instance_serves_it_whole(live_f
 @pytest.fixture(scope="module")
 def mixed_fleet(tmp_path_factory):
     """Two mixed instances; every stream decodes on the one that did not prefill it."""
-    server = start_fleet(["--instances", "2", "--mixed-handoff", "always"], tmp_path_factory, 2)
-    try:
+    with running_fleet(["--instances", "2", "--mixed-handoff", "always"], tmp_path_factory, 2) as server:
         yield server
-    finally:
-        server.kill()
 
 
 def test_a_mixed_instance_hands_a_stream_off_once_and_the_output_is_unchanged(mixed_fleet):
@@ -90,19 +84,17 @@ def test_a_mixed_instance_hands_a_stream_off_once_and_the_output_is_unchanged(mi
 
 def long_prompt(topic: str, sentences: int) -> str:
     """A prompt of about 19 tokens a sentence, different per topic (no prefix-cache hits)."""
-    return " ".join(f"Note {i} on {topic}: the keeper logged the weather, the ships and the lamp." for i in range(sentences))
+    return " ".join(f"Note {i} on {topic}: the keeper logged the weather, the ships and the lamp."
+                    for i in range(sentences))
 
 
 @pytest.fixture(scope="module")
 def pipelined_fleet(tmp_path_factory):
     """1 prefill + 1 decode, pipelined: with 32 prompt tokens a step, a long prompt's KV goes to
     the decode instance over many steps before its first token exists."""
-    server = start_fleet(["--pd", "1:1", "--pd-transfer", "pipelined", "--pd-prefill", "budget=32"],
-                         tmp_path_factory, 2)
-    try:
+    with running_fleet(["--pd", "1:1", "--pd-transfer", "pipelined", "--pd-prefill", "budget=32"],
+                       tmp_path_factory, 2) as server:
         yield server
-    finally:
-        server.kill()
 
 
 def test_pipelined_transfer_sends_kv_during_the_prefill_and_output_is_unchanged(pipelined_fleet):

@@ -17,7 +17,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from migration_helpers import admin, all_healthy, colocated, handoffs, instances, pools_free, start_fleet, stream
+from migration_helpers import admin, all_healthy, colocated, handoffs, instances, pools_free, running_fleet, stream
 from server_helpers import wait_for
 
 pytestmark = pytest.mark.slow
@@ -29,11 +29,8 @@ SEEDED = {"max_tokens": 32, "temperature": 0.9, "seed": 77, "ignore_eos": True}
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
-    server = start_fleet(["--pd", "1:2"], tmp_path_factory, 3)
-    try:
+    with running_fleet(["--pd", "1:2"], tmp_path_factory, 3) as server:
         yield server
-    finally:
-        server.kill()
 
 
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
