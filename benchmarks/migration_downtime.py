@@ -67,6 +67,16 @@ def instances(base: str) -> list[dict]:
     return admin("GET", base + "/v1/instances").json()["data"]
 
 
+def wait_healthy(server: LocalServer, n: int, timeout_s: float = 300) -> None:
+    """Until the fleet's front answers and all `n` workers are healthy (SystemExit after `timeout_s`)."""
+    server.wait_ready()
+    deadline = time.monotonic() + timeout_s
+    while [d["status"] for d in instances(server.base_url)] != ["healthy"] * n:
+        if time.monotonic() > deadline:
+            raise SystemExit("workers not healthy")
+        time.sleep(0.5)
+
+
 def run_one(base: str, prompt: list[int], mode: str, rid: str) -> dict:
     """One streamed request moved after MOVE_AT tokens; what the client and the front saw."""
     body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True, "stream": True}
@@ -128,12 +138,7 @@ def main() -> int:
     rng = random.Random(args.seed)
     rows: list[dict] = []
     try:
-        server.wait_ready()
-        deadline = time.monotonic() + 300
-        while [d["status"] for d in instances(server.base_url)] != ["healthy", "healthy"]:
-            if time.monotonic() > deadline:
-                raise SystemExit("workers not healthy")
-            time.sleep(0.5)
+        wait_healthy(server, 2)
         total = len(args.lengths) * args.runs * len(MODES)
         with Progress(console=console) as progress:
             task = progress.add_task("migrations", total=total)

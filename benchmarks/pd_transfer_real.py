@@ -40,7 +40,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from figure import measured_ticks, save  # noqa: E402
-from migration_downtime import ADMIN, cpu_model, instances  # noqa: E402  (the same admin client)
+from migration_downtime import ADMIN, cpu_model, wait_healthy  # noqa: E402  (the same admin client)
 from sloserve.bench.local_server import LocalServer  # noqa: E402
 
 TRANSFERS = ("blocking", "live", "pipelined")
@@ -86,12 +86,7 @@ def run_transfer(transfer: str, prompts: dict[int, list[list[int]]], args, log: 
                           "--max-num-seqs", "4", "--no-shed-unattainable"], log)
     rows = []
     try:
-        server.wait_ready()
-        deadline = time.monotonic() + 300
-        while [d["status"] for d in instances(server.base_url)] != ["healthy", "healthy"]:
-            if time.monotonic() > deadline:
-                raise SystemExit("workers not healthy")
-            time.sleep(0.5)
+        wait_healthy(server, 2)
         warm = [random.Random(-1).randrange(100, 40000) for _ in range(64)]
         run_one(server.base_url, warm)  # the first request of a fresh worker pays its warm-up
         for length, runs in prompts.items():
