@@ -36,11 +36,10 @@ import asyncio
 import bisect
 import logging
 import uuid
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
 from sloserve.fleet_view import HANDOFF, Move
-from sloserve.workers.contract import KV_PUSH_HEADER
+from sloserve.server.front_relay import EarlyTarget
 
 if TYPE_CHECKING:
     from sloserve.server.front_migration import MigrationDriver
@@ -79,25 +78,6 @@ class HandoffLatency:
             total += n
             out.append((bound, total))
         return out
-
-
-@dataclass(frozen=True)
-class EarlyTarget:
-    """The decode instance a pipelined hand-off sends to from the start, and the migration id
-    both workers know the transfer by."""
-
-    inst: "Instance"
-    generation: int
-    migration_id: str
-
-    def header(self) -> dict[str, str]:
-        return {KV_PUSH_HEADER: f"{self.inst.handle.url} {self.migration_id}"}
-
-    @property
-    def usable(self) -> bool:
-        """Still the same worker, and still taking requests."""
-        inst = self.inst
-        return inst.generation == self.generation and inst.status == "healthy" and not inst.draining
 
 
 class HandoffDriver:

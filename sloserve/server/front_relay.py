@@ -28,10 +28,9 @@ from typing import TYPE_CHECKING, AsyncIterator, Optional, Protocol
 import httpx
 
 from sloserve.server.front_stream import Interrupted, SSESplitter, Stop, carries_output
-from sloserve.workers.contract import FLEET_SECRET_HEADER, RELAY_COMMENT
+from sloserve.workers.contract import FLEET_SECRET_HEADER, KV_PUSH_HEADER, RELAY_COMMENT
 
 if TYPE_CHECKING:
-    from sloserve.server.front_handoff import EarlyTarget
     from sloserve.workers.fleet import Instance, WorkerFleet
     from sloserve.types import Request
 
@@ -65,6 +64,25 @@ class Upstream:
     @property
     def alive(self) -> bool:
         return self.inst.generation == self.generation and self.inst.handle.is_running()
+
+
+@dataclass(frozen=True)
+class EarlyTarget:
+    """The decode instance a pipelined hand-off sends to from the start, and the migration id
+    both workers know the transfer by."""
+
+    inst: "Instance"
+    generation: int
+    migration_id: str
+
+    def header(self) -> dict[str, str]:
+        return {KV_PUSH_HEADER: f"{self.inst.handle.url} {self.migration_id}"}
+
+    @property
+    def usable(self) -> bool:
+        """Still the same worker, and still taking requests."""
+        inst = self.inst
+        return inst.generation == self.generation and inst.status == "healthy" and not inst.draining
 
 
 @dataclass
@@ -119,7 +137,7 @@ class RelaySession:
         self.migrating = False
         self.answered_whole = False  # the client asked for no stream: the front answers it at the end
         self.num_instances = 1
-        self.early_target: Optional["EarlyTarget"] = None  # a pipelined hand-off's decode instance
+        self.early_target: Optional[EarlyTarget] = None  # a pipelined hand-off's decode instance
         self._splitter = SSESplitter()
         self._tail = b""
         self._read: Optional[asyncio.Future] = None
