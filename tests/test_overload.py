@@ -271,12 +271,15 @@ class Server:
                                      stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
-            assert self.proc.poll() is None, log.read_text()
+            if self.proc.poll() is not None:
+                self._log.close()
+                raise AssertionError(log.read_text())
             try:
                 if httpx.get(self.url + "/health", timeout=1).status_code == 200:
                     return
             except httpx.TransportError:
                 time.sleep(0.2)
+        self.close()  # a server that did not come up must not live on beside the next test
         raise TimeoutError(log.read_text())
 
     def close(self) -> None:
