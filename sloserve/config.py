@@ -182,7 +182,7 @@ class EngineConfig:
     # win at (measured per machine); False = least memory, every step on the packed kernels.
     quantized_dense_copy: bool = True
     # The int8 LM head of a quantized model also quantizes its activations (int8 per 32-element
-    # block) and runs integer dot products, where the native kernel builds (AVX2): 2.6x faster at
+    # block) and runs integer dot products, where the native kernel builds (AVX2): 2.4-2.6x faster at
     # one row on a Zen3 EPYC; False = bf16 activations (torch's weight-only kernel).
     head_w8a8: bool = True
     num_threads: Optional[int] = None  # torch intra-op threads; None = the cores this process may use

@@ -199,7 +199,6 @@ class LlamaModel:
         if head_w8a8 and fused_ops is not None and hasattr(fused_ops, "int8_gemv") \
                 and fused_ops.int8_gemv_supported() and config.hidden_size % 32 == 0 and device.type == "cpu":
             w8a8 = fused_ops.int8_gemv
-        self.head_w8a8 = False  # set below when the head runs it
 
         def linear(names: list[str], bias: list[str] = (), kind: str = quantization, keep_weight: bool = False,
                    int8_kernel=None) -> Linear:
