@@ -240,7 +240,9 @@ def engine_run(policy: str, stream: list[WorkloadRequest], mix: Mix, num_threads
     classes = {c.name: c.qos for c in mix.classes}
     vocab = engine.model_config.vocab_size
     rng = random.Random(1)
-    prompts = [[rng.randrange(100, vocab - 100) for _ in range(w.prompt_len)] for w in stream]
+    # a scaled-up ShareGPT prompt may not fit the model's window beside its output: cut it to fit
+    room = [max(1, min(w.prompt_len, engine.max_model_len - w.output_len)) for w in stream]
+    prompts = [[rng.randrange(100, vocab - 100) for _ in range(n)] for n in room]
     # Warm up (first-use costs: kernels, allocator) outside the measurement.
     engine.add_request(prompts[0][:32], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     while engine.has_unfinished_requests():
@@ -258,7 +260,7 @@ def engine_run(policy: str, stream: list[WorkloadRequest], mix: Mix, num_threads
             engine.add(req)
             recs[w.request_id] = RequestRecord(index=idx, request_id=w.request_id, qos_class=w.qos_class,
                                                scheduled_s=w.arrival_s, dispatch_s=now, send_s=now,
-                                               prompt_len=w.prompt_len, output_len=w.output_len)
+                                               prompt_len=len(p), output_len=w.output_len)
             idx += 1
         if not engine.has_unfinished_requests():
             time.sleep(min(0.01, max(0.0, pending[0][0].arrival_s - now)))

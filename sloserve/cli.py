@@ -43,6 +43,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-head-w8a8", action="store_true",
                    help="keep the int8 LM head's activations in bf16 (default: int8 per 32-element block, integer "
                         "dot products, where the native kernel builds)")
+    g.add_argument("--no-layers-a8", action="store_true",
+                   help="keep the quantized layers' activations in bf16 (default: int8 per 32-element block times "
+                        "the int4/int8 codes in integer arithmetic, where the native kernels build)")
     g.add_argument("--attention-kernel", default="auto", choices=ATTENTION_KERNELS,
                    help="native path of bf16 attention (auto: the fastest this CPU has: amx, then avx512_bf16)")
     g.add_argument("--step-trace", metavar="FILE", help="write one JSON line per engine step (timings and load)")
@@ -74,7 +77,7 @@ def engine_config_from_args(args: argparse.Namespace):
         quantized_dense_copy=not args.quantized_only,
         num_threads=args.num_threads,
         max_model_len=args.max_model_len, seed=args.seed, native_kernels=not args.no_native_kernels,
-        head_w8a8=not args.no_head_w8a8,
+        head_w8a8=not args.no_head_w8a8, layers_a8=not args.no_layers_a8,
         attention_kernel=args.attention_kernel, step_trace=args.step_trace,
         cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks, kv_cache_gib=args.kv_cache_gib,
                           enable_prefix_caching=not args.no_prefix_caching, swap_space_gib=args.swap_space,

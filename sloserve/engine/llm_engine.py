@@ -132,13 +132,18 @@ class LLMEngine:
             fused_ops = load_fused_ops()
         hidden, intermediate = loaded.config.hidden_size, loaded.config.intermediate_size
         prepack = config.native_kernels and can_prepack(self.dtype, self.device) and prepack_pays(hidden, intermediate)
+        a8_ops = fused_ops if hasattr(fused_ops, "int8_gemv_supported") and fused_ops.int8_gemv_supported() else None
+        a8 = {"layers": a8_ops if config.layers_a8 else None, "head": a8_ops if config.head_w8a8 else None}
         dense_above: dict[str, Optional[int]] = {}
         if self.quantization != "none" and config.quantized_dense_copy:
-            for kind in {self.quantization, "int8"}:  # the LM head is int8 in both modes
-                dense_above[kind] = quantized_max_rows(hidden, intermediate, kind, self.dtype, prepack=prepack)
+            # the layers' kernel, and the LM head's (int8 in both modes), each as it will run
+            for part, kind in (("layers", self.quantization), ("head", "int8")):
+                dense_above[part] = quantized_max_rows(hidden, intermediate, kind, self.dtype, prepack=prepack,
+                                                       int8_activations=a8[part])
+        self.dense_above = dense_above  # rows above which each part's dense copy runs (the probe's answer)
         self.model = LlamaModel(loaded.config, loaded.weights, self.device, self.dtype, decode_attention,
                                 self.quantization, dense_above, fused_ops, prepack, config.attention_kernel,
-                                config.head_w8a8)
+                                a8["head"] is not None, a8["layers"] is not None)
         del loaded
 
         cache = config.cache

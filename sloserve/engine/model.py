@@ -163,13 +163,15 @@ class LlamaModel:
     def __init__(self, config: ModelConfig, weights: dict[str, Union[torch.Tensor, GroupAffine4]],
                  device: torch.device, dtype: torch.dtype, decode_attention: Optional[Callable] = None,
                  quantization: str = "none", dense_above: Optional[dict[str, Optional[int]]] = None,
-                 fused_ops=None, prepack: bool = False, attention_kernel: str = "auto", head_w8a8: bool = False):
-        """`quantization` is resolved ("none", "int8" or "int4"); `dense_above` maps a packed form
-        to the most rows its kernel serves before a dense copy takes over (None: no copy; a form
-        absent from it keeps no copy either). The LM head is packed as int8 in both quantized
-        modes: it is the most sensitive matrix. `prepack`: dense bf16 weights live in oneDNN's
-        layout (quant.can_prepack). `head_w8a8`: that int8 head quantizes its activations too
-        and runs the native W8A8 product (kernels' int8_gemv), where `fused_ops` has it."""
+                 fused_ops=None, prepack: bool = False, attention_kernel: str = "auto", head_w8a8: bool = False,
+                 layers_a8: bool = False):
+        """`quantization` is resolved ("none", "int8" or "int4"); `dense_above` maps "layers" and
+        "head" to the most rows their packed kernel serves before a dense copy takes over (None: no
+        copy; a part absent from it keeps no copy either). The LM head is packed as int8 in both
+        quantized modes: it is the most sensitive matrix. `prepack`: dense bf16 weights live in
+        oneDNN's layout (quant.can_prepack). `head_w8a8`: that int8 head quantizes its activations
+        too and runs the native W8A8 product (kernels' int8_gemv); `layers_a8`: the quantized
+        layers do (int4_gemv, int8_gemv); each where `fused_ops` has the kernel."""
         self.config = config
         # A native kernel reading K/V in place (see engine/kernels); None = gather + SDPA.
         self.decode_attention = decode_attention
@@ -195,24 +197,25 @@ class LlamaModel:
         prepack = prepack and can_prepack(dtype, device)
         tied = config.tie_word_embeddings or "lm_head.weight" not in weights
 
-        w8a8 = None
-        if head_w8a8 and fused_ops is not None and hasattr(fused_ops, "int8_gemv") \
-                and fused_ops.int8_gemv_supported() and config.hidden_size % 32 == 0 and device.type == "cpu":
-            w8a8 = fused_ops.int8_gemv
+        # int8 activations need the native kernels (AVX2) and inputs in whole 32-element blocks
+        a8_ops = fused_ops if device.type == "cpu" and hasattr(fused_ops, "int8_gemv_supported") \
+            and fused_ops.int8_gemv_supported() else None
 
         def linear(names: list[str], bias: list[str] = (), kind: str = quantization, keep_weight: bool = False,
-                   int8_kernel=None) -> Linear:
+                   part: str = "layers", a8: bool = False) -> Linear:
             # Fusing q/k/v and gate/up makes two GEMMs out of five: fewer, larger calls.
             b = torch.cat([w(n) for n in bias]) if bias else None
-            max_rows = dense_above.get(kind)
+            max_rows = dense_above.get(part)
             if kind == "none" or max_rows == 0:
                 return DenseLinear(torch.cat([w(n) for n in names]), b, prepack, keep_weight)
+            ops = a8_ops if a8 and all(weights[n].shape[1] % 32 == 0 for n in names) else None
             if kind == "int4":
                 parts = [v if isinstance(v, GroupAffine4) else GroupAffine4.quantize(v)
                          for v in (weights[n] for n in names)]
-                packed: Union[Int4Linear, Int8Linear] = Int4Linear(GroupAffine4.cat(parts), b)
+                packed: Union[Int4Linear, Int8Linear] = Int4Linear(GroupAffine4.cat(parts), b,
+                                                                   w4a8=ops.int4_gemv if ops else None)
             else:
-                packed = Int8Linear(torch.cat([w(n) for n in names]), b, w8a8=int8_kernel)
+                packed = Int8Linear(torch.cat([w(n) for n in names]), b, w8a8=ops.int8_gemv if ops else None)
             # The dense copy holds the packed form's own weights, so a request computes with the
             # same numbers whichever kernel its step runs.
             dense = None if max_rows is None else DenseLinear(packed.dequantized(dtype).to(device), b, prepack,
@@ -223,7 +226,7 @@ class LlamaModel:
 
         head_name = "model.embed_tokens.weight" if tied else "lm_head.weight"
         self.lm_head = linear([head_name], kind="none" if quantization == "none" else "int8", keep_weight=tied,
-                              int8_kernel=w8a8)
+                              part="head", a8=head_w8a8)
         packed_head = getattr(self.lm_head, "small", self.lm_head)
         self.head_w8a8 = isinstance(packed_head, Int8Linear) and packed_head.w8a8 is not None
         dense_head = self.lm_head if isinstance(self.lm_head, DenseLinear) else getattr(self.lm_head, "large", None)
@@ -238,12 +241,14 @@ class LlamaModel:
             qkv_bias = [p + f"self_attn.{x}_proj.bias" for x in "qkv"] if config.attention_bias else []
             self.layers.append({
                 "in_norm": w(p + "input_layernorm.weight"),
-                "qkv": linear([p + f"self_attn.{x}_proj.weight" for x in "qkv"], qkv_bias),
-                "o": linear([p + "self_attn.o_proj.weight"]),
+                "qkv": linear([p + f"self_attn.{x}_proj.weight" for x in "qkv"], qkv_bias, a8=layers_a8),
+                "o": linear([p + "self_attn.o_proj.weight"], a8=layers_a8),
                 "post_norm": w(p + "post_attention_layernorm.weight"),
-                "gate_up": linear([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
-                "down": linear([p + "mlp.down_proj.weight"]),
+                "gate_up": linear([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], a8=layers_a8),
+                "down": linear([p + "mlp.down_proj.weight"], a8=layers_a8),
             })
+        down = getattr(self.layers[0]["down"], "small", self.layers[0]["down"]) if self.layers else None
+        self.layers_a8 = getattr(down, "w4a8", None) is not None or getattr(down, "w8a8", None) is not None
         inv_freq = rope_inv_freq(config).to(device)
         t = torch.arange(config.max_position_embeddings, device=device, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)

@@ -99,19 +99,22 @@ CROSSOVER_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
 def quantized_max_rows(hidden: int, intermediate: int, quantization: str, dtype: torch.dtype,
-                       cache_path: Optional[Path] = None, prepack: bool = False) -> Optional[int]:
+                       cache_path: Optional[Path] = None, prepack: bool = False,
+                       int8_activations=None) -> Optional[int]:
     """The most rows for which `quantization` ("int8"/"int4") linears are at least as fast as
     dense `dtype` ones (prepacked if `prepack`) at every row count up to it (0: never), or None
-    when they win at every probed size, so no dense copy is worth its memory (cached like the dtype)."""
+    when they win at every probed size, so no dense copy is worth its memory (cached like the dtype).
+    `int8_activations`: the native kernels (engine/kernels) the packed linears will run with int8
+    activations (W4A8/W8A8), so that is what is timed; None = torch's weight-only kernels."""
     cache_path = cache_path or default_cache_path()
     key = _key(f"{hidden}x{intermediate}", quantization, str(dtype).removeprefix("torch."),
-               *(["prepacked"] if prepack else []))
+               *(["prepacked"] if prepack else []), *(["a8"] if int8_activations is not None else []))
     cache = JsonCache(cache_path)
     cached = cache.get(key)
     if isinstance(cached, dict):
         return cached["max_rows"]
     dense = _DenseSet(hidden, intermediate, dtype, prepack)
-    packed = _QuantizedSet(hidden, intermediate, quantization)
+    packed = _QuantizedSet(hidden, intermediate, quantization, int8_activations)
     max_rows: Optional[int] = None
     times = {}
     for rows in CROSSOVER_ROWS:
@@ -164,13 +167,16 @@ class _DenseSet(_WeightSet):
 
 
 class _QuantizedSet(_WeightSet):
-    def __init__(self, hidden: int, intermediate: int, quantization: str):
+    def __init__(self, hidden: int, intermediate: int, quantization: str, int8_activations=None):
+        ops = int8_activations
+        self.a8 = ops is not None
         if quantization == "int8":
-            super().__init__(hidden, intermediate, 1, Int8Linear)
+            super().__init__(hidden, intermediate, 1, lambda w: Int8Linear(w, w8a8=ops.int8_gemv if ops else None))
         elif quantization == "int4":
-            super().__init__(hidden, intermediate, 0.5, lambda w: Int4Linear(GroupAffine4.quantize(w)))
+            super().__init__(hidden, intermediate, 0.5, lambda w: Int4Linear(GroupAffine4.quantize(w),
+                                                                             w4a8=ops.int4_gemv if ops else None))
         else:
             raise ValueError(f"no packed kernel for quantization {quantization!r}")
 
     def input(self, x: torch.Tensor) -> torch.Tensor:
-        return x.to(torch.bfloat16)
+        return x if self.a8 else x.to(torch.bfloat16)

@@ -171,38 +171,62 @@ class Int8Linear:
 
 
 class Int4Linear:
-    """Group-wise affine int4 in torch's CPU packing (scales and offsets in bfloat16)."""
+    """Group-wise affine int4: w = scale * q + offset per group of INT4_GROUP inputs.
 
-    def __init__(self, weight: GroupAffine4, bias: Optional[torch.Tensor] = None):
+    By default in torch's CPU packing (scales and offsets in bfloat16, bf16 activations). With
+    `w4a8` (kernels' int4_gemv) the codes stay two to a byte as GGUF stores them, the groups'
+    scales and offsets in float16 (a Q4_1 file's own values, exactly), and the
+    activations are quantized to int8 per 32-element block for integer dot products (llama.cpp's
+    Q4 x Q8 arithmetic)."""
+
+    def __init__(self, weight: GroupAffine4, bias: Optional[torch.Tensor] = None,
+                 w4a8: Optional[Callable[..., torch.Tensor]] = None):
         out, inp = weight.shape
-        # torch's kernel dequantizes as (q - 8) * scale + zero.
-        zero = weight.offset + 8 * weight.scale
-        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(weight.codes.to(torch.int32).contiguous(), 1)
-        self.scales_zeros = torch.stack([weight.scale.t(), zero.t()], dim=-1).to(torch.bfloat16).contiguous()
         self.bias = bias
+        self.w4a8 = w4a8
+        self.packed = self.scales_zeros = self.nibbles = self.scale_offset = None
+        if w4a8 is not None:
+            groups = weight.codes.view(out, inp // INT4_GROUP, INT4_GROUP)
+            half = INT4_GROUP // 2
+            self.nibbles = (groups[..., :half] | (groups[..., half:] << 4)).reshape(out, inp // 2).contiguous()
+            self.scale_offset = torch.stack([weight.scale, weight.offset]).to(torch.float16).contiguous()
+        else:
+            # torch's kernel dequantizes as (q - 8) * scale + zero.
+            zero = weight.offset + 8 * weight.scale
+            self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+                weight.codes.to(torch.int32).contiguous(), 1)
+            self.scales_zeros = torch.stack([weight.scale.t(), zero.t()], dim=-1).to(torch.bfloat16).contiguous()
         self._codes = weight.codes  # kept only until dequantized() is asked for (or dropped)
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
-        """The weights this kernel computes with (bf16 scales and zeros included), as a dense
-        matrix: a dense copy for large steps that differs from the packed form only in the
-        order of the sums."""
+        """The weights this kernel computes with (torch's packing: bf16 scales and zeros included),
+        as a dense matrix: a dense copy for large steps that differs from the packed form only in
+        the order of the sums (and, with `w4a8`, in the activations' rounding)."""
         out, inp = self._codes.shape
+        q = self._codes.view(out, inp // INT4_GROUP, INT4_GROUP).float()
+        if self.w4a8 is not None:
+            scale, offset = self.scale_offset.float()
+            return (q * scale.unsqueeze(-1) + offset.unsqueeze(-1)).view(out, inp).to(dtype)
         scale = self.scales_zeros[..., 0].t().float().unsqueeze(-1)
         zero = self.scales_zeros[..., 1].t().float().unsqueeze(-1)
-        q = self._codes.view(out, inp // INT4_GROUP, INT4_GROUP).float()
         return ((q - 8) * scale + zero).view(out, inp).to(dtype)
 
     def drop_codes(self) -> None:
         self._codes = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(as_dtype(x, torch.bfloat16), self.packed, INT4_GROUP,
-                                                        self.scales_zeros)
+        if self.w4a8 is not None:
+            y = self.w4a8(x, self.nibbles, self.scale_offset)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(as_dtype(x, torch.bfloat16), self.packed, INT4_GROUP,
+                                                            self.scales_zeros)
         y = as_dtype(y, x.dtype)
         return y if self.bias is None else y + self.bias
 
     @property
     def nbytes(self) -> int:
+        if self.w4a8 is not None:
+            return _nbytes(self.nibbles, self.scale_offset, self.bias)
         return _nbytes(self.packed, self.scales_zeros, self.bias)
 
 

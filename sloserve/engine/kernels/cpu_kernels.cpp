@@ -24,4 +24,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", &argmax_rows, "index of each row's largest value (first on ties)", no_gil);
   m.def("int8_gemv_supported", &int8_gemv_supported, "whether this build has the W8A8 product (AVX2)");
   m.def("int8_gemv", &int8_gemv, "x W^T with int8 weights and per-32-block int8 activations", no_gil);
+  m.def("int4_gemv", &int4_gemv, "x W^T with group-affine 4-bit weights and per-32-block int8 activations", no_gil);
 }

@@ -1,16 +1,21 @@
-// y = x W^T for a few rows with int8 weights and int8 activations (W8A8), for the LM head of a
-// small decode step. One row of the embedded model's head reads 28 MB of int8 weights and does
-// little arithmetic with them: the bytes are the cost, and torch's weight-only kernel (int8
-// widened in registers, bf16 activations) runs well below the memory's rate on one core. Integer
-// dot products keep up with memory.
+// y = x W^T for a few rows with int8 activations: W8A8 (int8 weights, the LM head of a small decode
+// step) and W4A8 (the 4-bit layers). One row of a decode step reads every weight byte and does
+// little arithmetic with it: the bytes are the cost, and torch's weight-only kernels (codes widened
+// in registers, bf16 activations, emulated on a CPU without AVX512-BF16) run well below the
+// memory's rate on one core. Integer dot products keep up with memory.
 //
 // Activations are quantized per 32-element block, q = round(x * 127 / max|x|), with one float
-// scale a block (llama.cpp's Q8_0 shape); weights are the int8 codes of Int8Linear (symmetric, in
-// [-127, 127]) with one float scale a row. A 256-bit register holds one block of each. AVX2 has
-// only an unsigned-by-signed byte product (vpmaddubsw, which saturates its int16 pair sums), so
-// the sign moves onto the activation: |w| * (q * sign(w)) = w * q, each factor within 127, so a
-// pair sum stays within 2 * 127 * 127 < 32767. The int32 sums of a block are scaled by its
-// activation scale and accumulate in float; the row's weight scale multiplies the total.
+// scale a block (llama.cpp's Q8_0 shape). AVX2 has only an unsigned-by-signed byte product
+// (vpmaddubsw, which saturates its int16 pair sums):
+// - W8A8: the weights are Int8Linear's codes (symmetric, in [-127, 127]) with one float scale a
+//   row. The sign moves onto the activation: |w| * (q * sign(w)) = w * q, each factor within 127,
+//   so a pair sum stays within 2 * 127 * 127 < 32767.
+// - W4A8: the weights are GroupAffine4's codes (0..15) with a float16 scale d and offset o per
+//   group of 32 inputs, packed two to a byte as GGUF's Q4 blocks are (low nibbles elements 0-15, high
+//   nibbles 16-31). The unsigned codes are vpmaddubsw's unsigned factor (pair sums within
+//   2 * 15 * 127); a block's dot product is d * s * sum(c q) + o * s * sum(q), the second term
+//   from the block's activation sum, computed once per row of x.
+// The int32 sums of a block are scaled in float and accumulate in float.
 #include "common.h"
 #include "kernels.h"
 
@@ -20,8 +25,127 @@
 
 namespace sloserve {
 
+namespace {
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+// x's rows as int8 per 32-element block: codes, each block's scale, and (with `sums`) each block's
+// scale times the sum of its codes. Rounding is to nearest even (the default mode), as round() in
+// the tests' reference.
+struct Int8Rows {
+  std::vector<int8_t, AlignedAllocator<int8_t>> q;
+  std::vector<float> scale;
+  std::vector<float> scaled_sum;
+};
+
+inline float hsum(__m256 v) {
+  const __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 quad = _mm_add_ps(half, _mm_movehl_ps(half, half));
+  return _mm_cvtss_f32(_mm_add_ss(quad, _mm_shuffle_ps(quad, quad, 1)));
+}
+
+inline int32_t hsum_epi32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
+  return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 1)));
+}
+
+Int8Rows quantize_rows(const at::Tensor& x, bool sums) {
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const float* xp = xf.data_ptr<float>();
+  const int64_t M = x.size(0), K = x.size(1), blocks = K / 32;
+  Int8Rows out;
+  out.q.resize(M * K);
+  out.scale.resize(M * blocks);
+  if (sums) out.scaled_sum.resize(M * blocks);
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  const __m256i ones8 = _mm256_set1_epi8(1);
+  const __m256i ones16 = _mm256_set1_epi16(1);
+  for (int64_t i = 0; i < M * blocks; ++i) {
+    const float* src = xp + i * 32;
+    const __m256 v0 = _mm256_loadu_ps(src), v1 = _mm256_loadu_ps(src + 8);
+    const __m256 v2 = _mm256_loadu_ps(src + 16), v3 = _mm256_loadu_ps(src + 24);
+    const __m256 a = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1)),
+                                   _mm256_max_ps(_mm256_andnot_ps(sign, v2), _mm256_andnot_ps(sign, v3)));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    const float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_shuffle_ps(h, h, 1)));
+    const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+    // |x| * 127 / max|x| <= 127 up to one rounding, so the saturating packs never clip
+    const __m256i i01 = _mm256_packs_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(v0, inv)),
+                                           _mm256_cvtps_epi32(_mm256_mul_ps(v1, inv)));
+    const __m256i i23 = _mm256_packs_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(v2, inv)),
+                                           _mm256_cvtps_epi32(_mm256_mul_ps(v3, inv)));
+    const __m256i q = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(i01, i23), order);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(out.q.data() + i * 32), q);
+    out.scale[i] = amax / 127.0f;
+    if (sums) {  // maddubs takes the all-ones vector as its unsigned factor
+      const __m256i s32 = _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, q), ones16);
+      out.scaled_sum[i] = out.scale[i] * static_cast<float>(hsum_epi32(s32));
+    }
+  }
+  return out;
+}
+// One output column n of W4A8 for R rows of x (R a constant, so the accumulators stay in
+// registers): each block's codes are unpacked once and multiplied with every row's. The per-block
+// factors (weight scale x activation scale) and the offsets' term are formed first, eight blocks
+// at a time, so the inner loop has one broadcast load of scalar work a block and row.
+template <int R>
+inline void int4_rows(const uint8_t* __restrict row, const uint16_t* __restrict scale_h,
+                      const uint16_t* __restrict offset_h, int64_t blocks, const int8_t* __restrict q,
+                      const float* __restrict qs, const float* __restrict qsum, int64_t K, float* __restrict out,
+                      int64_t out_stride, float* __restrict dq) {
+  float shift[R];
+  for (int j = 0; j < R; ++j) {
+    const float* s = qs + j * blocks;
+    const float* t = qsum + j * blocks;
+    float* f = dq + j * blocks;
+    __m256 sh = _mm256_setzero_ps();
+    int64_t b = 0;
+    for (; b + 8 <= blocks; b += 8) {
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scale_h + b)));
+      const __m256 o = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(offset_h + b)));
+      _mm256_storeu_ps(f + b, _mm256_mul_ps(d, _mm256_loadu_ps(s + b)));
+      sh = _mm256_fmadd_ps(o, _mm256_loadu_ps(t + b), sh);
+    }
+    shift[j] = hsum(sh);
+    for (; b < blocks; ++b) {
+      f[b] = _cvtsh_ss(scale_h[b]) * s[b];
+      shift[j] += _cvtsh_ss(offset_h[b]) * t[b];
+    }
+  }
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  const __m256i ones16 = _mm256_set1_epi16(1);
+  // A independent sums a row: one chain of fused multiply-adds would wait on its own latency
+  constexpr int A = R == 1 ? 4 : 2;
+  __m256 acc[R][A];
+  for (int j = 0; j < R; ++j)
+    for (int a = 0; a < A; ++a) acc[j][a] = _mm256_setzero_ps();
+  auto block = [&](int64_t b, int a) {
+    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * 16));
+    const __m256i codes = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), low);
+    for (int j = 0; j < R; ++j) {
+      const __m256i qv = _mm256_load_si256(reinterpret_cast<const __m256i*>(q + j * K + b * 32));
+      const __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(codes, qv), ones16);
+      acc[j][a] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_broadcast_ss(dq + j * blocks + b), acc[j][a]);
+    }
+  };
+  int64_t b = 0;
+  for (; b + A <= blocks; b += A)
+    for (int a = 0; a < A; ++a) block(b + a, a);
+  for (; b < blocks; ++b) block(b, 0);
+  for (int j = 0; j < R; ++j) {
+    __m256 total = acc[j][0];
+    for (int a = 1; a < A; ++a) total = _mm256_add_ps(total, acc[j][a]);
+    out[j * out_stride] = hsum(total) + shift[j];
+  }
+}
+#endif
+
+}  // namespace
+
 bool int8_gemv_supported() {
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
   return true;
 #else
   return false;
@@ -37,26 +161,11 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
   TORCH_CHECK(codes.size(1) == K && K % 32 == 0, "int8_gemv: K must match and be a multiple of 32, got ", K);
   auto out = at::empty({M, N}, x.options().dtype(at::kFloat));
-#if defined(__AVX2__) && defined(__FMA__)
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
-  const float* xp = xf.data_ptr<float>();
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
   const int64_t blocks = K / 32;
-  std::vector<int8_t, AlignedAllocator<int8_t>> xq(M * K);
-  std::vector<float> xs(M * blocks);
-  for (int64_t m = 0; m < M; ++m) {
-    for (int64_t b = 0; b < blocks; ++b) {
-      const float* src = xp + m * K + b * 32;
-      float amax = 0.0f;
-      for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(src[i]));
-      const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-      int8_t* dst = xq.data() + m * K + b * 32;
-      for (int i = 0; i < 32; ++i) {
-        const int32_t q = static_cast<int32_t>(std::nearbyint(src[i] * inv));
-        dst[i] = static_cast<int8_t>(std::min(127, std::max(-127, q)));
-      }
-      xs[m * blocks + b] = amax / 127.0f;
-    }
-  }
+  const Int8Rows xq8 = quantize_rows(x, false);
+  const auto& xq = xq8.q;
+  const auto& xs = xq8.scale;
   const int8_t* w = codes.data_ptr<int8_t>();
   const float* ws = weight_scale.data_ptr<float>();
   float* op = out.data_ptr<float>();
@@ -67,18 +176,60 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Ten
       for (int64_t m = 0; m < M; ++m) {
         const int8_t* q = xq.data() + m * K;
         const float* s = xs.data() + m * blocks;
-        __m256 acc = _mm256_setzero_ps();
-        for (int64_t b = 0; b < blocks; ++b) {
+        __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+        auto block = [&](int64_t b, int a) {
           const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * 32));
           const __m256i qv = _mm256_load_si256(reinterpret_cast<const __m256i*>(q + b * 32));
           const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(qv, wv));
           const __m256i sums = _mm256_madd_epi16(pairs, ones);
-          acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(s[b]), acc);
+          acc[a] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_broadcast_ss(s + b), acc[a]);
+        };
+        int64_t b = 0;
+        for (; b + 4 <= blocks; b += 4)  // four independent chains of fused multiply-adds
+          for (int a = 0; a < 4; ++a) block(b + a, a);
+        for (; b < blocks; ++b) block(b, 0);
+        op[m * N + n] = hsum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]))) * ws[n];
+      }
+    }
+  });
+#endif
+  return out;
+}
+
+at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& nibbles, const at::Tensor& scale_offset) {
+  TORCH_CHECK(int8_gemv_supported(), "int4_gemv: this build has no AVX2");
+  TORCH_CHECK(x.dim() == 2 && nibbles.dim() == 2 && nibbles.scalar_type() == at::kByte && nibbles.is_contiguous(),
+              "int4_gemv: x [M, K] and nibbles [N, K / 2] uint8 expected");
+  const int64_t M = x.size(0), K = x.size(1), N = nibbles.size(0), blocks = K / 32;
+  TORCH_CHECK(K % 32 == 0 && nibbles.size(1) * 2 == K, "int4_gemv: K must match and be a multiple of 32, got ", K);
+  TORCH_CHECK(scale_offset.scalar_type() == at::kHalf && scale_offset.is_contiguous() && scale_offset.dim() == 3 &&
+                  scale_offset.size(0) == 2 && scale_offset.size(1) == N && scale_offset.size(2) == blocks,
+              "int4_gemv: scale_offset [2, N, K / 32] float16 expected (scales, then offsets)");
+  auto out = at::empty({M, N}, x.options().dtype(at::kFloat));
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+  const Int8Rows xq = quantize_rows(x, true);
+  const uint8_t* w = nibbles.data_ptr<uint8_t>();
+  const uint16_t* scales = reinterpret_cast<const uint16_t*>(scale_offset.data_ptr<at::Half>());
+  const uint16_t* offsets = scales + N * blocks;
+  float* op = out.data_ptr<float>();
+  const int8_t* q = xq.q.data();
+  const float* qs = xq.scale.data();
+  const float* qsum = xq.scaled_sum.data();
+  at::parallel_for(0, N, 32, [&](int64_t begin, int64_t end) {
+    std::vector<float> dq(4 * blocks);
+    for (int64_t n = begin; n < end; ++n) {
+      const uint8_t* row = w + n * (K / 2);
+      const uint16_t *sc = scales + n * blocks, *of = offsets + n * blocks;
+      for (int64_t m0 = 0; m0 < M; m0 += 4) {  // rows of x share each unpacked weight block, four at a time
+        const int8_t* qm = q + m0 * K;
+        const float *sm = qs + m0 * blocks, *tm = qsum + m0 * blocks;
+        float* o = op + m0 * N + n;
+        switch (std::min<int64_t>(4, M - m0)) {
+          case 4: int4_rows<4>(row, sc, of, blocks, qm, sm, tm, K, o, N, dq.data()); break;
+          case 3: int4_rows<3>(row, sc, of, blocks, qm, sm, tm, K, o, N, dq.data()); break;
+          case 2: int4_rows<2>(row, sc, of, blocks, qm, sm, tm, K, o, N, dq.data()); break;
+          default: int4_rows<1>(row, sc, of, blocks, qm, sm, tm, K, o, N, dq.data());
         }
-        const __m128 half = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-        const __m128 quad = _mm_add_ps(half, _mm_movehl_ps(half, half));
-        const __m128 one = _mm_add_ss(quad, _mm_shuffle_ps(quad, quad, 1));
-        op[m * N + n] = _mm_cvtss_f32(one) * ws[n];
       }
     }
   });

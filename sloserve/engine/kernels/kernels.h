@@ -39,10 +39,14 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up);
 void rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads);
 at::Tensor argmax_rows(const at::Tensor& logits);
 
-// int8_gemv.cpp: W8A8 products for few rows (the LM head of a small decode step); needs AVX2.
+// int8_gemv.cpp: products with int8 activations for few rows (W8A8: the LM head of a small decode
+// step; W4A8: the 4-bit layers); both need AVX2.
 bool int8_gemv_supported();
 at::Tensor int8_gemv(const at::Tensor& x,             // [M, K] float32/bf16, K a multiple of 32
                      const at::Tensor& codes,         // [N, K] int8 in [-127, 127]
                      const at::Tensor& weight_scale);  // [N] float32; returns [M, N] float32
+at::Tensor int4_gemv(const at::Tensor& x,              // [M, K] float32/bf16, K a multiple of 32
+                     const at::Tensor& nibbles,        // [N, K / 2] uint8: per 32 inputs, 16 bytes (low nibbles 0-15)
+                     const at::Tensor& scale_offset);  // [2, N, K / 32] float16: w = scale * code + offset
 
 }  // namespace sloserve
