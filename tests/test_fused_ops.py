@@ -64,6 +64,28 @@ def test_rope_in_place_on_the_leading_heads(dtype):
     assert torch.equal(x[:, rotated:], untouched)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_kv_write_stores_the_rows_index_copy_would(dtype):
+    """K and V as the model hands them over (views into the fused qkv output: strided rows) land
+    at their slots, exactly, and nothing else in the cache changes; a slot outside the cache is
+    refused before anything is written past it."""
+    torch.manual_seed(0)
+    T, nkv, hd, slots_total = 5, 3, 64, 48
+    qkv = torch.randn(T, (9 + 2 * nkv) * hd).to(dtype)
+    k = qkv[:, 9 * hd:(9 + nkv) * hd].view(T, nkv, hd)
+    v = qkv[:, (9 + nkv) * hd:].view(T, nkv, hd)
+    assert not k.is_contiguous()
+    slots = torch.tensor([40, 3, 17, 18, 0])
+    kc, vc = torch.randn(slots_total, nkv, hd).to(dtype), torch.randn(slots_total, nkv, hd).to(dtype)
+    expected_k, expected_v = kc.clone().index_copy_(0, slots, k), vc.clone().index_copy_(0, slots, v)
+    fused.write_kv_(kc, vc, slots, k, v)
+    assert torch.equal(kc, expected_k) and torch.equal(vc, expected_v)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        fused.write_kv_(kc, vc, torch.tensor([1, 2, 3, 4, slots_total]), k, v)
+    with pytest.raises(RuntimeError, match="dtype"):
+        fused.write_kv_(kc.double(), vc.double(), slots, k, v)
+
+
 def test_rejects_what_it_cannot_do():
     with pytest.raises(RuntimeError, match="share a dtype"):
         fused.rms_norm(torch.randn(2, 8), torch.ones(8).bfloat16(), 1e-5)

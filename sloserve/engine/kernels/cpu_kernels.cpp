@@ -21,6 +21,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("q"), pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("block_tables"),
         pybind11::arg("spans"), pybind11::arg("block_size"), pybind11::arg("scale"), pybind11::arg("window"),
         pybind11::arg("out"), pybind11::arg("kernel") = "auto", no_gil);
+  m.def("write_kv_", &write_kv_, "store the new tokens' K and V into a layer's paged cache", no_gil);
   m.def("argmax_rows", &argmax_rows, "index of each row's largest value (first on ties)", no_gil);
   m.def("int8_gemv_supported", &int8_gemv_supported, "whether this build has the W8A8 product (AVX2)");
   m.def("int8_gemv", &int8_gemv, "x W^T with int8 weights and per-32-block int8 activations", no_gil);

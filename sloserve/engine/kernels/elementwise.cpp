@@ -1,5 +1,6 @@
 // The fused elementwise work of a decoder layer (RMSNorm with the residual add, SiLU-and-mul,
-// in-place RoPE) and the greedy argmax over logits rows.
+// in-place RoPE, the new tokens' K and V stored into the paged cache) and the greedy argmax over
+// logits rows.
 #include "kernels.h"
 
 #include "common.h"
@@ -213,6 +214,34 @@ void rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t 
 
 // Greedy tokens: the argmax of each row of logits [R, V] (int64 [R]). torch's bf16 argmax is
 // scalar (15.7 ms for 200 x 49k) and max().indices, its vectorized stand-in, 3.8 ms.
+void write_kv_(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots, const at::Tensor& k,
+               const at::Tensor& v) {
+  // One layer's two index_copy_ calls took ~20 us a decode step (dispatch, for one row each): a
+  // row copy per token here. K and V are views into the fused qkv output: rows strided, each
+  // token's heads contiguous.
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes() &&
+                  k_cache.dim() == 3 && slots.scalar_type() == at::kLong && slots.dim() == 1 && k.dim() == 3 &&
+                  v.sizes() == k.sizes() && k.size(0) == slots.size(0) && k.size(1) == k_cache.size(1) &&
+                  k.size(2) == k_cache.size(2) && k.stride(2) == 1 && k.stride(1) == k.size(2) && v.stride(2) == 1 &&
+                  v.stride(1) == v.size(2) && k.scalar_type() == k_cache.scalar_type() &&
+                  v.scalar_type() == v_cache.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type(),
+              "write_kv_: caches [slots, heads, dim] and k, v [T, heads, dim] (rows of contiguous heads) of the "
+              "cache's dtype expected");
+  const int64_t T = k.size(0), row = k.size(1) * k.size(2), capacity = k_cache.size(0);
+  const int64_t bytes = row * k.element_size();
+  const int64_t* s = slots.data_ptr<int64_t>();
+  auto* kc = static_cast<char*>(k_cache.data_ptr());
+  auto* vc = static_cast<char*>(v_cache.data_ptr());
+  const auto* kp = static_cast<const char*>(k.data_ptr());
+  const auto* vp = static_cast<const char*>(v.data_ptr());
+  const int64_t ks = k.stride(0) * k.element_size(), vs = v.stride(0) * v.element_size();
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(s[t] >= 0 && s[t] < capacity, "write_kv_: slot ", s[t], " outside the cache");
+    std::memcpy(kc + s[t] * bytes, kp + t * ks, bytes);
+    std::memcpy(vc + s[t] * bytes, vp + t * vs, bytes);
+  }
+}
+
 at::Tensor argmax_rows(const at::Tensor& logits) {
   TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() && logits.size(1) > 0,
               "argmax_rows: contiguous logits [R, V] with V > 0 expected");

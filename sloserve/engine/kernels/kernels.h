@@ -37,6 +37,10 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor add_rms_norm(at::Tensor& residual, const at::Tensor& delta, const at::Tensor& weight, double eps);
 at::Tensor silu_and_mul(const at::Tensor& gate_up);
 void rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads);
+// K and V [T, heads, dim] of the new tokens into one layer's caches [slots, heads, dim] at `slots`
+// (same dtype; rows of k and v may be strided, as views of the fused qkv output are).
+void write_kv_(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots, const at::Tensor& k,
+               const at::Tensor& v);
 at::Tensor argmax_rows(const at::Tensor& logits);
 
 // int8_gemv.cpp: products with int8 activations for few rows (W8A8: the LM head of a small decode
