@@ -44,8 +44,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="keep the int8 LM head's activations in bf16 (default: int8 per 32-element block, integer "
                         "dot products, where the native kernel builds)")
     g.add_argument("--no-layers-a8", action="store_true",
-                   help="keep the quantized layers' activations in bf16 (default: int8 per 32-element block times "
-                        "the int4/int8 codes in integer arithmetic, where the native kernels build)")
+                   help="keep the int4 layers' activations in bf16 (default: int8 per 32-element block times the "
+                        "4-bit codes in integer arithmetic, where the native kernel builds)")
     g.add_argument("--attention-kernel", default="auto", choices=ATTENTION_KERNELS,
                    help="native path of bf16 attention (auto: the fastest this CPU has: amx, then avx512_bf16)")
     g.add_argument("--step-trace", metavar="FILE", help="write one JSON line per engine step (timings and load)")

@@ -185,9 +185,9 @@ class EngineConfig:
     # block) and runs integer dot products, where the native kernel builds (AVX2): 2.4-2.6x faster at
     # one row on a Zen3 EPYC; False = bf16 activations (torch's weight-only kernel).
     head_w8a8: bool = True
-    # The quantized layers do the same (int4: W4A8, the file's 4-bit codes times int8 activations, as
-    # llama.cpp's Q4 x Q8 products; int8: W8A8), where the native kernels build (AVX2). False = bf16
-    # activations (torch's weight-only kernels).
+    # The int4 layers do the same (W4A8: the file's 4-bit codes times int8 activations, as llama.cpp's
+    # Q4 x Q8 products), where the native kernel builds (AVX2). False = bf16 activations (torch's
+    # weight-only kernel). int8 layers keep bf16 activations (with int8 ones they left the int8 tolerance).
     layers_a8: bool = True
     num_threads: Optional[int] = None  # torch intra-op threads; None = the cores this process may use
     max_model_len: Optional[int] = None  # defaults to the model's context window

@@ -133,7 +133,8 @@ class LLMEngine:
         hidden, intermediate = loaded.config.hidden_size, loaded.config.intermediate_size
         prepack = config.native_kernels and can_prepack(self.dtype, self.device) and prepack_pays(hidden, intermediate)
         a8_ops = fused_ops if hasattr(fused_ops, "int8_gemv_supported") and fused_ops.int8_gemv_supported() else None
-        a8 = {"layers": a8_ops if config.layers_a8 else None, "head": a8_ops if config.head_w8a8 else None}
+        a8 = {"layers": a8_ops if config.layers_a8 and self.quantization == "int4" else None,
+              "head": a8_ops if config.head_w8a8 else None}
         dense_above: dict[str, Optional[int]] = {}
         if self.quantization != "none" and config.quantized_dense_copy:
             # the layers' kernel, and the LM head's (int8 in both modes), each as it will run
@@ -143,7 +144,7 @@ class LLMEngine:
         self.dense_above = dense_above  # rows above which each part's dense copy runs (the probe's answer)
         self.model = LlamaModel(loaded.config, loaded.weights, self.device, self.dtype, decode_attention,
                                 self.quantization, dense_above, fused_ops, prepack, config.attention_kernel,
-                                a8["head"] is not None, a8["layers"] is not None)
+                                a8["head"] is not None, config.layers_a8 and a8_ops is not None)
         del loaded
 
         cache = config.cache

@@ -177,8 +177,8 @@ class LlamaModel:
         copy; a part absent from it keeps no copy either). The LM head is packed as int8 in both
         quantized modes: it is the most sensitive matrix. `prepack`: dense bf16 weights live in
         oneDNN's layout (quant.can_prepack). `head_w8a8`: that int8 head quantizes its activations
-        too and runs the native W8A8 product (kernels' int8_gemv); `layers_a8`: the quantized
-        layers do (int4_gemv, int8_gemv); each where `fused_ops` has the kernel."""
+        too and runs the native W8A8 product (kernels' int8_gemv); `layers_a8`: the int4 layers
+        do (int4_gemv); each where `fused_ops` has the kernel."""
         self.config = config
         # A native kernel reading K/V in place (see engine/kernels); None = gather + SDPA.
         self.decode_attention = decode_attention
@@ -215,7 +215,10 @@ class LlamaModel:
             max_rows = dense_above.get(part)
             if kind == "none" or max_rows == 0:
                 return DenseLinear(torch.cat([w(n) for n in names]), b, prepack, keep_weight)
-            ops = a8_ops if a8 and all(weights[n].shape[1] % 32 == 0 for n in names) else None
+            # int8 layers keep bf16 activations: with int8 ones as well, top-1 agreement fell below
+            # the int8 tolerance (0.926 against 0.93 on the held-out texts); the head alone stays within
+            int8_layer = kind == "int8" and part == "layers"
+            ops = a8_ops if a8 and not int8_layer and all(weights[n].shape[1] % 32 == 0 for n in names) else None
             if kind == "int4":
                 parts = [v if isinstance(v, GroupAffine4) else GroupAffine4.quantize(v)
                          for v in (weights[n] for n in names)]
