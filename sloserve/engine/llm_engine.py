@@ -144,7 +144,7 @@ class LLMEngine:
         self.dense_above = dense_above  # rows above which each part's dense copy runs (the probe's answer)
         self.model = LlamaModel(loaded.config, loaded.weights, self.device, self.dtype, decode_attention,
                                 self.quantization, dense_above, fused_ops, prepack, config.attention_kernel,
-                                a8["head"] is not None, config.layers_a8 and a8_ops is not None)
+                                config.head_w8a8, config.layers_a8)  # the model checks the kernels itself
         del loaded
 
         cache = config.cache
