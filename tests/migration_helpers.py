@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import httpx
 
@@ -26,17 +26,25 @@ def instances(base: str) -> dict:
 
 class Stream:
     """One streamed completion read event by event on a thread; `migrate_at` token counts
-    trigger a move to the other instance while it streams."""
+    trigger a move to the other instance while it streams.
 
-    def __init__(self, base: str, rid: str, params: dict, migrate_at: tuple[int, ...] = ()) -> None:
-        self.base, self.rid, self.params, self.migrate_at = base, rid, params, list(migrate_at)
+    It asks for logprobs, so each chunk names its tokens: a worker merges the outputs its reader
+    has not taken yet into one chunk (a busy machine), so chunks do not count tokens, but the
+    tokens the chunks list show any token sent twice or never."""
+
+    def __init__(self, base: str, rid: str, params: dict, migrate_at: tuple[int, ...] = (),
+                 prompt: str = PROMPT) -> None:
+        self.base, self.rid, self.params, self.migrate_at, self.prompt = base, rid, params, list(migrate_at), prompt
+        self.on_chunk: Optional[Callable[["Stream"], None]] = None  # called after each chunk with text
         self.texts: list[str] = []
+        self.tokens: list[str] = []  # from each chunk's logprobs
         self.events: list = []
         self.usage: Optional[dict] = None
         self.moves: list[dict] = []
 
     def run(self) -> "Stream":
-        body = {"prompt": PROMPT, "stream": True, "stream_options": {"include_usage": True}, **self.params}
+        body = {"prompt": self.prompt, "stream": True, "stream_options": {"include_usage": True}, "logprobs": 0,
+                **self.params}
         with httpx.stream("POST", self.base + "/v1/completions", json=body, timeout=180,
                           headers={"X-Request-Id": self.rid}) as r:
             assert r.status_code == 200
@@ -48,10 +56,14 @@ class Stream:
                 self.events.append(data if data == "[DONE]" else json.loads(data))
                 event = self.events[-1]
                 if isinstance(event, dict) and event.get("choices"):
-                    self.texts.append(event["choices"][0]["text"])
+                    choice = event["choices"][0]
+                    self.texts.append(choice["text"])
+                    self.tokens.extend((choice.get("logprobs") or {}).get("tokens") or [])
+                    if self.on_chunk is not None:
+                        self.on_chunk(self)
                 if isinstance(event, dict) and event.get("usage"):
                     self.usage = event["usage"]
-                if self.migrate_at and len(self.texts) >= self.migrate_at[0]:
+                if self.migrate_at and len(self.tokens) >= self.migrate_at[0]:
                     self.migrate_at.pop(0)
                     self.moves.append(self.move())
         return self
@@ -74,8 +86,8 @@ class Stream:
         assert self.events[-1] == "[DONE]" and self.events.count("[DONE]") == 1
         assert sum(1 for e in self.events if isinstance(e, dict) and e.get("usage")) == 1
         assert self.usage["completion_tokens"] == max_tokens
-        # one chunk per token (none duplicated, none missing)
-        assert len(self.texts) == max_tokens
+        # every token listed once: none sent twice, none skipped
+        assert len(self.tokens) == max_tokens, (len(self.tokens), len(self.texts))
 
 
 def pools_free(base: str) -> bool:

@@ -16,10 +16,12 @@ from server_helpers import ServerProcess, wait_for
 
 pytestmark = pytest.mark.slow
 
-# A lower target must hold 20 s before a start is cancelled or a worker drained: on a slow machine a worker
-# takes longer to come up than the 6 s window the burst stays in (at 2 s, the start was cancelled mid-load).
+# A lower target must hold 40 s before a start is cancelled or a worker drained: on a slow machine a worker
+# takes longer to come up than the 6 s window the burst stays in (at 2 s, the start was cancelled mid-load), and
+# the lull's streams must be running on both workers before the drain comes (at 20 s, a cold start of ~25 s on a
+# busy 2-core machine let the drain take the second worker, still empty, as the lull began: nothing to move).
 ARGS = ["--instances", "1:2", "--autoscale", "reactive", "--capacity", "1.25", "--scaling-interval", "1",
-        "--scale-down-delay", "20", "--stable-window", "6", "--router", "least-requests", "--max-num-seqs", "8",
+        "--scale-down-delay", "40", "--stable-window", "6", "--router", "least-requests", "--max-num-seqs", "8",
         "--kv-cache-gib", "0.1", "--admin-key", ADMIN, "--log-level", "warning"]
 # Lull streams: two clients each keep one LONG-token stream running until a worker has drained, so streams are in
 # flight on both workers whenever the drain comes, however fast the machine (a fixed pair of streams finished before
@@ -75,7 +77,6 @@ def test_a_burst_adds_a_worker_and_the_lull_drains_one(tmp_path):
         assert len(results) == 10 and all(results[p] == expected[p] for p in prompts[:2])
         # Streams on both workers through the lull; one worker drains: its stream must move, not break. (The
         # requests that computed `expected` may already have scaled the fleet up and down once: count from here.)
-        stops_before = instances(base)["autoscale"]["stops"]
         lull_over = threading.Event()
         lull: list[tuple[str, str]] = []
 
@@ -93,6 +94,13 @@ def test_a_burst_adds_a_worker_and_the_lull_drains_one(tmp_path):
         for t in long_threads:
             t.start()
         try:
+            # the premise: a lull stream on each worker when the drain comes (a worker already draining takes none)
+            def both_busy():
+                info = instances(base)
+                return info if all(d["in_flight"] > 0 for d in info["data"]) else None
+
+            stops_before = wait_for(both_busy, 60, interval=0.2, what="a lull stream running on each worker")[
+                "autoscale"]["stops"]
             wait_for(lambda: instances(base)["autoscale"]["stops"] > stops_before, 150, interval=0.5,
                      what="one worker drained and stopped")
         finally:
@@ -105,7 +113,8 @@ def test_a_burst_adds_a_worker_and_the_lull_drains_one(tmp_path):
         assert sorted(d["status"] for d in info["data"]) == ["healthy", "stopped"]
         a = info["autoscale"]
         assert a["starts"] >= 1 and a["drains"] >= 1 and a["measured_start_s"] > 0
-        assert info["migrations"]["completed"] >= 1  # the drained worker's long stream moved live
+        # the drained worker's long stream moved live
+        assert info["migrations"]["completed"] >= 1, admin("GET", base + "/dashboard/data").json()["events"]
         assert any("panic" in d["reason"] or "req/s" in d["reason"] for d in a["decisions"])
         wait_for(lambda: all(d["load"]["kv_blocks_used"] == 0 and d["in_flight"] == 0
                              for d in instances(base)["data"] if d["status"] == "healthy"), 30, interval=0.3,

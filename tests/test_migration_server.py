@@ -6,7 +6,6 @@ load loses no stream: those with tokens resume elsewhere and finish with identic
 A move whose target or source dies mid-copy still completes the request."""
 from __future__ import annotations
 
-import json
 import os
 import signal
 import threading
@@ -98,21 +97,9 @@ def test_a_killed_worker_loses_no_stream(fleet):
     started: set[str] = set()
 
     def read(prompt: str, rid: str) -> Stream:
-        s = Stream(base, rid, params)
-        body = {"prompt": prompt, "stream": True, "stream_options": {"include_usage": True}, **params}
-        with httpx.stream("POST", base + "/v1/completions", json=body, timeout=180) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: "):
-                    data = line[6:]
-                    s.events.append(data if data == "[DONE]" else json.loads(data))
-                    e = s.events[-1]
-                    if isinstance(e, dict) and e.get("choices"):
-                        s.texts.append(e["choices"][0]["text"])
-                        if len(s.texts) == 2:
-                            started.add(rid)
-                    if isinstance(e, dict) and e.get("usage"):
-                        s.usage = e["usage"]
-        return s
+        s = Stream(base, rid, params, prompt=prompt)
+        s.on_chunk = lambda s: started.add(rid) if len(s.tokens) >= 2 else None
+        return s.run()
 
     victim = instances(base)["data"][0]["pid"]
     with ThreadPoolExecutor(8) as pool:
