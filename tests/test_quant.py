@@ -106,19 +106,20 @@ def _w4a8_reference(x: torch.Tensor, weight: GroupAffine4) -> torch.Tensor:
             ).sum(-1).float()
 
 
-@pytest.mark.parametrize("rows", [1, 3, 6, 33])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 6, 33])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_w4a8_layer_kernel_computes_what_it_claims(rows, dtype):
     """The native 4-bit x int8 product (the codes as vpmaddubsw's unsigned factor, the groups'
     offsets through each block's activation sum) against the spelled-out arithmetic: equal to
     float rounding, with codes at 0 and 15, a zero activation block, and row counts that do and
-    do not fill the kernel's groups of four; within int8 rounding of the exact product; and the
+    do not fill the kernel's groups of four, over 83 columns (tiles of four or two columns and the
+    ones left over, on each thread's share); within int8 rounding of the exact product; and the
     dense copy it hands large steps is exactly the file's weights."""
     kernels = load_fused_ops()
     if kernels is None or not kernels.int8_gemv_supported():
         pytest.skip("no native W4A8 kernel on this machine")
     torch.manual_seed(0)
-    w = torch.randn(80, 96) * 0.05
+    w = torch.randn(83, 96) * 0.05
     w[0, :32] = torch.linspace(-1, 1, 32)  # a group whose codes run from 0 to 15
     weight = GroupAffine4.quantize(w)
     # as a Q4_1 file stores them: float16 scales and offsets
@@ -130,7 +131,7 @@ def test_the_w4a8_layer_kernel_computes_what_it_claims(rows, dtype):
     x = torch.randn(rows, 96).to(dtype)
     x[0, 32:64] = 0
     got = packed(x)
-    assert got.dtype == dtype and got.shape == (rows, 80)
+    assert got.dtype == dtype and got.shape == (rows, 83)
     expected = _w4a8_reference(x, weight)
     assert torch.allclose(got.float(), expected.to(dtype).float(), rtol=1e-2 if dtype == torch.bfloat16 else 1e-5,
                           atol=1e-3 if dtype == torch.bfloat16 else 1e-5)
