@@ -67,12 +67,13 @@ def _w8a8_reference(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -
     return ((ints * (amax.squeeze(-1) / 127).double().unsqueeze(1)).sum(-1) * scale.double()).float()
 
 
-@pytest.mark.parametrize("rows", [1, 3, 33])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 33])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_w8a8_head_kernel_computes_what_it_claims(rows, dtype):
     """The native int8 x int8 product (AVX2's byte products with the sign moved onto the
     activation) against the spelled-out arithmetic: equal to float rounding, including codes at
-    +-127, zero blocks and an odd number of rows; and within int8 rounding of the exact product."""
+    +-127, zero blocks, one row and rows that do and do not fill the groups of four sharing each
+    weight block; and within int8 rounding of the exact product."""
     kernels = load_fused_ops()
     if kernels is None or not kernels.int8_gemv_supported():
         pytest.skip("no native W8A8 kernel on this machine")

@@ -181,6 +181,69 @@ inline void int4_tile_rows(int64_t n, int64_t M, const uint8_t* w, int64_t row_b
     }
   }
 }
+
+// W8A8: C neighbouring output columns for R rows of x (codes [.., K] int8 at `w`, a row's float
+// scale in ws): each weight block is loaded once for the R rows, each activation block once for
+// the C columns; with C = 4 the four sums reduce together.
+template <int R, int C>
+inline void int8_tile(const int8_t* __restrict w, int64_t K, const float* __restrict ws, int64_t blocks,
+                      const int8_t* __restrict q, const float* __restrict qs, float* __restrict out,
+                      int64_t out_stride) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  constexpr int A = C * R >= 4 ? 1 : 4 / (C * R);  // independent chains of fused multiply-adds
+  __m256 acc[C][R][A];
+  for (int c = 0; c < C; ++c)
+    for (int j = 0; j < R; ++j)
+      for (int a = 0; a < A; ++a) acc[c][j][a] = _mm256_setzero_ps();
+  auto block = [&](int64_t b, int a) {
+    __m256i wv[C];
+    for (int c = 0; c < C; ++c) wv[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c * K + b * 32));
+    for (int j = 0; j < R; ++j) {
+      const __m256i qv = _mm256_load_si256(reinterpret_cast<const __m256i*>(q + j * K + b * 32));
+      const __m256 s = _mm256_broadcast_ss(qs + j * blocks + b);
+      for (int c = 0; c < C; ++c) {
+        const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(wv[c], wv[c]), _mm256_sign_epi8(qv, wv[c]));
+        acc[c][j][a] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones)), s, acc[c][j][a]);
+      }
+    }
+  };
+  int64_t b = 0;
+  for (; b + A <= blocks; b += A)
+    for (int a = 0; a < A; ++a) block(b + a, a);
+  for (; b < blocks; ++b) block(b, 0);
+  for (int j = 0; j < R; ++j) {
+    if constexpr (C == 4) {
+      const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(acc[0][j][0], acc[1][j][0]),
+                                      _mm256_hadd_ps(acc[2][j][0], acc[3][j][0]));
+      const __m128 four = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+      _mm_storeu_ps(out + j * out_stride, _mm_mul_ps(four, _mm_loadu_ps(ws)));
+    } else {
+      for (int c = 0; c < C; ++c) {
+        __m256 total = acc[c][j][0];
+        for (int a = 1; a < A; ++a) total = _mm256_add_ps(total, acc[c][j][a]);
+        out[j * out_stride + c] = hsum(total) * ws[c];
+      }
+    }
+  }
+}
+
+// One tile of C columns at column n for every row of x, rows in groups of up to R.
+template <int R, int C>
+inline void int8_tile_rows(int64_t n, int64_t M, const int8_t* w, int64_t K, const float* ws, int64_t blocks,
+                           const int8_t* q, const float* qs, float* out, int64_t N) {
+  const int8_t* wn = w + n * K;
+  for (int64_t m0 = 0; m0 < M; m0 += R) {
+    const int8_t* qm = q + m0 * K;
+    const float* sm = qs + m0 * blocks;
+    float* o = out + m0 * N + n;
+    switch (std::min<int64_t>(R, M - m0)) {
+      case 4: if constexpr (R >= 4) { int8_tile<4, C>(wn, K, ws + n, blocks, qm, sm, o, N); break; } [[fallthrough]];
+      case 3: if constexpr (R >= 3) { int8_tile<3, C>(wn, K, ws + n, blocks, qm, sm, o, N); break; } [[fallthrough]];
+      case 2: if constexpr (R >= 2) { int8_tile<2, C>(wn, K, ws + n, blocks, qm, sm, o, N); break; } [[fallthrough]];
+      default: int8_tile<1, C>(wn, K, ws + n, blocks, qm, sm, o, N);
+    }
+  }
+}
 #endif
 
 }  // namespace
@@ -212,7 +275,11 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   float* op = out.data_ptr<float>();
   const __m256i ones = _mm256_set1_epi16(1);
   at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) {
+    if (M > 1) {  // each weight block loaded once for up to four rows: 1.19x at 2 rows, 1.5x at 4-8
+      for (int64_t n = begin; n < end; ++n) int8_tile_rows<4, 1>(n, M, w, K, ws, blocks, xq.data(), xs.data(), op, N);
+      return;
+    }
+    for (int64_t n = begin; n < end; ++n) {  // one row: this loop measured ~5% ahead of the tile's
       const int8_t* row = w + n * K;
       for (int64_t m = 0; m < M; ++m) {
         const int8_t* q = xq.data() + m * K;
