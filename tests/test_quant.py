@@ -113,8 +113,8 @@ def test_the_w4a8_layer_kernel_computes_what_it_claims(rows, dtype):
     """The native 4-bit x int8 product (the codes as vpmaddubsw's unsigned factor, the groups'
     offsets through each block's activation sum) against the spelled-out arithmetic: equal to
     float rounding, with codes at 0 and 15, a zero activation block, and row counts that do and
-    do not fill the kernel's groups of four, over 83 columns (tiles of four or two columns and the
-    ones left over, on each thread's share); within int8 rounding of the exact product; and the
+    do not fill the kernel's groups of four, over an odd number of columns (83: the threads' shares
+    differ); within int8 rounding of the exact product; and the
     dense copy it hands large steps is exactly the file's weights."""
     kernels = load_fused_ops()
     if kernels is None or not kernels.int8_gemv_supported():

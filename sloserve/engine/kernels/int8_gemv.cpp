@@ -87,58 +87,48 @@ Int8Rows quantize_rows(const at::Tensor& x, bool sums) {
   return out;
 }
 
-// C neighbouring output columns for R rows of x: each activation block is loaded once for the C
-// columns, and with C = 4 the four sums reduce together (one tree of horizontal adds, one store),
-// which at K = 576 (18 blocks a column) was a large share of a column's time.
-template <int R, int C>
-inline void int4_tile(const uint8_t* __restrict w, int64_t row_bytes, const uint16_t* __restrict scale_h,
+// One output column n of W4A8 for R rows of x (R a constant, so the accumulators stay in
+// registers): each block's codes are unpacked once and multiplied with every row's. The per-block
+// factors (weight scale x activation scale) and the offsets' term are formed first, eight blocks
+// at a time, so the inner loop has one broadcast load of scalar work a block and row.
+template <int R>
+inline void int4_rows(const uint8_t* __restrict row, const uint16_t* __restrict scale_h,
                       const uint16_t* __restrict offset_h, int64_t blocks, const int8_t* __restrict q,
                       const float* __restrict qs, const float* __restrict qsum, int64_t K, float* __restrict out,
                       int64_t out_stride, float* __restrict dq) {
-  float shift[C][R];
-  for (int c = 0; c < C; ++c) {
-    const uint16_t* d16 = scale_h + c * blocks;
-    const uint16_t* o16 = offset_h + c * blocks;
-    for (int j = 0; j < R; ++j) {
-      const float* s = qs + j * blocks;
-      const float* t = qsum + j * blocks;
-      float* f = dq + (c * R + j) * blocks;
-      __m256 sh = _mm256_setzero_ps();
-      int64_t b = 0;
-      for (; b + 8 <= blocks; b += 8) {
-        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d16 + b)));
-        const __m256 o = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(o16 + b)));
-        _mm256_storeu_ps(f + b, _mm256_mul_ps(d, _mm256_loadu_ps(s + b)));
-        sh = _mm256_fmadd_ps(o, _mm256_loadu_ps(t + b), sh);
-      }
-      shift[c][j] = hsum(sh);
-      for (; b < blocks; ++b) {
-        f[b] = _cvtsh_ss(d16[b]) * s[b];
-        shift[c][j] += _cvtsh_ss(o16[b]) * t[b];
-      }
+  float shift[R];
+  for (int j = 0; j < R; ++j) {
+    const float* s = qs + j * blocks;
+    const float* t = qsum + j * blocks;
+    float* f = dq + j * blocks;
+    __m256 sh = _mm256_setzero_ps();
+    int64_t b = 0;
+    for (; b + 8 <= blocks; b += 8) {
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scale_h + b)));
+      const __m256 o = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(offset_h + b)));
+      _mm256_storeu_ps(f + b, _mm256_mul_ps(d, _mm256_loadu_ps(s + b)));
+      sh = _mm256_fmadd_ps(o, _mm256_loadu_ps(t + b), sh);
+    }
+    shift[j] = hsum(sh);
+    for (; b < blocks; ++b) {
+      f[b] = _cvtsh_ss(scale_h[b]) * s[b];
+      shift[j] += _cvtsh_ss(offset_h[b]) * t[b];
     }
   }
   const __m256i low = _mm256_set1_epi8(0x0F);
   const __m256i ones16 = _mm256_set1_epi16(1);
-  // independent chains of fused multiply-adds: four at least, within the sixteen registers
-  constexpr int A = C > 1 ? 1 : (R == 1 ? 4 : 2);
-  __m256 acc[C][R][A];
-  for (int c = 0; c < C; ++c)
-    for (int j = 0; j < R; ++j)
-      for (int a = 0; a < A; ++a) acc[c][j][a] = _mm256_setzero_ps();
+  // A independent sums a row: one chain of fused multiply-adds would wait on its own latency
+  constexpr int A = R == 1 ? 4 : 2;
+  __m256 acc[R][A];
+  for (int j = 0; j < R; ++j)
+    for (int a = 0; a < A; ++a) acc[j][a] = _mm256_setzero_ps();
   auto block = [&](int64_t b, int a) {
-    __m256i codes[C];
-    for (int c = 0; c < C; ++c) {
-      const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + c * row_bytes + b * 16));
-      codes[c] = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), low);
-    }
+    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * 16));
+    const __m256i codes = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), low);
     for (int j = 0; j < R; ++j) {
       const __m256i qv = _mm256_load_si256(reinterpret_cast<const __m256i*>(q + j * K + b * 32));
-      for (int c = 0; c < C; ++c) {
-        const __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(codes[c], qv), ones16);
-        const __m256 factor = _mm256_broadcast_ss(dq + (c * R + j) * blocks + b);
-        acc[c][j][a] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), factor, acc[c][j][a]);
-      }
+      const __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(codes, qv), ones16);
+      acc[j][a] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_broadcast_ss(dq + j * blocks + b), acc[j][a]);
     }
   };
   int64_t b = 0;
@@ -146,65 +136,30 @@ inline void int4_tile(const uint8_t* __restrict w, int64_t row_bytes, const uint
     for (int a = 0; a < A; ++a) block(b + a, a);
   for (; b < blocks; ++b) block(b, 0);
   for (int j = 0; j < R; ++j) {
-    if constexpr (C == 4) {
-      const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(acc[0][j][0], acc[1][j][0]),
-                                      _mm256_hadd_ps(acc[2][j][0], acc[3][j][0]));
-      const __m128 four = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-      const __m128 shifts = _mm_setr_ps(shift[0][j], shift[1][j], shift[2][j], shift[3][j]);
-      _mm_storeu_ps(out + j * out_stride, _mm_add_ps(four, shifts));
-    } else {
-      for (int c = 0; c < C; ++c) {
-        __m256 total = acc[c][j][0];
-        for (int a = 1; a < A; ++a) total = _mm256_add_ps(total, acc[c][j][a]);
-        out[j * out_stride + c] = hsum(total) + shift[c][j];
-      }
-    }
+    __m256 total = acc[j][0];
+    for (int a = 1; a < A; ++a) total = _mm256_add_ps(total, acc[j][a]);
+    out[j * out_stride] = hsum(total) + shift[j];
   }
 }
 
-// One tile of C columns at column n for every row of x, rows in groups of up to four.
-template <int C>
-inline void int4_tile_rows(int64_t n, int64_t M, const uint8_t* w, int64_t row_bytes, const uint16_t* scales,
-                           const uint16_t* offsets, int64_t blocks, const int8_t* q, const float* qs,
-                           const float* qsum, int64_t K, float* out, int64_t N, float* dq) {
-  const uint8_t* wn = w + n * row_bytes;
-  const uint16_t *sn = scales + n * blocks, *on = offsets + n * blocks;
-  for (int64_t m0 = 0; m0 < M; m0 += 4) {
-    const int8_t* qm = q + m0 * K;
-    const float *sm = qs + m0 * blocks, *tm = qsum + m0 * blocks;
-    float* o = out + m0 * N + n;
-    switch (std::min<int64_t>(4, M - m0)) {
-      case 4: int4_tile<4, C>(wn, row_bytes, sn, on, blocks, qm, sm, tm, K, o, N, dq); break;
-      case 3: int4_tile<3, C>(wn, row_bytes, sn, on, blocks, qm, sm, tm, K, o, N, dq); break;
-      case 2: int4_tile<2, C>(wn, row_bytes, sn, on, blocks, qm, sm, tm, K, o, N, dq); break;
-      default: int4_tile<1, C>(wn, row_bytes, sn, on, blocks, qm, sm, tm, K, o, N, dq);
-    }
-  }
-}
-
-// W8A8: C neighbouring output columns for R rows of x (codes [.., K] int8 at `w`, a row's float
-// scale in ws): each weight block is loaded once for the R rows, each activation block once for
-// the C columns; with C = 4 the four sums reduce together.
-template <int R, int C>
-inline void int8_tile(const int8_t* __restrict w, int64_t K, const float* __restrict ws, int64_t blocks,
-                      const int8_t* __restrict q, const float* __restrict qs, float* __restrict out,
-                      int64_t out_stride) {
+// W8A8, one output column (codes `row`, scale `ws`) for R rows of x: each weight block is loaded
+// and its signs taken once for the R rows.
+template <int R>
+inline void int8_rows(const int8_t* __restrict row, float ws, int64_t K, int64_t blocks, const int8_t* __restrict q,
+                      const float* __restrict qs, float* __restrict out, int64_t out_stride) {
   const __m256i ones = _mm256_set1_epi16(1);
-  constexpr int A = C * R >= 4 ? 1 : 4 / (C * R);  // independent chains of fused multiply-adds
-  __m256 acc[C][R][A];
-  for (int c = 0; c < C; ++c)
-    for (int j = 0; j < R; ++j)
-      for (int a = 0; a < A; ++a) acc[c][j][a] = _mm256_setzero_ps();
+  constexpr int A = R >= 4 ? 1 : (R == 1 ? 4 : 2);  // independent chains of fused multiply-adds
+  __m256 acc[R][A];
+  for (int j = 0; j < R; ++j)
+    for (int a = 0; a < A; ++a) acc[j][a] = _mm256_setzero_ps();
   auto block = [&](int64_t b, int a) {
-    __m256i wv[C];
-    for (int c = 0; c < C; ++c) wv[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c * K + b * 32));
+    const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * 32));
+    const __m256i magnitude = _mm256_sign_epi8(wv, wv);
     for (int j = 0; j < R; ++j) {
       const __m256i qv = _mm256_load_si256(reinterpret_cast<const __m256i*>(q + j * K + b * 32));
-      const __m256 s = _mm256_broadcast_ss(qs + j * blocks + b);
-      for (int c = 0; c < C; ++c) {
-        const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(wv[c], wv[c]), _mm256_sign_epi8(qv, wv[c]));
-        acc[c][j][a] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones)), s, acc[c][j][a]);
-      }
+      const __m256i pairs = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(qv, wv));
+      acc[j][a] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones)),
+                                  _mm256_broadcast_ss(qs + j * blocks + b), acc[j][a]);
     }
   };
   int64_t b = 0;
@@ -212,36 +167,9 @@ inline void int8_tile(const int8_t* __restrict w, int64_t K, const float* __rest
     for (int a = 0; a < A; ++a) block(b + a, a);
   for (; b < blocks; ++b) block(b, 0);
   for (int j = 0; j < R; ++j) {
-    if constexpr (C == 4) {
-      const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(acc[0][j][0], acc[1][j][0]),
-                                      _mm256_hadd_ps(acc[2][j][0], acc[3][j][0]));
-      const __m128 four = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-      _mm_storeu_ps(out + j * out_stride, _mm_mul_ps(four, _mm_loadu_ps(ws)));
-    } else {
-      for (int c = 0; c < C; ++c) {
-        __m256 total = acc[c][j][0];
-        for (int a = 1; a < A; ++a) total = _mm256_add_ps(total, acc[c][j][a]);
-        out[j * out_stride + c] = hsum(total) * ws[c];
-      }
-    }
-  }
-}
-
-// One tile of C columns at column n for every row of x, rows in groups of up to R.
-template <int R, int C>
-inline void int8_tile_rows(int64_t n, int64_t M, const int8_t* w, int64_t K, const float* ws, int64_t blocks,
-                           const int8_t* q, const float* qs, float* out, int64_t N) {
-  const int8_t* wn = w + n * K;
-  for (int64_t m0 = 0; m0 < M; m0 += R) {
-    const int8_t* qm = q + m0 * K;
-    const float* sm = qs + m0 * blocks;
-    float* o = out + m0 * N + n;
-    switch (std::min<int64_t>(R, M - m0)) {
-      case 4: if constexpr (R >= 4) { int8_tile<4, C>(wn, K, ws + n, blocks, qm, sm, o, N); break; } [[fallthrough]];
-      case 3: if constexpr (R >= 3) { int8_tile<3, C>(wn, K, ws + n, blocks, qm, sm, o, N); break; } [[fallthrough]];
-      case 2: if constexpr (R >= 2) { int8_tile<2, C>(wn, K, ws + n, blocks, qm, sm, o, N); break; } [[fallthrough]];
-      default: int8_tile<1, C>(wn, K, ws + n, blocks, qm, sm, o, N);
-    }
+    __m256 total = acc[j][0];
+    for (int a = 1; a < A; ++a) total = _mm256_add_ps(total, acc[j][a]);
+    out[j * out_stride] = hsum(total) * ws;
   }
 }
 #endif
@@ -276,10 +204,21 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   const __m256i ones = _mm256_set1_epi16(1);
   at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
     if (M > 1) {  // each weight block loaded once for up to four rows: 1.19x at 2 rows, 1.5x at 4-8
-      for (int64_t n = begin; n < end; ++n) int8_tile_rows<4, 1>(n, M, w, K, ws, blocks, xq.data(), xs.data(), op, N);
+      for (int64_t n = begin; n < end; ++n)
+        for (int64_t m0 = 0; m0 < M; m0 += 4) {
+          const int8_t* qm = xq.data() + m0 * K;
+          const float* sm = xs.data() + m0 * blocks;
+          float* o = op + m0 * N + n;
+          switch (std::min<int64_t>(4, M - m0)) {
+            case 4: int8_rows<4>(w + n * K, ws[n], K, blocks, qm, sm, o, N); break;
+            case 3: int8_rows<3>(w + n * K, ws[n], K, blocks, qm, sm, o, N); break;
+            case 2: int8_rows<2>(w + n * K, ws[n], K, blocks, qm, sm, o, N); break;
+            default: int8_rows<1>(w + n * K, ws[n], K, blocks, qm, sm, o, N);
+          }
+        }
       return;
     }
-    for (int64_t n = begin; n < end; ++n) {  // one row: this loop measured ~5% ahead of the tile's
+    for (int64_t n = begin; n < end; ++n) {  // one row: this loop measured ~5% ahead of int8_rows<1>
       const int8_t* row = w + n * K;
       for (int64_t m = 0; m < M; ++m) {
         const int8_t* q = xq.data() + m * K;
@@ -323,20 +262,23 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& nibbles, const at::T
   const int8_t* q = xq.q.data();
   const float* qs = xq.scale.data();
   const float* qsum = xq.scaled_sum.data();
-  const int64_t row_bytes = K / 2;
-  // Columns in tiles of four for one or two rows of x (1.24-1.33x over one column at a time at one row,
-  // ~1.09x at two, the 30 layers' linears on the 2-core Zen3), of two for more.
   at::parallel_for(0, N, 32, [&](int64_t begin, int64_t end) {
-    std::vector<float> dq(8 * blocks);
-    int64_t n = begin;
-    if (M <= 2)
-      for (; n + 4 <= end; n += 4)
-        int4_tile_rows<4>(n, M, w, row_bytes, scales, offsets, blocks, q, qs, qsum, K, op, N, dq.data());
-    else
-      for (; n + 2 <= end; n += 2)
-        int4_tile_rows<2>(n, M, w, row_bytes, scales, offsets, blocks, q, qs, qsum, K, op, N, dq.data());
-    for (; n < end; ++n)
-      int4_tile_rows<1>(n, M, w, row_bytes, scales, offsets, blocks, q, qs, qsum, K, op, N, dq.data());
+    std::vector<float> dq(4 * blocks);
+    for (int64_t n = begin; n < end; ++n) {
+      const uint8_t* row = w + n * (K / 2);
+      const uint16_t *sc = scales + n * blocks, *of = offsets + n * blocks;
+      for (int64_t m0 = 0; m0 < M; m0 += 4) {  // rows of x share each unpacked weight block, four at a time
+        const int8_t* qm = q + m0 * K;
+        const float *sm = qs + m0 * blocks, *tm = qsum + m0 * blocks;
+        float* o = op + m0 * N + n;
+        switch (std::min<int64_t>(4, M - m0)) {
+          case 4: int4_rows<4>(row, sc, of, blocks, qm, sm, tm, K, o, N, dq.data()); break;
+          case 3: int4_rows<3>(row, sc, of, blocks, qm, sm, tm, K, o, N, dq.data()); break;
+          case 2: int4_rows<2>(row, sc, of, blocks, qm, sm, tm, K, o, N, dq.data()); break;
+          default: int4_rows<1>(row, sc, of, blocks, qm, sm, tm, K, o, N, dq.data());
+        }
+      }
+    }
   });
 #endif
   return out;
