@@ -20,7 +20,8 @@ from sloserve.engine.migration import ResumeState
 from sloserve.engine.model import KVCache, LlamaModel
 from sloserve.engine.outputs import RequestMetrics, RequestOutput, TokenLogprob
 from sloserve.engine.precision_probe import choose_cpu_dtype, prepack_pays, quantized_max_rows
-from sloserve.engine.quant import can_prepack, resolve_quantization
+from sloserve.engine.quant import (can_prepack, int8_activation_kernels, resolve_quantization,
+                                   takes_int8_activations)
 from sloserve.engine.kv_store import KVStoreClient
 from sloserve.engine.kv_tiers import DiskKVTier, TierMovers, kv_fingerprint, model_identity
 from sloserve.engine.runner import KVTransferError, ModelRunner, TierLoadFailed
@@ -132,15 +133,15 @@ class LLMEngine:
             fused_ops = load_fused_ops()
         hidden, intermediate = loaded.config.hidden_size, loaded.config.intermediate_size
         prepack = config.native_kernels and can_prepack(self.dtype, self.device) and prepack_pays(hidden, intermediate)
-        a8_ops = fused_ops if hasattr(fused_ops, "int8_gemv_supported") and fused_ops.int8_gemv_supported() else None
-        a8 = {"layers": a8_ops if config.layers_a8 and self.quantization == "int4" else None,
-              "head": a8_ops if config.head_w8a8 else None}
+        a8_ops = int8_activation_kernels(fused_ops, self.device)
+        wanted = {"layers": config.layers_a8, "head": config.head_w8a8}
         dense_above: dict[str, Optional[int]] = {}
         if self.quantization != "none" and config.quantized_dense_copy:
             # the layers' kernel, and the LM head's (int8 in both modes), each as it will run
             for part, kind in (("layers", self.quantization), ("head", "int8")):
+                a8 = a8_ops if wanted[part] and takes_int8_activations(part, kind) else None
                 dense_above[part] = quantized_max_rows(hidden, intermediate, kind, self.dtype, prepack=prepack,
-                                                       int8_activations=a8[part])
+                                                       int8_activations=a8)
         self.dense_above = dense_above  # rows above which each part's dense copy runs (the probe's answer)
         self.model = LlamaModel(loaded.config, loaded.weights, self.device, self.dtype, decode_attention,
                                 self.quantization, dense_above, fused_ops, prepack, config.attention_kernel,

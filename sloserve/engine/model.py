@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from sloserve.config import ModelConfig
 from sloserve.engine.quant import (DenseLinear, GroupAffine4, Int4Linear, Int8Linear, Linear, RowDispatchLinear,
-                                   as_dtype, can_prepack)
+                                   as_dtype, can_prepack, int8_activation_kernels, takes_int8_activations)
 
 
 @dataclass
@@ -204,9 +204,7 @@ class LlamaModel:
         prepack = prepack and can_prepack(dtype, device)
         tied = config.tie_word_embeddings or "lm_head.weight" not in weights
 
-        # int8 activations need the native kernels (AVX2) and inputs in whole 32-element blocks
-        a8_ops = fused_ops if device.type == "cpu" and hasattr(fused_ops, "int8_gemv_supported") \
-            and fused_ops.int8_gemv_supported() else None
+        a8_ops = int8_activation_kernels(fused_ops, device)
 
         def linear(names: list[str], bias: list[str] = (), kind: str = quantization, keep_weight: bool = False,
                    part: str = "layers", a8: bool = False) -> Linear:
@@ -215,10 +213,9 @@ class LlamaModel:
             max_rows = dense_above.get(part)
             if kind == "none" or max_rows == 0:
                 return DenseLinear(torch.cat([w(n) for n in names]), b, prepack, keep_weight)
-            # int8 layers keep bf16 activations: with int8 ones as well, top-1 agreement fell below
-            # the int8 tolerance (0.926 against 0.93 on the held-out texts); the head alone stays within
-            int8_layer = kind == "int8" and part == "layers"
-            ops = a8_ops if a8 and not int8_layer and all(weights[n].shape[1] % 32 == 0 for n in names) else None
+            # int8 activations come in whole 32-element blocks
+            ops = a8_ops if a8 and takes_int8_activations(part, kind) and all(
+                weights[n].shape[1] % 32 == 0 for n in names) else None
             if kind == "int4":
                 parts = [v if isinstance(v, GroupAffine4) else GroupAffine4.quantize(v)
                          for v in (weights[n] for n in names)]
