@@ -78,16 +78,17 @@ def head_alone(head: Int8Linear, kernel, dtype: torch.dtype) -> list[dict]:
 def layers_alone(kernels, dtype: torch.dtype, num_layers: int) -> list[dict]:
     """Layer 0's four 4-bit matrices from the file, each in both packings; ms for all the layers."""
     weights = load_model(None, keep_int4=True).weights
-    pairs = {}
+    pairs, w_in = {}, {}
     for name, parts in LAYER_MATRICES.items():
         prefix = "model.layers.0.self_attn." if name in ("qkv", "o") else "model.layers.0.mlp."
         w = GroupAffine4.cat([weights[prefix + p + ".weight"] for p in parts])
         pairs[name] = (Int4Linear(w), Int4Linear(w, w4a8=kernels.int4_gemv))
+        w_in[name] = w.shape[1]
     out = []
     for rows in ROWS:
         row = {"rows": rows, "weight_only_ms": 0.0, "a8_ms": 0.0}
         for name, (torch_form, a8_form) in pairs.items():
-            x = torch.randn(rows, a8_form.nibbles.shape[1] * 2, generator=torch.Generator().manual_seed(rows)).to(dtype)
+            x = torch.randn(rows, w_in[name], generator=torch.Generator().manual_seed(rows)).to(dtype)
             row[f"{name}_weight_only_ms"], row[f"{name}_a8_ms"] = best_ms(torch_form, x), best_ms(a8_form, x)
             row["weight_only_ms"] += row[f"{name}_weight_only_ms"] * num_layers
             row["a8_ms"] += row[f"{name}_a8_ms"] * num_layers

@@ -113,8 +113,8 @@ def test_the_w4a8_layer_kernel_computes_what_it_claims(rows, dtype):
     """The native 4-bit x int8 product (the codes as vpmaddubsw's unsigned factor, the groups'
     offsets through each block's activation sum) against the spelled-out arithmetic: equal to
     float rounding, with codes at 0 and 15, a zero activation block, and row counts that do and
-    do not fill the kernel's groups of four, over an odd number of columns (83: the threads' shares
-    differ); within int8 rounding of the exact product; and the
+    do not fill the kernel's groups of four, over an odd number of columns (83: the last tile of
+    eight columns is partial, the threads' shares differ); within int8 rounding of the exact product; and the
     dense copy it hands large steps is exactly the file's weights."""
     kernels = load_fused_ops()
     if kernels is None or not kernels.int8_gemv_supported():
@@ -127,7 +127,8 @@ def test_the_w4a8_layer_kernel_computes_what_it_claims(rows, dtype):
     weight = GroupAffine4(weight.codes, weight.scale.half().float(), weight.offset.half().float())
     assert weight.codes[0, :32].min() == 0 and weight.codes[0, :32].max() == 15
     packed = Int4Linear(weight, w4a8=kernels.int4_gemv)
-    assert packed.nbytes == w.numel() // 2 + 2 * 2 * (w.numel() // 32)  # two codes a byte, two halves a group
+    # two codes a byte and two float16 halves a group, for the columns padded to whole tiles of eight
+    assert packed.nbytes == 88 * (96 // 2 + 2 * 2 * (96 // 32))
     assert torch.equal(packed.dequantized(torch.float32), weight.dequantize())
     x = torch.randn(rows, 96).to(dtype)
     x[0, 32:64] = 0

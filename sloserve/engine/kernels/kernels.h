@@ -49,8 +49,8 @@ bool int8_gemv_supported();
 at::Tensor int8_gemv(const at::Tensor& x,             // [M, K] float32/bf16, K a multiple of 32
                      const at::Tensor& codes,         // [N, K] int8 in [-127, 127]
                      const at::Tensor& weight_scale);  // [N] float32; returns [M, N] float32
-at::Tensor int4_gemv(const at::Tensor& x,              // [M, K] float32/bf16, K a multiple of 32
-                     const at::Tensor& nibbles,        // [N, K / 2] uint8: per 32 inputs, 16 bytes (low nibbles 0-15)
-                     const at::Tensor& scale_offset);  // [2, N, K / 32] float16: w = scale * code + offset
+at::Tensor int4_gemv(const at::Tensor& x,      // [M, K] float32/bf16, K a multiple of 32
+                     const at::Tensor& tiles,  // [ceil(N / 8), K / 32, 160] uint8: quant.w4a8_tiles's layout
+                     int64_t N);               // output columns; returns [M, N] float32
 
 }  // namespace sloserve
