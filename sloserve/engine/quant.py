@@ -114,7 +114,7 @@ def w4a8_tiles(weight: GroupAffine4) -> torch.Tensor:
 
     codes = padded(weight.codes).view(tiles, W4A8_TILE, groups, 2, 4, 4)  # tile, column, group, half, c, i
     low, high = (codes[:, :, :, half].permute(0, 2, 3, 1, 4) for half in (0, 1))  # tile, group, c, column, i
-    packed = (low | (high << 4)).reshape(tiles, groups, 128)
+    packed = (low | (high << 4)).reshape(tiles, groups, W4A8_TILE * INT4_GROUP // 2)  # two codes a byte
 
     def per_tile(t: torch.Tensor) -> torch.Tensor:  # [out, groups] -> [tiles, groups, 8 float16 as 16 bytes]
         t = padded(t).to(torch.float16).view(tiles, W4A8_TILE, groups).permute(0, 2, 1).contiguous()
