@@ -35,7 +35,7 @@ from rich.table import Table
 from sloserve.bench.metrics import Summary, summarize
 from sloserve.records import RequestRecord
 from sloserve.bench.runner import class_slos
-from sloserve.config import CacheConfig, SchedulerConfig
+from sloserve.config import PREEMPTION_VICTIMS, CacheConfig, SchedulerConfig
 from sloserve.simulation import FleetConfig, build_fleet, sim_requests, simulate
 from sloserve.types import QoSClass
 from sloserve.workload.mix import ClassSpec, Mix
@@ -224,7 +224,7 @@ def plot_engine(rows: list[dict], path: Path, title: str) -> None:
 
 # ---- the real engine (small) -------------------------------------------------------------
 def engine_run(policy: str, stream: list[WorkloadRequest], mix: Mix, num_threads: int, budget: int,
-               victim: str = "rank", num_blocks: Optional[int] = None,
+               victim: str = PREEMPTION_VICTIMS[0], num_blocks: Optional[int] = None,
                preemption: str = "recompute") -> tuple[Summary, int]:
     """Replay `stream` in real time on the embedded model; records as the bench client would.
     Returns the summary and the engine's preemptions."""
@@ -299,8 +299,8 @@ def main() -> int:
     # fail every request under any policy: the engine run scales the targets to the machine.
     p.add_argument("--engine-targets", default="1.0,0.15,20,1.0", metavar="TTFT,TBT,TTFT,TBT",
                    help="interactive then batch TTFT/TBT targets (s) for --engine")
-    p.add_argument("--engine-victims", default="rank",
-                   help="--engine: preemption victim rules to compare (rank, slack), each with every policy")
+    p.add_argument("--engine-victims", default=PREEMPTION_VICTIMS[0],
+                   help="--engine: preemption victim rules to compare (slack, rank), each with every policy")
     p.add_argument("--engine-kv-blocks", type=int, default=None,
                    help="--engine: KV blocks (default: 0.25 GiB); few blocks put the engine under memory pressure")
     p.add_argument("--engine-scale", type=float, default=0.1,
@@ -321,7 +321,7 @@ def main() -> int:
                               scale=args.engine_scale, max_requests=args.engine_requests)
         rows = []
         victims = [v for v in args.engine_victims.split(",") if v]
-        plain = victims == ["rank"]  # the table keeps the policy names as before
+        plain = len(victims) == 1  # one rule: the table keeps the policy names
         labels = [p if plain else f"{p}/{v}" for p in policies for v in victims]
         engine_preemption = "recompute" if args.preemption == "auto" and args.engine_kv_blocks is None \
             else args.preemption

@@ -70,22 +70,30 @@ def main() -> int:
                 max_num_batched_tokens=2048, max_num_seqs=256, policy=policy, preemption_mode=mode,
                 preemption_victim=victim))
             sim = build_fleet(cfg)
-            records, _ = simulate(sim, sim_requests(streams[rate], CLASSES))
+            requests = list(sim_requests(streams[rate], CLASSES))
+            records, _ = simulate(sim, requests)
+            e2e = sorted(r.e2e_s for r in records if r.e2e_s is not None)
             rows.append({"rate": rate, "blocks": nblocks, "policy": policy, "mode": mode, "victim": victim,
                          "ttft_attainment": sum(met(r, True) for r in records) / len(records),
                          "slo_attainment": sum(met(r) for r in records) / len(records),
-                         "preemptions": sim.instances[0].scheduler.stats.num_preemptions})
+                         "preemptions": sim.instances[0].scheduler.stats.num_preemptions,
+                         # thrash: how often the worst-off request was sent back, and the slow tail
+                         "max_preemptions_per_request": max(r.num_preemptions for r in requests),
+                         "completed": len(e2e) / len(records),
+                         "e2e_p99_s": e2e[min(len(e2e) - 1, int(0.99 * len(e2e)))] if e2e else None})
             progress.advance(task)
     table = Table(title=f"Preemption victim under memory pressure ({args.requests} ShareGPT requests, 1 x H100, 8B)")
     for col in ("rate", "blocks", "policy", "mode", "TTFT att rank", "TTFT att slack", "SLO att rank", "SLO att slack",
-                "preempt rank", "preempt slack"):
+                "preempt rank", "preempt slack", "max/req rank", "max/req slack", "p99 E2E rank", "p99 E2E slack"):
         table.add_column(col, justify="right")
     pairs = [(rows[i], rows[i + 1]) for i in range(0, len(rows), 2)]
     for rank, slack in pairs:
         table.add_row(f"{rank['rate']:g}", str(rank["blocks"]), rank["policy"], rank["mode"],
                       f"{100 * rank['ttft_attainment']:.1f}%", f"{100 * slack['ttft_attainment']:.1f}%",
                       f"{100 * rank['slo_attainment']:.1f}%", f"{100 * slack['slo_attainment']:.1f}%",
-                      str(rank["preemptions"]), str(slack["preemptions"]))
+                      str(rank["preemptions"]), str(slack["preemptions"]),
+                      str(rank["max_preemptions_per_request"]), str(slack["max_preemptions_per_request"]),
+                      f"{rank['e2e_p99_s']:.1f}s", f"{slack['e2e_p99_s']:.1f}s")
     console.print(table)
     RESULTS.mkdir(exist_ok=True)
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")

@@ -8,7 +8,7 @@ from typing import Optional, Sequence
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    from sloserve.config import ATTENTION_KERNELS
+    from sloserve.config import ATTENTION_KERNELS, PREEMPTION_VICTIMS
 
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=None, help="GGUF file or HF model directory (default: embedded SmolLM2-135M-Instruct)")
@@ -30,8 +30,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--scheduling-policy", default="fcfs", help="fcfs, priority, edf, slo or vtc")
     g.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap", "auto"],
                    help="preempt by recompute, by swap to host memory, or per victim by cost (auto)")
-    g.add_argument("--preemption-victim", default="rank", choices=["rank", "slack"],
-                   help="under memory pressure preempt the lowest-ranked request, or the one with the most SLO slack")
+    g.add_argument("--preemption-victim", default=PREEMPTION_VICTIMS[0], choices=PREEMPTION_VICTIMS,
+                   help="under memory pressure preempt the request with the most SLO slack (default; it then sits out "
+                        "half of it), or the lowest-ranked one (rank)")
     g.add_argument("--speculative", default="off", choices=["off", "prompt-lookup"],
                    help="speculative decoding with drafts from the request's own tokens, per step when it pays")
     g.add_argument("--num-speculative-tokens", type=int, default=4, help="drafts per request and step, at most")

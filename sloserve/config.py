@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
+PREEMPTION_VICTIMS = ("slack", "rank")  # sched/rotation.py; the first is the default
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -134,9 +136,11 @@ class SchedulerConfig:
     # prefill later), "swap" (copy the KV to the host tier and back), or "auto" (per victim,
     # whichever the cost estimates say is cheaper).
     preemption_mode: str = "recompute"
-    # Which running request is preempted when blocks run short: "rank" (the lowest-ranked in
-    # policy order) or "slack" (the one with the most SLO slack: sched/rotation.py).
-    preemption_victim: str = "rank"
+    # Which running request is preempted when blocks run short: "slack" (the one with the most
+    # SLO slack, which then sits out half of it: sched/rotation.py) or "rank" (the lowest-ranked
+    # in policy order, vLLM's rule). Without SLO targets every request has infinite slack and
+    # the two pick the same victim.
+    preemption_victim: str = PREEMPTION_VICTIMS[0]
     # Size each step's prefill tokens from the TBT slack of the running decodes; None = the
     # policy's default (on for `slo`). Needs a step-cost estimator.
     dynamic_chunking: Optional[bool] = None
@@ -156,7 +160,7 @@ class SchedulerConfig:
             raise ValueError("max_num_seqs must be positive")
         if self.long_prefill_token_threshold < 0:
             raise ValueError("long_prefill_token_threshold must be >= 0")
-        if self.preemption_victim not in ("rank", "slack"):
+        if self.preemption_victim not in PREEMPTION_VICTIMS:
             raise ValueError(f"preemption_victim must be rank or slack, got {self.preemption_victim!r}")
         if self.preemption_mode not in ("recompute", "swap", "auto"):
             raise ValueError(f"preemption_mode must be recompute, swap or auto, got {self.preemption_mode!r}")

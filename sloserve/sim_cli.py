@@ -54,6 +54,7 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
 
 def add_fleet_args(p: argparse.ArgumentParser) -> None:
     from sloserve.cluster.migration import MIGRATION_POLICIES
+    from sloserve.config import PREEMPTION_VICTIMS
     from sloserve.cluster.routers import ROUTERS
     from sloserve.cluster.mixed_handoff import DEFAULT_QUEUED_TOKENS, MIXED_HANDOFFS
     from sloserve.sched.policies import POLICIES
@@ -100,8 +101,9 @@ def add_fleet_args(p: argparse.ArgumentParser) -> None:
     f.add_argument("--no-prefix-caching", action="store_true")
     f.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap", "auto"],
                    help="preempt by recompute, swap to host memory, or per victim by cost (auto)")
-    f.add_argument("--preemption-victim", default="rank", choices=["rank", "slack"],
-                   help="under memory pressure preempt the lowest-ranked request, or the one with the most SLO slack")
+    f.add_argument("--preemption-victim", default=PREEMPTION_VICTIMS[0], choices=PREEMPTION_VICTIMS,
+                   help="under memory pressure preempt the request with the most SLO slack (default; it then sits out "
+                        "half of it), or the lowest-ranked one (rank)")
     f.add_argument("--swap-space", type=float, default=4.0, metavar="GIB",
                    help="host memory per device for swapped-out KV (with --preemption-mode swap/auto)")
     f.add_argument("--no-fast-forward", action="store_true", help="one event per step (slower, same decisions)")
@@ -176,7 +178,7 @@ def add_fleet_args(p: argparse.ArgumentParser) -> None:
 
 
 def fleet_config_from_args(args: argparse.Namespace):
-    from sloserve.config import CacheConfig, SchedulerConfig, parse_pd_capacity
+    from sloserve.config import PREEMPTION_VICTIMS, CacheConfig, SchedulerConfig, parse_pd_capacity
     from sloserve.sim.hardware import DEFAULT_LINK
     from sloserve.simulation import FleetConfig, PoolSettings
     from sloserve.cluster.mixed_handoff import DEFAULT_QUEUED_TOKENS
@@ -186,7 +188,7 @@ def fleet_config_from_args(args: argparse.Namespace):
         instances=high, min_instances=low, hardware=args.hardware, model=args.model, tp=args.tp, router=args.router,
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                                   policy=args.scheduler, preemption_mode=args.preemption_mode,
-                                  preemption_victim=getattr(args, "preemption_victim", "rank")),
+                                  preemption_victim=getattr(args, "preemption_victim", PREEMPTION_VICTIMS[0])),
         cache=CacheConfig(block_size=args.block_size, enable_prefix_caching=not args.no_prefix_caching,
                           swap_space_gib=args.swap_space, host_tier_gib=getattr(args, "kv_host_gib", 0.0),
                           disk_tier_gib=getattr(args, "kv_disk_gib", 0.0),

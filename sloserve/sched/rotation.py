@@ -1,7 +1,7 @@
 """Which running request gives its KV back under memory pressure: by rank, or by SLO slack.
 
-`rank` (vLLM's rule, today's default) preempts the lowest-ranked running request: the newest
-under FCFS, the least urgent under the deadline policies. `slack` preempts the request that
+`rank` (vLLM's rule) preempts the lowest-ranked running request: the newest
+under FCFS, the least urgent under the deadline policies. `slack` (the default) preempts the request that
 can best afford the pause (SuperInfer's rotary scheduling, by "virtual lag time"): a decoding
 request that is ahead of its TPOT pace has banked time (its next token is not due until
 first token + k x TBT target, k tokens in), a request still before its first token has its
@@ -18,8 +18,6 @@ from typing import Callable, Sequence
 
 from sloserve.sched.deadlines import ttft_deadline
 from sloserve.types import Request
-
-VICTIMS = ("rank", "slack")
 
 
 def slo_slack(request: Request, now: float) -> float:
