@@ -91,6 +91,20 @@ def test_completion_matches_offline_greedy(client, model_name, llm):
         assert chunks[-1].choices[0].finish_reason == want.finish_reason
 
 
+def test_the_asyncio_event_loop_serves_the_same_stream(tmp_path, llm):
+    """uvloop is the default loop where installed; `--event-loop asyncio` is the portable one, kept working."""
+    want = llm.generate(PROMPTS[:1], greedy())[0]
+    srv = ServerProcess(["--event-loop", "asyncio"], tmp_path / "server.log")
+    try:
+        plain = openai.OpenAI(base_url=srv.v1, api_key="none", max_retries=0, timeout=120)
+        chunks = list(plain.completions.create(model=plain.models.list().data[0].id, prompt=PROMPTS[0],
+                                               max_tokens=16, temperature=0, stream=True))
+        assert "".join(c.choices[0].text for c in chunks) == want.text
+        assert chunks[-1].choices[0].finish_reason == want.finish_reason
+    finally:
+        srv.kill()
+
+
 def test_chat_matches_offline_greedy(client, model_name, llm):
     want = llm.chat(MESSAGES, greedy())[0]
     resp = client.chat.completions.create(model=model_name, messages=MESSAGES, max_tokens=16, temperature=0)

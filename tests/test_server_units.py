@@ -150,10 +150,30 @@ def test_admission_never_fits_is_400_not_now_is_429():
     assert adm.num_in_flight == 2
 
 
+def test_the_event_loop_is_uvloop_where_installed_and_asyncio_on_request():
+    import asyncio
+
+    from sloserve.server.connections import ConnectionLimits, uvicorn_config
+
+    def loop_of(choice: str) -> type:
+        config = uvicorn_config(lambda *a: None, host="127.0.0.1", port=0, limits=ConnectionLimits(), loop=choice)
+        loop = config.get_loop_factory()()
+        try:
+            return type(loop)
+        finally:
+            loop.close()
+
+    uvloop = pytest.importorskip("uvloop")
+    assert loop_of("auto") is uvloop.Loop and loop_of("uvloop") is uvloop.Loop
+    assert issubclass(loop_of("asyncio"), asyncio.BaseEventLoop) and loop_of("asyncio") is not uvloop.Loop
+
+
 def test_connection_settings_are_validated():
     for bad in (dict(header_timeout_s=0), dict(body_timeout_s=float("inf")), dict(max_connections=0)):
         with pytest.raises(ValueError):
             ServerSettings(**bad).validate()
+    with pytest.raises(ValueError, match="event loop"):
+        ServerSettings(event_loop="tokio").validate()
     limits = ServerSettings(header_timeout_s=3, max_connections=7).connection_limits()
     assert limits.header_timeout_s == 3 and limits.max_connections == 7 and limits.body_timeout_s == 30
 

@@ -195,11 +195,14 @@ class LimitedH11Protocol(H11Protocol):
 
 
 def uvicorn_config(app: ASGIApp, *, host: str, port: int, limits: ConnectionLimits,
-                   graceful_shutdown_s: Optional[float] = 5.0) -> uvicorn.Config:
+                   graceful_shutdown_s: Optional[float] = 5.0, loop: str = "auto") -> uvicorn.Config:
     """The uvicorn Config every sloserve HTTP server runs with (single instance and front)."""
     limits.validate()
     return uvicorn.Config(
         app, host=host, port=port, lifespan="off", access_log=False, log_config=None,
+        # "auto" is uvloop where installed (a dependency on Linux and macOS): with asyncio's selector loop each
+        # streamed token cost the engine thread ~0.45 ms more between steps (BENCHMARKS.md, "The server's step gap").
+        loop=loop,
         http=functools.partial(LimitedH11Protocol, limits=limits),  # type: ignore[arg-type]
         ws="none",  # no websocket routes: do not accept upgrades
         timeout_keep_alive=limits.keep_alive_s,  # type: ignore[arg-type]  # a float works (loop.call_later)

@@ -22,7 +22,8 @@ def run_server(engine_config: EngineConfig, settings: ServerSettings, host: str 
     engine = AsyncLLMEngine(lambda: LLMEngine(engine_config))
     try:
         app = build_app(engine, settings)
-        config = uvicorn_config(app, host=host, port=port, limits=settings.connection_limits())
+        config = uvicorn_config(app, host=host, port=port, limits=settings.connection_limits(),
+                                loop=settings.event_loop)
         state = app.state.sloserve
         server = DrainingServer(config, state.drain, state.stop_now, settings.grace_period_s)
         names = settings.served_model_names or [engine.engine.model_name]

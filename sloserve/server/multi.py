@@ -262,8 +262,10 @@ def run_multi(engine_config: EngineConfig, settings, *, instances: int, router: 
         timeline_interval_s=settings.timeline_interval_s)
     fleet = build_worker_fleet(spawn, instances, config, fleet_secret=fleet_secret)
     front = Front(fleet, settings.registry, CacheSalter(cache_secret(salt_secret)))
-    uv_config = uvicorn_config(front.build_app(), host=host, port=port, limits=settings.connection_limits())
+    uv_config = uvicorn_config(front.build_app(), host=host, port=port, limits=settings.connection_limits(),
+                               loop=settings.event_loop)
     logger.info("starting %d %s workers (%d threads each%s); serving once one is healthy", instances, backend,
                 per_worker, f"; {pd} prefill:decode, {pd_transfer} hand-off" if pd else "")
-    asyncio.run(serve_front(fleet, front, uv_config, settings.grace_period_s, config.start_timeout_s))
+    with asyncio.Runner(loop_factory=uv_config.get_loop_factory()) as runner:  # uvloop, as one instance runs
+        runner.run(serve_front(fleet, front, uv_config, settings.grace_period_s, config.start_timeout_s))
     return 0

@@ -1,11 +1,15 @@
 """What a server instance is configured with, apart from the engine."""
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field
 from typing import Optional
 
 from sloserve.server.connections import ConnectionLimits
 from sloserve.server.qos import QoSRegistry
+
+
+EVENT_LOOPS = ("auto", "asyncio", "uvloop")
 
 
 @dataclass
@@ -36,6 +40,8 @@ class ServerSettings:
     admin_keys: list[str] = field(default_factory=list, repr=False)
     # How often the dashboard's timeline samples the instances (seconds of wall clock).
     timeline_interval_s: float = 1.0
+    # The HTTP server's event loop (uvicorn's `loop`): "auto" takes uvloop where installed.
+    event_loop: str = "auto"
 
     def connection_limits(self) -> ConnectionLimits:
         return ConnectionLimits(header_timeout_s=self.header_timeout_s, body_timeout_s=self.body_timeout_s,
@@ -55,4 +61,8 @@ class ServerSettings:
             raise ValueError(f"client stall timeout must be > 0, got {self.stall_timeout_s}")
         if not self.timeline_interval_s > 0:
             raise ValueError(f"dashboard interval must be > 0, got {self.timeline_interval_s}")
+        if self.event_loop not in EVENT_LOOPS:
+            raise ValueError(f"event loop must be one of {', '.join(EVENT_LOOPS)}, got {self.event_loop!r}")
+        if self.event_loop == "uvloop" and importlib.util.find_spec("uvloop") is None:
+            raise ValueError("event loop uvloop: the uvloop package is not installed (pip install uvloop)")
         self.connection_limits().validate()
