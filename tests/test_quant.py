@@ -263,6 +263,34 @@ def test_the_default_engine_generates_what_the_reference_does_within_tolerance(l
     assert default.engine.kv.num_free_blocks == default.engine.kv.num_blocks
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_native_decode_stack_computes_what_the_layer_loop_does(heldout_ids, dtype):
+    """The whole-stack decode call (kernels/decode_stack.cpp) chains the loop's own kernels: the
+    same tokens and bit-identical logprobs, for a batch of decodes of different lengths."""
+    engine = LLM(config=EngineConfig(dtype=dtype, quantization="int4"))
+    model = engine.engine.model
+    kernels = load_fused_ops()
+    if kernels is None or not kernels.int8_gemv_supported():
+        assert model.decode_stack is None
+        pytest.skip("no native W4A8 kernels on this machine")
+    stack = model.decode_stack
+    assert stack is not None and model._stack_rows >= 4
+    prompts = [ids[:n] for ids, n in zip(heldout_ids, (9, 40, 23))]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=3)
+    calls = []
+    model.decode_stack = type("Counted", (), {"forward": lambda _, *a: calls.append(1) or stack.forward(*a),
+                                               "bind_cache": stack.bind_cache})()
+    fast = engine.generate(prompts, params)
+    assert len(calls) >= 11  # every decode step of the batch went through it
+    model.decode_stack = None
+    slow = engine.generate(prompts, params)
+    for a, b in zip(fast, slow):
+        assert a.token_ids == b.token_ids
+        assert [(t.token_id, t.logprob, t.top) for t in a.logprobs] == \
+            [(t.token_id, t.logprob, t.top) for t in b.logprobs]
+    assert engine.engine.kv.num_free_blocks == engine.engine.kv.num_blocks
+
+
 def test_exact_configuration_is_unchanged(llm):
     assert llm.engine.dtype == torch.float32 and llm.engine.quantization == "none"
     assert isinstance(llm.engine.model.lm_head, DenseLinear)

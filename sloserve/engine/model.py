@@ -265,6 +265,51 @@ class LlamaModel:
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
         self.scale = config.head_dim ** -0.5
+        # A decode-only step through every layer in one native call (kernels/decode_stack.cpp), where
+        # every layer runs the kernels it chains; None = the Python loop for every step.
+        self.decode_stack, self._stack_rows = self._build_decode_stack(fused_ops, device)
+        self._stack_cache: Optional[KVCache] = None  # the cache bound to it (it holds the tensors too)
+
+    def _build_decode_stack(self, fused_ops, device: torch.device):
+        """The native whole-stack decode and the most rows its 4-bit products take (the dense
+        copies take more), or (None, 0) unless every layer is W4A8 4-bit linears without bias."""
+        if device.type != "cpu" or not hasattr(fused_ops, "DecodeStack") or self.decode_attention is None \
+                or not self.layers:
+            return None, 0
+        rows = math.inf
+        cfg = self.config
+        widths = {"qkv": self.q_size + 2 * self.kv_size, "o": cfg.hidden_size, "gate_up": 2 * cfg.intermediate_size,
+                  "down": cfg.hidden_size}
+        tiles: dict[str, list[torch.Tensor]] = {name: [] for name in widths}
+        for layer in self.layers:
+            for name, width in widths.items():
+                lin = layer[name]
+                if isinstance(lin, RowDispatchLinear):
+                    rows = min(rows, lin.max_small_rows)
+                    lin = lin.small
+                if not (isinstance(lin, Int4Linear) and lin.w4a8 is not None and lin.bias is None
+                        and lin.out_features == width):
+                    return None, 0
+                tiles[name].append(lin.tiles)
+        stack = fused_ops.DecodeStack(
+            [layer["in_norm"] for layer in self.layers], [layer["post_norm"] for layer in self.layers],
+            tiles["qkv"], tiles["o"], tiles["gate_up"], tiles["down"], cfg.num_heads, cfg.num_kv_heads,
+            cfg.head_dim, cfg.hidden_size, cfg.intermediate_size, cfg.rms_norm_eps, self.scale,
+            cfg.sliding_window or 0)
+        return stack, rows
+
+    def _stack_takes(self, batch: ForwardBatch, kv_cache: KVCache) -> bool:
+        """Whether this step runs as one native call: decodes only, few enough rows for the 4-bit
+        kernels, a cache attention reads as is (what the Python loop would do natively too)."""
+        T = batch.input_ids.shape[0]
+        if self.decode_stack is None or batch.num_decodes != T or T > self._stack_rows or not kv_cache.native \
+                or kv_cache.quantized or kv_cache.data.device.type != "cpu":
+            return False
+        if self._stack_cache is not kv_cache:
+            self.decode_stack.bind_cache([k for k, _ in kv_cache.layers], [v for _, v in kv_cache.layers],
+                                         kv_cache.block_size, self._kernel_for(kv_cache))
+            self._stack_cache = kv_cache
+        return True
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         if self.embed is not None:
@@ -375,7 +420,12 @@ class LlamaModel:
         if fused is None:
             cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # broadcast over heads
         delta: Optional[torch.Tensor] = None  # the previous layer's MLP output, not yet added to h
-        for li, layer in enumerate(self.layers):
+        layers = self.layers
+        if self._stack_takes(batch, kv_cache):  # the same kernels in the same order, in one call
+            h = self.decode_stack.forward(h, cos, sin, batch.slot_mapping, batch.decode_blocks,
+                                          batch.decode_context_lens)
+            layers = []
+        for li, layer in enumerate(layers):
             if fused is None:
                 x = self._rms_norm(h, layer["in_norm"])
             elif delta is None:

@@ -26,4 +26,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_gemv_supported", &int8_gemv_supported, "whether this build has the W8A8 product (AVX2)");
   m.def("int8_gemv", &int8_gemv, "x W^T with int8 weights and per-32-block int8 activations", no_gil);
   m.def("int4_gemv", &int4_gemv, "x W^T with group-affine 4-bit weights and per-32-block int8 activations", no_gil);
+  pybind11::class_<DecodeStack>(m, "DecodeStack", "a decode-only step through every layer in one call")
+      .def(pybind11::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
+                          std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>, int64_t, int64_t,
+                          int64_t, int64_t, int64_t, double, double, int64_t>())
+      .def("bind_cache", &DecodeStack::bind_cache)
+      .def("forward", &DecodeStack::forward, no_gil);
 }

@@ -53,4 +53,28 @@ at::Tensor int4_gemv(const at::Tensor& x,      // [M, K] float32/bf16, K a multi
                      const at::Tensor& tiles,  // [ceil(N / 8), K / 32, 160] uint8: quant.w4a8_tiles's layout
                      int64_t N);               // output columns; returns [M, N] float32
 
+// decode_stack.cpp: a decode-only step through every layer in one call (4-bit W4A8 layers, native
+// KV cache and attention), the same kernels in the same order as LlamaModel.forward's loop.
+class DecodeStack {
+ public:
+  DecodeStack(std::vector<at::Tensor> in_norm, std::vector<at::Tensor> post_norm, std::vector<at::Tensor> qkv,
+              std::vector<at::Tensor> o, std::vector<at::Tensor> gate_up, std::vector<at::Tensor> down,
+              int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t hidden, int64_t intermediate,
+              double eps, double scale, int64_t window);
+  // The KV cache the steps write and read: one [slots, nkv, hd] K and V tensor per layer.
+  void bind_cache(std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches, int64_t block_size,
+                  const std::string& kernel);
+  // h [T, hidden] (the embeddings, updated in place as the residual) -> the last layer's output;
+  // cos, sin [T, hd] at the tokens' positions; every row a decode.
+  at::Tensor forward(at::Tensor h, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slots,
+                     const at::Tensor& block_tables, const at::Tensor& context_lens) const;
+
+ private:
+  std::vector<at::Tensor> in_norm_, post_norm_, qkv_, o_, gate_up_, down_, k_caches_, v_caches_;
+  int64_t nh_, nkv_, hd_, hidden_, intermediate_;
+  double eps_, scale_;
+  int64_t window_, block_size_ = 0;
+  std::string kernel_ = "auto";
+};
+
 }  // namespace sloserve
