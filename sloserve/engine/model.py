@@ -378,9 +378,14 @@ class LlamaModel:
         """The configured native path applies to a bf16 cache; any other takes the portable one."""
         return self.attention_kernel if kv_cache.native and kv_cache.storage_dtype == torch.bfloat16 else "auto"
 
+    def reads_decode_mask(self, kv_cache: KVCache) -> bool:
+        """Whether decode attention takes the batch's additive mask (gather + SDPA); the native
+        kernel masks by context length and needs none."""
+        return self.decode_attention is None or not (kv_cache.native or kv_cache.quantized)
+
     def _decode_attention(self, li: int, q: torch.Tensor, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
         """[D, nh, hd] attention of the batch's decodes to their cached context."""
-        if self.decode_attention is not None and (kv_cache.native or kv_cache.quantized):
+        if not self.reads_decode_mask(kv_cache):
             return self.decode_attention(
                 q.contiguous(), *kv_cache.layers[li], batch.decode_blocks,
                 batch.decode_context_lens, kv_cache.block_size, self.scale, self.config.sliding_window or 0,

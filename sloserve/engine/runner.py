@@ -196,14 +196,15 @@ class ModelRunner:
                 if d.samples:
                     sample_indices.extend(range(row, row + rows))
                 row += rows
-            pos = torch.arange(width * bs)
-            valid = pos.unsqueeze(0) < ctx.unsqueeze(1)  # padding blocks and slots are masked out
-            window = self.model.config.sliding_window
-            if window is not None:
-                valid &= pos.unsqueeze(0) > (ctx - 1 - window).unsqueeze(1)
             decode_blocks = tables
-            decode_mask = torch.zeros(len(contexts), 1, 1, width * bs, dtype=self.model.dtype)
-            decode_mask.masked_fill_(~valid.view(len(contexts), 1, 1, -1), float("-inf"))
+            if self.model.reads_decode_mask(self.kv_cache):  # the native kernel masks by context length
+                pos = torch.arange(width * bs)
+                valid = pos.unsqueeze(0) < ctx.unsqueeze(1)  # padding blocks and slots are masked out
+                window = self.model.config.sliding_window
+                if window is not None:
+                    valid &= pos.unsqueeze(0) > (ctx - 1 - window).unsqueeze(1)
+                decode_mask = torch.zeros(len(contexts), 1, 1, width * bs, dtype=self.model.dtype)
+                decode_mask.masked_fill_(~valid.view(len(contexts), 1, 1, -1), float("-inf"))
             last = ctx - 1
             positions.append(last)
             slots.append(tables[torch.arange(len(contexts)), last // bs] * bs + last % bs)
