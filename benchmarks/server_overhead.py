@@ -64,9 +64,8 @@ def server_system(loop: str, args: argparse.Namespace, workdir: Path, rnd: int) 
     import openai
 
     trace = workdir / f"{loop}-{rnd}.jsonl"
-    server = LocalServer(["--event-loop", loop, "--step-trace", str(trace), "--num-threads", str(args.threads)]
-                         if args.threads else ["--event-loop", loop, "--step-trace", str(trace)],
-                         workdir / f"{loop}-{rnd}.log")
+    threads = ["--num-threads", str(args.threads)] if args.threads else []
+    server = LocalServer(["--event-loop", loop, "--step-trace", str(trace), *threads], workdir / f"{loop}-{rnd}.log")
     try:
         server.wait_ready()
         client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="none")
