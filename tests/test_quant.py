@@ -141,6 +141,32 @@ def test_the_w4a8_layer_kernel_computes_what_it_claims(rows, dtype):
     assert (got.float() - exact).norm() / exact.norm() < 2e-2
 
 
+@pytest.mark.parametrize("rows", [1, 3, 4, 9])
+def test_every_int8_kernel_isa_gives_the_same_bits(rows):
+    """AVX512-VNNI's vpdpbusd sums the same integer products as AVX2's vpmaddubsw + vpmaddwd, and
+    the float work around them is the same, so where a CPU has both the outputs are equal bit for
+    bit (W8A8 and W4A8, each row count the kernels group differently); a name the build lacks is
+    refused with the list of those it has."""
+    kernels = load_fused_ops()
+    if kernels is None or not kernels.int8_gemv_supported():
+        pytest.skip("no native int8 kernels on this machine")
+    isas = kernels.int8_kernel_isas()
+    assert isas[-1] == "avx2" and set(isas) <= {"vnni", "avx2"}
+    torch.manual_seed(1)
+    w = torch.randn(83, 160) * 0.05
+    int8 = Int8Linear(w)
+    int4 = Int4Linear(GroupAffine4.quantize(w), w4a8=kernels.int4_gemv)
+    x = torch.randn(rows, 160)
+    scale = int8.scale.float().contiguous()
+    for isa in isas:
+        assert torch.equal(kernels.int8_gemv(x, int8.codes, scale, isa), kernels.int8_gemv(x, int8.codes, scale))
+        assert torch.equal(kernels.int4_gemv(x, int4.tiles, 83, isa), kernels.int4_gemv(x, int4.tiles, 83)), isa
+    with pytest.raises(RuntimeError, match="avx2"):
+        kernels.int4_gemv(x, int4.tiles, 83, "neon")
+    if isas == ["avx2"]:
+        pytest.skip("this CPU has no AVX512-VNNI: one ISA, nothing to compare it with")
+
+
 def test_row_dispatch_sends_small_steps_to_the_packed_kernel():
     torch.manual_seed(0)
     w = torch.randn(64, 96)
@@ -266,8 +292,11 @@ def test_the_default_engine_generates_what_the_reference_does_within_tolerance(l
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_the_native_decode_stack_computes_what_the_layer_loop_does(heldout_ids, dtype):
     """The whole-stack decode call (kernels/decode_stack.cpp) chains the loop's own kernels: the
-    same tokens and bit-identical logprobs, for a batch of decodes of different lengths."""
-    engine = LLM(config=EngineConfig(dtype=dtype, quantization="int4"))
+    same tokens and bit-identical logprobs, for a batch of decodes of different lengths. Without
+    the prefix cache: the second run's prefills would be shorter, and where the probe gave the
+    4-bit layers a dense copy for large steps, they could take the other kernel."""
+    engine = LLM(config=EngineConfig(dtype=dtype, quantization="int4",
+                                     cache=CacheConfig(enable_prefix_caching=False)))
     model = engine.engine.model
     kernels = load_fused_ops()
     if kernels is None or not kernels.int8_gemv_supported():

@@ -24,12 +24,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("write_kv_", &write_kv_, "store the new tokens' K and V into a layer's paged cache", no_gil);
   m.def("argmax_rows", &argmax_rows, "index of each row's largest value (first on ties)", no_gil);
   m.def("int8_gemv_supported", &int8_gemv_supported, "whether this build has the W8A8 product (AVX2)");
-  m.def("int8_gemv", &int8_gemv, "x W^T with int8 weights and per-32-block int8 activations", no_gil);
-  m.def("int4_gemv", &int4_gemv, "x W^T with group-affine 4-bit weights and per-32-block int8 activations", no_gil);
+  m.def("int8_kernel_isas", &int8_kernel_isas, "the ISAs of the int8 products this build has, fastest first");
+  m.def("int8_gemv", &int8_gemv, "x W^T with int8 weights and per-32-block int8 activations", pybind11::arg("x"),
+        pybind11::arg("codes"), pybind11::arg("weight_scale"), pybind11::arg("isa") = "auto", no_gil);
+  m.def("int4_gemv", &int4_gemv, "x W^T with group-affine 4-bit weights and per-32-block int8 activations",
+        pybind11::arg("x"), pybind11::arg("tiles"), pybind11::arg("N"), pybind11::arg("isa") = "auto", no_gil);
   pybind11::class_<DecodeStack>(m, "DecodeStack", "a decode-only step through every layer in one call")
       .def(pybind11::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
                           std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>, int64_t, int64_t,
                           int64_t, int64_t, int64_t, double, double, int64_t>())
       .def("bind_cache", &DecodeStack::bind_cache)
+      .def("use_int8_isa", &DecodeStack::use_int8_isa)
       .def("forward", &DecodeStack::forward, no_gil);
 }

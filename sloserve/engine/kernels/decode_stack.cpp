@@ -5,6 +5,8 @@
 // so its numbers are the Python loop's exactly (tests/test_quant.py compares them bit for bit).
 #include "kernels.h"
 
+#include <algorithm>
+
 namespace sloserve {
 
 DecodeStack::DecodeStack(std::vector<at::Tensor> in_norm, std::vector<at::Tensor> post_norm,
@@ -31,13 +33,20 @@ void DecodeStack::bind_cache(std::vector<at::Tensor> k_caches, std::vector<at::T
   kernel_ = kernel;
 }
 
+void DecodeStack::use_int8_isa(const std::string& isa) {
+  const std::vector<std::string> have = int8_kernel_isas();
+  TORCH_CHECK(isa == "auto" || std::find(have.begin(), have.end(), isa) != have.end(),
+              "DecodeStack: int8 kernel ISA '", isa, "' is not in this build");
+  int8_isa_ = isa;
+}
+
 at::Tensor DecodeStack::forward(at::Tensor h, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slots,
                                 const at::Tensor& block_tables, const at::Tensor& context_lens) const {
   TORCH_CHECK(!k_caches_.empty() || in_norm_.empty(), "DecodeStack: no KV cache bound");
   const int64_t T = h.size(0), q_size = nh_ * hd_, kv_size = nkv_ * hd_;
   const auto dtype = h.scalar_type();
   auto linear = [&](const at::Tensor& x, const at::Tensor& tiles, int64_t n) {
-    at::Tensor y = int4_gemv(x, tiles, n);  // float32 out, as Int4Linear then casts to the input's dtype
+    at::Tensor y = int4_gemv(x, tiles, n, int8_isa_);  // float32 out, as Int4Linear then casts to the input's dtype
     return y.scalar_type() == dtype ? y : y.to(dtype);
   };
   at::Tensor delta;  // the previous layer's MLP output, not yet added to h

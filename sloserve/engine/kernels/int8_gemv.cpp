@@ -15,11 +15,21 @@
 //   codes are vpmaddubsw's unsigned factor; a block's dot product is d * s * sum(c q) + o * s * sum(q),
 //   the second term from the block's activation sum, computed once per row of x.
 // The int32 sums of a block are scaled in float and accumulate in float.
+//
+// AVX512-VNNI (Intel Cascade Lake and later, AMD Zen4 and later) has the same unsigned-by-signed
+// product with four bytes summed straight into int32 (vpdpbusd, no saturation): one instruction
+// for vpmaddubsw + the int16 add, and no widening vpmaddwd. Its int32 sums are the AVX2 path's
+// exactly and the float work is the same in the same order, so both give the same bits; the
+// `isa` argument picks one ("auto": the fastest this build has), so one machine can compare them.
 #include "common.h"
 #include "kernels.h"
 
 #ifdef __AVX2__
 #include <immintrin.h>
+#endif
+
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define SLOSERVE_VNNI 1
 #endif
 
 namespace sloserve {
@@ -32,7 +42,25 @@ constexpr int64_t kTileRecord = 160;  // bytes of one tile's block: 128 of codes
 // 66 MB of layers 1.1-1.2x faster than without (Zen3, 1 and 4 rows, alternating runs).
 constexpr int kTilePrefetch = 8 * kTileRecord;
 
+enum class Isa { avx2, vnni };
+
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+// Sums of four adjacent u8 x s8 products per int32 lane, added to `acc`. The AVX2 form keeps
+// int16 pair sums (callers keep them within int16) and widens them in `widen`.
+template <Isa I>
+inline __m256i accumulate(__m256i acc, __m256i u, __m256i s) {
+#ifdef SLOSERVE_VNNI
+  if constexpr (I == Isa::vnni) return _mm256_dpbusd_epi32(acc, u, s);
+#endif
+  return _mm256_add_epi16(acc, _mm256_maddubs_epi16(u, s));
+}
+
+template <Isa I>
+inline __m256i widen(__m256i acc) {
+  if constexpr (I == Isa::vnni) return acc;
+  return _mm256_madd_epi16(acc, _mm256_set1_epi16(1));
+}
+
 // x's rows as int8 per 32-element block: codes, each block's scale, and (with `sums`) each block's
 // scale times the sum of its codes. Rounding is to nearest even (the default mode), as round() in
 // the tests' reference.
@@ -94,10 +122,9 @@ Int8Rows quantize_rows(const at::Tensor& x, bool sums) {
 
 // W8A8, one output column (codes `row`, scale `ws`) for R rows of x: each weight block is loaded
 // and its signs taken once for the R rows (against a load per row: 1.19x at 2 rows, ~1.5x at 4-8).
-template <int R>
+template <Isa I, int R>
 inline void int8_rows(const int8_t* __restrict row, float ws, int64_t K, int64_t blocks, const int8_t* __restrict q,
                       const float* __restrict qs, float* __restrict out, int64_t out_stride) {
-  const __m256i ones = _mm256_set1_epi16(1);
   constexpr int A = R >= 4 ? 1 : (R == 1 ? 4 : 2);  // independent chains of fused multiply-adds
   __m256 acc[R][A];
   for (int j = 0; j < R; ++j)
@@ -107,8 +134,8 @@ inline void int8_rows(const int8_t* __restrict row, float ws, int64_t K, int64_t
     const __m256i magnitude = _mm256_sign_epi8(wv, wv);
     for (int j = 0; j < R; ++j) {
       const __m256i qv = _mm256_load_si256(reinterpret_cast<const __m256i*>(q + j * K + b * 32));
-      const __m256i pairs = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(qv, wv));
-      acc[j][a] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones)),
+      const __m256i sums = widen<I>(accumulate<I>(_mm256_setzero_si256(), magnitude, _mm256_sign_epi8(qv, wv)));
+      acc[j][a] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums),
                                   _mm256_broadcast_ss(qs + j * blocks + b), acc[j][a]);
     }
   };
@@ -134,12 +161,11 @@ inline void int8_rows(const int8_t* __restrict row, float ws, int64_t K, int64_t
 // float16 scales, then their float16 offsets. Eight products of a code (<= 15) and an activation
 // (|q| <= 127) pair-summed stay within int16 (8 * 2 * 15 * 127 = 30480), so a block's int16 sums
 // need one widening.
-template <int R>
+template <Isa I, int R>
 inline void int4_tile_rows(const uint8_t* __restrict tile, int64_t blocks, const int8_t* __restrict q,
                            const float* __restrict qs, const float* __restrict qsum, int64_t K,
                            float* __restrict out, int64_t out_stride, int64_t cols) {
   const __m256i low = _mm256_set1_epi8(0x0F);
-  const __m256i ones16 = _mm256_set1_epi16(1);
   __m256 acc[R];
   for (int j = 0; j < R; ++j) acc[j] = _mm256_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
@@ -157,14 +183,14 @@ inline void int4_tile_rows(const uint8_t* __restrict tile, int64_t blocks, const
         int32_t a_lo, a_hi;
         std::memcpy(&a_lo, qb, 4);
         std::memcpy(&a_hi, qb + 16, 4);
-        isum[j] = _mm256_add_epi16(isum[j], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(a_lo)));
-        isum[j] = _mm256_add_epi16(isum[j], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(a_hi)));
+        isum[j] = accumulate<I>(isum[j], lo, _mm256_set1_epi32(a_lo));
+        isum[j] = accumulate<I>(isum[j], hi, _mm256_set1_epi32(a_hi));
       }
     }
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 128)));
     const __m256 o = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 144)));
     for (int j = 0; j < R; ++j) {
-      const __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(isum[j], ones16));
+      const __m256 sums = _mm256_cvtepi32_ps(widen<I>(isum[j]));
       acc[j] = _mm256_fmadd_ps(sums, _mm256_mul_ps(d, _mm256_set1_ps(qs[j * blocks + b])), acc[j]);
       acc[j] = _mm256_fmadd_ps(o, _mm256_set1_ps(qsum[j * blocks + b]), acc[j]);
     }
@@ -191,7 +217,41 @@ bool int8_gemv_supported() {
 #endif
 }
 
-at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& weight_scale) {
+std::vector<std::string> int8_kernel_isas() {
+  std::vector<std::string> out;
+  if (!int8_gemv_supported()) return out;
+#ifdef SLOSERVE_VNNI
+  out.push_back("vnni");
+#endif
+  out.push_back("avx2");
+  return out;
+}
+
+namespace {
+
+Isa resolve_isa(const std::string& isa) {
+  const std::vector<std::string> have = int8_kernel_isas();
+  TORCH_CHECK(isa == "auto" || std::find(have.begin(), have.end(), isa) != have.end(), "unknown or unavailable ",
+              "int8 kernel ISA '", isa, "' (auto, or one of this build's: ", c10::Join(", ", have), ")");
+  const std::string chosen = isa == "auto" ? have.front() : isa;
+  return chosen == "vnni" ? Isa::vnni : Isa::avx2;
+}
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+// Calls body(std::integral_constant<Isa, I>{}) with the resolved ISA as a compile-time value.
+template <typename Body>
+void with_isa(Isa isa, Body&& body) {
+#ifdef SLOSERVE_VNNI
+  if (isa == Isa::vnni) return body(std::integral_constant<Isa, Isa::vnni>{});
+#endif
+  body(std::integral_constant<Isa, Isa::avx2>{});
+}
+#endif
+
+}  // namespace
+
+at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& weight_scale,
+                     const std::string& isa) {
   TORCH_CHECK(int8_gemv_supported(), "int8_gemv: this build has no AVX2");
   TORCH_CHECK(x.dim() == 2 && codes.dim() == 2 && codes.scalar_type() == at::kChar && codes.is_contiguous() &&
                   weight_scale.scalar_type() == at::kFloat && weight_scale.is_contiguous() &&
@@ -199,6 +259,7 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Ten
               "int8_gemv: x [M, K], codes [N, K] int8, weight_scale [N] float32 expected");
   const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
   TORCH_CHECK(codes.size(1) == K && K % 32 == 0, "int8_gemv: K must match and be a multiple of 32, got ", K);
+  const Isa chosen = resolve_isa(isa);
   auto out = at::empty({M, N}, x.options().dtype(at::kFloat));
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
   const int64_t blocks = K / 32;
@@ -208,31 +269,35 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   const int8_t* w = codes.data_ptr<int8_t>();
   const float* ws = weight_scale.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n)
-      for (int64_t m0 = 0; m0 < M; m0 += 4) {
-        const int8_t* qm = xq.data() + m0 * K;
-        const float* sm = xs.data() + m0 * blocks;
-        float* o = op + m0 * N + n;
-        switch (std::min<int64_t>(4, M - m0)) {
-          case 4: int8_rows<4>(w + n * K, ws[n], K, blocks, qm, sm, o, N); break;
-          case 3: int8_rows<3>(w + n * K, ws[n], K, blocks, qm, sm, o, N); break;
-          case 2: int8_rows<2>(w + n * K, ws[n], K, blocks, qm, sm, o, N); break;
-          default: int8_rows<1>(w + n * K, ws[n], K, blocks, qm, sm, o, N);
+  with_isa(chosen, [&](auto isa_tag) {
+    constexpr Isa I = decltype(isa_tag)::value;
+    at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t n = begin; n < end; ++n)
+        for (int64_t m0 = 0; m0 < M; m0 += 4) {
+          const int8_t* qm = xq.data() + m0 * K;
+          const float* sm = xs.data() + m0 * blocks;
+          float* o = op + m0 * N + n;
+          switch (std::min<int64_t>(4, M - m0)) {
+            case 4: int8_rows<I, 4>(w + n * K, ws[n], K, blocks, qm, sm, o, N); break;
+            case 3: int8_rows<I, 3>(w + n * K, ws[n], K, blocks, qm, sm, o, N); break;
+            case 2: int8_rows<I, 2>(w + n * K, ws[n], K, blocks, qm, sm, o, N); break;
+            default: int8_rows<I, 1>(w + n * K, ws[n], K, blocks, qm, sm, o, N);
+          }
         }
-      }
+    });
   });
 #endif
   return out;
 }
 
-at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& tiles, int64_t N) {
+at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& tiles, int64_t N, const std::string& isa) {
   TORCH_CHECK(int8_gemv_supported(), "int4_gemv: this build has no AVX2");
   TORCH_CHECK(x.dim() == 2 && tiles.dim() == 3 && tiles.scalar_type() == at::kByte && tiles.is_contiguous() &&
                   tiles.size(2) == kTileRecord && tiles.size(0) == (N + 7) / 8,
               "int4_gemv: x [M, K] and tiles [ceil(N / 8), K / 32, 160] uint8 expected");
   const int64_t M = x.size(0), K = x.size(1), blocks = K / 32;
   TORCH_CHECK(K % 32 == 0 && tiles.size(1) == blocks, "int4_gemv: K must match and be a multiple of 32, got ", K);
+  const Isa chosen = resolve_isa(isa);
   auto out = at::empty({M, N}, x.options().dtype(at::kFloat));
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
   const Int8Rows xq = quantize_rows(x, true);
@@ -241,22 +306,25 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& tiles, int64_t N) {
   const int8_t* q = xq.q.data();
   const float* qs = xq.scale.data();
   const float* qsum = xq.scaled_sum.data();
-  at::parallel_for(0, tiles.size(0), 4, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const uint8_t* tile = w + t * blocks * kTileRecord;
-      const int64_t cols = std::min<int64_t>(8, N - 8 * t);
-      for (int64_t m0 = 0; m0 < M; m0 += 4) {
-        const int8_t* qm = q + m0 * K;
-        const float *sm = qs + m0 * blocks, *tm = qsum + m0 * blocks;
-        float* o = op + m0 * N + 8 * t;
-        switch (std::min<int64_t>(4, M - m0)) {
-          case 4: int4_tile_rows<4>(tile, blocks, qm, sm, tm, K, o, N, cols); break;
-          case 3: int4_tile_rows<3>(tile, blocks, qm, sm, tm, K, o, N, cols); break;
-          case 2: int4_tile_rows<2>(tile, blocks, qm, sm, tm, K, o, N, cols); break;
-          default: int4_tile_rows<1>(tile, blocks, qm, sm, tm, K, o, N, cols);
+  with_isa(chosen, [&](auto isa_tag) {
+    constexpr Isa I = decltype(isa_tag)::value;
+    at::parallel_for(0, tiles.size(0), 4, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const uint8_t* tile = w + t * blocks * kTileRecord;
+        const int64_t cols = std::min<int64_t>(8, N - 8 * t);
+        for (int64_t m0 = 0; m0 < M; m0 += 4) {
+          const int8_t* qm = q + m0 * K;
+          const float *sm = qs + m0 * blocks, *tm = qsum + m0 * blocks;
+          float* o = op + m0 * N + 8 * t;
+          switch (std::min<int64_t>(4, M - m0)) {
+            case 4: int4_tile_rows<I, 4>(tile, blocks, qm, sm, tm, K, o, N, cols); break;
+            case 3: int4_tile_rows<I, 3>(tile, blocks, qm, sm, tm, K, o, N, cols); break;
+            case 2: int4_tile_rows<I, 2>(tile, blocks, qm, sm, tm, K, o, N, cols); break;
+            default: int4_tile_rows<I, 1>(tile, blocks, qm, sm, tm, K, o, N, cols);
+          }
         }
       }
-    }
+    });
   });
 #endif
   return out;

@@ -44,14 +44,19 @@ void write_kv_(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots
 at::Tensor argmax_rows(const at::Tensor& logits);
 
 // int8_gemv.cpp: products with int8 activations for few rows (W8A8: the LM head of a small decode
-// step; W4A8: the 4-bit layers); both need AVX2.
+// step; W4A8: the 4-bit layers); both need AVX2. `isa`: "auto" (the fastest this build has),
+// "vnni" (AVX512-VNNI's vpdpbusd) or "avx2"; every choice gives the same bits.
 bool int8_gemv_supported();
+// The ISAs this build's int8 products can use, fastest first (empty without AVX2).
+std::vector<std::string> int8_kernel_isas();
 at::Tensor int8_gemv(const at::Tensor& x,             // [M, K] float32/bf16, K a multiple of 32
                      const at::Tensor& codes,         // [N, K] int8 in [-127, 127]
-                     const at::Tensor& weight_scale);  // [N] float32; returns [M, N] float32
+                     const at::Tensor& weight_scale,  // [N] float32; returns [M, N] float32
+                     const std::string& isa = "auto");
 at::Tensor int4_gemv(const at::Tensor& x,      // [M, K] float32/bf16, K a multiple of 32
                      const at::Tensor& tiles,  // [ceil(N / 8), K / 32, 160] uint8: quant.w4a8_tiles's layout
-                     int64_t N);               // output columns; returns [M, N] float32
+                     int64_t N,                // output columns; returns [M, N] float32
+                     const std::string& isa = "auto");
 
 // decode_stack.cpp: a decode-only step through every layer in one call (4-bit W4A8 layers, native
 // KV cache and attention), the same kernels in the same order as LlamaModel.forward's loop.
@@ -64,6 +69,8 @@ class DecodeStack {
   // The KV cache the steps write and read: one [slots, nkv, hd] K and V tensor per layer.
   void bind_cache(std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches, int64_t block_size,
                   const std::string& kernel);
+  // The ISA of the 4-bit products (int4_gemv's `isa`; "auto" unless a comparison wants another).
+  void use_int8_isa(const std::string& isa);
   // h [T, hidden] (the embeddings, updated in place as the residual) -> the last layer's output;
   // cos, sin [T, hd] at the tokens' positions; every row a decode.
   at::Tensor forward(at::Tensor h, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slots,
@@ -75,6 +82,7 @@ class DecodeStack {
   double eps_, scale_;
   int64_t window_, block_size_ = 0;
   std::string kernel_ = "auto";
+  std::string int8_isa_ = "auto";
 };
 
 }  // namespace sloserve
