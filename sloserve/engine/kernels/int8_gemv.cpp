@@ -61,6 +61,24 @@ inline __m256i widen(__m256i acc) {
   return _mm256_madd_epi16(acc, _mm256_set1_epi16(1));
 }
 
+// How many rows of x one pass over a W4A8 tile serves: its loads and nibble unpacking are shared
+// by these rows. AVX2 has 16 vector registers, enough for four rows' accumulators; AVX-512VL's 32
+// hold eight. (A row's sums come out the same whatever its group, so every ISA still gives the
+// same bits. W8A8 keeps groups of four on both: its chains per row depend on the group's size.)
+template <Isa I>
+constexpr int int4_max_rows() {
+  return I == Isa::vnni ? 8 : 4;
+}
+
+// Calls kernel<R>() with R = r (1 <= r <= R0) as a compile-time row count.
+template <int R, typename Kernel>
+inline void with_rows(int64_t r, Kernel&& kernel) {
+  if constexpr (R > 1) {
+    if (r < R) return with_rows<R - 1>(r, kernel);
+  }
+  kernel(std::integral_constant<int, R>{});
+}
+
 // x's rows as int8 per 32-element block: codes, each block's scale, and (with `sums`) each block's
 // scale times the sum of its codes. Rounding is to nearest even (the default mode), as round() in
 // the tests' reference.
@@ -272,17 +290,15 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   with_isa(chosen, [&](auto isa_tag) {
     constexpr Isa I = decltype(isa_tag)::value;
     at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
+      constexpr int R0 = 4;
       for (int64_t n = begin; n < end; ++n)
-        for (int64_t m0 = 0; m0 < M; m0 += 4) {
+        for (int64_t m0 = 0; m0 < M; m0 += R0) {
           const int8_t* qm = xq.data() + m0 * K;
           const float* sm = xs.data() + m0 * blocks;
           float* o = op + m0 * N + n;
-          switch (std::min<int64_t>(4, M - m0)) {
-            case 4: int8_rows<I, 4>(w + n * K, ws[n], K, blocks, qm, sm, o, N); break;
-            case 3: int8_rows<I, 3>(w + n * K, ws[n], K, blocks, qm, sm, o, N); break;
-            case 2: int8_rows<I, 2>(w + n * K, ws[n], K, blocks, qm, sm, o, N); break;
-            default: int8_rows<I, 1>(w + n * K, ws[n], K, blocks, qm, sm, o, N);
-          }
+          with_rows<R0>(std::min<int64_t>(R0, M - m0), [&](auto rows) {
+            int8_rows<I, decltype(rows)::value>(w + n * K, ws[n], K, blocks, qm, sm, o, N);
+          });
         }
     });
   });
@@ -312,16 +328,14 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& tiles, int64_t N, co
       for (int64_t t = begin; t < end; ++t) {
         const uint8_t* tile = w + t * blocks * kTileRecord;
         const int64_t cols = std::min<int64_t>(8, N - 8 * t);
-        for (int64_t m0 = 0; m0 < M; m0 += 4) {
+        constexpr int R0 = int4_max_rows<I>();
+        for (int64_t m0 = 0; m0 < M; m0 += R0) {
           const int8_t* qm = q + m0 * K;
           const float *sm = qs + m0 * blocks, *tm = qsum + m0 * blocks;
           float* o = op + m0 * N + 8 * t;
-          switch (std::min<int64_t>(4, M - m0)) {
-            case 4: int4_tile_rows<I, 4>(tile, blocks, qm, sm, tm, K, o, N, cols); break;
-            case 3: int4_tile_rows<I, 3>(tile, blocks, qm, sm, tm, K, o, N, cols); break;
-            case 2: int4_tile_rows<I, 2>(tile, blocks, qm, sm, tm, K, o, N, cols); break;
-            default: int4_tile_rows<I, 1>(tile, blocks, qm, sm, tm, K, o, N, cols);
-          }
+          with_rows<R0>(std::min<int64_t>(R0, M - m0), [&](auto rows) {
+            int4_tile_rows<I, decltype(rows)::value>(tile, blocks, qm, sm, tm, K, o, N, cols);
+          });
         }
       }
     });
