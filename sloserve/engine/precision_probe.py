@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch
 
-from sloserve.engine.kernels import cpu_tag
+from sloserve.engine.kernels import build_digest, cpu_tag
 from sloserve.engine.quant import DenseLinear, GroupAffine4, Int4Linear, Int8Linear, can_prepack
 from sloserve.user_cache import JsonCache, user_cache_path
 
@@ -105,11 +105,12 @@ def quantized_max_rows(hidden: int, intermediate: int, quantization: str, dtype:
     dense `dtype` ones (prepacked if `prepack`) at every row count up to it (0: never), or None
     when they win at every probed size, so no dense copy is worth its memory (cached like the dtype).
     `int8_activations`: the native kernels (engine/kernels) the packed linears will run with int8
-    activations (W4A8/W8A8), so that is what is timed (keyed by their ISA: a VNNI build moves the
-    crossover); None = torch's weight-only kernels."""
+    activations (W4A8/W8A8), so that is what is timed (keyed by their ISA and sources: a VNNI build
+    or a changed kernel moves the crossover); None = torch's weight-only kernels."""
     cache_path = cache_path or default_cache_path()
     key = _key(f"{hidden}x{intermediate}", quantization, str(dtype).removeprefix("torch."),
-               *(["prepacked"] if prepack else []), *([f"a8-{int8_activations.int8_kernel_isas()[0]}"] if int8_activations is not None else []))
+               *(["prepacked"] if prepack else []), *([f"a8-{int8_activations.int8_kernel_isas()[0]}-{build_digest()}"] if int8_activations is not None
+                 else []))
     cache = JsonCache(cache_path)
     cached = cache.get(key)
     if isinstance(cached, dict):

@@ -72,6 +72,16 @@ def _sources_digest() -> str:
     return digest.hexdigest()[:12]
 
 
+def build_digest() -> str:
+    """A digest of every kernel source: what a measurement of the kernels (the precision probes)
+    is keyed by, so a changed kernel is measured again instead of read from a cache."""
+    digest = hashlib.sha1()
+    for source in sorted(_HERE.glob("*.[ch]*")):
+        if source.suffix in (".cpp", ".h"):
+            digest.update(source.read_bytes())
+    return digest.hexdigest()[:10]
+
+
 def _load(stem: str, what: str):
     """Compile (or load the cached build of) the extension bound in kernels/<stem>.cpp with every
     other .cpp beside it; None, with a logged reason, if it cannot be built."""
@@ -119,4 +129,4 @@ def load_fused_ops():
     return _load("cpu_kernels", "fused elementwise ops")
 
 
-__all__ = ["attention_kernels", "cpu_tag", "load_fused_ops", "load_paged_decode_attention"]
+__all__ = ["attention_kernels", "build_digest", "cpu_tag", "load_fused_ops", "load_paged_decode_attention"]
