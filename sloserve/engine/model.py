@@ -302,14 +302,15 @@ class LlamaModel:
         """Whether this step runs as one native call: decodes only, few enough rows for the 4-bit
         kernels, a cache attention reads as is (what the Python loop would do natively too)."""
         T = batch.input_ids.shape[0]
-        if self.decode_stack is None or batch.num_decodes != T or T > self._stack_rows or not kv_cache.native \
-                or kv_cache.quantized or kv_cache.data.device.type != "cpu":
-            return False
+        return self.decode_stack is not None and batch.num_decodes == T and T <= self._stack_rows \
+            and kv_cache.native and not kv_cache.quantized and kv_cache.data.device.type == "cpu"
+
+    def _bind_stack(self, kv_cache: KVCache) -> None:
+        """Point the native stack at `kv_cache`'s tensors (once per cache: it keeps them)."""
         if self._stack_cache is not kv_cache:
             self.decode_stack.bind_cache([k for k, _ in kv_cache.layers], [v for _, v in kv_cache.layers],
                                          kv_cache.block_size, self._kernel_for(kv_cache))
             self._stack_cache = kv_cache
-        return True
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         if self.embed is not None:
@@ -427,6 +428,7 @@ class LlamaModel:
         delta: Optional[torch.Tensor] = None  # the previous layer's MLP output, not yet added to h
         layers = self.layers
         if self._stack_takes(batch, kv_cache):  # the same kernels in the same order, in one call
+            self._bind_stack(kv_cache)
             h = self.decode_stack.forward(h, cos, sin, batch.slot_mapping, batch.decode_blocks,
                                           batch.decode_context_lens)
             layers = []
