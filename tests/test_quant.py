@@ -107,13 +107,13 @@ def _w4a8_reference(x: torch.Tensor, weight: GroupAffine4) -> torch.Tensor:
             ).sum(-1).float()
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 6, 33])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 6, 33, 130])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_w4a8_layer_kernel_computes_what_it_claims(rows, dtype):
     """The native 4-bit x int8 product (the codes as vpmaddubsw's unsigned factor, the groups'
     offsets through each block's activation sum) against the spelled-out arithmetic: equal to
     float rounding, with codes at 0 and 15, a zero activation block, and row counts that do and
-    do not fill the kernel's groups of four, over an odd number of columns (83: the last tile of
+    do not fill the kernel's groups of rows or its chunks of 64, over an odd number of columns (83: the last tile of
     eight columns is partial, the threads' shares differ); within int8 rounding of the exact product; and the
     dense copy it hands large steps is exactly the file's weights."""
     kernels = load_fused_ops()
@@ -141,7 +141,7 @@ def test_the_w4a8_layer_kernel_computes_what_it_claims(rows, dtype):
     assert (got.float() - exact).norm() / exact.norm() < 2e-2
 
 
-@pytest.mark.parametrize("rows", [1, 3, 4, 6, 9, 17])
+@pytest.mark.parametrize("rows", [1, 3, 4, 6, 9, 17, 130])
 def test_every_int8_kernel_isa_gives_the_same_bits(rows):
     """AVX512-VNNI's vpdpbusd sums the same integer products as AVX2's vpmaddubsw + vpmaddwd, and
     the float work around them is the same, so where a CPU has both the outputs are equal bit for

@@ -41,6 +41,9 @@ constexpr int64_t kTileRecord = 160;  // bytes of one tile's block: 128 of codes
 // matrices are short streams the hardware prefetcher has little time to learn; with the model's
 // 66 MB of layers 1.1-1.2x faster than without (Zen3, 1 and 4 rows, alternating runs).
 constexpr int kTilePrefetch = 8 * kTileRecord;
+// Rows of x a W4A8 product takes through all its tiles at a time (a multiple of every ISA's
+// rows per pass, so the groups of rows stay the same).
+constexpr int64_t kRowChunk = 64;
 
 enum class Isa { avx2, vnni };
 
@@ -325,17 +328,24 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& tiles, int64_t N, co
   with_isa(chosen, [&](auto isa_tag) {
     constexpr Isa I = decltype(isa_tag)::value;
     at::parallel_for(0, tiles.size(0), 4, [&](int64_t begin, int64_t end) {
-      for (int64_t t = begin; t < end; ++t) {
-        const uint8_t* tile = w + t * blocks * kTileRecord;
-        const int64_t cols = std::min<int64_t>(8, N - 8 * t);
-        constexpr int R0 = int4_max_rows<I>();
-        for (int64_t m0 = 0; m0 < M; m0 += R0) {
-          const int8_t* qm = q + m0 * K;
-          const float *sm = qs + m0 * blocks, *tm = qsum + m0 * blocks;
-          float* o = op + m0 * N + 8 * t;
-          with_rows<R0>(std::min<int64_t>(R0, M - m0), [&](auto rows) {
-            int4_tile_rows<I, decltype(rows)::value>(tile, blocks, qm, sm, tm, K, o, N, cols);
-          });
+      constexpr int R0 = int4_max_rows<I>();
+      // A prefill's rows in chunks, each chunk through all of this thread's tiles: the chunk's
+      // activations stay in L1/L2 while the tiles come round again, instead of every tile
+      // streaming all rows' activations (the layers at 2,048 rows ~1.12x faster on a Zen4 EPYC,
+      // equal at 512).
+      for (int64_t r0 = 0; r0 < M; r0 += kRowChunk) {
+        const int64_t r1 = std::min<int64_t>(M, r0 + kRowChunk);
+        for (int64_t t = begin; t < end; ++t) {
+          const uint8_t* tile = w + t * blocks * kTileRecord;
+          const int64_t cols = std::min<int64_t>(8, N - 8 * t);
+          for (int64_t m0 = r0; m0 < r1; m0 += R0) {
+            const int8_t* qm = q + m0 * K;
+            const float *sm = qs + m0 * blocks, *tm = qsum + m0 * blocks;
+            float* o = op + m0 * N + 8 * t;
+            with_rows<R0>(std::min<int64_t>(R0, r1 - m0), [&](auto rows) {
+              int4_tile_rows<I, decltype(rows)::value>(tile, blocks, qm, sm, tm, K, o, N, cols);
+            });
+          }
         }
       }
     });
