@@ -108,9 +108,9 @@ def quantized_max_rows(hidden: int, intermediate: int, quantization: str, dtype:
     activations (W4A8/W8A8), so that is what is timed (keyed by their ISA and sources: a VNNI build
     or a changed kernel moves the crossover); None = torch's weight-only kernels."""
     cache_path = cache_path or default_cache_path()
+    a8 = [] if int8_activations is None else [f"a8-{int8_activations.int8_kernel_isas()[0]}-{build_digest()}"]
     key = _key(f"{hidden}x{intermediate}", quantization, str(dtype).removeprefix("torch."),
-               *(["prepacked"] if prepack else []), *([f"a8-{int8_activations.int8_kernel_isas()[0]}-{build_digest()}"] if int8_activations is not None
-                 else []))
+               *(["prepacked"] if prepack else []), *a8)
     cache = JsonCache(cache_path)
     cached = cache.get(key)
     if isinstance(cached, dict):
