@@ -103,22 +103,24 @@ inline int32_t hsum_epi32(__m256i v) {
   return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 1)));
 }
 
-Int8Rows quantize_rows(const at::Tensor& x, bool sums) {
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
-  const float* xp = xf.data_ptr<float>();
-  const int64_t M = x.size(0), K = x.size(1), blocks = K / 32;
-  Int8Rows out;
-  out.q.resize(M * K);
-  out.scale.resize(M * blocks);
-  if (sums) out.scaled_sum.resize(M * blocks);
+// Eight floats from eight float32 or bfloat16 values (bf16 widens exactly: its bits are the top half).
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// Blocks [begin, end) of x (32 values each) into `out`.
+template <typename T>
+void quantize_blocks(const T* xp, int64_t begin, int64_t end, bool sums, Int8Rows& out) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   const __m256i ones8 = _mm256_set1_epi8(1);
   const __m256i ones16 = _mm256_set1_epi16(1);
-  for (int64_t i = 0; i < M * blocks; ++i) {
-    const float* src = xp + i * 32;
-    const __m256 v0 = _mm256_loadu_ps(src), v1 = _mm256_loadu_ps(src + 8);
-    const __m256 v2 = _mm256_loadu_ps(src + 16), v3 = _mm256_loadu_ps(src + 24);
+  for (int64_t i = begin; i < end; ++i) {
+    const T* src = xp + i * 32;
+    const __m256 v0 = load8(src), v1 = load8(src + 8);
+    const __m256 v2 = load8(src + 16), v3 = load8(src + 24);
     const __m256 a = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1)),
                                    _mm256_max_ps(_mm256_andnot_ps(sign, v2), _mm256_andnot_ps(sign, v3)));
     __m128 h = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
@@ -137,6 +139,26 @@ Int8Rows quantize_rows(const at::Tensor& x, bool sums) {
       const __m256i s32 = _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, q), ones16);
       out.scaled_sum[i] = out.scale[i] * static_cast<float>(hsum_epi32(s32));
     }
+  }
+}
+
+// bf16 rows are read as they are (no float32 copy of x); a prefill's rows are split over the
+// threads (a decode step's few rows stay on one: below the grain).
+Int8Rows quantize_rows(const at::Tensor& x, bool sums) {
+  const int64_t M = x.size(0), K = x.size(1), blocks = K / 32;
+  Int8Rows out;
+  out.q.resize(M * K);
+  out.scale.resize(M * blocks);
+  if (sums) out.scaled_sum.resize(M * blocks);
+  constexpr int64_t kGrain = 256;  // blocks: 8,192 values
+  if (x.scalar_type() == at::kBFloat16) {
+    const at::Tensor xc = x.contiguous();
+    const auto* xp = xc.data_ptr<c10::BFloat16>();
+    at::parallel_for(0, M * blocks, kGrain, [&](int64_t b, int64_t e) { quantize_blocks(xp, b, e, sums, out); });
+  } else {
+    const at::Tensor xf = x.to(at::kFloat).contiguous();
+    const float* xp = xf.data_ptr<float>();
+    at::parallel_for(0, M * blocks, kGrain, [&](int64_t b, int64_t e) { quantize_blocks(xp, b, e, sums, out); });
   }
   return out;
 }
