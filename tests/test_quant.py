@@ -16,7 +16,7 @@ from gguf import GGMLQuantizationType as Q
 from sloserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from sloserve.engine.kernels import load_fused_ops
 from sloserve.engine.llm import LLM
-from sloserve.engine.precision_probe import choose_cpu_dtype, prepack_pays, quantized_max_rows
+from sloserve.engine.precision_probe import choose_cpu_dtype, crossover, prepack_pays, quantized_max_rows
 from sloserve.engine.quality import (KV_TOLERANCES, TOLERANCES, chunked_next_token_logits, greedy_agreement, load_texts,
                                      next_token_logits, perplexity, top1_agreement)
 from sloserve.engine.quant import (DenseLinear, GroupAffine4, Int4Linear, Int8Linear, RowDispatchLinear,
@@ -208,6 +208,16 @@ def test_quantization_names_resolve_per_device():
         resolve_quantization("int4", None, cuda)
     with pytest.raises(ValueError, match="unsupported quantization"):
         resolve_quantization("fp8", None, cpu)
+
+
+def test_a_dense_copy_is_kept_only_where_it_is_clearly_faster():
+    """The copy costs memory: level timings (noise) keep none; the first row count where dense
+    is >= 10% faster sets the crossover."""
+    level = {rows: (1.0, 0.95) for rows in (1, 2, 4, 8, 16)}
+    assert crossover(level) is None
+    assert crossover({**level, 8: (1.0, 0.85), 16: (1.0, 0.5)}) == 4
+    assert crossover({1: (1.0, 0.8)}) == 0
+    assert crossover({4: (2.0, 1.9), 2: (1.0, 0.2)}) == 1  # by row count, not insertion order
 
 
 def test_the_probes_measure_once_and_then_read_their_cache(tmp_path):
