@@ -5,8 +5,6 @@
 // so its numbers are the Python loop's exactly (tests/test_quant.py compares them bit for bit).
 #include "kernels.h"
 
-#include <algorithm>
-
 namespace sloserve {
 
 DecodeStack::DecodeStack(std::vector<at::Tensor> in_norm, std::vector<at::Tensor> post_norm,
@@ -34,9 +32,7 @@ void DecodeStack::bind_cache(std::vector<at::Tensor> k_caches, std::vector<at::T
 }
 
 void DecodeStack::use_int8_isa(const std::string& isa) {
-  const std::vector<std::string> have = int8_kernel_isas();
-  TORCH_CHECK(isa == "auto" || std::find(have.begin(), have.end(), isa) != have.end(),
-              "DecodeStack: int8 kernel ISA '", isa, "' is not in this build");
+  check_int8_isa(isa);
   int8_isa_ = isa;
 }
 

@@ -270,13 +270,17 @@ std::vector<std::string> int8_kernel_isas() {
   return out;
 }
 
-namespace {
-
-Isa resolve_isa(const std::string& isa) {
+void check_int8_isa(const std::string& isa) {
   const std::vector<std::string> have = int8_kernel_isas();
   TORCH_CHECK(isa == "auto" || std::find(have.begin(), have.end(), isa) != have.end(), "unknown or unavailable ",
               "int8 kernel ISA '", isa, "' (auto, or one of this build's: ", c10::Join(", ", have), ")");
-  const std::string chosen = isa == "auto" ? have.front() : isa;
+}
+
+namespace {
+
+Isa resolve_isa(const std::string& isa) {
+  check_int8_isa(isa);
+  const std::string chosen = isa == "auto" ? int8_kernel_isas().front() : isa;
   return chosen == "vnni" ? Isa::vnni : Isa::avx2;
 }
 

@@ -49,6 +49,8 @@ at::Tensor argmax_rows(const at::Tensor& logits);
 bool int8_gemv_supported();
 // The ISAs this build's int8 products can use, fastest first (empty without AVX2).
 std::vector<std::string> int8_kernel_isas();
+// Fails with the list of this build's ISAs unless `isa` is "auto" or one of them.
+void check_int8_isa(const std::string& isa);
 at::Tensor int8_gemv(const at::Tensor& x,             // [M, K] float32/bf16, K a multiple of 32
                      const at::Tensor& codes,         // [N, K] int8 in [-127, 127]
                      const at::Tensor& weight_scale,  // [N] float32; returns [M, N] float32
