@@ -153,16 +153,23 @@ def test_every_int8_kernel_isa_gives_the_same_bits(rows):
     isas = kernels.int8_kernel_isas()
     assert isas[-1] == "avx2" and set(isas) <= {"vnni", "avx2"}
     torch.manual_seed(1)
-    w = torch.randn(83, 160) * 0.05
-    int8 = Int8Linear(w)
-    int4 = Int4Linear(GroupAffine4.quantize(w), w4a8=kernels.int4_gemv)
     x = torch.randn(rows, 160)
-    scale = int8.scale.float().contiguous()
-    for isa in isas:
-        assert torch.equal(kernels.int8_gemv(x, int8.codes, scale, isa), kernels.int8_gemv(x, int8.codes, scale))
-        assert torch.equal(kernels.int4_gemv(x, int4.tiles, 83, isa), kernels.int4_gemv(x, int4.tiles, 83)), isa
+    # 83 columns: 11 tiles of eight, the last partial and alone where VNNI takes tiles in pairs;
+    # 90: 12 tiles, the partial one second in a pair
+    for cols in (83, 90):
+        w = torch.randn(cols, 160) * 0.05
+        int8 = Int8Linear(w)
+        int4 = Int4Linear(GroupAffine4.quantize(w), w4a8=kernels.int4_gemv)
+        scale = int8.scale.float().contiguous()
+        expected = _w4a8_reference(x, GroupAffine4(int4._source.codes, int4._source.scale.half().float(),
+                                                   int4._source.offset.half().float()))
+        for isa in isas:
+            assert torch.equal(kernels.int8_gemv(x, int8.codes, scale, isa), kernels.int8_gemv(x, int8.codes, scale))
+            got = kernels.int4_gemv(x, int4.tiles, cols, isa)
+            assert torch.equal(got, kernels.int4_gemv(x, int4.tiles, cols)), (isa, cols)
+            assert torch.allclose(got, expected, rtol=1e-5, atol=1e-5), (isa, cols)
     with pytest.raises(RuntimeError, match="avx2"):
-        kernels.int4_gemv(x, int4.tiles, 83, "neon")
+        kernels.int4_gemv(x, int4.tiles, 90, "neon")
     if isas == ["avx2"]:
         pytest.skip("this CPU has no AVX512-VNNI: one ISA, nothing to compare it with")
 

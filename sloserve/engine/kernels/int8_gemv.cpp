@@ -30,6 +30,9 @@
 
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define SLOSERVE_VNNI 1
+#if defined(__AVX512BW__) && defined(__AVX512DQ__)
+#define SLOSERVE_VNNI512 1  // two tiles at once in 512-bit registers
+#endif
 #endif
 
 namespace sloserve {
@@ -248,6 +251,59 @@ inline void int4_tile_rows(const uint8_t* __restrict tile, int64_t blocks, const
     }
   }
 }
+
+#ifdef SLOSERVE_VNNI512
+// Two tiles side by side (16 columns) in 512-bit registers: each activation broadcast and each
+// instruction serves twice the columns. Every lane does int4_tile_rows's arithmetic in its order,
+// so the outputs are the same bits. `cols`: 9-16 (the second tile may be the partial last one).
+template <int R>
+inline void int4_tile_pair_rows(const uint8_t* __restrict tile_a, const uint8_t* __restrict tile_b, int64_t blocks,
+                                const int8_t* __restrict q, const float* __restrict qs, const float* __restrict qsum,
+                                int64_t K, float* __restrict out, int64_t out_stride, int64_t cols) {
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  __m512 acc[R];
+  for (int j = 0; j < R; ++j) acc[j] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* ra = tile_a + b * kTileRecord;
+    const uint8_t* rb = tile_b + b * kTileRecord;
+    for (int line = 0; line < kTileRecord; line += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(ra + kTilePrefetch + line), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(rb + kTilePrefetch + line), _MM_HINT_T0);
+    }
+    __m512i isum[R];
+    for (int j = 0; j < R; ++j) isum[j] = _mm512_setzero_si512();
+    for (int c = 0; c < 4; ++c) {
+      const __m512i packed = _mm512_inserti64x4(
+          _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ra + 32 * c))),
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rb + 32 * c)), 1);
+      const __m512i lo = _mm512_and_si512(packed, low);
+      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
+      for (int j = 0; j < R; ++j) {
+        const int8_t* qb = q + j * K + b * 32 + 4 * c;
+        int32_t a_lo, a_hi;
+        std::memcpy(&a_lo, qb, 4);
+        std::memcpy(&a_hi, qb + 16, 4);
+        isum[j] = _mm512_dpbusd_epi32(isum[j], lo, _mm512_set1_epi32(a_lo));
+        isum[j] = _mm512_dpbusd_epi32(isum[j], hi, _mm512_set1_epi32(a_hi));
+      }
+    }
+    auto halves = [](const uint8_t* a, const uint8_t* b) {
+      return _mm512_insertf32x8(
+          _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a)))),
+          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b))), 1);
+    };
+    const __m512 d = halves(ra + 128, rb + 128);
+    const __m512 o = halves(ra + 144, rb + 144);
+    for (int j = 0; j < R; ++j) {
+      const __m512 sums = _mm512_cvtepi32_ps(isum[j]);
+      acc[j] = _mm512_fmadd_ps(sums, _mm512_mul_ps(d, _mm512_set1_ps(qs[j * blocks + b])), acc[j]);
+      acc[j] = _mm512_fmadd_ps(o, _mm512_set1_ps(qsum[j * blocks + b]), acc[j]);
+    }
+  }
+  const __mmask16 keep = static_cast<__mmask16>((1u << cols) - 1);
+  for (int j = 0; j < R; ++j) _mm512_mask_storeu_ps(out + j * out_stride, keep, acc[j]);
+}
+#endif
 #endif
 
 }  // namespace
@@ -353,7 +409,17 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& tiles, int64_t N, co
   const float* qsum = xq.scaled_sum.data();
   with_isa(chosen, [&](auto isa_tag) {
     constexpr Isa I = decltype(isa_tag)::value;
-    at::parallel_for(0, tiles.size(0), 4, [&](int64_t begin, int64_t end) {
+    // VNNI with AVX-512BW/DQ takes the tiles two at a time (1.1-1.3x at 1-2,048 rows on a Zen4
+    // EPYC against one at a time, alternating in one process): threads get whole pairs.
+#ifdef SLOSERVE_VNNI512
+    constexpr bool kPairs = I == Isa::vnni;
+#else
+    constexpr bool kPairs = false;
+#endif
+    const int64_t units = kPairs ? (tiles.size(0) + 1) / 2 : tiles.size(0);
+    at::parallel_for(0, units, kPairs ? 2 : 4, [&](int64_t ubegin, int64_t uend) {
+      const int64_t begin = kPairs ? 2 * ubegin : ubegin;
+      const int64_t end = std::min<int64_t>(tiles.size(0), kPairs ? 2 * uend : uend);
       constexpr int R0 = int4_max_rows<I>();
       // A prefill's rows in chunks, each chunk through all of this thread's tiles: the chunk's
       // activations stay in L1/L2 while the tiles come round again, instead of every tile
@@ -361,15 +427,20 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& tiles, int64_t N, co
       // equal at 512).
       for (int64_t r0 = 0; r0 < M; r0 += kRowChunk) {
         const int64_t r1 = std::min<int64_t>(M, r0 + kRowChunk);
-        for (int64_t t = begin; t < end; ++t) {
+        for (int64_t t = begin; t < end; t += kPairs ? 2 : 1) {
           const uint8_t* tile = w + t * blocks * kTileRecord;
-          const int64_t cols = std::min<int64_t>(8, N - 8 * t);
+          const int64_t cols = std::min<int64_t>(kPairs && t + 1 < end ? 16 : 8, N - 8 * t);
           for (int64_t m0 = r0; m0 < r1; m0 += R0) {
             const int8_t* qm = q + m0 * K;
             const float *sm = qs + m0 * blocks, *tm = qsum + m0 * blocks;
             float* o = op + m0 * N + 8 * t;
             with_rows<R0>(std::min<int64_t>(R0, r1 - m0), [&](auto rows) {
-              int4_tile_rows<I, decltype(rows)::value>(tile, blocks, qm, sm, tm, K, o, N, cols);
+              constexpr int R = decltype(rows)::value;
+#ifdef SLOSERVE_VNNI512
+              if (cols > 8) return int4_tile_pair_rows<R>(tile, tile + blocks * kTileRecord, blocks, qm, sm, tm, K, o,
+                                                          N, cols);
+#endif
+              int4_tile_rows<I, R>(tile, blocks, qm, sm, tm, K, o, N, cols);
             });
           }
         }
