@@ -47,6 +47,8 @@ constexpr int kTilePrefetch = 8 * kTileRecord;
 // Rows of x a W4A8 product takes through all its tiles at a time (a multiple of every ISA's
 // rows per pass, so the groups of rows stay the same).
 constexpr int64_t kRowChunk = 64;
+// The fewest rows for which the VNNI path takes W4A8 tiles in pairs (see int4_gemv).
+constexpr int64_t kPairRows = 16;
 
 enum class Isa { avx2, vnni };
 
@@ -409,10 +411,13 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& tiles, int64_t N, co
   const float* qsum = xq.scaled_sum.data();
   with_isa(chosen, [&](auto isa_tag) {
     constexpr Isa I = decltype(isa_tag)::value;
-    // VNNI with AVX-512BW/DQ takes the tiles two at a time (1.1-1.3x at 1-2,048 rows on a Zen4
-    // EPYC against one at a time, alternating in one process): threads get whole pairs.
+    // VNNI with AVX-512BW/DQ takes the tiles two at a time once a step has kPairRows rows; threads
+    // get whole pairs. Measured on a Zen4 EPYC over 30 layers' weights (streamed from memory), one
+    // at a time against two, alternating in one process: 16 / 64 / 256 rows 1.08x / 1.27x / 1.33x
+    // faster in pairs, but 1 and 4 rows 0.70x / 0.78x: a memory-bound step streams best one tile
+    // at a time.
 #ifdef SLOSERVE_VNNI512
-    constexpr bool kPairs = I == Isa::vnni;
+    const bool kPairs = I == Isa::vnni && M >= kPairRows;
 #else
     constexpr bool kPairs = false;
 #endif
