@@ -209,6 +209,19 @@ inline void int8_rows(const int8_t* __restrict row, float ws, int64_t K, int64_t
 // float16 scales, then their float16 offsets. Eight products of a code (<= 15) and an activation
 // (|q| <= 127) pair-summed stay within int16 (8 * 2 * 15 * 127 = 30480), so a block's int16 sums
 // need one widening.
+// The activations a tile's code bytes 32c..32c+31 meet in one block (`qb`: the row's 32 codes of
+// it): inputs 4c..4c+3 (the low nibbles) and 16+4c..16+4c+3 (the high ones), each four as one
+// int32 to broadcast.
+struct Quads {
+  int32_t lo, hi;
+};
+inline Quads quads(const int8_t* qb, int c) {
+  Quads a;
+  std::memcpy(&a.lo, qb + 4 * c, 4);
+  std::memcpy(&a.hi, qb + 16 + 4 * c, 4);
+  return a;
+}
+
 template <Isa I, int R>
 inline void int4_tile_rows(const uint8_t* __restrict tile, int64_t blocks, const int8_t* __restrict q,
                            const float* __restrict qs, const float* __restrict qsum, int64_t K,
@@ -227,12 +240,9 @@ inline void int4_tile_rows(const uint8_t* __restrict tile, int64_t blocks, const
       const __m256i lo = _mm256_and_si256(packed, low);
       const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low);
       for (int j = 0; j < R; ++j) {
-        const int8_t* qb = q + j * K + b * 32 + 4 * c;
-        int32_t a_lo, a_hi;
-        std::memcpy(&a_lo, qb, 4);
-        std::memcpy(&a_hi, qb + 16, 4);
-        isum[j] = accumulate<I>(isum[j], lo, _mm256_set1_epi32(a_lo));
-        isum[j] = accumulate<I>(isum[j], hi, _mm256_set1_epi32(a_hi));
+        const Quads a = quads(q + j * K + b * 32, c);
+        isum[j] = accumulate<I>(isum[j], lo, _mm256_set1_epi32(a.lo));
+        isum[j] = accumulate<I>(isum[j], hi, _mm256_set1_epi32(a.hi));
       }
     }
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 128)));
@@ -281,12 +291,9 @@ inline void int4_tile_pair_rows(const uint8_t* __restrict tile_a, const uint8_t*
       const __m512i lo = _mm512_and_si512(packed, low);
       const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
       for (int j = 0; j < R; ++j) {
-        const int8_t* qb = q + j * K + b * 32 + 4 * c;
-        int32_t a_lo, a_hi;
-        std::memcpy(&a_lo, qb, 4);
-        std::memcpy(&a_hi, qb + 16, 4);
-        isum[j] = _mm512_dpbusd_epi32(isum[j], lo, _mm512_set1_epi32(a_lo));
-        isum[j] = _mm512_dpbusd_epi32(isum[j], hi, _mm512_set1_epi32(a_hi));
+        const Quads a = quads(q + j * K + b * 32, c);
+        isum[j] = _mm512_dpbusd_epi32(isum[j], lo, _mm512_set1_epi32(a.lo));
+        isum[j] = _mm512_dpbusd_epi32(isum[j], hi, _mm512_set1_epi32(a.hi));
       }
     }
     auto halves = [](const uint8_t* a, const uint8_t* b) {
