@@ -424,14 +424,14 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& tiles, int64_t N, co
     // faster in pairs, but 1 and 4 rows 0.70x / 0.78x: a memory-bound step streams best one tile
     // at a time. Engine decode steps (6 rounds): 16 streams level, 32 streams 1.08x.
 #ifdef SLOSERVE_VNNI512
-    const bool kPairs = I == Isa::vnni && M >= kPairRows;
+    const bool pairs = I == Isa::vnni && M >= kPairRows;
 #else
-    constexpr bool kPairs = false;
+    constexpr bool pairs = false;
 #endif
-    const int64_t units = kPairs ? (tiles.size(0) + 1) / 2 : tiles.size(0);
-    at::parallel_for(0, units, kPairs ? 2 : 4, [&](int64_t ubegin, int64_t uend) {
-      const int64_t begin = kPairs ? 2 * ubegin : ubegin;
-      const int64_t end = std::min<int64_t>(tiles.size(0), kPairs ? 2 * uend : uend);
+    const int64_t units = pairs ? (tiles.size(0) + 1) / 2 : tiles.size(0);
+    at::parallel_for(0, units, pairs ? 2 : 4, [&](int64_t ubegin, int64_t uend) {
+      const int64_t begin = pairs ? 2 * ubegin : ubegin;
+      const int64_t end = std::min<int64_t>(tiles.size(0), pairs ? 2 * uend : uend);
       constexpr int R0 = int4_max_rows<I>();
       // A prefill's rows in chunks, each chunk through all of this thread's tiles: the chunk's
       // activations stay in L1/L2 while the tiles come round again, instead of every tile
@@ -439,9 +439,9 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& tiles, int64_t N, co
       // equal at 512).
       for (int64_t r0 = 0; r0 < M; r0 += kRowChunk) {
         const int64_t r1 = std::min<int64_t>(M, r0 + kRowChunk);
-        for (int64_t t = begin; t < end; t += kPairs ? 2 : 1) {
+        for (int64_t t = begin; t < end; t += pairs ? 2 : 1) {
           const uint8_t* tile = w + t * blocks * kTileRecord;
-          const int64_t cols = std::min<int64_t>(kPairs && t + 1 < end ? 16 : 8, N - 8 * t);
+          const int64_t cols = std::min<int64_t>(pairs && t + 1 < end ? 16 : 8, N - 8 * t);
           for (int64_t m0 = r0; m0 < r1; m0 += R0) {
             const int8_t* qm = q + m0 * K;
             const float *sm = qs + m0 * blocks, *tm = qsum + m0 * blocks;
