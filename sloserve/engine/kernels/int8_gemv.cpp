@@ -343,10 +343,15 @@ void check_int8_isa(const std::string& isa) {
 
 namespace {
 
+// Called for every product (a decode step makes ~120): string compares only, no list built.
 Isa resolve_isa(const std::string& isa) {
-  check_int8_isa(isa);
-  const std::string chosen = isa == "auto" ? int8_kernel_isas().front() : isa;
-  return chosen == "vnni" ? Isa::vnni : Isa::avx2;
+#ifdef SLOSERVE_VNNI
+  if (isa == "auto" || isa == "vnni") return Isa::vnni;
+#else
+  if (isa == "auto") return Isa::avx2;
+#endif
+  if (isa != "avx2") check_int8_isa(isa);  // fails, naming what this build has
+  return Isa::avx2;
 }
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
