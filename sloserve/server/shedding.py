@@ -23,7 +23,9 @@ writes, tokenizing the next arrival), and it admits right up to the target, so t
 requests' first tokens cluster just below it: a bias of a few percent puts many over. So the
 prediction is calibrated by feedback: each admitted request whose wait mattered (predicted at
 least a fifth of its target) reports its first token, and predictions are scaled by the median
-ratio of observed to predicted over the last 32 such requests.
+ratio of observed to predicted over the last 32 such requests, or over the last 8 when that is
+higher: a machine that slows down (a neighbour on shared cores, a clock that drops) tightens
+admission after a few late first tokens, while it relaxes only as the longer window agrees.
 """
 from __future__ import annotations
 
@@ -42,6 +44,7 @@ logger = logging.getLogger(__name__)
 
 SHED_CODE = "slo_unattainable"
 CALIBRATION_WINDOW = 32  # admitted requests whose observed / predicted TTFT ratios are kept
+RECENT_WINDOW = 8  # the newest ratios, whose median overrides the window's when higher (slowdowns)
 CALIBRATE_ABOVE = 0.2  # learn only from predictions of at least this share of the target: where queueing is priced
 CALIBRATION_BOUNDS = (0.5, 4.0)  # a correction outside these says the estimator is broken, not biased
 
@@ -176,6 +179,12 @@ def work_of(r: Any, max_model_len: int) -> Work:
     return Work(max(1, left), max(0, decode_left - 1), r.num_computed_tokens)
 
 
+def _median(values: Sequence[float]) -> float:
+    """The upper median: with an even count, the higher middle value (the cautious one)."""
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2]
+
+
 class Shedder:
     """Decides, per arrival with a TTFT target, whether that target is still reachable.
 
@@ -231,8 +240,8 @@ class Shedder:
             return
         admitted_at, raw = entry
         self._ratios.append((self.clock() - admitted_at) / raw)
-        ordered = sorted(self._ratios)
-        self.calibration = min(CALIBRATION_BOUNDS[1], max(CALIBRATION_BOUNDS[0], ordered[len(ordered) // 2]))
+        ratio = max(_median(self._ratios), _median(list(self._ratios)[-RECENT_WINDOW:]))
+        self.calibration = min(CALIBRATION_BOUNDS[1], max(CALIBRATION_BOUNDS[0], ratio))
 
     # -- the decision
     def _rank(self, qos: QoSClass, priority: Optional[int], now: float) -> tuple[float, ...]:
