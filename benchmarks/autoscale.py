@@ -36,9 +36,10 @@ sys.path.insert(0, str(REPO))
 
 from sloserve.bench.metrics import SLO  # noqa: E402
 from sloserve.config import SchedulerConfig  # noqa: E402
-from sloserve.planning import instance_capacity, pool_capacity  # noqa: E402
+from sloserve.planning import (CURVE_DURATION_S, CURVE_INSTANCES, CURVE_LOADS, instance_capacity,  # noqa: E402
+                               pool_capacity, response_curve)
 from sloserve.sim.catalog import get_model  # noqa: E402
-from sloserve.simulation import FleetConfig, build_fleet, sim_requests, simulate  # noqa: E402
+from sloserve.simulation import FleetConfig, build_fleet, build_fluid, sim_requests, simulate  # noqa: E402
 from sloserve.workload.series import Series, servegen_series  # noqa: E402
 from sloserve.workload.traces import load_file, shared_path  # noqa: E402
 from sloserve.workload.types import WorkloadRequest  # noqa: E402
@@ -71,6 +72,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--pd", action="store_true",
                    help="also run each policy on a prefill/decode-disaggregated fleet whose pools scale apart")
     p.add_argument("--no-figure", action="store_true", help="leave benchmarks/figures/ alone (results JSON only)")
+    p.add_argument("--fidelity", choices=("discrete", "fluid", "both"), default="discrete",
+                   help="discrete: every request through the simulated schedulers; fluid: demand as a flow priced by "
+                        "a response curve the discrete simulator measures first (sim/fluid.py; days on tens of "
+                        "instances); both: each run both ways, side by side (colocated only)")
     return p.parse_args()
 
 
@@ -124,12 +129,24 @@ def main() -> int:
     history, run = demand(args)
     sizing = args.demand_capacity or capacity
     scale = args.peak * sizing * 0.8 / float(run.values.max())  # the peak needs `peak` instances at 80%
-    reqs = requests(run, scale, lengths, args.seed)
+    discrete = args.fidelity in ("discrete", "both")
+    reqs = requests(run, scale, lengths, args.seed) if discrete else []
+    curve = None
+    if args.fidelity != "discrete":
+        need = math.ceil(max(CURVE_LOADS) * capacity * CURVE_INSTANCES * CURVE_DURATION_S * 1.05)
+        curve_probe = requests(Series("curve", np.ones(math.ceil(need / 60)), 60.0), 1.0, lengths, args.seed + 2)
+        console.print(f"response curve: {CURVE_INSTANCES} instances at {len(CURVE_LOADS)} loads, "
+                      f"{CURVE_DURATION_S:g} s each ({len(curve_probe)} requests) ...")
+        curve = response_curve(curve_probe, replace(base, router="least-requests"), slo, capacity)
+        console.print("attainment by load: " + ", ".join(f"{x:g}: {100 * a:.1f}%" for x, a in
+                                                         zip(curve.loads, curve.attainment))
+                      + f"; saturation {curve.saturation_rps:.2f} req/s per instance")
     hist = Series("history", history.values * scale, history.step_s, history.start_s)
     mean_need = math.ceil(float(run.values.mean()) * scale / (capacity * 0.8))
     peak_need = math.ceil(float(run.values.max()) * scale / (capacity * 0.8))  # = --peak unless --demand-capacity
     base = replace(base, instances=max(args.peak, peak_need))
-    console.print(f"capacity {capacity:.2f} req/s per instance; {len(reqs)} requests over {args.hours:g} h; demand "
+    expected = float(run.values.sum() * run.step_s * scale)
+    console.print(f"capacity {capacity:.2f} req/s per instance; {len(reqs) or expected:.0f} requests over {args.hours:g} h; demand "
                   f"{run.values.min() * scale:.1f}-{run.values.max() * scale:.1f} req/s (mean needs {mean_need}, "
                   f"peak {peak_need} instances)")
     pools = None
@@ -139,13 +156,15 @@ def main() -> int:
                       f"{pools[1]:.2f} req/s")
     cold_starts = [float(x) for x in args.cold_starts.split(",")]
     policies = [p for p in args.policies.split(",") if p]
-    jobs = [(c, p, pd) for c in cold_starts for p in policies for pd in ((False, True) if pools else (False,))]
+    fidelities = {"discrete": ("discrete",), "fluid": ("fluid",), "both": ("discrete", "fluid")}[args.fidelity]
+    jobs = [(c, p, pd, f) for c in cold_starts for p in policies for pd in ((False, True) if pools else (False,))
+            for f in fidelities if not (pd and f == "fluid")]
     rows = []
     t0 = time.perf_counter()
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console) as progress:
         task = progress.add_task("runs", total=len(jobs))
-        for cold, policy, pd in jobs:
+        for cold, policy, pd, fidelity in jobs:
             if pd:  # each pool sized by its own capacity; autoscaled pools may grow to twice the peak's need
                 rate = float(run.values.max() if policy == "static-peak" else run.values.mean()) * scale
                 need = [max(1, math.ceil(rate / (c * 0.8))) for c in pools]  # type: ignore[union-attr]
@@ -167,32 +186,42 @@ def main() -> int:
                           demand_step_s=60.0, scale_down_delay_s=300.0, forecaster=args.forecaster,
                           forecast_level=args.forecast_level,
                           scaling_history=hist)
-            records, result = simulate(build_fleet(cfg), sim_requests(reqs))
-            sc = result.scaling
-            met = sum(slo.met(r) for r in records) / max(1, len(records))
-            rows.append({"policy": policy + (" (P/D)" if pd else ""), "cold_start_s": cold,
+            t_run = time.perf_counter()
+            if fidelity == "fluid":
+                fluid = build_fluid(cfg, curve, slo.ttft_s, seed=args.seed).run(run.values * scale, run.step_s)
+                sc, met, failed, n_reqs = fluid.scaling, fluid.attainment, fluid.unserved, fluid.requests
+            else:
+                records, result = simulate(build_fleet(cfg), sim_requests(reqs))
+                sc = result.scaling
+                met = sum(slo.met(r) for r in records) / max(1, len(records))
+                failed = len(reqs) - len(records) + sum(not r.success for r in records)
+                n_reqs = len(reqs)
+            rows.append({"policy": policy + (" (P/D)" if pd else ""), "cold_start_s": cold, "fidelity": fidelity,
                          "pool_gpu_hours": {k: v * args.tp for k, v in sc.get("pool_instance_hours", {}).items()},
                          "gpu_hours": sc["instance_hours"] * args.tp,
                          "attainment": met, "cold_starts": sc["cold_starts"],
                          "peak_ready": max((r[1] for r in sc["timeline"]), default=0),
-                         "timeline": [(r[0], r[1], r[2]) for r in sc["timeline"]], "failed": len(reqs) - len(records)
-                         + sum(not r.success for r in records)})
+                         "timeline": [(r[0], r[1], r[2]) for r in sc["timeline"]], "failed": failed,
+                         "requests": n_reqs, "wall_s": time.perf_counter() - t_run})
             progress.advance(task)
     table = Table(title=f"{args.hours:g} h of ServeGen m-large (day {args.day}, from {args.start_hour:g} h), "
                         f"peak {args.peak} x {args.model} on {args.hardware}, SLO {args.slo}")
-    for col in ("cold start", "policy", "GPU-hours", "vs static-peak", "SLO attainment", "cold starts", "peak ready"):
+    for col in ("cold start", "policy", "fidelity", "GPU-hours", "vs static-peak", "SLO attainment", "cold starts",
+                "peak ready", "requests", "wall s"):
         table.add_column(col, justify="right")
     for r in rows:
-        ref = next((x for x in rows if x["policy"] == "static-peak" and x["cold_start_s"] == r["cold_start_s"]), None)
-        table.add_row(f"{r['cold_start_s']:g} s", r["policy"], f"{r['gpu_hours']:.1f}",
-                      f"{r['gpu_hours'] / ref['gpu_hours']:.2f}x" if ref else "-", f"{100 * r['attainment']:.1f}%",
-                      str(r["cold_starts"]), str(r["peak_ready"]))
+        ref = next((x for x in rows if x["policy"] == "static-peak" and x["cold_start_s"] == r["cold_start_s"]
+                    and x["fidelity"] == r["fidelity"]), None)
+        table.add_row(f"{r['cold_start_s']:g} s", r["policy"], r["fidelity"], f"{r['gpu_hours']:.1f}",
+                      f"{r['gpu_hours'] / ref['gpu_hours']:.2f}x" if ref else "-", f"{100 * r['attainment']:.2f}%",
+                      str(r["cold_starts"]), str(r["peak_ready"]), f"{r['requests']:.0f}", f"{r['wall_s']:.1f}")
     console.print(table)
     stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
     out = REPO / "benchmarks" / "results" / f"autoscale-{stamp}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"when": stamp, "args": vars(args), "capacity_rps": capacity, "pd_capacity": pools,
-                               "requests": len(reqs),
+                               "requests": len(reqs) or expected,
+                               "response_curve": curve.as_dict() if curve else None,
                                "machine": platform.processor() or platform.machine(),
                                "wall_s": time.perf_counter() - t0, "rows": rows}, indent=1))
     name = "autoscale" + ("" if args.forecaster == "seasonal-naive" else f"-{args.forecaster}") + ("-pd" if pools else "") \
@@ -220,7 +249,9 @@ def plot(rows: list[dict], run: Series, scale: float, capacity: float, path: Pat
         if r["cold_start_s"] != cold:
             continue
         t = [x[0] / 3600 for x in r["timeline"]]
-        ax.step(t, [x[1] for x in r["timeline"]], where="post", label=f"{r['policy']} (ready)")
+        fluid = r.get("fidelity") == "fluid"
+        ax.step(t, [x[1] for x in r["timeline"]], where="post", linestyle="--" if fluid else "-",
+                label=f"{r['policy']} ({'fluid, ' if fluid else ''}ready)")
     ax.set_xlabel("hours into the run")
     ax.set_ylabel("instances")
     ax.set_title(f"ready instances per policy, cold start {cold:g} s")

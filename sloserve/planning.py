@@ -20,6 +20,7 @@ from typing import Callable, Optional, Sequence
 
 from sloserve.bench.metrics import SLO
 from sloserve.simulation import FleetConfig, PoolSettings, build_fleet, fleet_gpus, sim_requests, simulate
+from sloserve.sim.fluid import ResponseCurve
 from sloserve.user_cache import JsonCache, source_fingerprint, user_cache_path
 from sloserve.workload.types import WorkloadRequest
 
@@ -210,6 +211,50 @@ def pool_capacity(reqs: Sequence[WorkloadRequest], cfg: FleetConfig, slo: SLO, i
     _warn_if_short(decode, head, min_duration_s, "a decode instance")
     cache.put(key, [prefill, decode])
     return prefill, decode
+
+
+CURVE_LOADS = (0.25, 0.5, 0.7, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5)  # of the capacity model's rate
+CURVE_INSTANCES = 4  # the calibration fleet: routing between instances is part of what the curve measures
+CURVE_DURATION_S = 120.0  # arrivals per load (as `sustained`): long against a TTFT target
+
+
+def response_curve(reqs: Sequence[WorkloadRequest], cfg: FleetConfig, slo: SLO, capacity: float,
+                   loads: Sequence[float] = CURVE_LOADS, instances: int = CURVE_INSTANCES,
+                   duration_s: float = CURVE_DURATION_S, cache: Optional[JsonCache] = None) -> ResponseCurve:
+    """What the fluid fleet (sim/fluid.py) prices requests with: SLO attainment of `instances`
+    instances of `cfg` at each load (a multiple of `capacity` per instance), each held for
+    `duration_s` of the workload's arrivals squeezed to that rate, and the rate an instance
+    completes requests at when it is busy (the most over the loads, counted after a quarter of
+    the arrivals). Give `reqs` with
+    Poisson arrivals shaped like the run's, long enough for the highest load (warned otherwise).
+    Cached like the capacity model."""
+    head = _sample(reqs, len(reqs))
+    cache = capacity_cache() if cache is None else cache
+    key = _capacity_key(head, cfg, slo, 0, "curve", len(head), duration_s) + json.dumps(
+        [round(capacity, 6), list(loads), instances])
+    known = cache.get(key)
+    if isinstance(known, dict):
+        return ResponseCurve(tuple(known["loads"]), tuple(known["attainment"]), known["saturation_rps"], capacity)
+    fleet = replace(cfg, instances=instances, autoscale=None, pd=None, migration="none")
+    probe = sustained(lambda n: head[:n], min(len(head), 50), duration_s, len(head))
+    attained, saturation = [], 0.0
+    for load in loads:
+        rate = load * capacity * instances
+        tried = probe(rate)
+        if len(tried) < rate * duration_s * 0.99:
+            logger.warning("response curve at load %.2f: %.0f s at %.1f req/s needs %d requests, the workload gave %d",
+                           load, duration_s, rate, math.ceil(rate * duration_s), len(tried))
+        records, _ = simulate(build_fleet(fleet), sim_requests(tried))
+        attained.append(sum(slo.met(r) for r in records) / max(1, len(tried)))
+        # completions per second once the fleet is busy (the last quarter of the arrivals, not the makespan,
+        # whose tail is one request's decode): past capacity, what an instance completes
+        span = tried[-1].arrival_s
+        done = sum(1 for r in records if r.e2e_s is not None and span / 4 <= r.send_s + r.e2e_s <= span)
+        if span > 0:
+            saturation = max(saturation, done / (0.75 * span) / instances)
+    curve = ResponseCurve(tuple(loads), tuple(attained), saturation, capacity)
+    cache.put(key, {"loads": list(curve.loads), "attainment": list(curve.attainment), "saturation_rps": saturation})
+    return curve
 
 
 def _sample(reqs: Sequence[WorkloadRequest], sample: int) -> list[WorkloadRequest]:

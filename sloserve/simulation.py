@@ -36,6 +36,7 @@ from sloserve.workload.types import WorkloadRequest
 
 if TYPE_CHECKING:
     from sloserve.cluster.predict import PredictionBook
+    from sloserve.sim.fluid import FluidFleet, ResponseCurve
 
 
 @dataclass
@@ -341,6 +342,21 @@ def build_fleet(cfg: FleetConfig, predictions: Optional["PredictionBook"] = None
                                  decode_router=decode_router, scalers=planners, mixed_handoff=handoff)
     return Simulator(instances, controller, move_costs(cfg, model), cfg.migration_interval_s,
                      roles=roles, pd_transfer=cfg.pd_transfer, num_layers=model.num_layers, scaling=scaling)
+
+
+def build_fluid(cfg: FleetConfig, curve: "ResponseCurve", ttft_s: float, tick_s: float = 1.0, drain_s: float = 10.0,
+                seed: int = 0) -> "FluidFleet":
+    """The fleet at flow level (sim/fluid.py): `cfg`'s autoscaling through the same controller and
+    scaling books as build_fleet, requests priced by `curve` (planning.response_curve)."""
+    from sloserve.sim.fluid import FluidFleet
+    from sloserve.sim.scaling import SimScaling
+
+    cfg.validate()
+    if cfg.autoscale is None or cfg.pd is not None:
+        raise ValueError("the fluid fleet runs an autoscaled colocated fleet (--autoscale, no --pd)")
+    planners, spec = scaling_parts(cfg)
+    controller = FleetController(make_router(cfg.router, RouterOptions(seed=cfg.router_seed)), scalers=planners)
+    return FluidFleet(controller, SimScaling(spec, fleet_roles(cfg)), curve, ttft_s, tick_s, drain_s, seed)
 
 
 def sim_instances(cfg: FleetConfig, roles: Sequence[str], store: Optional[SimKVStore],

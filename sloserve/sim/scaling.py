@@ -107,11 +107,12 @@ class SimScaling:
         return self.pools != ["mixed"]
 
     # ---- observation ---------------------------------------------------------------------
-    def observe_arrival(self, now: float) -> None:
+    def observe_arrival(self, now: float, count: int = 1) -> None:
+        """`count` requests arrived at `now` (the fluid fleet observes a tick's arrivals at once)."""
         k = int(now // self.spec.demand_step_s)
         if k >= len(self.arrivals):
             self.arrivals.extend([0] * (k + 1 - len(self.arrivals)))
-        self.arrivals[k] += 1
+        self.arrivals[k] += count
 
     def demand(self, now: float) -> np.ndarray:
         """Requests/s in each demand window that has ended by `now`."""

@@ -1,0 +1,195 @@
+"""A fleet at flow level: days of demand on tens of instances, through the same controller.
+
+The discrete-event simulator steps every request through the real scheduler; a day of
+ServeGen-shaped demand on 32-64 H100s serving an 8B model is tens of millions of requests,
+hours of wall time per policy. What an autoscaler decides depends on the demand it observes,
+the instances it has and the queue that builds when they are too few, not on each request. So
+here demand moves as a flow, tick by tick, through the same scale planners (the controller's
+`plan_scaling`) and the same instance lifecycle books (`SimScaling`: cold and warm starts,
+draining, instance-seconds), and what requests get is priced by a `ResponseCurve` the
+discrete-event simulator measured on the same workload and fleet settings (planning.response_curve):
+the share of requests within the SLO at a given load per ready instance.
+
+Each tick (1 s by default):
+- arrivals are a Poisson count at the demand's rate, observed by the scaling books as the
+  discrete fleet observes each arrival;
+- the ready instances serve up to their saturation rate (the curve's throughput); arrivals past
+  it join a first-come-first-served backlog (with no ready instance all of them do: requests
+  held while the fleet scales from zero), which drains at the spare rate;
+- requests served meet the SLO with the curve's attainment at the load (arrival rate over the
+  capacity of the ready instances), when they waited in the backlog less than the TTFT target;
+  the ones that waited longer miss it;
+- a draining instance stops after `drain_s` (its requests migrate off, `migration=drain`).
+Not modelled: per-request detail (no records: only counts), imbalance between instances beyond
+what the curve's calibration fleet had, KV state carried by migrations, P/D pools.
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+from sloserve.fleet_view import DRAINING, READY, STARTING
+from sloserve.sched.state import InstanceState
+from sloserve.sim.scaling import SimScaling
+
+
+@dataclass(frozen=True)
+class ResponseCurve:
+    """SLO attainment of the requests an instance serves, by its load (arrival rate over the
+    capacity model's rate), and the rate it completes requests at when overloaded."""
+
+    loads: tuple[float, ...]  # increasing
+    attainment: tuple[float, ...]  # at each load, made non-increasing
+    saturation_rps: float  # requests/s one instance completes past its capacity
+    capacity_rps: float  # the capacity model's rate, load 1.0
+
+    def __post_init__(self) -> None:
+        if len(self.loads) != len(self.attainment) or not self.loads:
+            raise ValueError("a response curve needs one attainment per load, and at least one load")
+        if list(self.loads) != sorted(set(self.loads)) or self.loads[0] < 0:
+            raise ValueError(f"loads must be increasing and >= 0, got {self.loads}")
+        if not self.saturation_rps > 0 or not self.capacity_rps > 0:
+            raise ValueError("saturation and capacity rates must be > 0")
+        # more load never helps: a noisy measurement that rises is held at the level before it
+        object.__setattr__(self, "attainment", tuple(np.minimum.accumulate(np.clip(self.attainment, 0.0, 1.0))))
+
+    def at(self, load: float) -> float:
+        """Attainment at `load`, interpolated; past the last load measured, the requests beyond that
+        load are counted as misses (an overloaded instance serves no more within the SLO)."""
+        last = self.loads[-1]
+        if load <= last:
+            return float(np.interp(load, self.loads, self.attainment))
+        return self.attainment[-1] * last / load
+
+    def as_dict(self) -> dict:
+        return {"loads": list(self.loads), "attainment": list(self.attainment),
+                "saturation_rps": self.saturation_rps, "capacity_rps": self.capacity_rps}
+
+
+@dataclass
+class FluidResult:
+    requests: float  # arrivals (Poisson counts)
+    met: float  # of them, expected to meet the SLO
+    unserved: float  # still in the backlog at the end
+    scaling: dict  # ScalingBooks.as_dict()
+    windows: list = field(default_factory=list)  # (start s, arrivals, met) per rate window
+
+    @property
+    def attainment(self) -> float:
+        return self.met / self.requests if self.requests else 1.0
+
+
+def _idle_state(waiting: int) -> InstanceState:
+    """What a ready instance shows the autoscaler: only its share of the queue is known at flow level."""
+    return InstanceState(num_running=0, num_waiting=waiting, queued_prefill_tokens=0, kv_blocks_used=0,
+                         kv_blocks_free=0, kv_blocks_total=0, predicted_remaining_decode_tokens=0,
+                         prefix_cache_hit_rate=0.0, min_ttft_slack_s=math.inf)
+
+
+class FluidFleet:
+    def __init__(self, controller: Any, scaling: SimScaling, curve: ResponseCurve, ttft_s: float,
+                 tick_s: float = 1.0, drain_s: float = 10.0, seed: int = 0) -> None:
+        """`controller`: anything with `plan_scaling(signals, slots)` (a FleetController). A mixed
+        fleet only: P/D pools scale on their own signals, which a single flow does not give."""
+        if scaling.disaggregated:
+            raise ValueError("the fluid fleet models a colocated fleet; P/D pools need the discrete simulator")
+        if not tick_s > 0 or drain_s < 0 or not ttft_s > 0:
+            raise ValueError("need tick > 0, drain >= 0 and a TTFT target > 0")
+        if scaling.spec.interval_s % tick_s or scaling.spec.demand_step_s % tick_s:
+            raise ValueError("the decision interval and demand step must be whole numbers of ticks")
+        self.controller = controller
+        self.scaling = scaling
+        self.curve = curve
+        self.ttft_s = ttft_s
+        self.tick_s = tick_s
+        self.drain_s = drain_s
+        self.rng = np.random.default_rng(seed)
+        self._draining_since: dict[int, float] = {}
+
+    def run(self, rates: Sequence[float], step_s: float) -> FluidResult:
+        """Demand of `rates[k]` requests/s during [k step_s, (k+1) step_s); runs until the last
+        window ends and the backlog has drained (or an hour past it)."""
+        scaling, spec, tick = self.scaling, self.scaling.spec, self.tick_s
+        interval_ticks = round(spec.interval_s / tick)
+        end = len(rates) * step_s
+        backlog: deque[list[float]] = deque()  # [arrival time, requests] buckets, oldest first
+        queued = 0.0
+        total = met = 0.0
+        windows = [[k * step_s, 0.0, 0.0] for k in range(len(rates))]
+        n_ticks = math.ceil(end / tick)
+        k = 0
+        while k < n_ticks or (queued > 1e-9 and k < n_ticks + round(3600 / tick)):
+            now = k * tick
+            self._lifecycle(now)
+            if k % interval_ticks == 0:
+                self._decide(now, queued)
+            w = min(len(rates) - 1, int(now // step_s))
+            rate = rates[w] if now < end else 0.0
+            arrivals = float(self.rng.poisson(rate * tick)) if rate > 0 else 0.0
+            if arrivals:
+                scaling.observe_arrival(now, int(arrivals))
+                backlog.append([now, arrivals])
+                queued += arrivals
+                total += arrivals
+            ready = len(scaling.ready_ids())
+            can = ready * self.curve.saturation_rps * tick
+            quality = self.curve.at(rate / (ready * self.curve.capacity_rps)) if ready else 0.0
+            served_met = 0.0
+            while backlog and can > 1e-12:
+                bucket = backlog[0]
+                take = min(bucket[1], can)
+                waited = now - bucket[0]
+                got = take * quality if waited <= self.ttft_s else 0.0
+                served_met += got
+                ww = min(len(rates) - 1, int(bucket[0] // step_s))
+                windows[ww][2] += got
+                bucket[1] -= take
+                can -= take
+                queued -= take
+                if bucket[1] <= 1e-12:
+                    backlog.popleft()
+            if arrivals:
+                windows[w][1] += arrivals
+            met += served_met
+            k += 1
+        books = scaling.close(k * tick)
+        return FluidResult(total, met, max(0.0, queued), books.as_dict(), [tuple(x) for x in windows])
+
+    def _lifecycle(self, now: float) -> None:
+        """Cold starts that end by `now`, and draining instances that have emptied."""
+        scaling = self.scaling
+        for slot, at in sorted(scaling.ready_at.items()):
+            if at <= now:
+                scaling.became_ready(slot, at)
+        for i, status in enumerate(scaling.status):
+            if status == DRAINING:
+                since = self._draining_since.setdefault(i, now)
+                if now - since >= self.drain_s and scaling.stop_if_empty(i, now, True):
+                    del self._draining_since[i]
+            else:
+                self._draining_since.pop(i, None)
+
+    def _decide(self, now: float, queued: float) -> None:
+        scaling = self.scaling
+        ready = scaling.ready_ids()
+        held = round(queued) if not ready else 0
+        share = round(queued / len(ready)) if ready else 0
+        states = [_idle_state(share if s == READY else 0) for s in scaling.status]
+        plan = self.controller.plan_scaling(scaling.signals(now, states, held), scaling.slots(states))
+        target = scaling.count(READY) + scaling.count(STARTING)
+        if plan is not None:
+            target = plan.target
+            scaling.apply(plan, now)
+        scaling.record(now, {"mixed": target})
+
+
+def window_attainment(result: FluidResult) -> list[float]:
+    """Attainment per rate window (1.0 where nothing arrived)."""
+    return [m / a if a else 1.0 for _, a, m in result.windows]
+
+
+__all__ = ["FluidFleet", "FluidResult", "ResponseCurve", "window_attainment"]
