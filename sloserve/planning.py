@@ -225,7 +225,7 @@ def response_curve(reqs: Sequence[WorkloadRequest], cfg: FleetConfig, slo: SLO, 
     instances of `cfg` at each load (a multiple of `capacity` per instance), each held for
     `duration_s` of the workload's arrivals squeezed to that rate, and the rate an instance
     completes requests at when it is busy (the most over the loads, counted after a quarter of
-    the arrivals). Give `reqs` with
+    the arrivals), and how many requests wait in an instance's queue at each load. Give `reqs` with
     Poisson arrivals shaped like the run's, long enough for the highest load (warned otherwise).
     Cached like the capacity model."""
     head = _sample(reqs, len(reqs))
@@ -233,11 +233,12 @@ def response_curve(reqs: Sequence[WorkloadRequest], cfg: FleetConfig, slo: SLO, 
     key = _capacity_key(head, cfg, slo, 0, "curve", len(head), duration_s) + json.dumps(
         [round(capacity, 6), list(loads), instances])
     known = cache.get(key)
-    if isinstance(known, dict):
-        return ResponseCurve(tuple(known["loads"]), tuple(known["attainment"]), known["saturation_rps"], capacity)
+    if isinstance(known, dict) and "waiting" in known:
+        return ResponseCurve(tuple(known["loads"]), tuple(known["attainment"]), known["saturation_rps"], capacity,
+                             tuple(known["waiting"]))
     fleet = replace(cfg, instances=instances, autoscale=None, pd=None, migration="none")
     probe = sustained(lambda n: head[:n], min(len(head), 50), duration_s, len(head))
-    attained, saturation = [], 0.0
+    attained, mean_ttft, saturation = [], [], 0.0
     for load in loads:
         rate = load * capacity * instances
         tried = probe(rate)
@@ -246,14 +247,20 @@ def response_curve(reqs: Sequence[WorkloadRequest], cfg: FleetConfig, slo: SLO, 
                            load, duration_s, rate, math.ceil(rate * duration_s), len(tried))
         records, _ = simulate(build_fleet(fleet), sim_requests(tried))
         attained.append(sum(slo.met(r) for r in records) / max(1, len(tried)))
+        ttfts = [r.ttft_s for r in records if r.ttft_s is not None]
+        mean_ttft.append(sum(ttfts) / len(ttfts) if ttfts else 0.0)
         # completions per second once the fleet is busy (the last quarter of the arrivals, not the makespan,
         # whose tail is one request's decode): past capacity, what an instance completes
         span = tried[-1].arrival_s
         done = sum(1 for r in records if r.e2e_s is not None and span / 4 <= r.send_s + r.e2e_s <= span)
         if span > 0:
             saturation = max(saturation, done / (0.75 * span) / instances)
-    curve = ResponseCurve(tuple(loads), tuple(attained), saturation, capacity)
-    cache.put(key, {"loads": list(curve.loads), "attainment": list(curve.attainment), "saturation_rps": saturation})
+    # requests waiting in an instance's queue (what an autoscaler reads as `queued`), by Little's law on the
+    # time to first token each load adds over the lightest one
+    waiting = tuple(load * capacity * max(0.0, t - mean_ttft[0]) for load, t in zip(loads, mean_ttft))
+    curve = ResponseCurve(tuple(loads), tuple(attained), saturation, capacity, waiting)
+    cache.put(key, {"loads": list(curve.loads), "attainment": list(curve.attainment), "saturation_rps": saturation,
+                    "waiting": list(waiting)})
     return curve
 
 

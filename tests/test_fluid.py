@@ -49,7 +49,9 @@ def test_past_saturation_a_backlog_builds_its_waits_miss_the_ttft_and_it_drains_
     # 2 instances complete 24 req/s: 30 req/s for 2 minutes builds a ~720-request backlog, then 5 req/s drains it
     result = build_fluid(cfg, CURVE, ttft_s=2.0).run([30.0] * 12 + [5.0] * 60, 10.0)
     per_window = window_attainment(result)
-    assert per_window[0] < 0.6 and per_window[11] == 0.0  # waits past 2 s: every late arrival of the overload misses
+    # the first 10 s: the backlog's wait passes 2 s after 8 s; what is served is priced at the saturation load
+    assert 0 < per_window[0] <= CURVE.at(CURVE.saturation_load) + 1e-9
+    assert per_window[11] == 0.0  # the overload's last arrivals wait past 2 s: every one misses
     assert per_window[-1] == pytest.approx(1.0)  # drained well before the end
     assert result.unserved == 0
 

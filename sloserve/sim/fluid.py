@@ -11,14 +11,16 @@ discrete-event simulator measured on the same workload and fleet settings (plann
 the share of requests within the SLO at a given load per ready instance.
 
 Each tick (1 s by default):
-- arrivals are a Poisson count at the demand's rate, observed by the scaling books as the
-  discrete fleet observes each arrival;
+- arrivals flow at the demand's rate; the scaling books observe a Poisson count of them, as the
+  discrete fleet observes each arrival (the autoscaler sees the noise of a real count; the flow
+  does not carry it, since the curve measured at a load already includes its Poisson bursts);
 - the ready instances serve up to their saturation rate (the curve's throughput); arrivals past
   it join a first-come-first-served backlog (with no ready instance all of them do: requests
   held while the fleet scales from zero), which drains at the spare rate;
 - requests served meet the SLO with the curve's attainment at the load (arrival rate over the
-  capacity of the ready instances), when they waited in the backlog less than the TTFT target;
-  the ones that waited longer miss it;
+  capacity of the ready instances, at most the saturation load: past it the backlog prices the
+  excess), when they waited in the backlog less than the TTFT target; the ones that waited longer
+  miss it;
 - a draining instance stops after `drain_s` (its requests migrate off, `migration=drain`).
 Not modelled: per-request detail (no records: only counts), imbalance between instances beyond
 what the curve's calibration fleet had, KV state carried by migrations, P/D pools.
@@ -46,10 +48,13 @@ class ResponseCurve:
     attainment: tuple[float, ...]  # at each load, made non-increasing
     saturation_rps: float  # requests/s one instance completes past its capacity
     capacity_rps: float  # the capacity model's rate, load 1.0
+    waiting: tuple[float, ...] = ()  # requests queued in an instance at each load (none if not measured)
 
     def __post_init__(self) -> None:
         if len(self.loads) != len(self.attainment) or not self.loads:
             raise ValueError("a response curve needs one attainment per load, and at least one load")
+        if self.waiting and len(self.waiting) != len(self.loads):
+            raise ValueError("a response curve needs one queue length per load, or none")
         if list(self.loads) != sorted(set(self.loads)) or self.loads[0] < 0:
             raise ValueError(f"loads must be increasing and >= 0, got {self.loads}")
         if not self.saturation_rps > 0 or not self.capacity_rps > 0:
@@ -65,14 +70,27 @@ class ResponseCurve:
             return float(np.interp(load, self.loads, self.attainment))
         return self.attainment[-1] * last / load
 
+    def waiting_at(self, load: float) -> float:
+        """Requests queued in an instance at `load` (an autoscaler's `queued` counts them)."""
+        if not self.waiting:
+            return 0.0
+        return float(np.interp(min(load, self.saturation_load), self.loads, self.waiting))
+
+    @property
+    def saturation_load(self) -> float:
+        """The load past which a queue grows without bound. The curve is priced up to it; beyond it
+        the fleet's backlog accounts for the excess (the curve's own points there measured a queue
+        growing for their whole window, which the backlog would count a second time)."""
+        return self.saturation_rps / self.capacity_rps
+
     def as_dict(self) -> dict:
-        return {"loads": list(self.loads), "attainment": list(self.attainment),
+        return {"loads": list(self.loads), "attainment": list(self.attainment), "waiting": list(self.waiting),
                 "saturation_rps": self.saturation_rps, "capacity_rps": self.capacity_rps}
 
 
 @dataclass
 class FluidResult:
-    requests: float  # arrivals (Poisson counts)
+    requests: float  # arrivals (the flow's)
     met: float  # of them, expected to meet the SLO
     unserved: float  # still in the backlog at the end
     scaling: dict  # ScalingBooks.as_dict()
@@ -125,19 +143,20 @@ class FluidFleet:
         while k < n_ticks or (queued > 1e-9 and k < n_ticks + round(3600 / tick)):
             now = k * tick
             self._lifecycle(now)
-            if k % interval_ticks == 0:
-                self._decide(now, queued)
             w = min(len(rates) - 1, int(now // step_s))
             rate = rates[w] if now < end else 0.0
-            arrivals = float(self.rng.poisson(rate * tick)) if rate > 0 else 0.0
+            if k % interval_ticks == 0:
+                self._decide(now, queued, rate)
+            arrivals = rate * tick
             if arrivals:
-                scaling.observe_arrival(now, int(arrivals))
+                scaling.observe_arrival(now, int(self.rng.poisson(arrivals)))
                 backlog.append([now, arrivals])
                 queued += arrivals
                 total += arrivals
             ready = len(scaling.ready_ids())
             can = ready * self.curve.saturation_rps * tick
-            quality = self.curve.at(rate / (ready * self.curve.capacity_rps)) if ready else 0.0
+            quality = self.curve.at(min(rate / (ready * self.curve.capacity_rps), self.curve.saturation_load)) \
+                if ready else 0.0
             served_met = 0.0
             while backlog and can > 1e-12:
                 bucket = backlog[0]
@@ -173,11 +192,14 @@ class FluidFleet:
             else:
                 self._draining_since.pop(i, None)
 
-    def _decide(self, now: float, queued: float) -> None:
+    def _decide(self, now: float, queued: float, rate: float) -> None:
+        """A decision of the controller's scale planner. Ready instances show the queue a discrete
+        instance would have at this load (the curve's) plus their share of the backlog."""
         scaling = self.scaling
         ready = scaling.ready_ids()
         held = round(queued) if not ready else 0
-        share = round(queued / len(ready)) if ready else 0
+        inside = self.curve.waiting_at(rate / (len(ready) * self.curve.capacity_rps)) if ready else 0.0
+        share = round(queued / len(ready) + inside) if ready else 0
         states = [_idle_state(share if s == READY else 0) for s in scaling.status]
         plan = self.controller.plan_scaling(scaling.signals(now, states, held), scaling.slots(states))
         target = scaling.count(READY) + scaling.count(STARTING)
