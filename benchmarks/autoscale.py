@@ -72,6 +72,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--pd", action="store_true",
                    help="also run each policy on a prefill/decode-disaggregated fleet whose pools scale apart")
     p.add_argument("--no-figure", action="store_true", help="leave benchmarks/figures/ alone (results JSON only)")
+    p.add_argument("--utilizations", default="0.8",
+                   help="target utilisations (comma-separated) of the reactive, predictive and hybrid policies: "
+                        "each a run, so that policies compare along their GPU-hours / attainment trade-off")
+    p.add_argument("--seeds", type=int, default=1,
+                   help="fluid runs: this many demand-noise seeds per run (the median run is reported, with the range)")
     p.add_argument("--fidelity", choices=("discrete", "fluid", "both"), default="discrete",
                    help="discrete: every request through the simulated schedulers; fluid: demand as a flow priced by "
                         "a response curve the discrete simulator measures first (sim/fluid.py; days on tens of "
@@ -157,14 +162,16 @@ def main() -> int:
     cold_starts = [float(x) for x in args.cold_starts.split(",")]
     policies = [p for p in args.policies.split(",") if p]
     fidelities = {"discrete": ("discrete",), "fluid": ("fluid",), "both": ("discrete", "fluid")}[args.fidelity]
-    jobs = [(c, p, pd, f) for c in cold_starts for p in policies for pd in ((False, True) if pools else (False,))
-            for f in fidelities if not (pd and f == "fluid")]
+    utilizations = [float(x) for x in args.utilizations.split(",")]
+    jobs = [(c, p, pd, f, u) for c in cold_starts for p in policies for pd in ((False, True) if pools else (False,))
+            for f in fidelities if not (pd and f == "fluid")
+            for u in ((0.8,) if p.startswith("static") else utilizations)]
     rows = []
     t0 = time.perf_counter()
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console) as progress:
         task = progress.add_task("runs", total=len(jobs))
-        for cold, policy, pd, fidelity in jobs:
+        for cold, policy, pd, fidelity, utilization in jobs:
             if pd:  # each pool sized by its own capacity; autoscaled pools may grow to twice the peak's need
                 rate = float(run.values.max() if policy == "static-peak" else run.values.mean()) * scale
                 need = [max(1, math.ceil(rate / (c * 0.8))) for c in pools]  # type: ignore[union-attr]
@@ -184,11 +191,15 @@ def main() -> int:
                 cfg = replace(base, autoscale=policy, min_instances=1, initial_instances=mean_need)
             cfg = replace(cfg, capacity_rps=capacity, cold_start_s=cold, scaling_interval_s=60.0,
                           demand_step_s=60.0, scale_down_delay_s=300.0, forecaster=args.forecaster,
-                          forecast_level=args.forecast_level,
+                          forecast_level=args.forecast_level, target_utilization=utilization,
                           scaling_history=hist)
             t_run = time.perf_counter()
+            spread = None
             if fidelity == "fluid":
-                fluid = build_fluid(cfg, curve, slo.ttft_s, seed=args.seed).run(run.values * scale, run.step_s)
+                runs = sorted((build_fluid(cfg, curve, slo.ttft_s, seed=args.seed + k).run(run.values * scale, run.step_s)
+                               for k in range(args.seeds)), key=lambda f: f.attainment)
+                fluid = runs[len(runs) // 2]
+                spread = [runs[0].attainment, runs[-1].attainment]
                 sc, met, failed, n_reqs = fluid.scaling, fluid.attainment, fluid.unserved, fluid.requests
             else:
                 records, result = simulate(build_fleet(cfg), sim_requests(reqs))
@@ -197,6 +208,7 @@ def main() -> int:
                 failed = len(reqs) - len(records) + sum(not r.success for r in records)
                 n_reqs = len(reqs)
             rows.append({"policy": policy + (" (P/D)" if pd else ""), "cold_start_s": cold, "fidelity": fidelity,
+                         "utilization": utilization, "attainment_range": spread,
                          "pool_gpu_hours": {k: v * args.tp for k, v in sc.get("pool_instance_hours", {}).items()},
                          "gpu_hours": sc["instance_hours"] * args.tp,
                          "attainment": met, "cold_starts": sc["cold_starts"],
@@ -206,14 +218,18 @@ def main() -> int:
             progress.advance(task)
     table = Table(title=f"{args.hours:g} h of ServeGen m-large (day {args.day}, from {args.start_hour:g} h), "
                         f"peak {args.peak} x {args.model} on {args.hardware}, SLO {args.slo}")
-    for col in ("cold start", "policy", "fidelity", "GPU-hours", "vs static-peak", "SLO attainment", "cold starts",
-                "peak ready", "requests", "wall s"):
+    for col in ("cold start", "policy", "util.", "fidelity", "GPU-hours", "vs static-peak", "SLO attainment",
+                "cold starts", "peak ready", "requests", "wall s"):
         table.add_column(col, justify="right")
     for r in rows:
         ref = next((x for x in rows if x["policy"] == "static-peak" and x["cold_start_s"] == r["cold_start_s"]
                     and x["fidelity"] == r["fidelity"]), None)
-        table.add_row(f"{r['cold_start_s']:g} s", r["policy"], r["fidelity"], f"{r['gpu_hours']:.1f}",
-                      f"{r['gpu_hours'] / ref['gpu_hours']:.2f}x" if ref else "-", f"{100 * r['attainment']:.2f}%",
+        r["vs_static_peak"] = r["gpu_hours"] / ref["gpu_hours"] if ref else None
+        spread = r["attainment_range"]
+        table.add_row(f"{r['cold_start_s']:g} s", r["policy"], f"{r['utilization']:g}", r["fidelity"],
+                      f"{r['gpu_hours']:.1f}", f"{r['vs_static_peak']:.3f}x" if ref else "-",
+                      f"{100 * r['attainment']:.2f}%" + (f" ({100 * spread[0]:.2f}-{100 * spread[1]:.2f})"
+                                                         if spread and len(set(spread)) > 1 else ""),
                       str(r["cold_starts"]), str(r["peak_ready"]), f"{r['requests']:.0f}", f"{r['wall_s']:.1f}")
     console.print(table)
     stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
@@ -225,12 +241,18 @@ def main() -> int:
                                "machine": platform.processor() or platform.machine(),
                                "wall_s": time.perf_counter() - t0, "rows": rows}, indent=1))
     name = "autoscale" + ("" if args.forecaster == "seasonal-naive" else f"-{args.forecaster}") + ("-pd" if pools else "") \
-        + ("" if args.forecast_level == 0.9 else f"-band{args.forecast_level:g}")
+        + ("" if args.forecast_level == 0.9 else f"-band{args.forecast_level:g}") \
+        + ("" if args.fidelity == "discrete" else f"-{args.fidelity}-{args.hours:g}h-peak{args.peak}")
     figure = REPO / "benchmarks" / "figures" / f"{name}.png"
     if args.no_figure:
         console.print(f"wrote {out} ({time.perf_counter() - t0:.0f} s)")
         return 0
     plot(rows, run, scale, capacity, figure, cold_starts[0])
+    if len(utilizations) > 1:
+        tradeoff = figure.with_name(figure.stem + "-tradeoff.png")
+        plot_tradeoff(rows, tradeoff, f"{args.hours:g} h of ServeGen m-large, peak {args.peak} x {args.model} on "
+                                      f"{args.hardware} ({args.fidelity}), a point per target utilisation")
+        figure = tradeoff
     console.print(f"wrote {out} and {figure.relative_to(REPO)} ({time.perf_counter() - t0:.0f} s)")
     return 0
 
@@ -246,7 +268,7 @@ def plot(rows: list[dict], run: Series, scale: float, capacity: float, path: Pat
     need = [v * scale / (capacity * 0.8) for v in run.values]
     ax.step(hours, need + need[-1:], where="post", color="black", linewidth=1.2, label="instances the demand needs")
     for r in rows:
-        if r["cold_start_s"] != cold:
+        if r["cold_start_s"] != cold or r.get("utilization", 0.8) != 0.8:
             continue
         t = [x[0] / 3600 for x in r["timeline"]]
         fluid = r.get("fidelity") == "fluid"
@@ -257,6 +279,38 @@ def plot(rows: list[dict], run: Series, scale: float, capacity: float, path: Pat
     ax.set_title(f"ready instances per policy, cold start {cold:g} s")
     ax.legend(fontsize="small")
     ax.grid(alpha=0.3)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_tradeoff(rows: list[dict], path: Path, title: str) -> None:
+    """GPU-hours (of static-peak's) against SLO attainment, a panel per cold start, a line per policy
+    through its target utilisations: a policy beats another where its line lies above and left."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colds = sorted({r["cold_start_s"] for r in rows})
+    fig, axes = plt.subplots(1, len(colds), figsize=(5 * len(colds), 4.2), layout="constrained", sharey=True)
+    for ax, cold in zip(np.atleast_1d(axes), colds):
+        here = [r for r in rows if r["cold_start_s"] == cold and r.get("vs_static_peak")]
+        for policy in dict.fromkeys(r["policy"] for r in here):
+            pts = sorted((r["vs_static_peak"], 100 * r["attainment"], r["utilization"]) for r in here
+                         if r["policy"] == policy)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=policy)
+            if len(pts) > 1:
+                for x, y, u in pts:
+                    ax.annotate(f"{u:g}", (x, y), fontsize=7, textcoords="offset points", xytext=(3, -9))
+        ax.axhline(99, color="grey", linewidth=0.8, linestyle=":")
+        ax.axvline(0.6, color="grey", linewidth=0.8, linestyle=":")
+        ax.set_title(f"cold start {cold:g} s")
+        ax.set_xlabel("GPU-hours / static at peak")
+        ax.grid(alpha=0.3)
+    np.atleast_1d(axes)[0].set_ylabel("SLO attainment (%)")
+    np.atleast_1d(axes)[0].legend(fontsize="small")
+    fig.suptitle(title)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
