@@ -299,17 +299,21 @@ def plot_tradeoff(rows: list[dict], path: Path, title: str) -> None:
         for policy in dict.fromkeys(r["policy"] for r in here):
             pts = sorted((r["vs_static_peak"], 100 * r["attainment"], r["utilization"]) for r in here
                          if r["policy"] == policy)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=policy)
+            label = policy if len(pts) > 1 else f"{policy} ({pts[0][1]:.1f}%)"  # a static point may sit below the axis
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
             if len(pts) > 1:
                 for x, y, u in pts:
                     ax.annotate(f"{u:g}", (x, y), fontsize=7, textcoords="offset points", xytext=(3, -9))
+        scaled = [100 * r["attainment"] for r in here if not r["policy"].startswith("static")]
+        ax.set_ylim(max(80.0, min(scaled, default=99.0) - 1), 100.3)
         ax.axhline(99, color="grey", linewidth=0.8, linestyle=":")
         ax.axvline(0.6, color="grey", linewidth=0.8, linestyle=":")
         ax.set_title(f"cold start {cold:g} s")
         ax.set_xlabel("GPU-hours / static at peak")
         ax.grid(alpha=0.3)
     np.atleast_1d(axes)[0].set_ylabel("SLO attainment (%)")
-    np.atleast_1d(axes)[0].legend(fontsize="small")
+    for ax in np.atleast_1d(axes):
+        ax.legend(fontsize="x-small", loc="lower right")
     fig.suptitle(title)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
