@@ -12,6 +12,9 @@ is drawn for the first cold start.
 
     python benchmarks/autoscale.py --quick                      # ~3 hours of demand, small fleet
     python benchmarks/autoscale.py --hours 24 --peak 32 --cold-starts 30,120,300
+    python benchmarks/autoscale.py --hours 24 --start-hour 0 --peak 64 --fidelity fluid --forecaster gbm \
+        --utilizations 0.6,0.7,0.8,0.9 --seeds 5            # a day at flow level: seconds per policy
+    python benchmarks/autoscale.py --hours 3 --peak 4 --fidelity both   # each run discrete and fluid, side by side
 Writes benchmarks/results/autoscale-STAMP.json and benchmarks/figures/autoscale.png.
 """
 from __future__ import annotations
