@@ -48,6 +48,70 @@ def stream_text(base: str, prompt: str, max_tokens: int) -> str:
     return "".join(texts)
 
 
+def burst_then_lull(base: str, prompts: list[str], long_prompts: list[str], expected: dict[str, str],
+                    lull: list[tuple[str, str]], errors: list[BaseException]) -> int:
+    """A burst of short streams grows the fleet to two workers; then two clients keep a long stream
+    each running until a worker has drained and stopped. Returns the index in the dashboard's
+    event log from which this round's events start."""
+    events_before = len(admin("GET", base + "/dashboard/data").json()["events"])
+    results: dict[str, str] = {}
+
+    def run(p: str, n: int) -> None:
+        results[p] = stream_text(base, p, n)
+
+    threads = [threading.Thread(target=run, args=(p, 24)) for p in prompts]
+    for t in threads:
+        t.start()
+        time.sleep(0.2)
+    wait_for(lambda: [d["status"] for d in instances(base)["data"]] == ["healthy", "healthy"], 120,
+             interval=0.5, what="a second worker started for the burst")
+    for t in threads:
+        t.join(180)
+    assert len(results) == 10 and all(results[p] == expected[p] for p in prompts[:2])
+    # Streams on both workers through the lull; one worker drains: its stream must move, not break. (The
+    # requests that computed `expected` may already have scaled the fleet up and down once: count from here.)
+    lull_over = threading.Event()
+
+    def keep_streaming(p: str) -> None:
+        try:
+            while not lull_over.is_set():
+                lull.append((p, stream_text(base, p, LONG)))
+        except BaseException as e:  # a broken stream fails the test, not only its thread
+            errors.append(e)
+            lull_over.set()
+
+    long_threads = [threading.Thread(target=keep_streaming, args=(p,)) for p in long_prompts]
+    for t in long_threads:
+        t.start()
+    try:
+        # the premise: a lull stream on each worker when the drain comes (a worker already draining takes none)
+        def both_busy():
+            info = instances(base)
+            return info if all(d["in_flight"] > 0 for d in info["data"]) else None
+
+        stops_before = wait_for(both_busy, 60, interval=0.2, what="a lull stream running on each worker")[
+            "autoscale"]["stops"]
+        wait_for(lambda: instances(base)["autoscale"]["stops"] > stops_before, 150, interval=0.5,
+                 what="one worker drained and stopped")
+    finally:
+        lull_over.set()
+        for t in long_threads:
+            t.join(180)
+    return events_before
+
+
+def nothing_to_move(events: list[dict], since: int) -> bool:
+    """Whether this round's drain found its worker's stream already gone, or saw it end before its
+    move: the drain event counts the streams in flight; a move that lost that race says so."""
+    drains = [i for i, e in enumerate(events) if i >= since and e["kind"] == "drain"]
+    if not drains:
+        return False
+    detail = events[drains[-1]]["detail"]
+    moves = [e["detail"] for e in events[drains[-1]:] if e["kind"] == "migration" and "(drain)" in e["detail"]]
+    return (detail.endswith(" 0 in flight") and not moves) or (
+        bool(moves) and all("stream ended" in m or "not_movable" in m or "finished" in m for m in moves))
+
+
 def test_a_burst_adds_a_worker_and_the_lull_drains_one(tmp_path):
     server = ServerProcess(ARGS, tmp_path / "front.log", startup_timeout=300)
     base = server.base_url
@@ -61,52 +125,15 @@ def test_a_burst_adds_a_worker_and_the_lull_drains_one(tmp_path):
             "prompt": p, "max_tokens": n, "temperature": 0, "ignore_eos": True}).json()["choices"][0]["text"]
             for p, n in [(prompts[0], 24), (prompts[1], 24), (long_prompts[0], LONG), (long_prompts[1], LONG)]}
         time.sleep(7)  # those four out of the stable window: the burst alone makes the fleet grow
-        results: dict[str, str] = {}
-
-        def run(p: str, n: int) -> None:
-            results[p] = stream_text(base, p, n)
-
-        threads = [threading.Thread(target=run, args=(p, 24)) for p in prompts]
-        for t in threads:
-            t.start()
-            time.sleep(0.2)
-        wait_for(lambda: [d["status"] for d in instances(base)["data"]] == ["healthy", "healthy"], 120,
-                 interval=0.5, what="a second worker started for the burst")
-        for t in threads:
-            t.join(180)
-        assert len(results) == 10 and all(results[p] == expected[p] for p in prompts[:2])
-        # Streams on both workers through the lull; one worker drains: its stream must move, not break. (The
-        # requests that computed `expected` may already have scaled the fleet up and down once: count from here.)
-        lull_over = threading.Event()
         lull: list[tuple[str, str]] = []
-
         errors: list[BaseException] = []
-
-        def keep_streaming(p: str) -> None:
-            try:
-                while not lull_over.is_set():
-                    lull.append((p, stream_text(base, p, LONG)))
-            except BaseException as e:  # a broken stream fails the test, not only its thread
-                errors.append(e)
-                lull_over.set()
-
-        long_threads = [threading.Thread(target=keep_streaming, args=(p,)) for p in long_prompts]
-        for t in long_threads:
-            t.start()
-        try:
-            # the premise: a lull stream on each worker when the drain comes (a worker already draining takes none)
-            def both_busy():
-                info = instances(base)
-                return info if all(d["in_flight"] > 0 for d in info["data"]) else None
-
-            stops_before = wait_for(both_busy, 60, interval=0.2, what="a lull stream running on each worker")[
-                "autoscale"]["stops"]
-            wait_for(lambda: instances(base)["autoscale"]["stops"] > stops_before, 150, interval=0.5,
-                     what="one worker drained and stopped")
-        finally:
-            lull_over.set()
-            for t in long_threads:
-                t.join(180)
+        # The drain takes the worker with the least work left: its lull stream may be a few tokens from
+        # its end, and end on its own before the move (nothing moves, rightly). Then that round proved
+        # nothing about migration, and the burst and the lull run again (once).
+        for attempt in range(2):
+            drain_at = burst_then_lull(base, prompts, long_prompts, expected, lull, errors)
+            if errors or not nothing_to_move(admin("GET", base + "/dashboard/data").json()["events"], drain_at):
+                break
         assert not errors, errors
         assert lull and all(text == expected[p] for p, text in lull), [(p, t == expected[p]) for p, t in lull]
         info = instances(base)
@@ -114,7 +141,7 @@ def test_a_burst_adds_a_worker_and_the_lull_drains_one(tmp_path):
         a = info["autoscale"]
         assert a["starts"] >= 1 and a["drains"] >= 1 and a["measured_start_s"] > 0
         # the drained worker's long stream moved live
-        assert info["migrations"]["completed"] >= 1, admin("GET", base + "/dashboard/data").json()["events"]
+        assert info["migrations"]["completed"] >= 1, admin("GET", base + "/dashboard/data").json()["events"][-8:]
         assert any("panic" in d["reason"] or "req/s" in d["reason"] for d in a["decisions"])
         wait_for(lambda: all(d["load"]["kv_blocks_used"] == 0 and d["in_flight"] == 0
                              for d in instances(base)["data"] if d["status"] == "healthy"), 30, interval=0.3,
@@ -129,8 +156,8 @@ def test_a_burst_adds_a_worker_and_the_lull_drains_one(tmp_path):
         def last(kind: str, before: int) -> int:
             return max(i for i, (k, _) in enumerate(kinds[:before]) if k == kind)
 
-        # (the four requests before the burst may already scale the fleet up and down once: the
-        # long streams' drain is the last one)
+        # (the four requests before the burst, or a first round whose drained stream ended on its own,
+        # may already have scaled the fleet up and down: the long streams' last drain is the one)
         drain = last("drain", len(kinds))
         drained = kinds[drain][1]
         stop = kinds.index(("stop", drained), drain)

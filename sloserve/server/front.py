@@ -210,7 +210,8 @@ class Front:
         if cfg.autoscale:
             capacity = dict(zip(("prefill", "decode"), cfg.pd_capacity)) if cfg.pd_min else cfg.capacity_rps
             self.autoscale = AutoscaleDriver(fleet, capacity, cfg.scaling_interval_s,
-                                             min(10.0, cfg.scaling_interval_s), cfg.cold_start_guess_s, fleet.clock)
+                                             min(10.0, cfg.scaling_interval_s), cfg.cold_start_guess_s, fleet.clock,
+                                             on_drain=self.migration.tick)
         # The dashboard: requests as the clients saw them (TTFT, TPOT per class), the workers'
         # last polled state, and what happened to the fleet (on the wall clock, as the page shows).
         self.timeline = FleetTimeline(cfg.timeline_interval_s)
@@ -290,6 +291,7 @@ class Front:
             inst.draining = True
             fleet.on_event(DRAIN, slot, "operator")
             moving = sum(s.upstream.inst is inst for s in self.sessions)
+            self.migration.tick()  # its streams start moving now, not at the loop's next round
             logger.warning("instance %d is draining: out of routing; %d relayed streams to move", slot, moving)
             return JSONResponse({"instance": slot, "draining": True, "streams_to_move": moving})
 

@@ -35,8 +35,11 @@ logger = logging.getLogger(__name__)
 class AutoscaleDriver:
     def __init__(self, fleet: "WorkerFleet", capacity_rps: "float | dict[str, float]", interval_s: float = 10.0,
                  demand_step_s: float = 10.0, cold_start_guess_s: float = 30.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        """`capacity_rps`: req/s one worker sustains, or per pool ({"prefill": .., "decode": ..})."""
+                 clock: Callable[[], float] = time.monotonic,
+                 on_drain: Optional[Callable[[], object]] = None) -> None:
+        """`capacity_rps`: req/s one worker sustains, or per pool ({"prefill": .., "decode": ..}).
+        `on_drain`: run when workers start draining (the front's migration round: their streams
+        start moving at once, not at the migration loop's next interval)."""
         capacity = capacity_rps if isinstance(capacity_rps, dict) else {"mixed": capacity_rps}
         if not all(c > 0 for c in capacity.values()) or not interval_s > 0 or not demand_step_s > 0:
             raise ValueError("autoscaling needs capacity > 0 req/s, interval > 0 s and demand step > 0 s")
@@ -47,6 +50,7 @@ class AutoscaleDriver:
         self.demand_step_s = demand_step_s
         self.cold_start_guess_s = cold_start_guess_s
         self.clock = clock
+        self.on_drain = on_drain
         self.started_at = clock()
         self.arrivals: list[int] = []
         self.targets: dict[str, int] = {}
@@ -160,7 +164,9 @@ class AutoscaleDriver:
         for slot in plan.drain:
             by_slot[slot].draining = True
             self.counters["drains"] += 1
-            self.fleet.on_event(DRAIN, slot, "scale down")
+            self.fleet.on_event(DRAIN, slot, f"scale down, {by_slot[slot].in_flight} in flight")
+        if plan.drain and self.on_drain is not None:
+            self.on_drain()
         stopped = [i for i in self._pool(pool) if i.status == FLEET_STOPPED]
         for inst in stopped[:plan.start]:
             self.fleet.start_slot(inst)
