@@ -13,8 +13,8 @@ Disaggregated fleets hand each request's KV to a decode instance after its first
 Workloads are the routing study's trace windows (Azure code: long prompts, short outputs;
 Azure conversation: decode-heavier; Mooncake conversation: long contexts) and ShareGPT (first
 turns, Poisson arrivals), each at a tight and a loose SLO; Llama-3.1-8B (or `--model`, `--tp`)
-on H100. Per cell the table says which layout wins and by how much; four rules are checked
-against every cell (`rule` to `rule4`: each written down before the run that tested it), counted over
+on H100. Per cell the table says which layout wins and by how much; six rules are checked
+against every cell (`rule` to `rule6`: each written down before the run that tested it), counted over
 the cells with a winner and over those whose layouts differ by more than the search's resolution.
 
     python benchmarks/sim_pd.py --instances 4 --requests 0.5
@@ -47,6 +47,7 @@ from sloserve.bench.metrics import SLO, jsonable, percentile  # noqa: E402
 from sloserve.config import SchedulerConfig  # noqa: E402
 from sloserve.planning import max_rate, sustained  # noqa: E402
 from sloserve.sched.costs import StepLoad  # noqa: E402
+from sloserve.sim.catalog import get_model  # noqa: E402
 from sloserve.sim.hardware import get_link  # noqa: E402
 from sloserve.simulation import FleetConfig, build_cost_model  # noqa: E402
 
@@ -57,6 +58,7 @@ LINKS = ("nvlink-h100", "infiniband-ndr", "roce-100g", "ethernet-25g")  # NVLink
 # fleet absorbs whole (4 instances hold ~1,000 requests at once)
 STUDY_TRACES = (*TRACES, Trace("sharegpt", "ShareGPT", 4000, SLO(ttft_s=1.0, tpot_s=0.1), replay=False))
 BUDGET = 2048  # the routing study's per-step token budget (routing.run)
+HANDOFF_SWITCH_S = 0.005  # what a hand-off's switch costs after its copy (sim/migration.py's default `handoff_s`)
 
 
 @dataclass(frozen=True)
@@ -133,8 +135,21 @@ def rule5(c: dict) -> str:
     return "pd" if c["analytic5_pd_rps"] > c["analytic5_colocated_rps"] else "colocated"
 
 
+def rule6(c: dict) -> str:
+    """Written down 2026-12-04 18:35 UTC with rule5's misses in view (the four-instance grids of 2026-12-02/04),
+    before any grid on the 400 and 100 Gb/s links ran: rule5's model with the fleet's dispatch (`analytic` with
+    `dispatch`). Looking at 8B Mooncake tight on 25 GbE in the simulator (3:1, 1.6 req/s: 87% within the SLO
+    against 91% on NVLink) showed two things rule5 lacks: the router places a prompt on an instance when it
+    arrives, so a 27k-token prompt ahead on its instance delays it even while another instance idles (the model's
+    shared queue put both layouts' Mooncake goodput ~2x the simulator's), and the short answers to long prompts miss
+    their TPOT at any load on the slow link, each by its own copy (9 of 200 there), which eats the 10% a goodput
+    allows. Nothing fitted to a cell."""
+    return "pd" if c["analytic6_pd_rps"] > c["analytic6_colocated_rps"] else "colocated"
+
+
 def analytic(reqs, slo: SLO, instances: int, model: str, tp: int, exposed_handoff_s: float,
-             long_context: bool = False, fallback: bool = False) -> dict:
+             long_context: bool = False, fallback: bool = False, dispatch: bool = False,
+             copy_s_per_token: float = 0.0, pipelined: bool = True) -> dict:
     """Steady-state goodput (>= 90% of requests within both targets) of a colocated fleet and of the best P:D
     split, from the cost model and a replay of the window's prefill queue (no fleet simulation), per request.
 
@@ -153,7 +168,14 @@ def analytic(reqs, slo: SLO, instances: int, model: str, tp: int, exposed_handof
     Time to first token (`ttft_ok`) is a first-come-first-served queue of prompts over the c instances a router
     spreads them on, replayed on the window's own arrival pattern at the rate tried (Lindley's recursion, not the
     simulator): the Azure code window's gaps have a squared coefficient of variation of 121 against ShareGPT's
-    Poisson 1.1, and at a tight TTFT its bursts, not the mean load, set the capacity."""
+    Poisson 1.1, and at a tight TTFT its bursts, not the mean load, set the capacity.
+
+    With `dispatch` (rule6) the replay sends each request at its arrival to the server with the fewest requests
+    (the fleet's least-requests router), not to a queue all servers share: a prompt waits behind the ones already
+    on its instance, even while another instance frees first, and a colocated instance counts its decoding
+    requests too. And each P:D request waits for its own KV to arrive (`copy_s_per_token` times its prompt, less
+    the prefill it overlapped when `pipelined`, at least the last layer's share, as the simulator's hand-off does)
+    instead of every request waiting what the 90th-percentile prompt's copy exposes."""
     import numpy as np
 
     fleet = FleetConfig(model=model, tp=tp, hardware="h100-80g",
@@ -200,13 +222,30 @@ def analytic(reqs, slo: SLO, instances: int, model: str, tp: int, exposed_handof
     arrivals -= arrivals[0]
     native = (len(arrivals) - 1) / arrivals[-1] if arrivals[-1] > 0 else 1.0
 
-    def replay(service: np.ndarray, rate: float, servers: int):
+    def replay(service: np.ndarray, rate: float, servers: int, hold: np.ndarray | None = None):
         """The window's arrivals squeezed to `rate` through `servers` first-come-first-served prefill servers:
-        each request's time to first token, the server it was prefilled on, and each server's busy spans."""
-        free = [(0.0, k) for k in range(servers)]
+        each request's time to first token, the server it was prefilled on, and each server's busy spans.
+        With `dispatch`, each request joins the server with the fewest requests at its arrival, counting a
+        request until `hold` seconds after its first token (its decode, or its hand-off)."""
         ttft, first = np.empty_like(service), np.empty_like(service)
         on = np.empty(len(service), dtype=int)
         spans: list[list[tuple[float, float]]] = [[] for _ in range(servers)]
+        if dispatch:
+            busy_until = [0.0] * servers
+            counted: list[list[float]] = [[] for _ in range(servers)]  # per server: a heap of when each request leaves
+            stay = np.zeros_like(service) if hold is None else hold
+            for i, (t, s_i) in enumerate(zip(arrivals * (native / rate), service)):
+                for heap in counted:
+                    while heap and heap[0] <= t:
+                        heapq.heappop(heap)
+                k = min(range(servers), key=lambda j: len(counted[j]))
+                start = max(t, busy_until[k])
+                busy_until[k] = start + s_i
+                heapq.heappush(counted[k], start + s_i + float(stay[i]))
+                spans[k].append((start, start + s_i))
+                ttft[i], first[i], on[i] = start + s_i - t, start + s_i, k
+            return ttft, first, on, spans
+        free = [(0.0, k) for k in range(servers)]
         for i, (t, s_i) in enumerate(zip(arrivals * (native / rate), service)):
             ready, k = heapq.heappop(free)
             start = max(t, ready)
@@ -215,10 +254,16 @@ def analytic(reqs, slo: SLO, instances: int, model: str, tp: int, exposed_handof
             ttft[i], first[i], on[i] = start + s_i - t, start + s_i, k
         return ttft, first, on, spans
 
-    def ttft_ok(service: np.ndarray, rate: float, servers: int) -> np.ndarray:
-        return (replay(service, rate, servers)[0] <= slo.ttft_s).astype(float)
+    def ttft_ok(service: np.ndarray, rate: float, servers: int, hold: np.ndarray | None = None) -> np.ndarray:
+        return (replay(service, rate, servers, hold)[0] <= slo.ttft_s).astype(float)
 
     prefill_alone = np.array([sum(step(0, n, d) for n, d in cs) for cs in chunks])
+    if dispatch:  # each request's own exposed hand-off (the simulator's `handoff`: 5 ms to switch, after the copy)
+        copy = prompts * copy_s_per_token
+        layers = get_model(model).num_layers
+        exposed = (np.maximum(copy - prefill_alone, copy / layers) if pipelined else copy) + HANDOFF_SWITCH_S
+    else:
+        exposed = np.full_like(prompts, exposed_handoff_s)
     batch_bound = min(MAX_SEQS, kv_tokens / ctx)
 
     def colocated_share(rate: float) -> float:
@@ -231,7 +276,8 @@ def analytic(reqs, slo: SLO, instances: int, model: str, tp: int, exposed_handof
         if t_dec > slo.tpot_s:
             return 0.0
         # each request's decode steps meet a chunk as often as its instance prefills while it decodes
-        ttft, first, on, spans = replay(chunk_service(max(b, 1.0)), rate * instances, instances)
+        ttft, first, on, spans = replay(chunk_service(max(b, 1.0)), rate * instances, instances,
+                                        (outputs - 1) * t)
         tables = [(np.fromiter((x for x, _ in sp), float), np.fromiter((y for _, y in sp), float)) for sp in spans]
         met = 0
         for i in range(len(prompts)):
@@ -263,12 +309,12 @@ def analytic(reqs, slo: SLO, instances: int, model: str, tp: int, exposed_handof
                 break
             t = t_next
         n = np.maximum(outputs - 1, 1)
-        return np.where(outputs <= 1, 1.0, (t + exposed_handoff_s / n <= slo.tpot_s).astype(float))
+        return np.where(outputs <= 1, 1.0, (t + exposed / n <= slo.tpot_s).astype(float))
 
     def split_share(total: float, n_p: int) -> float:
         if fallback:
             return split_share_fallback(total, n_p)
-        return float(np.mean(ttft_ok(prefill_alone, total, n_p) * decode_tpot_ok(total / (instances - n_p))))
+        return float(np.mean(ttft_ok(prefill_alone, total, n_p, exposed) * decode_tpot_ok(total / (instances - n_p))))
 
     def split_share_fallback(total: float, n_p: int) -> float:
         """The decode pool up to its KV bound; the rest of the decode work on the prefill instances, whose
@@ -311,13 +357,13 @@ def analytic(reqs, slo: SLO, instances: int, model: str, tp: int, exposed_handof
                 mid = (lo + hi) / 2
                 lo, hi = (mid, hi) if made(mid) < overflow else (lo, mid)
             on_prefill = np.minimum(hi / t_p, n)
-        tpot = (on_prefill * t_p + (n - on_prefill) * t_d) / n + exposed_handoff_s / n
+        tpot = (on_prefill * t_p + (n - on_prefill) * t_d) / n + exposed / n
         ok = np.where(outputs <= 1, 1.0, (tpot <= slo.tpot_s).astype(float))
-        return float(np.mean(ttft_ok(service, total, n_p) * ok))
+        return float(np.mean(ttft_ok(service, total, n_p, exposed + on_prefill * t_p) * ok))
 
     best = max(((n_p, max_rate(lambda rate: split_share(rate, n_p) >= 0.9, 1.0, MODEL_ITERS))
                 for n_p in range(1, instances)), key=lambda x: x[1])
-    key = "analytic5" if (long_context or fallback) else "analytic"
+    key = "analytic6" if dispatch else "analytic5" if (long_context or fallback) else "analytic"
     return {f"{key}_colocated_rps": colocated, f"{key}_pd_rps": best[1], f"{key}_split": f"{best[0]}:{instances - best[0]}"}
 
 
@@ -333,6 +379,10 @@ def rule_columns(reqs, slo_name: str, slo: SLO, link: str, args) -> dict:
     c.update(analytic(reqs, slo, args.instances, args.model, args.tp, c["exposed_handoff_s"], long_context=True,
                       fallback=True))
     c["rule5"] = rule5(c)
+    c.update(analytic(reqs, slo, args.instances, args.model, args.tp, c["exposed_handoff_s"], long_context=True,
+                      fallback=True, dispatch=True, copy_s_per_token=c["copy_s_per_token"],
+                      pipelined=args.pd_transfer == "pipelined"))
+    c["rule6"] = rule6(c)
     return c
 
 
@@ -395,7 +445,8 @@ def mechanism(reqs, model: str, tp: int, link: str, transfer: str) -> dict:
     prefill = sum(cost.step_time(StepLoad.prefill(min(BUDGET, p90 - s), s)) for s in range(0, p90, BUDGET))
     exposed = copy if transfer == "blocking" else max(0.0, copy - prefill)
     return {"chunk_step_s": chunk_step, "p90_prompt": p90, "median_output": percentile(outputs, 50),
-            "handoff_copy_s": copy, "exposed_handoff_s": exposed}
+            "handoff_copy_s": copy, "exposed_handoff_s": exposed,
+            "copy_s_per_token": shape.kv_bytes_per_token(2) / (get_link(link) * tp)}
 
 
 def main() -> int:
@@ -478,7 +529,7 @@ def main() -> int:
     return 0
 
 
-RULES = ("rule", "rule2", "rule3", "rule4", "rule5")
+RULES = ("rule", "rule2", "rule3", "rule4", "rule5", "rule6")
 
 
 def report(saved: dict, console: Console, path: Path) -> None:
@@ -495,7 +546,7 @@ def report(saved: dict, console: Console, path: Path) -> None:
                         + (f", >= {saved.get('sustain_s'):g} s of arrivals per probe" if saved.get("sustain_s") else ""))
     for col in ("trace", "prompt share", "SLO (TTFT/TPOT)", "link", "colocated", "best P:D", "P:D", "P:D / coloc.",
                 "winner", "rule", "rule2", "chunk step ms", "exposed hand-off ms", "rule3", "model coloc. / P:D",
-                "rule4", "model v5", "rule5"):
+                "rule4", "model v5", "rule5", "model v6", "rule6"):
         table.add_column(col, justify="right")
 
     def ratio(x: float | None) -> str:  # a saved inf reads back as None
@@ -514,7 +565,9 @@ def report(saved: dict, console: Console, path: Path) -> None:
                       f"{c['analytic_colocated_rps'] / gpus:.2f} / {c['analytic_pd_rps'] / gpus:.2f} "
                       f"({c['analytic_split']})", call(c, "rule4"),
                       f"{c['analytic5_colocated_rps'] / gpus:.2f} / {c['analytic5_pd_rps'] / gpus:.2f} "
-                      f"({c['analytic5_split']})", call(c, "rule5"))
+                      f"({c['analytic5_split']})", call(c, "rule5"),
+                      f"{c['analytic6_colocated_rps'] / gpus:.2f} / {c['analytic6_pd_rps'] / gpus:.2f} "
+                      f"({c['analytic6_split']})", call(c, "rule6"))
     console.print(table)
     console.print(", ".join(f"{name} {saved[f'{name}_right']}/{len(counted)}" for name in RULES)
                   + f" of the cells with a winner ({len(cells) - len(counted)} where neither layout meets the SLO); "
