@@ -24,6 +24,15 @@ def add_simulate_parser(sub: argparse._SubParsersAction) -> None:
                    help="keep every request's gaps between tokens, so the results have ITL like a real run's "
                         "(memory grows with output tokens)")
     r.add_argument("--no-progress", action="store_true")
+    d = p.add_argument_group("fidelity")
+    d.add_argument("--fidelity", choices=["discrete", "fluid"], default="discrete",
+                   help="discrete: every request through the simulated schedulers; fluid: an autoscaled fleet over "
+                        "hours or days of --demand at flow level, requests priced by a response curve the discrete "
+                        "simulator measures first on --workload's request shapes (writes fluid.json, scaling.png)")
+    d.add_argument("--demand", metavar="SERIES",
+                   help="fluid: the request rate over time, servegen:MODEL or a trace (as `sloserve forecast "
+                        "--series`); --start/--duration pick the window, --rate R scales it to a mean of R req/s; "
+                        "predictive/hybrid train on what comes before the window unless --scaling-history is given")
     p.set_defaults(func=cmd_simulate)
 
 
@@ -246,6 +255,13 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from sloserve.timeline import FleetTimeline
     from sloserve.workload.build import build_stream
 
+    if args.fidelity == "fluid":
+        from sloserve.fluid_cli import cmd_simulate_fluid
+
+        return cmd_simulate_fluid(args)
+    if args.demand:
+        raise ValueError("--demand is the fluid fleet's: add --fidelity fluid (a discrete run's arrivals come from "
+                         "--workload and --rate)")
     spec = workload_spec_from_args(args)
     rates = resolve_rates(args, spec)
     fleet = fleet_config_from_args(args)
@@ -424,7 +440,7 @@ def prepare_autoscaling(fleet, args: argparse.Namespace, spec, slo) -> None:
 
         fleet.scaling_history = load_series(args.scaling_history, "requests", fleet.demand_step_s)
         fleet.demand_step_s = min(fleet.demand_step_s, fleet.scaling_history.step_s)  # type: ignore[attr-defined]
-    elif fleet.autoscale in ("predictive", "hybrid"):
+    elif fleet.autoscale in ("predictive", "hybrid") and fleet.scaling_history is None:
         raise ValueError(f"--autoscale {fleet.autoscale} needs --scaling-history (the demand that trains its forecaster)")
 
 

@@ -120,3 +120,31 @@ def test_a_measured_curve_makes_the_fluid_fleet_agree_with_the_discrete_one(tmp_
     assert abs(peak[0] - peak[1]) <= 1, peak
     assert fluid.scaling["instance_hours"] == pytest.approx(result.scaling["instance_hours"], rel=0.15)
     assert abs(fluid.attainment - discrete) < 0.05, (fluid.attainment, discrete)
+
+
+def test_simulate_runs_hours_of_demand_at_flow_level_from_the_command_line(tmp_path, monkeypatch, capsys):
+    import json
+
+    from sloserve.cli import main
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # the response curve is measured here, not read
+    out = tmp_path / "fluid"
+    args = ["simulate", "--fidelity", "fluid", "--demand", "servegen:m-large", "--start", str(12 * 86400),
+            "--duration", str(6 * 3600), "--rate", "3", "--workload", "azure-conv", "--model", "llama-2-7b",
+            "--hardware", "a10-24g", "--instances", "1:8", "--capacity", "1.0", "--slo", "ttft=2000,tpot=200",
+            "--cold-start", "120", "--out", str(out), "--no-progress"]
+    assert main(args + ["--autoscale", "predictive"]) == 0
+    run = json.loads((out / "fluid.json").read_text())
+    assert run["fidelity"] == "fluid" and run["mean_rps"] == pytest.approx(3.0)
+    assert run["requests"] == pytest.approx(3.0 * 6 * 3600, rel=0.03)  # Poisson draws of the flow
+    assert 0.9 < run["attainment"] <= 1.0 and run["unserved"] == pytest.approx(0.0, abs=1.0)
+    # the forecaster trained on the twelve days before the window: instances follow the day, below static at peak
+    ready = [row[1] for row in run["scaling"]["timeline"]]
+    assert max(ready) > min(ready) >= 1
+    assert 0 < run["instance_hours"] < run["static_peak_instance_hours"]
+    assert len(run["response_curve"]["loads"]) == len(run["response_curve"]["attainment"]) > 3
+    assert (out / "scaling.png").is_file() and "instance-hours" in capsys.readouterr().out
+    assert main(args[:3] + args[5:] + ["--autoscale", "reactive"]) == 2  # no --demand
+    assert "needs --demand" in capsys.readouterr().err
+    assert main(["simulate", "--demand", "servegen:m-large", "--workload", "azure-conv", "--instances", "2"]) == 2
+    assert "--fidelity fluid" in capsys.readouterr().err

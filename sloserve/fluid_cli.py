@@ -1,0 +1,134 @@
+"""`sloserve simulate --fidelity fluid`: an autoscaled fleet over days of demand, at flow level.
+
+The discrete simulator walks every request through the schedulers: a day of tens of millions of
+requests is out of its reach. The fluid fleet (sim/fluid.py) runs the same controller, scale
+planners and instance lifecycle on a demand *rate* (`--demand`, a series as `sloserve forecast
+--series` reads), and prices requests with a response curve the discrete simulator measures first
+on the workload's own request shapes (`--workload`). What it cannot say (per-request latencies,
+queueing inside an instance beyond the curve) the discrete mode can, on shorter windows.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from dataclasses import replace
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+
+
+def demand_window(series, start_s: float, duration_s: float | None, mean_rps: float | None):
+    """(history before the window, the window) of `series`, both scaled so that the window's mean is
+    `mean_rps` (None: the series' own values). Missing windows (NaN) read as the series' median."""
+    from sloserve.workload.series import Series
+
+    values = np.asarray(series.values, dtype=float)
+    if np.isnan(values).all():
+        raise ValueError(f"--demand {series.name}: no values")
+    values = np.nan_to_num(values, nan=float(np.nanmedian(values)))
+    first = round(start_s / series.step_s)
+    n = len(values) - first if duration_s is None else math.ceil(duration_s / series.step_s - 1e-9)
+    if not 0 <= first < len(values) or n < 1 or first + n > len(values):
+        span = len(values) * series.step_s
+        raise ValueError(f"--demand {series.name} spans {span / 3600:g} h in steps of {series.step_s:g} s: "
+                         f"--start {start_s:g} s with --duration {duration_s} s falls outside it")
+    run = values[first:first + n]
+    scale = 1.0 if mean_rps is None else mean_rps / max(float(run.mean()), 1e-12)
+    start = series.start_s + first * series.step_s
+    return (Series("history", values[:first] * scale, series.step_s, series.start_s),
+            Series("demand", run * scale, series.step_s, start))
+
+
+def enough(reqs: list, n: int) -> list:
+    """`reqs` (Poisson arrivals) repeated, each copy after the last, until there are `n`: a trace file
+    smaller than the curve's highest load needs still gives its request shapes."""
+    if not reqs:
+        raise ValueError("the workload gave no requests")
+    out, offset, k = list(reqs[:n]), 0.0, 0
+    span = reqs[-1].arrival_s + 1.0
+    while len(out) < n:
+        k += 1
+        offset += span
+        out += [replace(r, arrival_s=r.arrival_s + offset, request_id=f"{r.request_id}~{k}")
+                for r in reqs[:n - len(out)]]
+    return out
+
+
+def cmd_simulate_fluid(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from sloserve.bench.cli import workload_spec_from_args
+    from sloserve.bench.metrics import SLO
+    from sloserve.cluster.forecast_cli import load_series
+    from sloserve.planning import CURVE_DURATION_S, CURVE_INSTANCES, CURVE_LOADS, response_curve
+    from sloserve.sim_cli import fleet_config_from_args, plot_scaling, prepare_autoscaling
+    from sloserve.simulation import build_fluid
+    from sloserve.workload.build import build_stream
+
+    if not args.demand:
+        raise ValueError("--fidelity fluid needs --demand SERIES (servegen:MODEL or a trace): the request rate to run")
+    if not args.slo:
+        raise ValueError("--fidelity fluid needs --slo: the response curve prices requests against it")
+    fleet = fleet_config_from_args(args)
+    if fleet.autoscale is None or fleet.pd:
+        raise ValueError("--fidelity fluid runs an autoscaled colocated fleet: give --autoscale, drop --pd")
+    if args.rate is not None and len(args.rate) > 1:
+        raise ValueError("--fidelity fluid takes one --rate (the demand window's mean), not a sweep")
+    slo = SLO.parse(args.slo)
+    console = Console(stderr=True)
+    series = load_series(args.demand, "requests", 600.0)
+    mean = args.rate[0] if args.rate else None
+    history, run = demand_window(series, args.start, args.duration, mean)
+    # the workload gives request shapes only: Poisson arrivals from its start (the window is the demand's)
+    spec = replace(workload_spec_from_args(args), rate=1.0, replay=False, start_s=0.0, duration_s=None,
+                   arrival_process="poisson")
+    if args.scaling_history is None and fleet.autoscale in ("predictive", "hybrid"):
+        if len(history) < 2:
+            raise ValueError("predictive/hybrid need demand before the window: a later --start, or --scaling-history")
+        fleet.scaling_history = history  # the demand before the window, scaled as the window is
+        fleet.demand_step_s = min(fleet.demand_step_s, history.step_s)
+    console.print(f"capacity of one {fleet.model} instance on {fleet.hardware} at {args.slo} ...")
+    prepare_autoscaling(fleet, args, spec, slo)
+    fleet.validate()
+    capacity = float(fleet.capacity_rps)  # type: ignore[arg-type]
+    need = math.ceil(max(CURVE_LOADS) * capacity * CURVE_INSTANCES * CURVE_DURATION_S * 1.05)
+    console.print(f"response curve: {CURVE_INSTANCES} instances at {len(CURVE_LOADS)} loads, {CURVE_DURATION_S:g} s "
+                  f"each ({need} requests of {spec.name}) ...")
+    curve = response_curve(enough(build_stream(replace(spec, num_requests=need)), need), fleet, slo, capacity)
+    wall0 = time.perf_counter()
+    result = build_fluid(fleet, curve, slo.ttft_s, seed=args.seed).run(run.values, run.step_s)
+    wall = time.perf_counter() - wall0
+    sc = result.scaling
+    hours = len(run) * run.step_s / 3600
+    peak_need = math.ceil(float(run.values.max()) / (capacity * fleet.target_utilization))
+    record = {
+        "fidelity": "fluid", "demand": args.demand, "start_s": args.start, "duration_s": hours * 3600,
+        "mean_rps": float(run.values.mean()), "peak_rps": float(run.values.max()), "workload": spec.name,
+        "slo": args.slo, "model": fleet.model, "hardware": fleet.hardware, "tp": fleet.tp,
+        "autoscale": fleet.autoscale, "forecaster": fleet.forecaster if fleet.autoscale in ("predictive", "hybrid")
+        else None, "min_instances": fleet.min_instances, "max_instances": fleet.instances,
+        "cold_start_s": fleet.cold_start_s, "target_utilization": fleet.target_utilization,
+        "capacity_rps": capacity, "response_curve": curve.as_dict(),
+        "requests": result.requests, "attainment": result.attainment, "unserved": result.unserved,
+        "instance_hours": sc["instance_hours"], "gpu_hours": sc["instance_hours"] * fleet.tp,
+        "static_peak_instance_hours": peak_need * hours, "cold_starts": sc["cold_starts"],
+        "warm_starts": sc["warm_starts"], "scaling": sc, "windows": result.windows, "wall_s": wall,
+    }
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "fluid.json").write_text(json.dumps(record, indent=1))
+    label = (f"fluid · {fleet.autoscale} · {args.demand} ({hours:g} h, mean {record['mean_rps']:.1f} req/s) · "
+             f"{fleet.model} on {fleet.hardware} · cold start {fleet.cold_start_s:g} s")
+    figure = plot_scaling([SimpleNamespace(label=label, config={"scaling": sc})], out_dir / "scaling.png")
+    peak = max((row[1] for row in sc["timeline"]), default=0)
+    out = Console()
+    out.print(label)
+    out.print(f"{sc['instance_hours']:.2f} instance-hours ({sc['instance_hours'] / max(1e-9, peak_need * hours):.3f}x "
+              f"static at the peak's {peak_need} instances), SLO attainment {100 * result.attainment:.3f}% of "
+              f"{result.requests:,.0f} requests ({result.unserved:,.0f} unserved at the end); {sc['cold_starts']} cold "
+              f"+ {sc['warm_starts']} warm starts, peak {peak} ready; {wall:.1f} s of wall time")
+    console.print(f"wrote {out_dir / 'fluid.json'} and {figure}")
+    return 0
