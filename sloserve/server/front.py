@@ -291,7 +291,6 @@ class Front:
             inst.draining = True
             fleet.on_event(DRAIN, slot, "operator")
             moving = sum(s.upstream.inst is inst for s in self.sessions)
-            self.migration.tick()  # its streams start moving now, not at the loop's next round
             logger.warning("instance %d is draining: out of routing; %d relayed streams to move", slot, moving)
             return JSONResponse({"instance": slot, "draining": True, "streams_to_move": moving})
 
