@@ -15,7 +15,6 @@ import math
 import time
 from dataclasses import replace
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 
@@ -57,31 +56,23 @@ def enough(reqs: list, n: int) -> list:
     return out
 
 
-def cmd_simulate_fluid(args: argparse.Namespace) -> int:
-    from rich.console import Console
-
+def fluid_inputs(args: argparse.Namespace, fleet) -> tuple:
+    """(SLO, the workload spec giving request shapes, the demand window) of a fluid run, with the
+    demand before the window set on `fleet` as its forecaster's history when it needs one."""
     from sloserve.bench.cli import workload_spec_from_args
     from sloserve.bench.metrics import SLO
     from sloserve.cluster.forecast_cli import load_series
-    from sloserve.planning import CURVE_DURATION_S, CURVE_INSTANCES, CURVE_LOADS, response_curve
-    from sloserve.sim_cli import fleet_config_from_args, plot_scaling, prepare_autoscaling
-    from sloserve.simulation import build_fluid
-    from sloserve.workload.build import build_stream
 
     if not args.demand:
         raise ValueError("--fidelity fluid needs --demand SERIES (servegen:MODEL or a trace): the request rate to run")
     if not args.slo:
         raise ValueError("--fidelity fluid needs --slo: the response curve prices requests against it")
-    fleet = fleet_config_from_args(args)
     if fleet.autoscale is None or fleet.pd:
         raise ValueError("--fidelity fluid runs an autoscaled colocated fleet: give --autoscale, drop --pd")
     if args.rate is not None and len(args.rate) > 1:
         raise ValueError("--fidelity fluid takes one --rate (the demand window's mean), not a sweep")
-    slo = SLO.parse(args.slo)
-    console = Console(stderr=True)
     series = load_series(args.demand, "requests", 600.0)
-    mean = args.rate[0] if args.rate else None
-    history, run = demand_window(series, args.start, args.duration, mean)
+    history, run = demand_window(series, args.start, args.duration, args.rate[0] if args.rate else None)
     # the workload gives request shapes only: Poisson arrivals from its start (the window is the demand's)
     spec = replace(workload_spec_from_args(args), rate=1.0, replay=False, start_s=0.0, duration_s=None,
                    arrival_process="poisson")
@@ -90,10 +81,17 @@ def cmd_simulate_fluid(args: argparse.Namespace) -> int:
             raise ValueError("predictive/hybrid need demand before the window: a later --start, or --scaling-history")
         fleet.scaling_history = history  # the demand before the window, scaled as the window is
         fleet.demand_step_s = min(fleet.demand_step_s, history.step_s)
-    console.print(f"capacity of one {fleet.model} instance on {fleet.hardware} at {args.slo} ...")
-    prepare_autoscaling(fleet, args, spec, slo)
-    fleet.validate()
-    capacity = float(fleet.capacity_rps)  # type: ignore[arg-type]
+    return SLO.parse(args.slo), spec, run
+
+
+def run_fluid(args: argparse.Namespace, fleet, spec, run, slo, console) -> tuple[dict, str, str]:
+    """Measure the response curve, run the fleet on the demand window, write fluid.json. Returns the
+    record, a title and a one-paragraph summary. `fleet` has its capacity (sim_cli.prepare_autoscaling)."""
+    from sloserve.planning import CURVE_DURATION_S, CURVE_INSTANCES, CURVE_LOADS, response_curve
+    from sloserve.simulation import build_fluid
+    from sloserve.workload.build import build_stream
+
+    capacity = float(fleet.capacity_rps)
     need = math.ceil(max(CURVE_LOADS) * capacity * CURVE_INSTANCES * CURVE_DURATION_S * 1.05)
     console.print(f"response curve: {CURVE_INSTANCES} instances at {len(CURVE_LOADS)} loads, {CURVE_DURATION_S:g} s "
                   f"each ({need} requests of {spec.name}) ...")
@@ -122,13 +120,9 @@ def cmd_simulate_fluid(args: argparse.Namespace) -> int:
     (out_dir / "fluid.json").write_text(json.dumps(record, indent=1))
     label = (f"fluid · {fleet.autoscale} · {args.demand} ({hours:g} h, mean {record['mean_rps']:.1f} req/s) · "
              f"{fleet.model} on {fleet.hardware} · cold start {fleet.cold_start_s:g} s")
-    figure = plot_scaling([SimpleNamespace(label=label, config={"scaling": sc})], out_dir / "scaling.png")
     peak = max((row[1] for row in sc["timeline"]), default=0)
-    out = Console()
-    out.print(label)
-    out.print(f"{sc['instance_hours']:.2f} instance-hours ({sc['instance_hours'] / max(1e-9, peak_need * hours):.3f}x "
-              f"static at the peak's {peak_need} instances), SLO attainment {100 * result.attainment:.3f}% of "
-              f"{result.requests:,.0f} requests ({result.unserved:,.0f} unserved at the end); {sc['cold_starts']} cold "
-              f"+ {sc['warm_starts']} warm starts, peak {peak} ready; {wall:.1f} s of wall time")
-    console.print(f"wrote {out_dir / 'fluid.json'} and {figure}")
-    return 0
+    summary = (f"{sc['instance_hours']:.2f} instance-hours ({sc['instance_hours'] / max(1e-9, peak_need * hours):.3f}x "
+               f"static at the peak's {peak_need} instances), SLO attainment {100 * result.attainment:.3f}% of "
+               f"{result.requests:,.0f} requests ({result.unserved:,.0f} unserved at the end); {sc['cold_starts']} "
+               f"cold + {sc['warm_starts']} warm starts, peak {peak} ready; {wall:.1f} s of wall time")
+    return record, label, summary

@@ -256,9 +256,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from sloserve.workload.build import build_stream
 
     if args.fidelity == "fluid":
-        from sloserve.fluid_cli import cmd_simulate_fluid
-
-        return cmd_simulate_fluid(args)
+        return simulate_fluid(args)
     if args.demand:
         raise ValueError("--demand is the fluid fleet's: add --fidelity fluid (a discrete run's arrivals come from "
                          "--workload and --rate)")
@@ -386,6 +384,31 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                       f"completed, {m['aborted']} aborted; {m['bytes'] / 1e9:.2f} GB moved, "
                       f"{1e3 * m['downtime_s']:.0f} ms of downtime in total")
     console.print("wrote " + ", ".join(str(p) for p in paths))
+    return 0
+
+
+def simulate_fluid(args: argparse.Namespace) -> int:
+    """`simulate --fidelity fluid` (fluid_cli.py): the fleet's capacity as a discrete run measures it, then
+    the demand window at flow level."""
+    from types import SimpleNamespace
+
+    from rich.console import Console
+
+    from sloserve.fluid_cli import fluid_inputs, run_fluid
+
+    fleet = fleet_config_from_args(args)
+    slo, spec, run = fluid_inputs(args, fleet)
+    console = Console(stderr=True)
+    console.print(f"capacity of one {fleet.model} instance on {fleet.hardware} at {args.slo} ...")
+    prepare_autoscaling(fleet, args, spec, slo)
+    fleet.validate()
+    record, label, summary = run_fluid(args, fleet, spec, run, slo, console)
+    figure = plot_scaling([SimpleNamespace(label=label, config={"scaling": record["scaling"]})],
+                          Path(args.out) / "scaling.png")
+    out = Console()
+    out.print(label)
+    out.print(summary)
+    console.print(f"wrote {Path(args.out) / 'fluid.json'} and {figure}")
     return 0
 
 
