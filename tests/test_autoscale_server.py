@@ -23,10 +23,15 @@ pytestmark = pytest.mark.slow
 ARGS = ["--instances", "1:2", "--autoscale", "reactive", "--capacity", "1.25", "--scaling-interval", "1",
         "--scale-down-delay", "40", "--stable-window", "6", "--router", "least-requests", "--max-num-seqs", "8",
         "--kv-cache-gib", "0.1", "--admin-key", ADMIN, "--log-level", "warning"]
-# Lull streams: two clients each keep one LONG-token stream running until a worker has drained, so streams are in
+# Lull streams: three clients each keep one LONG-token stream running until a worker has drained, so streams are in
 # flight on both workers whenever the drain comes, however fast the machine (a fixed pair of streams finished before
-# the 20 s delay ran out on a fast one). At >= 4 ms a token each stream lasts >= 2.4 s: two clients arrive at under
-# 1 req/s, which one worker carries (capacity 1.25 x utilization 0.8), so the lull needs one instance.
+# the 20 s delay ran out on a fast one). Three, not two: the front routes by the workers' last polled counts (every
+# 0.25 s), so a client that starts its next stream at once still sees its last one counted; with two clients a tie
+# could send both streams to the first worker, the other sat idle, and the drain rightly took it with
+# nothing to move. With three, the worker holding one stream is always the less loaded, stale count or not. At
+# >= 6 ms a token (three streams share two workers on two cores) each stream lasts >= 3.6 s: three clients arrive at
+# under 1 req/s, which one worker carries (capacity 1.25 x utilization 0.8), so the lull needs one instance; and three
+# streams of LONG tokens fit one worker's KV pool (2,320 tokens at --kv-cache-gib 0.1) once the other has drained.
 LONG = 600
 
 
@@ -50,7 +55,7 @@ def stream_text(base: str, prompt: str, max_tokens: int) -> str:
 
 def burst_then_lull(base: str, prompts: list[str], long_prompts: list[str], expected: dict[str, str],
                     lull: list[tuple[str, str]], errors: list[BaseException]) -> int:
-    """A burst of short streams grows the fleet to two workers; then two clients keep a long stream
+    """A burst of short streams grows the fleet to two workers; then three clients keep a long stream
     each running until a worker has drained and stopped. Returns the index in the dashboard's
     event log from which this round's events start."""
     events_before = len(admin("GET", base + "/dashboard/data").json()["events"])
@@ -120,10 +125,10 @@ def test_a_burst_adds_a_worker_and_the_lull_drains_one(tmp_path):
         assert [d["status"] for d in info["data"]] == ["healthy", "stopped"]
         assert info["autoscale"]["policy"] == "reactive" and info["autoscale"]["max"] == 2
         prompts = [f"Tell me about the number {i}." for i in range(10)]
-        long_prompts = ["Write a long letter to a friend.", "Describe the sea at night."]
+        long_prompts = ["Write a long letter to a friend.", "Describe the sea at night.", "Explain how bread rises."]
         expected = {p: httpx.post(base + "/v1/completions", timeout=180, json={
             "prompt": p, "max_tokens": n, "temperature": 0, "ignore_eos": True}).json()["choices"][0]["text"]
-            for p, n in [(prompts[0], 24), (prompts[1], 24), (long_prompts[0], LONG), (long_prompts[1], LONG)]}
+            for p, n in [(prompts[0], 24), (prompts[1], 24), *((p, LONG) for p in long_prompts)]}
         time.sleep(7)  # those four out of the stable window: the burst alone makes the fleet grow
         lull: list[tuple[str, str]] = []
         errors: list[BaseException] = []
