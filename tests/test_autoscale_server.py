@@ -129,13 +129,13 @@ def test_a_burst_adds_a_worker_and_the_lull_drains_one(tmp_path):
         expected = {p: httpx.post(base + "/v1/completions", timeout=180, json={
             "prompt": p, "max_tokens": n, "temperature": 0, "ignore_eos": True}).json()["choices"][0]["text"]
             for p, n in [(prompts[0], 24), (prompts[1], 24), *((p, LONG) for p in long_prompts)]}
-        time.sleep(7)  # those four out of the stable window: the burst alone makes the fleet grow
+        time.sleep(7)  # those requests out of the stable window: the burst alone makes the fleet grow
         lull: list[tuple[str, str]] = []
         errors: list[BaseException] = []
         # The drain takes the worker with the least work left: its lull stream may be a few tokens from
         # its end, and end on its own before the move (nothing moves, rightly). Then that round proved
         # nothing about migration, and the burst and the lull run again (once).
-        for attempt in range(2):
+        for _ in range(2):
             drain_at = burst_then_lull(base, prompts, long_prompts, expected, lull, errors)
             if errors or not nothing_to_move(admin("GET", base + "/dashboard/data").json()["events"], drain_at):
                 break
