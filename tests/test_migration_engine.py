@@ -116,6 +116,9 @@ def test_a_refused_or_aborted_move_changes_nothing(engines):
     free = b.kv.num_free_blocks
     assert b.reserve_for_migration(hashes, b.kv.num_blocks * b.kv.block_size * 2) is None  # no room: refused
     assert b.kv.num_free_blocks == free and b.kv.num_pinned_blocks == 0
+    seats = b.scheduler.config.max_num_seqs  # blocks to spare, but every seat promised to a migration in flight
+    assert b.reserve_for_migration(hashes, 16, incoming=seats) is None
+    assert b.kv.num_free_blocks == free and b.kv.num_pinned_blocks == 0
     a.kv.unpin(ids)
     state, pinned = a.suspend("stay")  # the stop-and-copy began, then the target failed
     assert a.suspend("stay") is None

@@ -37,9 +37,9 @@ def requests(n: int = 60, seed: int = 1) -> list[Request]:
 
 
 def pd_fleet(roles: list[str], num_blocks: int = 2000, bandwidth: float = 50e9, transfer: str = "pipelined",
-             decode_blocks: int | None = None) -> Simulator:
+             decode_blocks: int | None = None, max_num_seqs: int = 64) -> Simulator:
     cost = RooflineCostModel(get_hardware("a10-24g"), MODEL)
-    cfg = SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=64)
+    cfg = SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=max_num_seqs)
     instances = [SimInstance(i, cost, decode_blocks if (decode_blocks and role == "decode") else num_blocks, 4096,
                              cfg) for i, role in enumerate(roles)]
     controller = FleetController(make_router("round-robin"), decode_router=make_router("least-kv"))
@@ -96,6 +96,21 @@ def test_a_full_decode_pool_makes_the_prefill_instance_decode_instead():
     multi = [r for r in reqs if r.sampling_params.max_tokens > 1]
     assert 0 < result.handoffs["completed"] < len(multi)
     assert any(where[r.request_id] == 0 for r in multi)  # decoded where it was prefilled
+
+
+def test_a_decode_instance_never_runs_more_requests_than_its_batch_seats():
+    # KV room for every request, four seats: hand-offs past the fourth wait (decoding where they were prefilled)
+    # instead of growing the decode batch past max_num_seqs (they did before 2026-12-04: 1,514 at 256 seats)
+    reqs = [r for r in requests(60, seed=3) if r.sampling_params.max_tokens > 1]
+    for r in reqs:
+        r.arrival_time = 0.0  # all at once: far more decodes than seats
+    sim = pd_fleet(["prefill", "decode"], max_num_seqs=4)
+    result = run(sim, reqs)
+    assert result.num_finished == len(reqs)
+    decode = sim.instances[1].scheduler.stats
+    assert decode.max_batch_size <= 4 and decode.num_migrated_in >= 4
+    where = {f.request.request_id: f.instance_id for f in result.finished}
+    assert any(i == 0 for i in where.values())  # some finished where they were prefilled, waiting for a seat
 
 
 def test_roles_are_validated():

@@ -400,11 +400,15 @@ class LLMEngine:
         self.runner.release(request_id)
         return True
 
-    def reserve_for_migration(self, hashes: list[int], num_tokens: int) -> Optional[tuple[int, list[int]]]:
+    def reserve_for_migration(self, hashes: list[int], num_tokens: int,
+                              incoming: int = 0) -> Optional[tuple[int, list[int]]]:
         """A migration's target: hold the blocks for `num_tokens` tokens of KV, reusing the
         leading blocks of `hashes` this instance has cached (those are not sent). Returns (how
         many leading blocks are already here, every held block id in table order), or None
-        when they do not fit (the migration is refused, nothing changed)."""
+        when they do not fit or the batch has no seat beside the `incoming` migrations already
+        holding blocks here (the migration is refused, nothing changed)."""
+        if not self.scheduler.has_seat(incoming):
+            return None
         have = self.kv.pin_cached(hashes)
         extra = self.kv.reserve(max(0, self.kv.blocks_needed(num_tokens) - len(have)))
         if extra is None:

@@ -290,10 +290,18 @@ class Scheduler:
             self._tracker.on_departure(request)
         return request
 
+    def has_seat(self, incoming: int = 0) -> bool:
+        """Whether one more request can join the running batch, with `incoming` adoptions already
+        promised seats (their KV in flight). A migration or hand-off needs a seat as well as KV
+        room: `max_num_seqs` sizes the step's batch (activations, logits, graph buckets), and a
+        target that adopted past it would run larger batches than it was sized for."""
+        return len(self.running) + incoming < self.config.max_num_seqs
+
     def adopt(self, request: Request, block_ids: list[int], now: float) -> None:
         """Take over a request that arrives with its KV in held blocks (`kv.reserve` or
         `kv.pin_cached`, in table order): its `num_computed_tokens` tokens are computed, so it
-        runs from its next token, ahead of nothing it would not have overtaken by arrival."""
+        runs from its next token, ahead of nothing it would not have overtaken by arrival.
+        The caller made sure of its seat (`has_seat`) when it reserved the blocks."""
         rid = request.request_id
         if rid in self.requests:
             raise ValueError(f"duplicate request id {rid!r}")

@@ -131,9 +131,11 @@ class Migrations:
             raise APIError(409, "KV layouts differ between the two instances", code="layout_mismatch")
         if mid in self.reservations:
             raise APIError(409, f"migration {mid} already has a reservation", code="duplicate_migration")
-        held = await self.engine.call(lambda e: e.reserve_for_migration(hashes, num_tokens))
+        incoming = len(self.reservations)
+        held = await self.engine.call(lambda e: e.reserve_for_migration(hashes, num_tokens, incoming))
         if held is None:
-            raise APIError(409, "not enough free KV blocks for this request", code="no_room")
+            raise APIError(409, "no room for this request: not enough free KV blocks, or every batch seat "
+                                "(max_num_seqs) taken", code="no_room")
         have, ids = held
         self.reservations[mid] = _Held(ids, self.clock() + HOLD_S)
         self.stats.in_reserved += 1

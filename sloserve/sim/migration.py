@@ -156,7 +156,8 @@ class SimMigrator:
             self.controller.finished(move, False, now)
             return
         target.catch_up(now)
-        blocks = target.kv.reserve(target.kv.blocks_needed(request.num_computed_tokens))
+        blocks = target.kv.reserve(target.kv.blocks_needed(request.num_computed_tokens)) \
+            if self._has_seat(target) else None
         if blocks is None:
             logger.debug("migration of %s aborted: instance %d has no room", move.request_id, move.target)
             self.controller.finished(move, False, now)
@@ -168,6 +169,11 @@ class SimMigrator:
         self._bytes[move.request_id] = self.costs.kv_bytes(transfer.copied)
         self._schedule(now + self._copy_time(transfer, transfer.copied), transfer)
 
+    def _has_seat(self, target: SimInstance) -> bool:
+        """A batch seat on `target` beside those promised to the transfers already bound for it."""
+        incoming = sum(1 for t in self.transfers.values() if t.target is target)
+        return target.scheduler.has_seat(incoming)
+
     # ---- prefill/decode hand-off ---------------------------------------------------------
     def handoff(self, request: Request, source: SimInstance, target: SimInstance, now: float,
                 pipelined_with_s: float = 0.0, num_layers: int = 1) -> bool:
@@ -176,12 +182,15 @@ class SimMigrator:
         target adopt it. The send is the stop-and-copy of a migration without pre-copy rounds.
         `pipelined_with_s`: seconds of the prefill the send overlapped (its KV streamed layer by
         layer while later chunks and layers computed), so only what is left of it, and at least
-        the last layer's share, is waited for. False (nothing changed) when the target has no room."""
+        the last layer's share, is waited for. False (nothing changed) when the target has no room
+        (KV blocks or a batch seat)."""
         rid = request.request_id
         n = request.num_computed_tokens
         move = Move(rid, source.instance_id, target.instance_id, HANDOFF, self.costs.kv_bytes(n),
                     self.costs.copy_time(n, source.instance_id, target.instance_id))
         target.catch_up(now)
+        if not self._has_seat(target):
+            return False
         blocks = target.kv.reserve(target.kv.blocks_needed(n))
         if blocks is None:
             return False
