@@ -147,9 +147,25 @@ def rule6(c: dict) -> str:
     return "pd" if c["analytic6_pd_rps"] > c["analytic6_colocated_rps"] else "colocated"
 
 
+def rule7(c: dict) -> str:
+    """Written down 2026-12-04 21:48 UTC, after all four grids of the issue's table (NVLink, 400, 100 and
+    25 Gb/s; 8B and 70B) were read, so every cell it is scored on was in view: there is no held-out cell left.
+    rule6's model with prefill steps as the scheduler packs them (`analytic` with `packed`). Its largest misses
+    were ShareGPT's P:D goodput (8B 35 vs 44-53 req/s per GPU simulated, 70B 4.7 vs 7.75 at the loose SLO,
+    the same at both SLOs: a capacity limit, not a target) and the 70B colocated one at the tight SLO: rule6
+    priced a prefill instance's prompts one step each, so a 100-token ShareGPT prompt paid a whole step's weight
+    reads alone, while the scheduler packs every prompt waiting into one step; and it priced the prompts beside
+    colocated decodes as full 2,048-token chunks, while at ShareGPT's prompt lengths most such steps carry one
+    short prompt. Nothing fitted to a cell: the packing is the scheduler's rule, the steps the cost model's.
+    The same evening the simulator was found running decode batches past their sequence bound (hand-offs took KV
+    room only; fixed: a seat too), so the table is simulated again and its cells are new to every rule; rule7's
+    decode pool stops at the bound and passes the rest to the prefill instances (rule5's KV fallback)."""
+    return "pd" if c["analytic7_pd_rps"] > c["analytic7_colocated_rps"] else "colocated"
+
+
 def analytic(reqs, slo: SLO, instances: int, model: str, tp: int, exposed_handoff_s: float,
              long_context: bool = False, fallback: bool = False, dispatch: bool = False,
-             copy_s_per_token: float = 0.0, pipelined: bool = True) -> dict:
+             copy_s_per_token: float = 0.0, pipelined: bool = True, packed: bool = False) -> dict:
     """Steady-state goodput (>= 90% of requests within both targets) of a colocated fleet and of the best P:D
     split, from the cost model and a replay of the window's prefill queue (no fleet simulation), per request.
 
@@ -175,8 +191,18 @@ def analytic(reqs, slo: SLO, instances: int, model: str, tp: int, exposed_handof
     on its instance, even while another instance frees first, and a colocated instance counts its decoding
     requests too. And each P:D request waits for its own KV to arrive (`copy_s_per_token` times its prompt, less
     the prefill it overlapped when `pipelined`, at least the last layer's share, as the simulator's hand-off does)
-    instead of every request waiting what the 90th-percentile prompt's copy exposes."""
+    instead of every request waiting what the 90th-percentile prompt's copy exposes.
+
+    With `packed` (rule7, implies `dispatch`) each server's prompts are replayed step by step as the scheduler
+    forms them: a step starts when the last one ends and takes the prompts waiting on its instance, oldest first,
+    up to the token budget (the last one chunked), priced as one step of those pieces (beside the instance's
+    decodes when it has any). A short prompt then shares its step's weight reads with the others waiting, instead
+    of paying a step alone (P:D) or a full chunk's share of one (colocated); and a colocated decode meets the
+    steps its instance really ran while it decoded, each at its own length, instead of full chunk steps."""
     import numpy as np
+    from collections import deque
+
+    dispatch = dispatch or packed
 
     fleet = FleetConfig(model=model, tp=tp, hardware="h100-80g",
                         scheduler=SchedulerConfig(max_num_batched_tokens=BUDGET, max_num_seqs=MAX_SEQS))
@@ -254,8 +280,67 @@ def analytic(reqs, slo: SLO, instances: int, model: str, tp: int, exposed_handof
             ttft[i], first[i], on[i] = start + s_i - t, start + s_i, k
         return ttft, first, on, spans
 
-    def ttft_ok(service: np.ndarray, rate: float, servers: int, hold: np.ndarray | None = None) -> np.ndarray:
-        return (replay(service, rate, servers, hold)[0] <= slo.ttft_s).astype(float)
+    def replay_packed(rate: float, servers: int, hold: np.ndarray, decoders: float):
+        """`replay`'s results with each server's prompts packed into steps (`packed`): a step starting at s takes
+        the prompts that arrived on its server by s, oldest first, up to BUDGET tokens; spans are those steps."""
+        n = len(prompts)
+        ttft, first = np.empty(n), np.empty(n)
+        on = np.empty(n, dtype=int)
+        spans: list[list[tuple[float, float]]] = [[] for _ in range(servers)]
+        queues: list[deque] = [deque() for _ in range(servers)]  # per server: [request, tokens left, tokens done]
+        free_at = [0.0] * servers
+        counted: list[list[float]] = [[] for _ in range(servers)]
+        decode_load = StepLoad.decodes(max(0, round(decoders)), round(max(0.0, decoders) * ctx))
+        times = arrivals * (native / rate)
+
+        def run_until(k: int, until: float) -> None:
+            queue = queues[k]
+            while queue and free_at[k] < until:
+                load, room, done = decode_load, BUDGET, []
+                for item in queue:
+                    if room <= 0:
+                        break
+                    take = min(room, item[1])
+                    load = load + StepLoad.prefill(int(take), int(item[2]) if long_context else 0)
+                    item[1] -= take
+                    item[2] += take
+                    room -= take
+                    if item[1] <= 0:
+                        done.append(item[0])
+                start = free_at[k]
+                end = start + cost.step_time(load)
+                free_at[k] = end
+                spans[k].append((start, end))
+                for i in done:
+                    queue.popleft()
+                    ttft[i], first[i] = end - times[i], end
+                    heapq.heappush(counted[k], end + float(hold[i]))
+
+        for i in range(n):
+            t = times[i]
+            for k in range(servers):
+                run_until(k, t)
+                while counted[k] and counted[k][0] <= t:
+                    heapq.heappop(counted[k])
+            k = min(range(servers), key=lambda j: len(counted[j]) + len(queues[j]))
+            if not queues[k]:
+                free_at[k] = max(free_at[k], t)
+            queues[k].append([i, float(prompts[i]), 0.0])
+            on[i] = k
+        for k in range(servers):
+            run_until(k, float("inf"))
+        return ttft, first, on, spans
+
+    def prefill_replay(service: np.ndarray, decoders: float, rate: float, servers: int,
+                       hold: np.ndarray | None = None):
+        """The prefill queue as the layout's model prices it: packed steps (`packed`) or one service time each."""
+        if packed:
+            return replay_packed(rate, servers, np.zeros_like(prompts) if hold is None else hold, decoders)
+        return replay(service, rate, servers, hold)
+
+    def ttft_ok(service: np.ndarray, rate: float, servers: int, hold: np.ndarray | None = None,
+                decoders: float = 0.0) -> np.ndarray:
+        return (prefill_replay(service, decoders, rate, servers, hold)[0] <= slo.ttft_s).astype(float)
 
     prefill_alone = np.array([sum(step(0, n, d) for n, d in cs) for cs in chunks])
     if dispatch:  # each request's own exposed hand-off (the simulator's `handoff`: 5 ms to switch, after the copy)
@@ -276,8 +361,8 @@ def analytic(reqs, slo: SLO, instances: int, model: str, tp: int, exposed_handof
         if t_dec > slo.tpot_s:
             return 0.0
         # each request's decode steps meet a chunk as often as its instance prefills while it decodes
-        ttft, first, on, spans = replay(chunk_service(max(b, 1.0)), rate * instances, instances,
-                                        (outputs - 1) * t)
+        ttft, first, on, spans = prefill_replay(chunk_service(max(b, 1.0)), max(b, 1.0), rate * instances,
+                                                instances, (outputs - 1) * t)
         tables = [(np.fromiter((x for x, _ in sp), float), np.fromiter((y for _, y in sp), float)) for sp in spans]
         met = 0
         for i in range(len(prompts)):
@@ -289,8 +374,12 @@ def analytic(reqs, slo: SLO, instances: int, model: str, tp: int, exposed_handof
             starts, ends = tables[on[i]]
             a, z = first[i], first[i] + (outputs[i] - 1) * t
             lo, hi = int(np.searchsorted(ends, a, "right")), int(np.searchsorted(starts, z, "left"))
-            share = float((np.minimum(ends[lo:hi], z) - np.maximum(starts[lo:hi], a)).clip(min=0).sum()) / (z - a) \
-                if hi > lo else 0.0
+            overlap = (np.minimum(ends[lo:hi], z) - np.maximum(starts[lo:hi], a)).clip(min=0)
+            if packed:  # the steps it met, each at its own length (in part at the window's edges), decodes between
+                met_steps = float((overlap / (ends[lo:hi] - starts[lo:hi])).sum())
+                met += (z - a) / (met_steps + (z - a - float(overlap.sum())) / t_dec) <= slo.tpot_s
+                continue
+            share = float(overlap.sum()) / (z - a) if hi > lo else 0.0
             # `share` is of its time; of its steps a chunk step (t_chunk long) is the smaller part
             chunk_steps = share / t_chunk / (share / t_chunk + (1 - share) / t_dec)
             met += t_dec + chunk_steps * (t_chunk - t_dec) <= slo.tpot_s
@@ -314,28 +403,35 @@ def analytic(reqs, slo: SLO, instances: int, model: str, tp: int, exposed_handof
     def split_share(total: float, n_p: int) -> float:
         if fallback:
             return split_share_fallback(total, n_p)
-        return float(np.mean(ttft_ok(prefill_alone, total, n_p, exposed) * decode_tpot_ok(total / (instances - n_p))))
+        return float(np.mean(ttft_ok(prefill_alone, total, n_p, exposed)
+                             * decode_tpot_ok(total / (instances - n_p))))
 
     def split_share_fallback(total: float, n_p: int) -> float:
         """The decode pool up to its KV bound; the rest of the decode work on the prefill instances, whose
         chunk steps carry it (and so serve prompts slower). A request's TPOT mixes the two step times in the
         share of its own tokens each pool produced: all of them wait the same time for a decode slot.
         As in the simulator, a hand-off needs KV room only: past the sequence bound with KV to spare, the
-        excess waits on its decode instance without decoding, and the layout fails as rule4's did."""
+        excess waits on its decode instance without decoding, and the layout fails as rule4's did.
+        (The simulator did not do that: its decode instances adopted hand-offs past their sequence bound, up to
+        their KV, and ran batches of 1,514 at 256 seats. Since 2026-12-04 a hand-off needs a seat as well as KV
+        room; with `packed` (rule7) the decode batch stops at the sequence bound and the rest of the decode work
+        goes to the prefill instances, as for KV.)"""
         n_d = instances - n_p
         kv_bound = kv_tokens / ctx
         t = step(1, 0)
         for _ in range(100):  # the decode pool's own fixed point, its batch capped at the KV bound
             b = min(kv_bound, total / n_d * O * t)
             if b > MAX_SEQS:
-                return 0.0
+                if not packed:
+                    return 0.0
+                b = float(MAX_SEQS)
             t_next = step(max(b, 1.0), 0)
             if abs(t_next - t) < 1e-9:
                 break
             t = t_next
         t_d = t
         overflow = max(0.0, total * O - n_d * b / t_d)  # tokens/s the decode pool has no room for
-        service, t_p = prefill_alone, 0.0
+        service, t_p, b_p = prefill_alone, 0.0, 0.0
         if overflow > 0:
             fixed = mixed_step(total / n_p, overflow / n_p, batch_bound)
             if fixed is None:
@@ -359,12 +455,16 @@ def analytic(reqs, slo: SLO, instances: int, model: str, tp: int, exposed_handof
             on_prefill = np.minimum(hi / t_p, n)
         tpot = (on_prefill * t_p + (n - on_prefill) * t_d) / n + exposed / n
         ok = np.where(outputs <= 1, 1.0, (tpot <= slo.tpot_s).astype(float))
-        return float(np.mean(ttft_ok(service, total, n_p, exposed + on_prefill * t_p) * ok))
+        return float(np.mean(ttft_ok(service, total, n_p, exposed + on_prefill * t_p, b_p) * ok))
 
-    best = max(((n_p, max_rate(lambda rate: split_share(rate, n_p) >= 0.9, 1.0, MODEL_ITERS))
-                for n_p in range(1, instances)), key=lambda x: x[1])
-    key = "analytic6" if dispatch else "analytic5" if (long_context or fallback) else "analytic"
-    return {f"{key}_colocated_rps": colocated, f"{key}_pd_rps": best[1], f"{key}_split": f"{best[0]}:{instances - best[0]}"}
+    by_split = {f"{n_p}:{instances - n_p}": max_rate(lambda rate: split_share(rate, n_p) >= 0.9, 1.0, MODEL_ITERS)
+                for n_p in range(1, instances)}
+    best = max(by_split, key=by_split.__getitem__)
+    key = "analytic7" if packed else "analytic6" if dispatch else "analytic5" if (long_context or fallback) else "analytic"
+    out = {f"{key}_colocated_rps": colocated, f"{key}_pd_rps": by_split[best], f"{key}_split": best}
+    if packed:  # every split's rate, to compare with the simulator's per split
+        out[f"{key}_splits_rps"] = by_split
+    return out
 
 
 def rule_columns(reqs, slo_name: str, slo: SLO, link: str, args) -> dict:
@@ -383,6 +483,10 @@ def rule_columns(reqs, slo_name: str, slo: SLO, link: str, args) -> dict:
                       fallback=True, dispatch=True, copy_s_per_token=c["copy_s_per_token"],
                       pipelined=args.pd_transfer == "pipelined"))
     c["rule6"] = rule6(c)
+    c.update(analytic(reqs, slo, args.instances, args.model, args.tp, c["exposed_handoff_s"], long_context=True,
+                      fallback=True, packed=True, copy_s_per_token=c["copy_s_per_token"],
+                      pipelined=args.pd_transfer == "pipelined"))
+    c["rule7"] = rule7(c)
     return c
 
 
@@ -529,7 +633,7 @@ def main() -> int:
     return 0
 
 
-RULES = ("rule", "rule2", "rule3", "rule4", "rule5", "rule6")
+RULES = ("rule", "rule2", "rule3", "rule4", "rule5", "rule6", "rule7")
 
 
 def report(saved: dict, console: Console, path: Path) -> None:
@@ -546,7 +650,7 @@ def report(saved: dict, console: Console, path: Path) -> None:
                         + (f", >= {saved.get('sustain_s'):g} s of arrivals per probe" if saved.get("sustain_s") else ""))
     for col in ("trace", "prompt share", "SLO (TTFT/TPOT)", "link", "colocated", "best P:D", "P:D", "P:D / coloc.",
                 "winner", "rule", "rule2", "chunk step ms", "exposed hand-off ms", "rule3", "model coloc. / P:D",
-                "rule4", "model v5", "rule5", "model v6", "rule6"):
+                "rule4", "model v5", "rule5", "model v6", "rule6", "model v7", "rule7"):
         table.add_column(col, justify="right")
 
     def ratio(x: float | None) -> str:  # a saved inf reads back as None
@@ -567,7 +671,9 @@ def report(saved: dict, console: Console, path: Path) -> None:
                       f"{c['analytic5_colocated_rps'] / gpus:.2f} / {c['analytic5_pd_rps'] / gpus:.2f} "
                       f"({c['analytic5_split']})", call(c, "rule5"),
                       f"{c['analytic6_colocated_rps'] / gpus:.2f} / {c['analytic6_pd_rps'] / gpus:.2f} "
-                      f"({c['analytic6_split']})", call(c, "rule6"))
+                      f"({c['analytic6_split']})", call(c, "rule6"),
+                      f"{c['analytic7_colocated_rps'] / gpus:.2f} / {c['analytic7_pd_rps'] / gpus:.2f} "
+                      f"({c['analytic7_split']})", call(c, "rule7"))
     console.print(table)
     console.print(", ".join(f"{name} {saved[f'{name}_right']}/{len(counted)}" for name in RULES)
                   + f" of the cells with a winner ({len(cells) - len(counted)} where neither layout meets the SLO); "
