@@ -628,7 +628,7 @@ class Front:
                                           media_type=media)
                 finally:
                     if not session_owns:
-                        inst.in_flight -= 1
+                        inst.relay_ended(self.fleet.clock())
                         if upstream is not None:
                             await upstream.aclose()
             if refused is not None:

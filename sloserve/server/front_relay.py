@@ -485,7 +485,7 @@ class RelaySession:
             with contextlib.suppress(BaseException):
                 await self._read
             self._read = None
-        up.inst.in_flight -= 1
+        up.inst.relay_ended(self.fleet.clock())
         with contextlib.suppress(Exception):
             await up.response.aclose()
 

@@ -13,7 +13,9 @@ without a poll ever waiting for a connection. Statuses:
   whose workers keep dying before they ever answer.
 
 Between polls the fleet adds what it routed to each worker's last snapshot (counts, prompt
-tokens, predicted decode), so a burst does not all land on the instance that looked idle.
+tokens, predicted decode), so a burst does not all land on the instance that looked idle, and
+takes off the requests whose relays ended since (finished, failed or moved), so a client that
+sends its next request the moment its last one ends is not routed as if both were running.
 """
 from __future__ import annotations
 
@@ -103,6 +105,7 @@ class Instance:
     routed: int = 0
     in_flight: int = 0
     pending: list = field(default_factory=list)  # (routed at, prompt tokens, predicted tokens) not yet polled
+    departures: list = field(default_factory=list)  # when relays here ended since the last poll was sent
     started_at: float = 0.0
     last_error: Optional[str] = None
     failed_starts: int = 0  # workers in a row that died before ever answering (crash loop: back off)
@@ -112,19 +115,30 @@ class Instance:
     # have sent the client nothing yet move to another instance instead of waiting it out.
     stalled: asyncio.Event = field(default_factory=asyncio.Event)
 
+    def relay_ended(self, now: float) -> None:
+        """A request relayed to this instance left it (answered, failed, or moved elsewhere)."""
+        self.in_flight -= 1
+        self.departures.append(now)
+
     def routing_state(self, block_size: int) -> InstanceState:
-        """The last snapshot plus what was routed here since it was taken."""
-        base = self.state or InstanceState(0, 0, 0, 0, 1, 1, 0, 0.0, float("inf"), block_size)
-        if not self.pending:
-            return dataclasses.replace(base, prefix_index=KeySetIndex(self.prefix_keys))
-        prompt = sum(p for _, p, _ in self.pending)
-        decode = sum(d for _, _, d in self.pending)
-        bs = base.block_size
-        return dataclasses.replace(
-            base, num_waiting=base.num_waiting + len(self.pending), queued_prefill_tokens=base.queued_prefill_tokens
-            + prompt, kv_blocks_waiting=base.kv_blocks_waiting + sum(-(-p // bs) for _, p, _ in self.pending),
-            predicted_remaining_decode_tokens=base.predicted_remaining_decode_tokens + decode,
-            prefix_index=KeySetIndex(self.prefix_keys))
+        """The last snapshot plus what was routed here since it was taken, less the requests that
+        left since. (One routed and gone between two polls is in both lists: it counts for nothing.)"""
+        state = self.state or InstanceState(0, 0, 0, 0, 1, 1, 0, 0.0, float("inf"), block_size)
+        if self.pending:
+            prompt = sum(p for _, p, _ in self.pending)
+            decode = sum(d for _, _, d in self.pending)
+            bs = state.block_size
+            state = dataclasses.replace(
+                state, num_waiting=state.num_waiting + len(self.pending),
+                queued_prefill_tokens=state.queued_prefill_tokens + prompt,
+                kv_blocks_waiting=state.kv_blocks_waiting + sum(-(-p // bs) for _, p, _ in self.pending),
+                predicted_remaining_decode_tokens=state.predicted_remaining_decode_tokens + decode)
+        if self.departures:  # off the running first (requests end running), then the waiting
+            gone = len(self.departures)
+            running = max(0, state.num_running - gone)
+            state = dataclasses.replace(state, num_running=running, num_waiting=max(
+                0, state.num_waiting - (gone - (state.num_running - running))))
+        return dataclasses.replace(state, prefix_index=KeySetIndex(self.prefix_keys))
 
     def timeline_reading(self) -> InstanceReading:
         """This slot for the dashboard: the worker's last reported counters, the front's view of its state."""
@@ -275,6 +289,7 @@ class WorkerFleet:
         inst.state, inst.prefix_keys, inst.reading = state, keys, reading
         self.block_size = state.block_size
         inst.pending = [p for p in inst.pending if p[0] > sent]
+        inst.departures = [t for t in inst.departures if t > sent]
         inst.polled_at = inst.answered_at = sent
         inst.failures = 0
         if inst.status == STARTING:
