@@ -2,23 +2,11 @@
 the relays that ended since (no workers started: a fleet of stand-in handles and a hand-set clock)."""
 from __future__ import annotations
 
+from fleet_helpers import StandInHandle
 from sloserve.sched.state import InstanceState
 from sloserve.server.multi import build_worker_fleet
 from sloserve.types import Request, SamplingParams
 from sloserve.workers.fleet import HEALTHY, FrontConfig
-
-
-class _Handle:
-    url = "http://127.0.0.1:9"
-
-    def is_running(self) -> bool:
-        return True
-
-    def kill(self) -> None:
-        pass
-
-    def describe(self) -> dict:
-        return {}
 
 
 def _snapshot(running: int, waiting: int = 0) -> InstanceState:
@@ -27,7 +15,7 @@ def _snapshot(running: int, waiting: int = 0) -> InstanceState:
 
 def test_a_stream_that_ended_since_the_poll_no_longer_counts_and_least_requests_sees_it():
     now = [10.0]
-    fleet = build_worker_fleet(lambda slot: _Handle(), 2, FrontConfig(router="least-requests", predictor=None),
+    fleet = build_worker_fleet(lambda slot: StandInHandle(), 2, FrontConfig(router="least-requests", predictor=None),
                                clock=lambda: now[0])
     a, b = fleet.instances
     for inst in (a, b):
@@ -44,7 +32,7 @@ def test_a_stream_that_ended_since_the_poll_no_longer_counts_and_least_requests_
 
 
 def test_departures_never_make_counts_negative():
-    fleet = build_worker_fleet(lambda slot: _Handle(), 1, FrontConfig(router="least-requests", predictor=None))
+    fleet = build_worker_fleet(lambda slot: StandInHandle(), 1, FrontConfig(router="least-requests", predictor=None))
     inst = fleet.instances[0]
     inst.state = _snapshot(0, 1)  # one waiting; then two relays end (one the snapshot never saw)
     inst.in_flight = 2

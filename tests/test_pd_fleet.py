@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from fleet_helpers import StandInHandle
 from sloserve.cli import main
 from sloserve.config import PoolSettings, SchedulerConfig, pd_roles
 from sloserve.server.front_handoff import HandoffLatency
@@ -13,22 +14,9 @@ from sloserve.types import Request, SamplingParams
 from sloserve.workers.fleet import HEALTHY, FrontConfig
 
 
-class _Handle:
-    url = "http://127.0.0.1:9"
-
-    def is_running(self) -> bool:
-        return True
-
-    def kill(self) -> None:
-        pass
-
-    def describe(self) -> dict:
-        return {}
-
-
 def _fleet(roles: tuple[str, ...], router: str = "round-robin", decode_router=None):
     cfg = FrontConfig(router=router, predictor=None, roles=roles, decode_router=decode_router)
-    fleet = build_worker_fleet(lambda slot: _Handle(), len(roles), cfg)
+    fleet = build_worker_fleet(lambda slot: StandInHandle(), len(roles), cfg)
     for inst in fleet.instances:
         inst.status = HEALTHY
     return fleet
@@ -119,7 +107,7 @@ def test_an_autoscaled_pd_fleet_scales_each_pool_on_its_own_capacity():
     cfg = FrontConfig(router="round-robin", predictor=None, roles=("prefill", "prefill", "decode", "decode"),
                       autoscale="reactive", pd_min=(1, 1), pd_capacity=(1.0, 100.0), stable_window_s=10.0,
                       scale_down_delay_s=0.0)
-    fleet = build_worker_fleet(lambda slot: _Handle(), 4, cfg, clock=lambda: now[0])
+    fleet = build_worker_fleet(lambda slot: StandInHandle(), 4, cfg, clock=lambda: now[0])
     assert [i.status != STOPPED for i in fleet.instances] == [True, False, True, False]
     for inst in fleet.instances:
         if inst.status != STOPPED:
