@@ -13,15 +13,15 @@ Disaggregated fleets hand each request's KV to a decode instance after its first
 Workloads are the routing study's trace windows (Azure code: long prompts, short outputs;
 Azure conversation: decode-heavier; Mooncake conversation: long contexts) and ShareGPT (first
 turns, Poisson arrivals), each at a tight and a loose SLO; Llama-3.1-8B (or `--model`, `--tp`)
-on H100. Per cell the table says which layout wins and by how much; six rules are checked
-against every cell (`rule` to `rule6`: each written down before the run that tested it), counted over
+on H100. Per cell the table says which layout wins and by how much; seven rules are checked
+against every cell (`rule` to `rule7`: each written down before the run that tested it), counted over
 the cells with a winner and over those whose layouts differ by more than the search's resolution.
 
     python benchmarks/sim_pd.py --instances 4 --requests 0.5
     python benchmarks/sim_pd.py --traces azure-code,azure-conv,mooncake-conv,sharegpt --model llama-3.1-70b --tp 4
     python benchmarks/sim_pd.py ... --sustain 0      # the window alone at each rate (runs before 2026-12-02)
     python benchmarks/sim_pd.py --rescore benchmarks/results/sim_pd-STAMP.json   # the rules again, no simulation
-Writes benchmarks/results/sim_pd-STAMP.json and .png.
+Writes benchmarks/results/sim_pd-STAMP-MODEL-LINKS.json and .png.
 """
 from __future__ import annotations
 
@@ -628,7 +628,8 @@ def main() -> int:
              "max_requests": args.max_requests, "pd_transfer": args.pd_transfer, "hardware": "h100-80g",
              "capacity_iters": args.capacity_iters,
              "model": args.model, "tp": args.tp, "cells": cells}
-    report(saved, console, args.out / f"sim_pd-{stamp}.json")
+    # model and links in the name: two grids started together end in the same second (one overwrote the other)
+    report(saved, console, args.out / f"sim_pd-{stamp}-{args.model}-{'+'.join(links)}.json")
     console.print(f"{time.perf_counter() - t0:.0f} s")
     return 0
 
