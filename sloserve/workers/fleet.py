@@ -333,7 +333,7 @@ class WorkerFleet:
         never_answered = inst.status == STARTING
         inst.status, inst.last_error = DEAD, reason
         inst.stalled.set()
-        inst.state, inst.prefix_keys, inst.pending = None, frozenset(), []
+        inst.state, inst.prefix_keys, inst.pending, inst.departures = None, frozenset(), [], []
         self._kill(inst.handle)
         if not self.config.replace_dead:
             return
@@ -368,7 +368,7 @@ class WorkerFleet:
         self.on_event(STOP, inst.slot, reason)
         inst.status, inst.draining, inst.last_error = STOPPED, False, None
         inst.stalled.set()
-        inst.state, inst.prefix_keys, inst.pending = None, frozenset(), []
+        inst.state, inst.prefix_keys, inst.pending, inst.departures = None, frozenset(), [], []
         self._kill(inst.handle)
         inst.handle = NoWorker()
 
