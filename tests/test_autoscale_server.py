@@ -134,8 +134,9 @@ def test_a_burst_adds_a_worker_and_the_lull_drains_one(tmp_path):
         errors: list[BaseException] = []
         # The drain takes the worker with the least work left: its lull stream may be a few tokens from
         # its end, and end on its own before the move (nothing moves, rightly). Then that round proved
-        # nothing about migration, and the burst and the lull run again (once).
-        for _ in range(2):
+        # nothing about migration, and the burst and the lull run again (twice at most: a clean clone's CI
+        # run on 2026-12-04 found nothing to move in two rounds in a row).
+        for _ in range(3):
             drain_at = burst_then_lull(base, prompts, long_prompts, expected, lull, errors)
             if errors or not nothing_to_move(admin("GET", base + "/dashboard/data").json()["events"], drain_at):
                 break
@@ -146,7 +147,8 @@ def test_a_burst_adds_a_worker_and_the_lull_drains_one(tmp_path):
         a = info["autoscale"]
         assert a["starts"] >= 1 and a["drains"] >= 1 and a["measured_start_s"] > 0
         # the drained worker's long stream moved live
-        assert info["migrations"]["completed"] >= 1, admin("GET", base + "/dashboard/data").json()["events"][-8:]
+        assert info["migrations"]["completed"] >= 1, "\n".join(  # a string: pytest shows it whole
+            f"{e['kind']} {e['instance']}: {e['detail']}" for e in admin("GET", base + "/dashboard/data").json()["events"])
         assert any("panic" in d["reason"] or "req/s" in d["reason"] for d in a["decisions"])
         wait_for(lambda: all(d["load"]["kv_blocks_used"] == 0 and d["in_flight"] == 0
                              for d in instances(base)["data"] if d["status"] == "healthy"), 30, interval=0.3,
