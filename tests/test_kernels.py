@@ -12,7 +12,7 @@ pytestmark = pytest.mark.skipif(kernel is None, reason="no C++ toolchain to buil
 # The bf16 paths beside the portable loop that this machine has (AMX tiles, AVX512-BF16): each
 # is checked against the portable loop and SDPA; an empty list skips those tests.
 FAST_BF16 = [name for name in attention_kernels() if name != "portable"]
-FAST_BF16_DECODE = [name for name in FAST_BF16 if name == "amx"]  # avx512_bf16 decodes with the portable loop
+FAST_BF16_DECODE = FAST_BF16  # each bf16 path decodes as well as prefills
 
 
 # A 16-bit cache is summed in float32: against a float32 reference over the same (rounded)
@@ -46,7 +46,7 @@ def test_other_head_sizes(hd, contexts):
 @pytest.mark.parametrize("heads, kv_heads, hd", [(9, 3, 64), (8, 1, 64), (4, 4, 64), (32, 8, 128), (6, 2, 128)])
 @pytest.mark.parametrize("contexts", [FEW, MANY, [1, 16, 17, 31, 32, 33, 300]], ids=["few", "many", "tile-edges"])
 def test_bf16_paths_agree_with_the_vector_loop(path, window, heads, kv_heads, hd, contexts):
-    """The AMX path rounds the probabilities to bf16 before P.V; against the portable loop over
+    """The AMX and AVX512-BF16 paths round the probabilities to bf16 before P.V; against the portable loop over
     the same cache it may differ by that rounding, not more. The cases: partial first and last
     tiles (windows, contexts off the 16-position grid), one and several KV heads per tile, head
     size 128, and few sequences (one task per KV head) as well as many."""

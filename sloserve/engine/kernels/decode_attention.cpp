@@ -336,6 +336,230 @@ void decode_attention_amx(const at::Tensor& q, const at::Tensor& k_cache, const 
 #endif  // SLOSERVE_AMX
 
 
+#ifdef SLOSERVE_AVX512BF16
+// ---------------------------------------------------------------- decode attention, AVX512-BF16
+//
+// For a bf16 cache on a CPU with AVX512-BF16 and no AMX (AMD Zen4). The vector loop above spends
+// ~470 cycles per cached position of the embedded model (a float conversion per value, a
+// horizontal sum per position and query head): on a 2-vCPU Zen4 EPYC a 200-sequence step's
+// attention took 84 ms with the cache hot in L3 as from DRAM, while the memory gives its 0.94 GB
+// in 28 ms. Here the products are bf16 pair dot products (vdpbf16ps) on the cached values as they
+// are, and the memory is asked for early enough to arrive in time:
+//   1. scores: per 16 positions and query head, a vector of partial sums per position, reduced
+//      16 -> 1 by a transpose-and-add tree into one vector of the 16 positions' scores;
+//   2. softmax over the positions, probabilities rounded to bf16 for the products (as the AMX path
+//      and flash attention on GPUs do); the normalizing sum stays float32;
+//   3. out += P V: V's rows two positions at a time, their values unpacked into pairs (one per
+//      dimension, as the dot product multiplies them by a pair of probabilities), each head's
+//      accumulators in registers through a tile of 16 positions.
+// A task's V rows are requested (into L2) while its K rows are being scored, and the next task's
+// K rows while this one's V rows are summed: a task's rows sit in blocks scattered over the pool,
+// so the hardware prefetcher alone waits at every block boundary (an earlier version of this
+// kernel that prefetched only a few positions ahead was no faster than the loop from DRAM).
+
+// Lane i: the sum of v[i]'s sixteen lanes.
+inline __m512 sum_lanes16(const __m512* v) {
+  __m512 a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: v[2i]'s two half-sums beside v[2i+1]'s
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: the lane's sums of v[4i] .. v[4i+3]
+    const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
+    b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  for (int i = 0; i < 2; ++i)  // 128-bit lanes summed in pairs
+    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+constexpr int64_t kMaxBf16Heads = 64;  // query heads of one task
+
+struct Bf16Scratch {
+  std::vector<float, AlignedAllocator<float>> scores;       // [heads][positions, padded to 16]
+  std::vector<uint16_t, AlignedAllocator<uint16_t>> probs;  // the same, bf16
+  std::vector<__m512i, AlignedAllocator<__m512i>> pairs;    // one KV head's tile of V, unpacked: [8][chunks][lo, hi]
+  std::vector<uint16_t, AlignedAllocator<uint16_t>> zeros;  // a row of zeros, for positions past the context
+};
+
+// Requests `rows` cached rows of `bytes` bytes each (positions [p0, p0 + rows) of a task) into L2.
+inline void prefetch_rows_l2(const uint16_t* base, const int64_t* table, int64_t block_size, int64_t nkv,
+                             int64_t g0, int64_t hd, int64_t p0, int64_t rows, int64_t bytes) {
+  for (int64_t pos = p0; pos < p0 + rows; ++pos) {
+    const char* r = reinterpret_cast<const char*>(
+        base + ((table[pos / block_size] * block_size + pos % block_size) * nkv + g0) * hd);
+    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(r + b, _MM_HINT_T1);
+  }
+}
+
+// One decode task: a sequence's KV heads [g0, g1), positions [first, ctx).
+struct Bf16Task {
+  const uint16_t* q;  // the task's query heads, [heads][hd]
+  const int64_t* table;
+  int64_t first, ctx, g0, g1;
+  c10::BFloat16* out;
+};
+
+template <int HD>
+void attend_bf16(const Bf16Task& t, const Bf16Task* next, const uint16_t* kp, const uint16_t* vp, int64_t nkv,
+                 int64_t group, int64_t block_size, float scale, Bf16Scratch& s) {
+  constexpr int64_t chunks = HD / 32;  // 32 bf16 values a vector
+  const int64_t kv_heads = t.g1 - t.g0, heads = kv_heads * group, width = kv_heads * HD;
+  const int64_t n = t.ctx - t.first, padded = (n + 15) / 16 * 16;
+  auto row = [&](const uint16_t* base, int64_t pos) {  // KV head g0 of a position
+    return base + ((t.table[pos / block_size] * block_size + pos % block_size) * nkv + t.g0) * HD;
+  };
+  s.scores.resize(heads * padded);
+  s.probs.resize(heads * padded);
+  s.pairs.resize(8 * chunks * 2);
+  if (static_cast<int64_t>(s.zeros.size()) < width) s.zeros.assign(width, 0);
+  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m512 vscale = _mm512_set1_ps(scale);
+  const uint16_t* rows[16];
+
+  // 1. scores; meanwhile this task's V rows are requested, a tile's worth per tile
+  for (int64_t b = 0; b < n; b += 16) {
+    const int64_t count = std::min<int64_t>(16, n - b);
+    prefetch_rows_l2(vp, t.table, block_size, nkv, t.g0, HD, t.first + b, count, width * 2);
+    for (int64_t j = 0; j < 16; ++j) rows[j] = j < count ? row(kp, t.first + b + j) : s.zeros.data();
+    const __mmask16 valid = static_cast<__mmask16>(count == 16 ? 0xFFFF : (1u << count) - 1);
+    for (int64_t h = 0; h < heads; ++h) {
+      const uint16_t* qh = t.q + h * HD;
+      const int64_t off = (h / group) * HD;
+      __m512i qv[chunks];
+      for (int64_t c = 0; c < chunks; ++c) qv[c] = _mm512_loadu_si512(qh + 32 * c);
+      __m512 part[16];
+      for (int64_t j = 0; j < 16; ++j) {
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t c = 0; c < chunks; ++c) acc = dot_pairs(acc, _mm512_loadu_si512(rows[j] + off + 32 * c), qv[c]);
+        part[j] = acc;
+      }
+      _mm512_store_ps(s.scores.data() + h * padded + b,
+                      _mm512_mask_mov_ps(ninf, valid, _mm512_mul_ps(sum_lanes16(part), vscale)));
+    }
+  }
+
+  // 2. softmax per head: unnormalized probabilities in bf16, 1 / their float32 sum kept
+  float inv[kMaxBf16Heads];
+  for (int64_t h = 0; h < heads; ++h) {
+    const float* sh = s.scores.data() + h * padded;
+    __m512 mx = ninf;
+    for (int64_t b = 0; b < padded; b += 16) mx = _mm512_max_ps(mx, _mm512_load_ps(sh + b));
+    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t b = 0; b < padded; b += 16) {
+      const __mmask16 valid = static_cast<__mmask16>(n - b >= 16 ? 0xFFFF : (1u << (n - b)) - 1);
+      const __m512 e = _mm512_maskz_mov_ps(valid, fast_exp16(_mm512_sub_ps(_mm512_load_ps(sh + b), m)));
+      sum = _mm512_add_ps(sum, e);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(s.probs.data() + h * padded + b),
+                         (__m256i)_mm512_cvtneps_pbh(e));
+    }
+    inv[h] = 1.f / _mm512_reduce_add_ps(sum);
+  }
+
+  // 3. out = P V / sum. Accumulator lane 4L + i of a chunk's `lo` holds dimension 8L + i, of its
+  // `hi` 8L + 4 + i (what unpacklo/hi_epi16 make of two rows); put back in order at the end.
+  __m512 acc[kMaxBf16Heads][chunks][2];
+  for (int64_t h = 0; h < heads; ++h)
+    for (int64_t c = 0; c < chunks; ++c) acc[h][c][0] = acc[h][c][1] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < n; b += 16) {
+    const int64_t count = std::min<int64_t>(16, n - b);
+    if (next != nullptr) {  // the next task's K rows, spread over this task's tiles
+      const int64_t nn = next->ctx - next->first, tiles = (n + 15) / 16, share = (nn + tiles - 1) / tiles;
+      const int64_t p0 = b / 16 * share, rows_now = std::max<int64_t>(0, std::min(share, nn - p0));
+      prefetch_rows_l2(kp, next->table, block_size, nkv, next->g0, HD, next->first + p0, rows_now,
+                       (next->g1 - next->g0) * HD * 2);
+    }
+    for (int64_t j = 0; j < 16; ++j) rows[j] = j < count ? row(vp, t.first + b + j) : s.zeros.data();
+    const uint16_t* pb = s.probs.data() + b;
+    for (int64_t g = 0; g < kv_heads; ++g) {
+      __m512i* pairs = s.pairs.data();
+      for (int64_t p = 0; p < 8; ++p)
+        for (int64_t c = 0; c < chunks; ++c) {
+          const __m512i x = _mm512_loadu_si512(rows[2 * p] + g * HD + 32 * c);
+          const __m512i y = _mm512_loadu_si512(rows[2 * p + 1] + g * HD + 32 * c);
+          pairs[(p * chunks + c) * 2] = _mm512_unpacklo_epi16(x, y);
+          pairs[(p * chunks + c) * 2 + 1] = _mm512_unpackhi_epi16(x, y);
+        }
+      for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+        __m512 a[chunks][2];
+        for (int64_t c = 0; c < chunks; ++c) a[c][0] = acc[h][c][0], a[c][1] = acc[h][c][1];
+        const uint16_t* ph = pb + h * padded;
+        for (int64_t p = 0; p < 8; ++p) {
+          int32_t pp;
+          std::memcpy(&pp, ph + 2 * p, sizeof pp);
+          const __m512i w = _mm512_set1_epi32(pp);
+          for (int64_t c = 0; c < chunks; ++c) {
+            a[c][0] = dot_pairs(a[c][0], pairs[(p * chunks + c) * 2], w);
+            a[c][1] = dot_pairs(a[c][1], pairs[(p * chunks + c) * 2 + 1], w);
+          }
+        }
+        for (int64_t c = 0; c < chunks; ++c) acc[h][c][0] = a[c][0], acc[h][c][1] = a[c][1];
+      }
+    }
+  }
+  // dims 0-15 of a chunk: lo lanes 0-3, hi 0-3, lo 4-7, hi 4-7; dims 16-31 the same from lanes 8-15
+  const __m512i first_half = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second_half = _mm512_add_epi32(first_half, _mm512_set1_epi32(8));
+  for (int64_t h = 0; h < heads; ++h) {
+    const __m512 f = _mm512_set1_ps(inv[h]);
+    for (int64_t c = 0; c < chunks; ++c) {
+      const __m512 d0 = _mm512_mul_ps(_mm512_permutex2var_ps(acc[h][c][0], first_half, acc[h][c][1]), f);
+      const __m512 d1 = _mm512_mul_ps(_mm512_permutex2var_ps(acc[h][c][0], second_half, acc[h][c][1]), f);
+      c10::BFloat16* o = t.out + h * HD + 32 * c;
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), (__m256i)_mm512_cvtneps_pbh(d0));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 16), (__m256i)_mm512_cvtneps_pbh(d1));
+    }
+  }
+}
+
+// Whether the AVX512-BF16 kernel takes these tensors: bf16 query and cache, head size 64 or 128.
+bool bf16_decode_serves(const at::Tensor& q, const at::Tensor& k_cache) {
+  const int64_t hd = q.size(2);
+  return q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 && (hd == 64 || hd == 128) &&
+         q.size(1) <= kMaxBf16Heads;
+}
+
+void decode_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t block_size,
+                           float scale, int64_t window, at::Tensor& out) {
+  const int64_t D = q.size(0), nh = q.size(1), hd = q.size(2);
+  const int64_t nkv = k_cache.size(1), W = block_tables.size(1), group = nh / nkv;
+  const auto* qp = reinterpret_cast<const uint16_t*>(q.data_ptr<c10::BFloat16>());
+  const auto* kp = reinterpret_cast<const uint16_t*>(k_cache.data_ptr<c10::BFloat16>());
+  const auto* vp = reinterpret_cast<const uint16_t*>(v_cache.data_ptr<c10::BFloat16>());
+  const int64_t* bt = block_tables.data_ptr<int64_t>();
+  const int64_t* cl = context_lens.data_ptr<int64_t>();
+  auto* op = out.data_ptr<c10::BFloat16>();
+  // a task: one sequence (all KV heads), or one (sequence, KV head) when sequences are few
+  const int64_t split = D < 4 * at::get_num_threads() ? nkv : 1, per_task = nkv / split;
+  auto task = [&](int64_t i) {
+    const int64_t d = i / split, g0 = (i % split) * per_task, ctx = cl[d];
+    return Bf16Task{qp + (d * nh + g0 * group) * hd, bt + d * W,
+                    window > 0 ? std::max<int64_t>(0, ctx - window) : 0, ctx, g0, g0 + per_task,
+                    op + (d * nh + g0 * group) * hd};
+  };
+  parallel_over_sequences(D, split, cl, window, [&](int64_t begin, int64_t end) {
+    Bf16Scratch s;
+    Bf16Task next = task(begin);
+    for (int64_t i = begin; i < end; ++i) {
+      const Bf16Task t = next;
+      if (i + 1 < end) next = task(i + 1);
+      if (t.ctx - t.first <= 0) {
+        std::fill(t.out, t.out + (t.g1 - t.g0) * group * hd, c10::BFloat16(0.f));
+        continue;
+      }
+      const Bf16Task* ahead = i + 1 < end ? &next : nullptr;
+      if (hd == 64) {
+        attend_bf16<64>(t, ahead, kp, vp, nkv, group, block_size, scale, s);
+      } else {
+        attend_bf16<128>(t, ahead, kp, vp, nkv, group, block_size, scale, s);
+      }
+    }
+  });
+}
+#endif  // SLOSERVE_AVX512BF16
+
 template <typename scalar_t, typename cache_t>
 void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const at::Tensor& context_lens,
@@ -412,11 +636,15 @@ at::Tensor paged_decode_attention(const at::Tensor& q,             // [D, nh, hd
     return out;
   }
 #endif
-  // "avx512_bf16" names a prefill path only: decode takes the loop below. A vdpbf16ps decode kernel
-  // (commit history, 2026-12-02) was 2.4x faster than it on an L3-resident cache but not on one
-  // streaming from DRAM, where both wait on the scattered blocks (2-vCPU EPYC: 200-sequence engine
-  // steps 335 ms with it against 265 ms without).
   TORCH_CHECK(kernel != "amx", "paged_decode_attention: the amx kernel cannot take these tensors here");
+#ifdef SLOSERVE_AVX512BF16
+  if ((kernel == "auto" || kernel == "avx512_bf16") && bf16_decode_serves(q, k_cache)) {
+    decode_attention_bf16(q, k_cache, v_cache, block_tables, context_lens, block_size, static_cast<float>(scale),
+                          window, out);
+    return out;
+  }
+#endif
+  TORCH_CHECK(kernel != "avx512_bf16", "paged_decode_attention: the avx512_bf16 kernel cannot take these tensors");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
     if (int8_cache) {
       decode_attention_impl<scalar_t, int8_t>(q, k_cache, v_cache, block_tables, context_lens, block_size,
