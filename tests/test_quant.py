@@ -67,27 +67,37 @@ def _w8a8_reference(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -
     return ((ints * (amax.squeeze(-1) / 127).double().unsqueeze(1)).sum(-1) * scale.double()).float()
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 33])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 9, 33, 130])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_w8a8_head_kernel_computes_what_it_claims(rows, dtype):
-    """The native int8 x int8 product (AVX2's byte products with the sign moved onto the
-    activation) against the spelled-out arithmetic: equal to float rounding, including codes at
-    +-127, zero blocks, one row and rows that do and do not fill the groups of four sharing each
-    weight block; and within int8 rounding of the exact product."""
+@pytest.mark.parametrize("form", ["columns", "tiles"])
+def test_the_w8a8_head_kernel_computes_what_it_claims(rows, dtype, form):
+    """The native int8 x int8 products against the spelled-out arithmetic: the column kernel (AVX2's
+    byte products with the sign moved onto the activation) and the tiled one (VNNI-512: sixteen
+    columns at a time, activations fed in as q + 128 with the offset taken back in the tile's
+    starting sums). Equal to float rounding, including codes at +-127, zero blocks, one row, rows
+    that do and do not fill the kernels' groups of rows and its chunks of 64, a last tile of
+    fewer than sixteen columns (77); within int8 rounding of the exact product; and the tiled form
+    hands back the same codes (rows of a tied embedding, the dense copy) as the plain one."""
     kernels = load_fused_ops()
     if kernels is None or not kernels.int8_gemv_supported():
         pytest.skip("no native W8A8 kernel on this machine")
+    if form == "tiles" and not kernels.int8_tiles_supported():
+        pytest.skip("no AVX512-VNNI (BW, DQ, VL) on this machine: no tiled W8A8 kernel")
     torch.manual_seed(0)
     w = torch.randn(77, 96) * 0.05
     w[0, :5] = 1.0  # a row whose largest codes are +127 and -127
     w[0, 5:10] = -1.0
-    packed = Int8Linear(w, w8a8=kernels.int8_gemv)
-    assert packed.codes.max() == 127 and packed.codes.min() == -127
+    plain = Int8Linear(w, w8a8=kernels.int8_gemv)
+    assert plain.codes.max() == 127 and plain.codes.min() == -127
+    packed = plain if form == "columns" else Int8Linear(w, w8a8=kernels.int8_gemv, tiled=kernels.int8_tile_gemm)
+    assert torch.equal(packed.dequantized(torch.float32), plain.dequantized(torch.float32))
+    ids = torch.tensor([76, 0, 15, 16, 33])
+    assert torch.equal(packed.rows(ids, torch.float32), plain.rows(ids, torch.float32))
     x = torch.randn(rows, 96).to(dtype)
     x[0, 32:64] = 0  # an all-zero activation block
     got = packed(x)
     assert got.dtype == dtype and got.shape == (rows, 77)
-    expected = _w8a8_reference(x, packed.codes, packed.scale.float())
+    expected = _w8a8_reference(x, plain.codes, packed.scale.float())
     assert torch.allclose(got.float(), expected.to(dtype).float(), rtol=1e-2 if dtype == torch.bfloat16 else 1e-5,
                           atol=1e-3 if dtype == torch.bfloat16 else 1e-5)
     exact = F.linear(x.float(), packed.dequantized(torch.float32))

@@ -16,7 +16,8 @@ import torch.nn.functional as F
 
 from sloserve.config import ModelConfig
 from sloserve.engine.quant import (DenseLinear, GroupAffine4, Int4Linear, Int8Linear, Linear, RowDispatchLinear,
-                                   as_dtype, can_prepack, int8_activation_kernels, takes_int8_activations)
+                                   as_dtype, can_prepack, int8_activation_kernels, int8_linear,
+                                   takes_int8_activations)
 
 
 @dataclass
@@ -222,7 +223,7 @@ class LlamaModel:
                 packed: Union[Int4Linear, Int8Linear] = Int4Linear(GroupAffine4.cat(parts), b,
                                                                    w4a8=ops.int4_gemv if ops else None)
             else:
-                packed = Int8Linear(torch.cat([w(n) for n in names]), b, w8a8=ops.int8_gemv if ops else None)
+                packed = int8_linear(torch.cat([w(n) for n in names]), b, ops)
             # The dense copy holds the packed form's own weights, so a request computes with the
             # same numbers whichever kernel its step runs.
             dense = None if max_rows is None else DenseLinear(packed.dequantized(dtype).to(device), b, prepack,
@@ -235,7 +236,7 @@ class LlamaModel:
         self.lm_head = linear([head_name], kind="none" if quantization == "none" else "int8", keep_weight=tied,
                               part="head", a8=head_w8a8)
         packed_head = getattr(self.lm_head, "small", self.lm_head)
-        self.head_w8a8 = isinstance(packed_head, Int8Linear) and packed_head.w8a8 is not None
+        self.head_w8a8 = isinstance(packed_head, Int8Linear) and (packed_head.w8a8 or packed_head.tiled) is not None
         dense_head = self.lm_head if isinstance(self.lm_head, DenseLinear) else getattr(self.lm_head, "large", None)
         if not tied:
             self.embed: Optional[torch.Tensor] = w("model.embed_tokens.weight")

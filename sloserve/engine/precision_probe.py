@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 
 from sloserve.engine.kernels import build_digest, cpu_tag
-from sloserve.engine.quant import DenseLinear, GroupAffine4, Int4Linear, Int8Linear, can_prepack
+from sloserve.engine.quant import DenseLinear, GroupAffine4, Int4Linear, can_prepack, int8_linear
 from sloserve.user_cache import JsonCache, user_cache_path
 
 logger = logging.getLogger(__name__)
@@ -189,7 +189,7 @@ class _QuantizedSet(_WeightSet):
         ops = int8_activations
         self.a8 = ops is not None
         if quantization == "int8":
-            super().__init__(hidden, intermediate, 1, lambda w: Int8Linear(w, w8a8=ops.int8_gemv if ops else None))
+            super().__init__(hidden, intermediate, 1, lambda w: int8_linear(w, ops=ops))
         elif quantization == "int4":
             super().__init__(hidden, intermediate, 0.5, lambda w: Int4Linear(GroupAffine4.quantize(w),
                                                                              w4a8=ops.int4_gemv if ops else None))

@@ -122,6 +122,24 @@ def w4a8_tiles(weight: GroupAffine4) -> torch.Tensor:
     return torch.cat([packed, per_tile(weight.scale), per_tile(weight.offset)], dim=-1).contiguous()
 
 
+W8A8_TILE = 16  # output columns the tiled W8A8 kernel computes side by side
+
+
+def w8a8_tiles(codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tiled W8A8 kernel's layout of int8 codes [out, in]: tiles [ceil(out / 16), in / 32, 512]
+    int8, byte 64c + 4j + i of a tile's block holding input 4c + i of column j (one 64-byte load
+    feeds a product of four inputs for all sixteen columns), and each tile block's starting sums
+    [ceil(out / 16), in / 32, 16] int32: -128 times the column's codes summed over the block (the
+    kernel feeds the activations in as q + 128). Columns past `out` are zeros."""
+    out, inp = codes.shape
+    tiles, groups = -(-out // W8A8_TILE), inp // 32
+    padded = torch.cat([codes, codes.new_zeros(tiles * W8A8_TILE - out, inp)]) if tiles * W8A8_TILE > out else codes
+    blocks = padded.view(tiles, W8A8_TILE, groups, 8, 4)  # tile, column, group, c, i
+    packed = blocks.permute(0, 2, 3, 1, 4).reshape(tiles, groups, W8A8_TILE * 32).contiguous()
+    starts = (-128 * blocks.to(torch.int32).sum((-1, -2))).to(torch.int32).permute(0, 2, 1).contiguous()  # tile, group, column
+    return packed, starts
+
+
 # The row count oneDNN tunes a prepacked layout for. With 16 or more, the prepacked product is
 # bitwise the plain one at every row count measured (1 to 2048, torch 2.13, AMX Xeon); with 1 it
 # took another kernel from 64 rows on.
@@ -164,38 +182,66 @@ class Int8Linear:
 
     `w8a8`: the native W8A8 product (kernels' int8_gemv: activations quantized to int8 per
     32-element block, integer dot products), used instead of torch's weight-only kernel; the
-    weights are the same, the activations lose precision (the LM head's, measured in BENCHMARKS.md)."""
+    weights are the same, the activations lose precision (the LM head's, measured in BENCHMARKS.md).
+    `tiled`: kernels' int8_tile_gemm, the same product over sixteen columns side by side (VNNI-512
+    builds); it takes every row count, and the codes are kept only in its layout (w8a8_tiles)."""
 
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-                 w8a8: Optional[Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]] = None):
+                 w8a8: Optional[Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]] = None,
+                 tiled: Optional[Callable[..., torch.Tensor]] = None):
         w = weight.float()
         scale = (w.abs().amax(1) / 127).clamp_min(1e-12)
-        self.codes = (w / scale.unsqueeze(1)).round().clamp(-127, 127).to(torch.int8).contiguous()
+        codes = (w / scale.unsqueeze(1)).round().clamp(-127, 127).to(torch.int8).contiguous()
+        self.out_features = codes.shape[0]
         self.scale = scale.to(torch.bfloat16)
         self.bias = bias
-        self.w8a8 = w8a8
+        self.w8a8 = w8a8 if tiled is None else None
+        self.tiled = tiled
+        self.codes: Optional[torch.Tensor] = codes if tiled is None else None
+        self.tiles = self.starts = None
+        if tiled is not None:
+            self.tiles, self.starts = w8a8_tiles(codes)
         # the bf16 scales in float32: the same weights as the weight-only kernel and the dense copy
-        self._scale_f32 = self.scale.float().contiguous() if w8a8 is not None else None
+        self._scale_f32 = self.scale.float().contiguous() if w8a8 is not None or tiled is not None else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.w8a8 is not None:
+        if self.tiled is not None:
+            y = self.tiled(x, self.tiles, self.starts, self._scale_f32, self.out_features)
+        elif self.w8a8 is not None:
             y = self.w8a8(x, self.codes, self._scale_f32)
         else:
             y = torch.ops.aten._weight_int8pack_mm(as_dtype(x, torch.bfloat16), self.codes, self.scale)
         y = as_dtype(y, x.dtype)
         return y if self.bias is None else y + self.bias
 
+    def _code_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.codes is not None:
+            return self.codes[ids]
+        tiles, groups = self.tiles.shape[:2]  # codes [n, k] sit at [n // 16, k // 32, (k % 32) // 4, n % 16, k % 4]
+        grid = self.tiles.view(tiles, groups, 8, W8A8_TILE, 4)
+        return grid[ids // W8A8_TILE, :, :, ids % W8A8_TILE].reshape(*ids.shape, groups * 32)
+
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Dequantized rows: an int8 embedding table shares the tied LM head's codes."""
-        return (self.codes[ids].float() * self.scale[ids].float().unsqueeze(-1)).to(dtype)
+        return (self._code_rows(ids).float() * self.scale[ids].float().unsqueeze(-1)).to(dtype)
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """The weights this kernel computes with (its bf16 scales included), as a dense matrix."""
-        return self.rows(torch.arange(self.codes.shape[0]), dtype)
+        return self.rows(torch.arange(self.out_features), dtype)
 
     @property
     def nbytes(self) -> int:
-        return _nbytes(self.codes, self.scale, self.bias)
+        return _nbytes(self.codes, self.tiles, self.starts, self.scale, self.bias)
+
+
+def int8_linear(weight: torch.Tensor, bias: Optional[torch.Tensor] = None, ops=None) -> Int8Linear:
+    """An Int8Linear with the native W8A8 products of `ops` (int8_activation_kernels), where given:
+    the tiled kernel where the build has it (1.7-2.2x the column kernel's speed at 1-200 rows on a
+    Zen4 EPYC, BENCHMARKS.md), the column kernel elsewhere."""
+    if ops is None:
+        return Int8Linear(weight, bias)
+    tiled = ops.int8_tile_gemm if hasattr(ops, "int8_tiles_supported") and ops.int8_tiles_supported() else None
+    return Int8Linear(weight, bias, w8a8=ops.int8_gemv, tiled=tiled)
 
 
 class Int4Linear:

@@ -27,6 +27,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_kernel_isas", &int8_kernel_isas, "the ISAs of the int8 products this build has, fastest first");
   m.def("int8_gemv", &int8_gemv, "x W^T with int8 weights and per-32-block int8 activations", pybind11::arg("x"),
         pybind11::arg("codes"), pybind11::arg("weight_scale"), pybind11::arg("isa") = "auto", no_gil);
+  m.def("int8_tiles_supported", &int8_tiles_supported, "whether this build has the tiled W8A8 product (VNNI-512)");
+  m.def("int8_tile_gemm", &int8_tile_gemm, "x W^T with int8 weights in 16-column tiles and int8 activations",
+        pybind11::arg("x"), pybind11::arg("tiles"), pybind11::arg("starts"), pybind11::arg("weight_scale"),
+        pybind11::arg("N"), no_gil);
   m.def("int4_gemv", &int4_gemv, "x W^T with group-affine 4-bit weights and per-32-block int8 activations",
         pybind11::arg("x"), pybind11::arg("tiles"), pybind11::arg("N"), pybind11::arg("isa") = "auto", no_gil);
   pybind11::class_<DecodeStack>(m, "DecodeStack", "a decode-only step through every layer in one call")

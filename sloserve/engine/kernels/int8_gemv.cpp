@@ -312,6 +312,43 @@ inline void int4_tile_pair_rows(const uint8_t* __restrict tile_a, const uint8_t*
   const __mmask16 keep = static_cast<__mmask16>((1u << cols) - 1);
   for (int j = 0; j < R; ++j) _mm512_mask_storeu_ps(out + j * out_stride, keep, acc[j]);
 }
+
+// W8A8 over sixteen output columns side by side (quant.w8a8_tiles): the column kernel above sums
+// each (row, column) pair horizontally, which a step of many rows pays for every output; here one
+// vpdpbusd multiplies four inputs of all sixteen columns by the same four activations (broadcast)
+// and a block's sixteen int32 sums come out in one vector. vpdpbusd wants one factor unsigned:
+// the activations go in as q + 128 (the xor of their sign bit), and each tile block's record
+// starts its sums at -128 * (the column's codes summed over the block), so the integer sums are
+// exactly sum(code * q). Per block, the sums are scaled by the row's activation scale; the
+// columns' scales multiply once at the end.
+constexpr int64_t kInt8TileBytes = 16 * 32;  // one tile block: 16 columns x 32 inputs
+template <int R>
+inline void int8_tile16_rows(const int8_t* __restrict tile, const int32_t* __restrict start, int64_t blocks,
+                             const uint8_t* __restrict q, const float* __restrict qs, int64_t K,
+                             float* __restrict out, int64_t out_stride, __m512 column_scale, int64_t cols) {
+  __m512 acc[R];
+  for (int j = 0; j < R; ++j) acc[j] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int8_t* rec = tile + b * kInt8TileBytes;
+    for (int line = 0; line < kInt8TileBytes; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(rec + 4 * kInt8TileBytes + line), _MM_HINT_T0);
+    const __m512i s0 = _mm512_loadu_si512(start + b * 16);
+    __m512i isum[R];
+    for (int j = 0; j < R; ++j) isum[j] = s0;
+    for (int c = 0; c < 8; ++c) {
+      const __m512i w = _mm512_loadu_si512(rec + 64 * c);
+      for (int j = 0; j < R; ++j) {
+        int32_t a;  // four activations, as q + 128
+        std::memcpy(&a, q + j * K + b * 32 + 4 * c, 4);
+        isum[j] = _mm512_dpbusd_epi32(isum[j], _mm512_set1_epi32(a), w);
+      }
+    }
+    for (int j = 0; j < R; ++j)
+      acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[j]), _mm512_set1_ps(qs[j * blocks + b]), acc[j]);
+  }
+  const __mmask16 keep = static_cast<__mmask16>(cols >= 16 ? 0xFFFF : (1u << cols) - 1);
+  for (int j = 0; j < R; ++j) _mm512_mask_storeu_ps(out + j * out_stride, keep, _mm512_mul_ps(acc[j], column_scale));
+}
 #endif
 #endif
 
@@ -400,6 +437,58 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Ten
           });
         }
     });
+  });
+#endif
+  return out;
+}
+
+bool int8_tiles_supported() {
+#if defined(SLOSERVE_VNNI512) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+at::Tensor int8_tile_gemm(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& starts,
+                          const at::Tensor& weight_scale, int64_t N) {
+  TORCH_CHECK(int8_tiles_supported(), "int8_tile_gemm: this build has no AVX512-VNNI (BW, DQ, VL)");
+  TORCH_CHECK(x.dim() == 2 && tiles.dim() == 3 && tiles.scalar_type() == at::kChar && tiles.is_contiguous() &&
+                  tiles.size(0) == (N + 15) / 16 && tiles.size(2) == kInt8TileBytes && starts.is_contiguous() &&
+                  starts.scalar_type() == at::kInt && starts.numel() == tiles.size(0) * tiles.size(1) * 16 &&
+                  weight_scale.scalar_type() == at::kFloat && weight_scale.is_contiguous() &&
+                  weight_scale.numel() >= N,
+              "int8_tile_gemm: x [M, K], tiles [ceil(N / 16), K / 32, 512] int8, starts [ceil(N / 16), K / 32, 16] "
+              "int32 and weight_scale [N] float32 expected");
+  const int64_t M = x.size(0), K = x.size(1), blocks = K / 32;
+  TORCH_CHECK(K % 32 == 0 && tiles.size(1) == blocks, "int8_tile_gemm: K must match and be a multiple of 32, got ", K);
+  auto out = at::empty({M, N}, x.options().dtype(at::kFloat));
+#if defined(SLOSERVE_VNNI512) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+  Int8Rows xq = quantize_rows(x, false);
+  // q + 128: vpdpbusd's unsigned factor (flipping the sign bit here, once, keeps the kernel's
+  // broadcasts straight from memory)
+  uint8_t* qu = reinterpret_cast<uint8_t*>(xq.q.data());
+  for (int64_t i = 0; i < M * K; ++i) qu[i] ^= 0x80u;
+  const int8_t* w = tiles.data_ptr<int8_t>();
+  const int32_t* st = starts.data_ptr<int32_t>();
+  const float* ws = weight_scale.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t count = tiles.size(0);
+  at::parallel_for(0, count, 4, [&](int64_t begin, int64_t end) {
+    constexpr int R0 = 8;
+    for (int64_t r0 = 0; r0 < M; r0 += kRowChunk) {  // a chunk of rows through all this thread's tiles
+      const int64_t r1 = std::min<int64_t>(M, r0 + kRowChunk);
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t cols = std::min<int64_t>(16, N - 16 * t);
+        const __m512 column_scale = _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << cols) - 1), ws + 16 * t);
+        for (int64_t m0 = r0; m0 < r1; m0 += R0)
+          with_rows<R0>(std::min<int64_t>(R0, r1 - m0), [&](auto rows) {
+            int8_tile16_rows<decltype(rows)::value>(w + t * blocks * kInt8TileBytes, st + t * blocks * 16, blocks,
+                                                   qu + m0 * K, xq.scale.data() + m0 * blocks, K,
+                                                   op + m0 * N + 16 * t, N, column_scale, cols);
+          });
+      }
+    }
   });
 #endif
   return out;

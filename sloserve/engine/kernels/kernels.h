@@ -55,6 +55,14 @@ at::Tensor int8_gemv(const at::Tensor& x,             // [M, K] float32/bf16, K 
                      const at::Tensor& codes,         // [N, K] int8 in [-127, 127]
                      const at::Tensor& weight_scale,  // [N] float32; returns [M, N] float32
                      const std::string& isa = "auto");
+// W8A8 for many rows (AVX512-VNNI with BW/DQ/VL): sixteen columns side by side, quant.w8a8_tiles's
+// layout (the same codes and scales as int8_gemv's; its own order of the float sums).
+bool int8_tiles_supported();
+at::Tensor int8_tile_gemm(const at::Tensor& x,             // [M, K] float32/bf16, K a multiple of 32
+                          const at::Tensor& tiles,         // [ceil(N / 16), K / 32, 512] int8
+                          const at::Tensor& starts,        // [ceil(N / 16), K / 32, 16] int32
+                          const at::Tensor& weight_scale,  // [N] float32; returns [M, N] float32
+                          int64_t N);
 at::Tensor int4_gemv(const at::Tensor& x,      // [M, K] float32/bf16, K a multiple of 32
                      const at::Tensor& tiles,  // [ceil(N / 8), K / 32, 160] uint8: quant.w4a8_tiles's layout
                      int64_t N,                // output columns; returns [M, N] float32
