@@ -121,6 +121,7 @@ def use_path(model, stack, compare: str, path: str) -> None:
     model.decode_stack = stack
     stack.use_int8_isa(path)
     head = getattr(model.lm_head, "small", model.lm_head)  # a RowDispatchLinear's packed side
+    head.tiled = None  # the tiled W8A8 kernel has one ISA (VNNI-512): the column kernel has both
     head.w8a8 = partial(model.fused.int8_gemv, isa=path)
 
 

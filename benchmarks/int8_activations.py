@@ -64,13 +64,19 @@ def best_ms(fn, x: torch.Tensor) -> float:
     return min(times) * 1e3
 
 
-def head_alone(head: Int8Linear, kernel, dtype: torch.dtype) -> list[dict]:
+def head_kernels(head: Int8Linear, kernels: tuple) -> None:
+    """Switch the head between torch's weight-only kernel ((None, None)) and its W8A8 ones
+    ((column kernel, tiled kernel or None), as the engine built it)."""
+    head.w8a8, head.tiled = kernels
+
+
+def head_alone(head: Int8Linear, kernels: tuple, dtype: torch.dtype) -> list[dict]:
     out = []
     for rows in ROWS:
         x = torch.randn(rows, head.codes.shape[1], generator=torch.Generator().manual_seed(rows)).to(dtype)
-        head.w8a8 = None
+        head_kernels(head, (None, None))
         weight_only = best_ms(head, x)
-        head.w8a8 = kernel
+        head_kernels(head, kernels)
         out.append({"rows": rows, "weight_only_ms": weight_only, "a8_ms": best_ms(head, x)})
     return out
 
@@ -99,7 +105,7 @@ def layers_alone(kernels, dtype: torch.dtype, num_layers: int) -> list[dict]:
 def single_stream(plain: LLM, fast: LLM, rounds: int = 6, tokens: int = 128) -> dict:
     """`plain` has torch's int4 layers (its head switched between kernels), `fast` the W4A8 ones."""
     head = getattr(plain.engine.model.lm_head, "small", plain.engine.model.lm_head)
-    kernel = head.w8a8
+    kernels = (head.w8a8, head.tiled)
     prompt = plain.tokenizer.encode("Write a long story about a lighthouse keeper and the sea.")
     params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
     plain.generate([prompt], params)  # warm-up
@@ -108,13 +114,13 @@ def single_stream(plain: LLM, fast: LLM, rounds: int = 6, tokens: int = 128) -> 
     ids: dict[str, list[int]] = {}
     for r in range(rounds):
         for name in CONFIGS[r % 3:] + CONFIGS[:r % 3]:
-            head.w8a8 = kernel if name == "head" else None
+            head_kernels(head, kernels if name == "head" else (None, None))
             llm = fast if name == "head+layers" else plain
             start = time.perf_counter()
             out = llm.generate([prompt], params)[0]
             ms[name].append((time.perf_counter() - start) / tokens * 1e3)
             ids[name] = out.token_ids
-    head.w8a8 = kernel
+    head_kernels(head, kernels)
 
     def shared(a: list[int], b: list[int]) -> int:
         return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
@@ -152,7 +158,7 @@ def main() -> int:
         console.print("the default engine runs no int8 activations here")
         return 1
     dtype, num_layers = plain.engine.dtype, len(model.layers)
-    alone = {"head": head_alone(head, head.w8a8, dtype), "layers": layers_alone(kernels, dtype, num_layers)}
+    alone = {"head": head_alone(head, (head.w8a8, head.tiled), dtype), "layers": layers_alone(kernels, dtype, num_layers)}
     stream = single_stream(plain, fast)
     dense_above = {"head+layers": fast.engine.dense_above, "weight-only": plain.engine.dense_above}
     del fast, plain, model, head

@@ -184,7 +184,8 @@ class Int8Linear:
     32-element block, integer dot products), used instead of torch's weight-only kernel; the
     weights are the same, the activations lose precision (the LM head's, measured in BENCHMARKS.md).
     `tiled`: kernels' int8_tile_gemm, the same product over sixteen columns side by side (VNNI-512
-    builds); it takes every row count, and the codes are kept only in its layout (w8a8_tiles)."""
+    builds), taking every row count where given. The codes are then kept only in its layout
+    (w8a8_tiles); `codes` unpacks them on first use, for a benchmark that switches kernels."""
 
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
                  w8a8: Optional[Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]] = None,
@@ -195,14 +196,12 @@ class Int8Linear:
         self.out_features = codes.shape[0]
         self.scale = scale.to(torch.bfloat16)
         self.bias = bias
-        self.w8a8 = w8a8 if tiled is None else None
+        self.w8a8 = w8a8
         self.tiled = tiled
-        self.codes: Optional[torch.Tensor] = codes if tiled is None else None
-        self.tiles = self.starts = None
-        if tiled is not None:
-            self.tiles, self.starts = w8a8_tiles(codes)
+        self.tiles, self.starts = w8a8_tiles(codes) if tiled is not None else (None, None)
+        self._codes: Optional[torch.Tensor] = codes if tiled is None else None
         # the bf16 scales in float32: the same weights as the weight-only kernel and the dense copy
-        self._scale_f32 = self.scale.float().contiguous() if w8a8 is not None or tiled is not None else None
+        self._scale_f32 = self.scale.float().contiguous()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.tiled is not None:
@@ -214,10 +213,17 @@ class Int8Linear:
         y = as_dtype(y, x.dtype)
         return y if self.bias is None else y + self.bias
 
+    @property
+    def codes(self) -> torch.Tensor:
+        """The int8 codes [out, in] (unpacked from the tiles, once, where only those are kept)."""
+        if self._codes is None:
+            self._codes = self._code_rows(torch.arange(self.out_features)).contiguous()
+        return self._codes
+
     def _code_rows(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.codes is not None:
-            return self.codes[ids]
-        tiles, groups = self.tiles.shape[:2]  # codes [n, k] sit at [n // 16, k // 32, (k % 32) // 4, n % 16, k % 4]
+        if self._codes is not None:
+            return self._codes[ids]
+        tiles, groups = self.tiles.shape[:2]  # code [n, k] sits at [n // 16, k // 32, k % 32 // 4, n % 16, k % 4]
         grid = self.tiles.view(tiles, groups, 8, W8A8_TILE, 4)
         return grid[ids // W8A8_TILE, :, :, ids % W8A8_TILE].reshape(*ids.shape, groups * 32)
 
@@ -231,7 +237,7 @@ class Int8Linear:
 
     @property
     def nbytes(self) -> int:
-        return _nbytes(self.codes, self.tiles, self.starts, self.scale, self.bias)
+        return _nbytes(self._codes, self.tiles, self.starts, self.scale, self.bias)
 
 
 def int8_linear(weight: torch.Tensor, bias: Optional[torch.Tensor] = None, ops=None) -> Int8Linear:
