@@ -97,6 +97,8 @@ def test_the_w8a8_head_kernel_computes_what_it_claims(rows, dtype, form):
     x[0, 32:64] = 0  # an all-zero activation block
     got = packed(x)
     assert got.dtype == dtype and got.shape == (rows, 77)
+    # a bf16 output is the float32 one rounded (the kernel writes it; no float32 copy in between)
+    assert torch.equal(got, packed(x.float()).to(dtype))
     expected = _w8a8_reference(x, plain.codes, packed.scale.float())
     assert torch.allclose(got.float(), expected.to(dtype).float(), rtol=1e-2 if dtype == torch.bfloat16 else 1e-5,
                           atol=1e-3 if dtype == torch.bfloat16 else 1e-5)
@@ -144,6 +146,7 @@ def test_the_w4a8_layer_kernel_computes_what_it_claims(rows, dtype):
     x[0, 32:64] = 0
     got = packed(x)
     assert got.dtype == dtype and got.shape == (rows, 83)
+    assert torch.equal(got, packed(x.float()).to(dtype))
     expected = _w4a8_reference(x, weight)
     assert torch.allclose(got.float(), expected.to(dtype).float(), rtol=1e-2 if dtype == torch.bfloat16 else 1e-5,
                           atol=1e-3 if dtype == torch.bfloat16 else 1e-5)

@@ -42,7 +42,7 @@ at::Tensor DecodeStack::forward(at::Tensor h, const at::Tensor& cos, const at::T
   const int64_t T = h.size(0), q_size = nh_ * hd_, kv_size = nkv_ * hd_;
   const auto dtype = h.scalar_type();
   auto linear = [&](const at::Tensor& x, const at::Tensor& tiles, int64_t n) {
-    at::Tensor y = int4_gemv(x, tiles, n, int8_isa_);  // float32 out, as Int4Linear then casts to the input's dtype
+    at::Tensor y = int4_gemv(x, tiles, n, int8_isa_);  // in x's dtype for bf16, float32 otherwise
     return y.scalar_type() == dtype ? y : y.to(dtype);
   };
   at::Tensor delta;  // the previous layer's MLP output, not yet added to h

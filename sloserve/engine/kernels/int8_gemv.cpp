@@ -115,6 +115,49 @@ inline __m256 load8(const c10::BFloat16* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
+// Outputs come in the input's type: float32, or bf16 rounded to nearest even as torch converts
+// (so a bf16 output is the float32 one converted, bit for bit; NaN stays a quiet NaN). Writing
+// bf16 here saves the caller a float32 copy of every product and its conversion pass.
+inline __m128i bf16_round8(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+  return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+inline void store_value(float* dst, float v) { *dst = v; }
+inline void store_value(c10::BFloat16* dst, float v) { *dst = store<c10::BFloat16>(v); }
+inline void store8(float* dst, __m256 v, int64_t cols) {
+  if (cols == 8) return _mm256_storeu_ps(dst, v);
+  alignas(32) float tail[8];  // the last tile of a column count that is not a multiple of eight
+  _mm256_store_ps(tail, v);
+  std::memcpy(dst, tail, cols * sizeof(float));
+}
+inline void store8(c10::BFloat16* dst, __m256 v, int64_t cols) {
+  const __m128i h = bf16_round8(v);
+  if (cols == 8) return _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), h);
+  alignas(16) uint16_t tail[8];
+  _mm_store_si128(reinterpret_cast<__m128i*>(tail), h);
+  std::memcpy(dst, tail, cols * sizeof(uint16_t));
+}
+#ifdef SLOSERVE_VNNI512
+inline void store16(float* dst, __m512 v, __mmask16 keep) { _mm512_mask_storeu_ps(dst, keep, v); }
+inline void store16(c10::BFloat16* dst, __m512 v, __mmask16 keep) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  _mm256_mask_storeu_epi16(dst, keep, _mm512_cvtepi32_epi16(r));
+}
+#endif
+
+// Runs body(O*) with the output's data as float32 or bf16 (the input's type).
+template <typename Body>
+void with_output(at::Tensor& out, Body&& body) {
+  if (out.scalar_type() == at::kBFloat16) return body(out.data_ptr<c10::BFloat16>());
+  body(out.data_ptr<float>());
+}
+
 // Blocks [begin, end) of x (32 values each) into `out`.
 template <typename T>
 void quantize_blocks(const T* xp, int64_t begin, int64_t end, bool sums, Int8Rows& out) {
@@ -170,9 +213,9 @@ Int8Rows quantize_rows(const at::Tensor& x, bool sums) {
 
 // W8A8, one output column (codes `row`, scale `ws`) for R rows of x: each weight block is loaded
 // and its signs taken once for the R rows (against a load per row: 1.19x at 2 rows, ~1.5x at 4-8).
-template <Isa I, int R>
+template <Isa I, int R, typename O>
 inline void int8_rows(const int8_t* __restrict row, float ws, int64_t K, int64_t blocks, const int8_t* __restrict q,
-                      const float* __restrict qs, float* __restrict out, int64_t out_stride) {
+                      const float* __restrict qs, O* __restrict out, int64_t out_stride) {
   constexpr int A = R >= 4 ? 1 : (R == 1 ? 4 : 2);  // independent chains of fused multiply-adds
   __m256 acc[R][A];
   for (int j = 0; j < R; ++j)
@@ -196,7 +239,7 @@ inline void int8_rows(const int8_t* __restrict row, float ws, int64_t K, int64_t
   for (int j = 0; j < R; ++j) {
     __m256 total = acc[j][0];
     for (int a = 1; a < A; ++a) total = _mm256_add_ps(total, acc[j][a]);
-    out[j * out_stride] = hsum(total) * ws;
+    store_value(out + j * out_stride, hsum(total) * ws);
   }
 }
 
@@ -222,10 +265,10 @@ inline Quads quads(const int8_t* qb, int c) {
   return a;
 }
 
-template <Isa I, int R>
+template <Isa I, int R, typename O>
 inline void int4_tile_rows(const uint8_t* __restrict tile, int64_t blocks, const int8_t* __restrict q,
                            const float* __restrict qs, const float* __restrict qsum, int64_t K,
-                           float* __restrict out, int64_t out_stride, int64_t cols) {
+                           O* __restrict out, int64_t out_stride, int64_t cols) {
   const __m256i low = _mm256_set1_epi8(0x0F);
   __m256 acc[R];
   for (int j = 0; j < R; ++j) acc[j] = _mm256_setzero_ps();
@@ -253,25 +296,17 @@ inline void int4_tile_rows(const uint8_t* __restrict tile, int64_t blocks, const
       acc[j] = _mm256_fmadd_ps(o, _mm256_set1_ps(qsum[j * blocks + b]), acc[j]);
     }
   }
-  for (int j = 0; j < R; ++j) {
-    if (cols == 8) {
-      _mm256_storeu_ps(out + j * out_stride, acc[j]);
-    } else {  // the last tile of a column count that is not a multiple of eight
-      alignas(32) float tail[8];
-      _mm256_store_ps(tail, acc[j]);
-      std::memcpy(out + j * out_stride, tail, cols * sizeof(float));
-    }
-  }
+  for (int j = 0; j < R; ++j) store8(out + j * out_stride, acc[j], cols);
 }
 
 #ifdef SLOSERVE_VNNI512
 // Two tiles side by side (16 columns) in 512-bit registers: each activation broadcast and each
 // instruction serves twice the columns. Every lane does int4_tile_rows's arithmetic in its order,
 // so the outputs are the same bits. `cols`: 9-16 (the second tile may be the partial last one).
-template <int R>
+template <int R, typename O>
 inline void int4_tile_pair_rows(const uint8_t* __restrict tile_a, const uint8_t* __restrict tile_b, int64_t blocks,
                                 const int8_t* __restrict q, const float* __restrict qs, const float* __restrict qsum,
-                                int64_t K, float* __restrict out, int64_t out_stride, int64_t cols) {
+                                int64_t K, O* __restrict out, int64_t out_stride, int64_t cols) {
   const __m512i low = _mm512_set1_epi8(0x0F);
   __m512 acc[R];
   for (int j = 0; j < R; ++j) acc[j] = _mm512_setzero_ps();
@@ -310,7 +345,7 @@ inline void int4_tile_pair_rows(const uint8_t* __restrict tile_a, const uint8_t*
     }
   }
   const __mmask16 keep = static_cast<__mmask16>((1u << cols) - 1);
-  for (int j = 0; j < R; ++j) _mm512_mask_storeu_ps(out + j * out_stride, keep, acc[j]);
+  for (int j = 0; j < R; ++j) store16(out + j * out_stride, acc[j], keep);
 }
 
 // W8A8 over sixteen output columns side by side (quant.w8a8_tiles): the column kernel above sums
@@ -322,10 +357,10 @@ inline void int4_tile_pair_rows(const uint8_t* __restrict tile_a, const uint8_t*
 // exactly sum(code * q). Per block, the sums are scaled by the row's activation scale; the
 // columns' scales multiply once at the end.
 constexpr int64_t kInt8TileBytes = 16 * 32;  // one tile block: 16 columns x 32 inputs
-template <int R>
+template <int R, typename O>
 inline void int8_tile16_rows(const int8_t* __restrict tile, const int32_t* __restrict start, int64_t blocks,
                              const uint8_t* __restrict q, const float* __restrict qs, int64_t K,
-                             float* __restrict out, int64_t out_stride, __m512 column_scale, int64_t cols) {
+                             O* __restrict out, int64_t out_stride, __m512 column_scale, int64_t cols) {
   __m512 acc[R];
   for (int j = 0; j < R; ++j) acc[j] = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
@@ -347,7 +382,7 @@ inline void int8_tile16_rows(const int8_t* __restrict tile, const int32_t* __res
       acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[j]), _mm512_set1_ps(qs[j * blocks + b]), acc[j]);
   }
   const __mmask16 keep = static_cast<__mmask16>(cols >= 16 ? 0xFFFF : (1u << cols) - 1);
-  for (int j = 0; j < R; ++j) _mm512_mask_storeu_ps(out + j * out_stride, keep, _mm512_mul_ps(acc[j], column_scale));
+  for (int j = 0; j < R; ++j) store16(out + j * out_stride, _mm512_mul_ps(acc[j], column_scale), keep);
 }
 #endif
 #endif
@@ -414,7 +449,7 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
   TORCH_CHECK(codes.size(1) == K && K % 32 == 0, "int8_gemv: K must match and be a multiple of 32, got ", K);
   const Isa chosen = resolve_isa(isa);
-  auto out = at::empty({M, N}, x.options().dtype(at::kFloat));
+  auto out = at::empty({M, N}, x.options().dtype(x.scalar_type() == at::kBFloat16 ? at::kBFloat16 : at::kFloat));
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
   const int64_t blocks = K / 32;
   const Int8Rows xq8 = quantize_rows(x, false);
@@ -422,7 +457,7 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   const auto& xs = xq8.scale;
   const int8_t* w = codes.data_ptr<int8_t>();
   const float* ws = weight_scale.data_ptr<float>();
-  float* op = out.data_ptr<float>();
+  with_output(out, [&](auto* op) {
   with_isa(chosen, [&](auto isa_tag) {
     constexpr Isa I = decltype(isa_tag)::value;
     at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
@@ -431,12 +466,13 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Ten
         for (int64_t m0 = 0; m0 < M; m0 += R0) {
           const int8_t* qm = xq.data() + m0 * K;
           const float* sm = xs.data() + m0 * blocks;
-          float* o = op + m0 * N + n;
+          auto* o = op + m0 * N + n;
           with_rows<R0>(std::min<int64_t>(R0, M - m0), [&](auto rows) {
             int8_rows<I, decltype(rows)::value>(w + n * K, ws[n], K, blocks, qm, sm, o, N);
           });
         }
     });
+  });
   });
 #endif
   return out;
@@ -462,7 +498,7 @@ at::Tensor int8_tile_gemm(const at::Tensor& x, const at::Tensor& tiles, const at
               "int32 and weight_scale [N] float32 expected");
   const int64_t M = x.size(0), K = x.size(1), blocks = K / 32;
   TORCH_CHECK(K % 32 == 0 && tiles.size(1) == blocks, "int8_tile_gemm: K must match and be a multiple of 32, got ", K);
-  auto out = at::empty({M, N}, x.options().dtype(at::kFloat));
+  auto out = at::empty({M, N}, x.options().dtype(x.scalar_type() == at::kBFloat16 ? at::kBFloat16 : at::kFloat));
 #if defined(SLOSERVE_VNNI512) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
   Int8Rows xq = quantize_rows(x, false);
   // q + 128: vpdpbusd's unsigned factor (flipping the sign bit here, once, keeps the kernel's
@@ -472,8 +508,8 @@ at::Tensor int8_tile_gemm(const at::Tensor& x, const at::Tensor& tiles, const at
   const int8_t* w = tiles.data_ptr<int8_t>();
   const int32_t* st = starts.data_ptr<int32_t>();
   const float* ws = weight_scale.data_ptr<float>();
-  float* op = out.data_ptr<float>();
   const int64_t count = tiles.size(0);
+  with_output(out, [&](auto* op) {
   at::parallel_for(0, count, 4, [&](int64_t begin, int64_t end) {
     constexpr int R0 = 8;
     for (int64_t r0 = 0; r0 < M; r0 += kRowChunk) {  // a chunk of rows through all this thread's tiles
@@ -490,6 +526,7 @@ at::Tensor int8_tile_gemm(const at::Tensor& x, const at::Tensor& tiles, const at
       }
     }
   });
+  });
 #endif
   return out;
 }
@@ -502,14 +539,14 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& tiles, int64_t N, co
   const int64_t M = x.size(0), K = x.size(1), blocks = K / 32;
   TORCH_CHECK(K % 32 == 0 && tiles.size(1) == blocks, "int4_gemv: K must match and be a multiple of 32, got ", K);
   const Isa chosen = resolve_isa(isa);
-  auto out = at::empty({M, N}, x.options().dtype(at::kFloat));
+  auto out = at::empty({M, N}, x.options().dtype(x.scalar_type() == at::kBFloat16 ? at::kBFloat16 : at::kFloat));
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
   const Int8Rows xq = quantize_rows(x, true);
   const uint8_t* w = tiles.data_ptr<uint8_t>();
-  float* op = out.data_ptr<float>();
   const int8_t* q = xq.q.data();
   const float* qs = xq.scale.data();
   const float* qsum = xq.scaled_sum.data();
+  with_output(out, [&](auto* op) {
   with_isa(chosen, [&](auto isa_tag) {
     constexpr Isa I = decltype(isa_tag)::value;
     // VNNI with AVX-512BW/DQ takes the tiles two at a time once a step has kPairRows rows; threads
@@ -539,7 +576,7 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& tiles, int64_t N, co
           for (int64_t m0 = r0; m0 < r1; m0 += R0) {
             const int8_t* qm = q + m0 * K;
             const float *sm = qs + m0 * blocks, *tm = qsum + m0 * blocks;
-            float* o = op + m0 * N + 8 * t;
+            auto* o = op + m0 * N + 8 * t;
             with_rows<R0>(std::min<int64_t>(R0, r1 - m0), [&](auto rows) {
               constexpr int R = decltype(rows)::value;
 #ifdef SLOSERVE_VNNI512
@@ -552,6 +589,7 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& tiles, int64_t N, co
         }
       }
     });
+  });
   });
 #endif
   return out;

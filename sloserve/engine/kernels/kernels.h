@@ -45,7 +45,8 @@ at::Tensor argmax_rows(const at::Tensor& logits);
 
 // int8_gemv.cpp: products with int8 activations for few rows (W8A8: the LM head of a small decode
 // step; W4A8: the 4-bit layers); both need AVX2. `isa`: "auto" (the fastest this build has),
-// "vnni" (AVX512-VNNI's vpdpbusd) or "avx2"; every choice gives the same bits.
+// "vnni" (AVX512-VNNI's vpdpbusd) or "avx2"; every choice gives the same bits. Each returns its
+// output in x's type for bf16 x (the float32 sums rounded to nearest even), else float32.
 bool int8_gemv_supported();
 // The ISAs this build's int8 products can use, fastest first (empty without AVX2).
 std::vector<std::string> int8_kernel_isas();
@@ -53,7 +54,7 @@ std::vector<std::string> int8_kernel_isas();
 void check_int8_isa(const std::string& isa);
 at::Tensor int8_gemv(const at::Tensor& x,             // [M, K] float32/bf16, K a multiple of 32
                      const at::Tensor& codes,         // [N, K] int8 in [-127, 127]
-                     const at::Tensor& weight_scale,  // [N] float32; returns [M, N] float32
+                     const at::Tensor& weight_scale,  // [N] float32; returns [M, N]
                      const std::string& isa = "auto");
 // W8A8 for many rows (AVX512-VNNI with BW/DQ/VL): sixteen columns side by side, quant.w8a8_tiles's
 // layout (the same codes and scales as int8_gemv's; its own order of the float sums).
@@ -61,11 +62,11 @@ bool int8_tiles_supported();
 at::Tensor int8_tile_gemm(const at::Tensor& x,             // [M, K] float32/bf16, K a multiple of 32
                           const at::Tensor& tiles,         // [ceil(N / 16), K / 32, 512] int8
                           const at::Tensor& starts,        // [ceil(N / 16), K / 32, 16] int32
-                          const at::Tensor& weight_scale,  // [N] float32; returns [M, N] float32
+                          const at::Tensor& weight_scale,  // [N] float32; returns [M, N]
                           int64_t N);
 at::Tensor int4_gemv(const at::Tensor& x,      // [M, K] float32/bf16, K a multiple of 32
                      const at::Tensor& tiles,  // [ceil(N / 8), K / 32, 160] uint8: quant.w4a8_tiles's layout
-                     int64_t N,                // output columns; returns [M, N] float32
+                     int64_t N,                // output columns; returns [M, N]
                      const std::string& isa = "auto");
 
 // decode_stack.cpp: a decode-only step through every layer in one call (4-bit W4A8 layers, native
