@@ -47,6 +47,8 @@ constexpr int kTilePrefetch = 8 * kTileRecord;
 // Rows of x a W4A8 product takes through all its tiles at a time (a multiple of every ISA's
 // rows per pass, so the groups of rows stay the same).
 constexpr int64_t kRowChunk = 64;
+// Bytes of one block of the tiled W8A8 layout (quant.w8a8_tiles): 16 columns x 32 inputs.
+constexpr int64_t kInt8TileBytes = 16 * 32;
 // The fewest rows for which the VNNI path takes W4A8 tiles in pairs (see int4_gemv).
 constexpr int64_t kPairRows = 16;
 
@@ -356,7 +358,6 @@ inline void int4_tile_pair_rows(const uint8_t* __restrict tile_a, const uint8_t*
 // starts its sums at -128 * (the column's codes summed over the block), so the integer sums are
 // exactly sum(code * q). Per block, the sums are scaled by the row's activation scale; the
 // columns' scales multiply once at the end.
-constexpr int64_t kInt8TileBytes = 16 * 32;  // one tile block: 16 columns x 32 inputs
 template <int R, typename O>
 inline void int8_tile16_rows(const int8_t* __restrict tile, const int32_t* __restrict start, int64_t blocks,
                              const uint8_t* __restrict q, const float* __restrict qs, int64_t K,
