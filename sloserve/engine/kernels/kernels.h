@@ -21,7 +21,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q,             // [D, nh, hd
                                   const at::Tensor& context_lens,  // [D] int64
                                   int64_t block_size, double scale, int64_t window, const std::string& kernel);
 // The bf16 attention paths this build and CPU offer, fastest first: "amx" (AMX tiles, prefill and
-// decode), "avx512_bf16" (vdpbf16ps prefill; decode takes the portable loop), "portable" (the
+// decode), "avx512_bf16" (vdpbf16ps prefill and decode), "portable" (the
 // float32 vector loop for decode; for prefill, SDPA by the caller).
 std::vector<std::string> attention_kernels();
 // Fails with a clear message on an unknown name or one this machine lacks ("auto" always passes).
