@@ -33,6 +33,7 @@ FAKE_SECRET = "fake-fleet-secret"  # what test fronts (build_worker_fleet(fleet_
 
 
 RETRY_AFTER = "7"  # what a full fake worker tells its clients
+MAX_MODEL_LEN = 4096  # a fake worker's context window, in its tokens (words)
 
 
 def build_fake_worker(tokens: int, delay: float, capacity: int = 1000, die_on_chat: bool = False,
@@ -73,12 +74,28 @@ def build_fake_worker(tokens: int, delay: float, capacity: int = 1000, die_on_ch
                           "min_ttft_slack_s": None, "block_size": 16, "kv_blocks_waiting": 0},
                 "prefix_keys": [], "num_cached_blocks": 0, "pid": os.getpid()}
 
+    def words(body: dict) -> list[int]:
+        text = body.get("prompt") or " ".join(m.get("content", "") for m in body.get("messages") or [])
+        return list(range(1, len(text.split()) + 1)) or [1]
+
     @app.post("/tokenize")
     async def tokenize(request: Request):
+        ids = words(await request.json())
+        return {"tokens": ids, "count": len(ids), "max_model_len": MAX_MODEL_LEN}
+
+    @app.post("/internal/tokenize")
+    async def internal_tokenize(request: Request):
+        if secret is None or request.headers.get("x-sloserve-fleet-secret") != secret:
+            return JSONResponse({"error": {"message": "no", "type": "authentication_error", "param": None,
+                                           "code": "invalid_fleet_secret"}}, status_code=401)
         body = await request.json()
-        text = body.get("prompt") or " ".join(m.get("content", "") for m in body.get("messages") or [])
-        ids = list(range(1, len(text.split()) + 1)) or [1]
-        return {"tokens": ids, "count": len(ids), "max_model_len": 4096}
+        ids = words(body)
+        if len(ids) >= MAX_MODEL_LEN:
+            param = "messages" if "messages" in body else "prompt"
+            return JSONResponse({"error": {"message": f"prompt has {len(ids)} tokens; the context window is "
+                                           f"{MAX_MODEL_LEN}", "type": "invalid_request_error", "param": param,
+                                           "code": "context_length_exceeded"}}, status_code=400)
+        return {"tokens": ids, "count": len(ids)}
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):

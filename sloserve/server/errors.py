@@ -78,8 +78,9 @@ def param_from_message(message: str) -> Optional[str]:
     return head if head.isidentifier() and " must " in message else None
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[str, Optional[str]]:
-    errors = exc.errors()
+def validation_message(errors: list) -> tuple[str, Optional[str]]:
+    """A body's validation errors (FastAPI's or pydantic's `.errors()`) as one message and the
+    parameter it names."""
     if not errors:
         return "invalid request body", None
     first = errors[0]
@@ -91,11 +92,21 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, Optional[str]
     if not loc and first.get("type") in ("model_attributes_type", "dict_type", "model_type"):
         return "request body must be a JSON object (sent with Content-Type: application/json)", None
     # Union members add their type names to the location ("prompt.str"); keep the field path.
-    path = ".".join(p for p in loc if not _is_type_name(p))
+    path = _field_path(loc)
+    if len(errors) > 1 and _is_union_error(errors):
+        # Every member of the union failed: the parameter is the field, the message the member
+        # that matched furthest (a text part's invalid text, not "should be a valid string").
+        deepest = max(errors, key=lambda e: len(e.get("loc", ())))
+        where = _field_path([str(p) for p in deepest.get("loc", ()) if p != "body"])
+        return (f"{where}: {deepest.get('msg')}" if where else str(deepest.get("msg"))), (path or None)
     message = f"{path}: {first.get('msg')}" if path else str(first.get("msg"))
-    if len(errors) > 1 and not _is_union_error(errors):
+    if len(errors) > 1:
         message += f" (and {len(errors) - 1} more error(s))"
     return message, (path or None)
+
+
+def _field_path(loc: list[str]) -> str:
+    return ".".join(p for p in loc if not _is_type_name(p))
 
 
 def _is_type_name(part: str) -> bool:
@@ -116,7 +127,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param = _validation_message(exc)
+        message, param = validation_message(list(exc.errors()))
         return error_response(bad_request(message, param=param))
 
     @app.exception_handler(StarletteHTTPException)

@@ -67,10 +67,11 @@ from sloserve.server.front_relay import RelaySession, Upstream
 from sloserve.server.front_fanout import MergedStream, Part, merge, split
 from sloserve.server.front_whole import answers_whole, as_stream, collect_whole
 from sloserve.server.front_stream import Interrupted, SSESplitter, Stop, carries_output
+from sloserve.server.protocol import GenerationRequest, check_call, header_priority
 from sloserve.server.qos import CacheSalter, QoSRegistry, cache_secret
 from sloserve.workers.contract import FLEET_SECRET_HEADER
 from sloserve.timeline import DRAIN, UNDRAIN, FleetTimeline
-from sloserve.types import DEFAULT_QOS, Request, SamplingParams
+from sloserve.types import Request, SamplingParams
 
 __all__ = ["DEAD", "HEALTHY", "STARTING", "UNRESPONSIVE", "Front", "WorkerFleet", "FrontConfig", "Instance"]
 
@@ -87,6 +88,7 @@ _COMPLETION_TOKENS = re.compile(rb'"completion_tokens":\s*(\d+)')
 _PASS_HEADERS = ("authorization", "x-api-key", "x-qos-class", "x-priority", "x-request-id", "content-type")
 _PASS_BACK = ("retry-after", "x-request-id", "cache-control", "x-accel-buffering")
 _RETRY_STATUSES = (429, 503)  # full or draining: another worker may take it
+_INLINE_BODY_BYTES = 64 * 1024  # larger request bodies are parsed and judged off the event loop
 MIGRATION_METRICS = {  # the fleet controller's counters: /metrics name, help
     "started": ("migrations_started", "live migrations of running requests started"),
     "completed": ("migrations_completed", "migrations whose target took the request over"),
@@ -122,22 +124,17 @@ def _token_ids(value: object) -> Optional[list[int]]:
     return None
 
 
-def _check_prompt(body: dict, chat: bool) -> None:
-    """The shapes the front reads itself; anything else is a 400 here rather than a 500
-    (the worker judges everything else about the body)."""
-    if chat:
-        messages = body.get("messages")
-        if messages is not None and not (isinstance(messages, list) and all(isinstance(m, dict) for m in messages)):
-            raise APIError(400, "messages must be a list of message objects", param="messages")
-        return
-    prompt = body.get("prompt")
-    if prompt is None or isinstance(prompt, str) or _token_ids(prompt) is not None:
-        return
-    if isinstance(prompt, list) and prompt and (all(isinstance(p, str) for p in prompt)
-                                                or all(_token_ids(p) is not None for p in prompt)):
-        return
-    raise APIError(400, "prompt must be a string, a list of strings, a list of token ids or a list of lists of "
-                        "token ids (non-empty)", param="prompt")
+def _judge(raw: bytes, chat: bool, headers) -> tuple[dict, GenerationRequest, SamplingParams]:
+    """The body as JSON, as the call the worker's route would validate, and its sampling
+    parameters (APIError if it is not a call a worker would take)."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise APIError(400, f"invalid JSON body: {type(e).__name__}: {str(e)[:200]}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "request body must be a JSON object", code="invalid_json")
+    call, params = check_call(body, chat, headers)
+    return body, call, params
 
 
 def resumable(body: dict, chat: bool) -> bool:
@@ -381,36 +378,38 @@ class Front:
                             media_type=resp.headers.get("content-type"))
         return _error(503, "no healthy instance", "no_instance")
 
-    async def _prompt_ids(self, body: dict, chat: bool, headers: dict) -> tuple[Optional[list[int]], Optional[Response]]:
-        """Token ids of the (first) prompt, from a worker; or the worker's 4xx to pass back.
-        None ids (and no error): a shape the worker will judge, or no worker could tokenize it
-        now; routed without prefix hints."""
+    async def _prompt_ids(self, body: dict, chat: bool, headers: dict,
+                          max_tokens: Optional[int]) -> tuple[Optional[list[int]], Optional[Response]]:
+        """Token ids of the (first) prompt, from a worker's /internal/tokenize, which judges them
+        as generation does (context window included); or that worker's 4xx to pass back, so a
+        prompt no worker would take is refused before it is forwarded. None ids (and no error):
+        no worker could tokenize it now; routed without prefix hints."""
         if chat:
-            if body.get("messages") is None:
-                return None, None
-            payload = {"messages": body.get("messages"), "add_generation_prompt": True}
+            payload = {"messages": body["messages"], "add_generation_prompt": True}
         else:
-            prompt = body.get("prompt")
-            ids = _token_ids(prompt)
-            if ids is None and isinstance(prompt, list) and prompt:
-                ids = _token_ids(prompt[0])
+            prompt = body["prompt"]
+            if isinstance(prompt, list) and isinstance(prompt[0], (str, list)):
                 prompt = prompt[0]
-            if ids is not None:
-                return ids, None  # already token ids
-            if not isinstance(prompt, str):
-                return None, None
+            if isinstance(prompt, list):
+                return prompt, None  # token ids: their range and length are the worker's to judge
             payload = {"prompt": prompt}
+        payload["max_tokens"] = max_tokens
         if isinstance(body.get("model"), str):
             payload["model"] = body["model"]
+        forwarded = {k: v for k, v in headers.items() if k != "content-type"}
+        if self.fleet.fleet_secret:
+            forwarded[FLEET_SECRET_HEADER] = self.fleet.fleet_secret
         for inst in self.fleet.healthy():
             try:
-                resp = await self.fleet.client.post(inst.handle.url + "/tokenize", json=payload, headers={
-                    k: v for k, v in headers.items() if k != "content-type"}, timeout=30.0)
+                resp = await self.fleet.client.post(inst.handle.url + "/internal/tokenize", json=payload,
+                                                    headers=forwarded, timeout=30.0)
             except _TRANSPORT_ERRORS as e:
                 self.fleet.suspect(inst, inst.handle, e)
                 continue
             if resp.status_code in _RETRY_STATUSES:  # that worker is full: ask another, else route blind
                 continue
+            if resp.status_code == 401:  # a worker that does not know this front's secret: no hint
+                return None, None
             if resp.status_code != 200:
                 return None, Response(resp.content, status_code=resp.status_code, headers=_headers_back(resp),
                                       media_type=resp.headers.get("content-type"))
@@ -424,16 +423,17 @@ class Front:
     # ---- generation ----------------------------------------------------------------------
     async def generate(self, request: HTTPRequest, path: str, chat: bool) -> Response:
         raw = await request.body()
-        try:
-            body = json.loads(raw)
-        except (ValueError, RecursionError) as e:
-            return _error(400, f"invalid JSON body: {type(e).__name__}: {str(e)[:200]}", "invalid_json")
-        if not isinstance(body, dict):
-            return _error(400, "request body must be a JSON object", "invalid_json")
-        _check_prompt(body, chat)
         principal = getattr(request.state, "principal", None) or self.registry.authenticate(None)
         if principal is None:  # the edge checks keys first; this is a backstop
             return _error(401, "missing or invalid API key", "invalid_api_key")
+        # What a worker would refuse without the model is refused here, before anything is
+        # forwarded (the same checks: protocol.check_call, the QoS registry). A large body is
+        # judged in a thread, so /health and /metrics never wait behind it.
+        if len(raw) > _INLINE_BODY_BYTES:
+            body, call, params = await asyncio.to_thread(_judge, raw, chat, request.headers)
+        else:
+            body, call, params = _judge(raw, chat, request.headers)
+        qos = self._qos(call, request, principal)
         headers = self._headers(request)
         if self.autoscale is not None:
             self.autoscale.observe_arrival()
@@ -442,15 +442,16 @@ class Front:
         try:
             parts = split(body, chat, request.headers.get("x-request-id"))
             if parts is not None:
-                return await self._split_call(*parts, path, chat, request, principal, headers, stop, ticket)
-            ids, err = await stop.run(self._prompt_ids(body, chat, headers))
+                return await self._split_call(*parts, path, chat, qos, params.max_tokens, principal, headers, stop,
+                                              ticket)
+            ids, err = await stop.run(self._prompt_ids(body, chat, headers, params.max_tokens))
             if err is not None:
                 return err
             rid = request.headers.get("x-request-id") or f"front-{uuid.uuid4().hex[:16]}"
             routed = Request(rid, ids or [0], SamplingParams(max_tokens=None, temperature=0.0),
                              arrival_time=self.fleet.clock(), tenant=principal.tenant,
                              cache_salt=self.salter.salt(principal))
-            routed.qos, routed.priority = self._qos(body, request, principal)
+            routed.qos, routed.priority = qos
             if self.fleet.predictions is not None:
                 self.fleet.predictions.annotate(routed, _prompt_text(body, chat))
             return await self._proxy(routed, path, raw, body, headers, chat, stop, ticket)
@@ -462,17 +463,18 @@ class Front:
         finally:
             stop.close()
 
-    async def _split_call(self, call_id: str, parts: list[Part], path: str, chat: bool, request: HTTPRequest,
-                          principal, headers: dict, stop: Stop, ticket: Optional[Ticket]) -> Response:
+    async def _split_call(self, call_id: str, parts: list[Part], path: str, chat: bool, qos: tuple,
+                          max_tokens: Optional[int], principal, headers: dict, stop: Stop,
+                          ticket: Optional[Ticket]) -> Response:
         """A call with several choices, run as one-choice calls together (front_fanout.py); the
         first part that fails ends the others and its error is the answer."""
         firsts = [part for part in parts if part.sample == 0]
-        tokenized = await stop.run(asyncio.gather(*(self._prompt_ids(p.body, chat, headers) for p in firsts)))
+        tokenized = await stop.run(asyncio.gather(*(self._prompt_ids(p.body, chat, headers, max_tokens)
+                                                     for p in firsts)))
         for _, err in tokenized:
             if err is not None:
                 return err
         ids_of = {part.prompt_index: ids for part, (ids, _) in zip(firsts, tokenized)}
-        qos = self._qos(parts[0].body, request, principal)
         ended = asyncio.Event()
         failed: list[Response] = []
         interrupted: list[Interrupted] = []
@@ -520,15 +522,13 @@ class Front:
         return _RelayResponse(MergedStream(call_id, parts, sources).events(), release, status_code=200, headers=back,
                               media_type=responses[0].media_type)  # type: ignore[union-attr]
 
-    def _qos(self, body: dict, request: HTTPRequest, principal) -> tuple:
-        """The request's class and priority as its worker will resolve them (the controller's
-        priority migration reads them); anything the worker would refuse stays default here."""
-        name = body.get("qos_class") if isinstance(body.get("qos_class"), str) else request.headers.get("x-qos-class")
-        priority = body.get("priority") if type(body.get("priority")) is int else None
-        try:
-            return self.registry.authorize(name, principal, priority)
-        except APIError:
-            return DEFAULT_QOS, None
+    def _qos(self, call: GenerationRequest, request: HTTPRequest, principal) -> tuple:
+        """The request's class and priority as its worker resolves them (the controller's
+        priority migration reads them); what the worker would refuse (an unknown class, one the
+        key may not use) is refused here."""
+        name = call.qos_class if call.qos_class is not None else request.headers.get("x-qos-class")
+        priority = call.priority if call.priority is not None else header_priority(request.headers.get("x-priority"))
+        return self.registry.authorize(name, principal, priority)
 
     async def _proxy(self, routed: Request, path: str, raw: bytes, body: dict, headers: dict, chat: bool,
                      stop: Stop, ticket: Optional[Ticket]) -> Response:

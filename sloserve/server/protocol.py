@@ -3,8 +3,14 @@
 Requests are strict: "16" is not an integer, unknown fields are rejected (as OpenAI does),
 so a typo such as `max_token` is a 400 instead of a silently ignored setting. A few fields
 clients send routinely but that change nothing here (`user`, `metadata`, `store`, ...) are
-accepted. Ranges are checked by `SamplingParams.validate`, the single source of truth the
-offline engine uses too.
+accepted. Every string must be valid Unicode: JSON may escape a lone surrogate ("\\ud800"),
+which no UTF-8 encoder takes, so it is a 400 naming its field. Ranges are checked by
+`SamplingParams.validate`, the single source of truth the offline engine uses too.
+
+`check_call` is everything a server judges of a generation call before model work (schema,
+ranges, the prompt's shape, the request headers); the single server's routes and the fleet
+front both run it, so a body the one refuses the other refuses the same way, before
+anything is forwarded.
 """
 from __future__ import annotations
 
@@ -12,9 +18,10 @@ import re
 import time
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic_core import PydanticCustomError
 
-from sloserve.server.errors import APIError, bad_request, param_from_message
+from sloserve.server.errors import APIError, bad_request, param_from_message, validation_message
 from sloserve.types import SamplingParams
 
 MAX_CHOICES = 64  # n x prompts per HTTP request; each choice is one engine request
@@ -32,8 +39,43 @@ def choice_seed(seed: Optional[int], j: int) -> Optional[int]:
     return (seed + j + _SEED_SPAN // 2) % _SEED_SPAN - _SEED_SPAN // 2
 
 
+def lone_surrogate(value: Any) -> Optional[tuple[str, int]]:
+    """Where the first lone surrogate is in a string, or in the strings (keys too) of nested
+    lists and dicts: (the path below `value`, e.g. "[1]", and the character index), else None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            return "", exc.start
+        return None
+    if isinstance(value, (list, tuple)):
+        items = enumerate(value)
+    elif isinstance(value, dict):
+        items = [(key, part) for key, item in value.items() for part in (key, item)]
+    else:
+        return None
+    for key, item in items:
+        found = lone_surrogate(item)
+        if found is not None:
+            return f"[{key!r}]{found[0]}" if isinstance(key, str) else f"[{key}]{found[0]}", found[1]
+    return None
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _valid_unicode(cls, value: Any) -> Any:
+        if isinstance(value, BaseModel):
+            return value  # its own fields were checked
+        found = lone_surrogate(value)
+        if found is not None:
+            where, at = found
+            raise PydanticCustomError("invalid_unicode",
+                                      "contains invalid Unicode (a lone surrogate at character {at}{where})",
+                                      {"at": at, "where": f" of {where}" if where else ""})
+        return value
 
 
 class StreamOptions(_Strict):
@@ -126,15 +168,19 @@ class CompletionRequest(SamplingFields):
     suffix: Optional[str] = None
 
     def prompts(self) -> list[Union[str, list[int]]]:
-        """The prompt field as a list of prompts (a string, token ids, or a batch of either)."""
+        """The prompt field as a list of prompts (a string, token ids, or a batch of either),
+        within MAX_CHOICES choices in all."""
         p = self.prompt
         if isinstance(p, str):
             return [p]
         if not p:
             raise bad_request("prompt must not be empty", "prompt")
-        if isinstance(p[0], int):
-            return [p]  # type: ignore[list-item]
-        return list(p)  # type: ignore[arg-type]
+        prompts = [p] if isinstance(p[0], int) else list(p)
+        total = len(prompts) * self.num_choices
+        if total > MAX_CHOICES:
+            raise bad_request(f"{len(prompts)} prompts x n={self.num_choices} = {total} choices; the limit is "
+                              f"{MAX_CHOICES}", "n")
+        return prompts  # type: ignore[return-value]
 
     def sampling_params(self) -> SamplingParams:
         self._check_common()
@@ -224,9 +270,60 @@ class TokenizeRequest(_Strict):
     add_generation_prompt: bool = True
 
 
+class RoutingProbe(TokenizeRequest):
+    """What a fleet front asks a worker before it routes a call (worker.py's /internal/tokenize):
+    the call's prompt or messages, and the max_tokens it asks for."""
+
+    max_tokens: Optional[int] = None
+
+
 class DetokenizeRequest(_Strict):
     model: Optional[str] = None
     tokens: list[int]
+
+
+GenerationRequest = Union[CompletionRequest, ChatCompletionRequest]
+
+
+def header_request_id(value: Optional[str]) -> Optional[str]:
+    """A client's X-Request-Id, if it sent a valid one (400 for an invalid one)."""
+    if value is not None and not REQUEST_ID.match(value):
+        raise bad_request(f"X-Request-Id must be 1-{MAX_REQUEST_ID} characters of [A-Za-z0-9._:-]", "X-Request-Id")
+    return value
+
+
+def header_priority(value: Optional[str]) -> Optional[int]:
+    """A client's X-Priority, if it sent one (400 for one that is not an integer)."""
+    if value is None:
+        return None
+    raw = value.strip()
+    if not re.fullmatch(r"-?\d{1,9}", raw):
+        raise bad_request("X-Priority must be an integer", "X-Priority")
+    return int(raw)
+
+
+def check_call(body: Any, chat: bool, headers: Any) -> tuple[GenerationRequest, SamplingParams]:
+    """Judge a generation call as far as it can be judged without the model: the body's schema
+    (the route's own validation: a JSON value already decoded), its sampling parameters, the
+    prompt's shape or the messages, and the X-Request-Id / X-Priority headers. Raises APIError
+    (400 naming the param); the model name, the prompt's length and its tokens are the serving
+    instance's to judge."""
+    model = ChatCompletionRequest if chat else CompletionRequest
+    if not isinstance(body, dict):
+        raise bad_request("request body must be a JSON object (sent with Content-Type: application/json)")
+    try:
+        call = model.model_validate(body)
+    except ValidationError as exc:
+        message, param = validation_message(exc.errors())
+        raise bad_request(message, param) from None
+    params = call.sampling_params()
+    if isinstance(call, ChatCompletionRequest):
+        call.conversation()
+    else:
+        call.prompts()
+    header_request_id(headers.get("x-request-id"))
+    header_priority(headers.get("x-priority"))
+    return call, params
 
 
 # ---------------------------------------------------------------------------- responses

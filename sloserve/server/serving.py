@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import re
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -33,8 +32,6 @@ from sloserve.server.errors import STATUS_CLIENT_GONE, APIError, bad_request, er
 from sloserve.server.logprobs import TokenStrings, chat_logprobs, completion_logprobs
 from sloserve.server.metrics import FinishedRequest, ServerMetrics
 from sloserve.server.protocol import (
-    MAX_CHOICES,
-    REQUEST_ID,
     choice_seed,
     ChatChoice,
     ChatChunkChoice,
@@ -48,7 +45,10 @@ from sloserve.server.protocol import (
     CompletionResponse,
     DeltaMessage,
     PromptTokensDetails,
+    header_priority,
+    header_request_id,
     Usage,
+    RoutingProbe,
     SamplingFields,
 )
 from sloserve.server.qos import ANONYMOUS, CacheSalter, Principal, QoSRegistry, cache_secret
@@ -189,6 +189,30 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------ request set-up
 
+    async def admitted_prompt_ids(self, body: RoutingProbe) -> list[int]:
+        """The ids of a call's prompt (or its conversation, rendered for generation) judged as a
+        generation call judges them: an unknown model is a 404, invalid text a 400, and a prompt
+        the context window cannot hold (with the max_tokens asked for) a 400
+        `context_length_exceeded`. A fleet front routes on these (worker.py's
+        /internal/tokenize), so it refuses what its workers would before forwarding anything,
+        and never reads more ids than the window holds."""
+        self.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise bad_request("give exactly one of prompt or messages", "prompt")
+        if body.messages is None:
+            prompt = body.prompt
+            ids = await self._off_loop(lambda: self._tokenize(prompt), "prompt")
+        else:
+            conversation = [m.plain(i) for i, m in enumerate(body.messages)]
+            render = body.add_generation_prompt
+            ids = await self._off_loop(
+                lambda: self._check_length(self.tokenizer.encode_chat(conversation, add_generation_prompt=render)),
+                "messages")
+        try:
+            return self.engine.engine.check_context(ids, body.max_tokens)
+        except ContextLengthError as exc:
+            raise bad_request(str(exc), "max_tokens", "context_length_exceeded") from None
+
     def check_model(self, name: Optional[str]) -> str:
         if name is None or name in self.served_models:
             return self.served_models[0] if name is None else name
@@ -197,19 +221,11 @@ class OpenAIServing:
 
     def _context(self, body: SamplingFields, request: Request, prefix: str) -> CallContext:
         model = self.check_model(body.model)
-        header_id = request.headers.get("x-request-id")
-        if header_id is not None and not REQUEST_ID.match(header_id):
-            raise bad_request("X-Request-Id must be 1-128 characters of [A-Za-z0-9._:-]", "X-Request-Id")
-        request_id = header_id or f"{prefix}-{uuid.uuid4().hex}"
+        request_id = header_request_id(request.headers.get("x-request-id")) or f"{prefix}-{uuid.uuid4().hex}"
         request.state.request_id = request_id
         principal: Principal = getattr(request.state, "principal", ANONYMOUS)
         class_name = body.qos_class if body.qos_class is not None else request.headers.get("x-qos-class")
-        priority = body.priority
-        if priority is None and "x-priority" in request.headers:
-            raw = request.headers["x-priority"].strip()
-            if not re.fullmatch(r"-?\d{1,9}", raw):
-                raise bad_request("X-Priority must be an integer", "X-Priority")
-            priority = int(raw)
+        priority = body.priority if body.priority is not None else header_priority(request.headers.get("x-priority"))
         # The classes and priorities a key may use come from the QoS config: 403 beyond them.
         qos, priority = self.registry.authorize(class_name, principal, priority)
         relay = getattr(request.state, "fleet", False)
@@ -235,10 +251,7 @@ class OpenAIServing:
         return self.engine.engine.check_context(ids)
 
     def _choices(self, ctx: CallContext, prompt_ids: list[list[int]], params: SamplingParams, n: int) -> list[Choice]:
-        total = len(prompt_ids) * n
-        if total > MAX_CHOICES:
-            raise bad_request(f"{len(prompt_ids)} prompts x n={n} = {total} choices; the limit is {MAX_CHOICES}",
-                              "n")
+        total = len(prompt_ids) * n  # at most MAX_CHOICES: CompletionRequest.prompts checked it
         choices = []
         # Engine ids are scoped per tenant: a client's X-Request-Id never collides with (and so
         # never reveals) another tenant's; responses echo the client's own id.

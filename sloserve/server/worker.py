@@ -1,9 +1,10 @@
 """One engine worker of a multi-instance server.
 
 A worker is the ordinary single-instance server (`sloserve serve`: its own engine, admission,
-QoS and metrics) plus one internal route, `GET /internal/state`, that publishes what the
-front's router needs: the scheduler's `InstanceState` and the keys of the prefix blocks it
-has cached. The same worker runs as a local process (`python -m sloserve.server.worker`) or
+QoS and metrics) plus internal routes for its front: `GET /internal/state` publishes what the
+front's router needs (the scheduler's `InstanceState` and the keys of the prefix blocks it
+has cached), `POST /internal/tokenize` gives a call's prompt ids judged as generation judges
+them (the context window included), and worker_migration.py's routes move requests. The same worker runs as a local process (`python -m sloserve.server.worker`) or
 inside a Ray actor (`sloserve.workers.handles.RayWorker`); the front talks HTTP to both.
 
 `/internal/*` publishes cached block keys (derived from tenants' prompts), so it answers only
@@ -23,11 +24,12 @@ import os
 from typing import Any, Optional
 
 from fastapi import FastAPI
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from sloserve.config import EngineConfig
+from sloserve.server.protocol import RoutingProbe
 from sloserve.timeline import READING_FIELDS, read_instance
 from sloserve.workers.contract import (
     API_KEYS_ENV,
@@ -108,6 +110,11 @@ def add_worker_routes(app: FastAPI, engine: Any, fleet_secret: Optional[str]) ->
     async def internal_state() -> JSONResponse:
         await migrations.expire()  # the front polls this several times a second
         return JSONResponse(state_payload(engine.engine))
+
+    @app.post("/internal/tokenize")
+    async def internal_tokenize(body: RoutingProbe) -> Response:
+        ids = await app.state.sloserve.serving.admitted_prompt_ids(body)
+        return Response(json.dumps({"tokens": ids, "count": len(ids)}), media_type="application/json")
 
 
 def build_worker_app(engine_config: EngineConfig, settings, fleet_secret: Optional[str] = None):

@@ -1,0 +1,125 @@
+"""The multi-instance front (`sloserve serve --instances 2`, real workers) judges a request as
+the single server does: the same bad-request list (tests/api_cases.py) gets the same status and
+parameter, before anything reaches a worker's generation route; hostile bodies never become a
+500; the front keeps answering /health and /metrics while huge prompts are in flight."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import openai
+import pytest
+
+from api_cases import BAD_REQUESTS, KEY, MAX_BODY, QOS_CONFIG, send_bad_request
+from server_helpers import ServerProcess, metric, scrape, wait_for
+from sloserve import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+AUTH = {"Authorization": f"Bearer {KEY}"}
+HUGE_PROMPT_BYTES = 1_500_000  # ~580k tokens of the embedded model: far past its 8,192-token window
+
+
+@pytest.fixture(scope="module")
+def front(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("front-api")
+    cfg = tmp / "qos.json"
+    cfg.write_text(json.dumps(QOS_CONFIG))
+    srv = ServerProcess(["--instances", "2", "--qos-config", str(cfg), "--max-body-bytes", str(MAX_BODY),
+                         "--no-shed-unattainable"], tmp / "front.log", startup_timeout=300)
+    try:
+        wait_for(lambda: httpx.get(srv.base_url + "/health").json().get("healthy_instances") == 2, 240,
+                 interval=0.5, what="both workers")
+        yield srv
+    finally:
+        srv.kill()
+
+
+@pytest.fixture(scope="module")
+def http(front):
+    with httpx.Client(base_url=front.base_url, headers=AUTH, timeout=120) as client:
+        yield client
+
+
+def workers(http: httpx.Client) -> list[dict]:
+    return http.get("/v1/instances").json()["data"]
+
+
+def generation_answers(http: httpx.Client) -> dict[str, float]:
+    """What the workers' generation routes answered, by status."""
+    out: dict[str, float] = {}
+    for w in workers(http):
+        for (name, labels), value in scrape(w["url"]).items():
+            labels = dict(labels)
+            if name == "sloserve:http_requests_total" and labels.get("route") in ("/v1/completions",
+                                                                                  "/v1/chat/completions"):
+                out[labels["status"]] = out.get(labels["status"], 0.0) + value
+    return out
+
+
+# Token ids are judged by the instance that generates (only it knows its vocabulary): the one
+# bad request a worker's generation route sees.
+JUDGED_BY_GENERATION = ["prompt-token-out-of-vocab"]
+
+
+@pytest.mark.parametrize("case", BAD_REQUESTS, ids=[c[0] for c in BAD_REQUESTS])
+def test_the_front_refuses_what_the_single_server_refuses(http, case):
+    send_bad_request(http, case)
+
+
+def test_bad_requests_never_reached_a_worker_and_left_nothing_behind(front, http, llm):
+    """Run after the list: no bad request reached a worker's generation route but token ids
+    (what needs the model, the model's name and a text prompt's length, was judged by a worker's
+    /internal/tokenize), no 500 was logged, nothing is left running, and the front still
+    answers right."""
+    assert generation_answers(http) == {"400": float(len(JUDGED_BY_GENERATION))}
+    log = front.log()
+    assert "internal_error" not in log and "Traceback" not in log, log[-3000:]
+    for w in workers(http):
+        load = w["load"]
+        assert w["in_flight"] == 0 and load["num_running"] == 0 and load["num_waiting"] == 0, w
+    client = openai.OpenAI(base_url=front.v1, api_key=KEY, max_retries=0, timeout=120)
+    want = llm.generate("The capital of France is", SamplingParams(max_tokens=6, temperature=0))[0].text
+    got = client.completions.create(model=client.models.list().data[0].id, prompt="The capital of France is",
+                                    max_tokens=6, temperature=0)
+    assert got.choices[0].text == want
+
+
+def test_health_and_metrics_answer_while_huge_prompts_are_judged(front):
+    """Three clients send prompts far past the context window at once: each gets a 400
+    context_length_exceeded from the front (no worker generates), and /health and /metrics are
+    answered throughout (they never wait behind the bodies or their tokenization)."""
+    prompt = ("lorem ipsum dolor sit amet " * (HUGE_PROMPT_BYTES // 27 + 1))[:HUGE_PROMPT_BYTES]
+
+    async def main():
+        async with httpx.AsyncClient(base_url=front.base_url, headers=AUTH, timeout=300) as client:
+            polls: list[tuple[int, int]] = []
+            done = asyncio.Event()
+
+            async def poll() -> None:
+                while not done.is_set():
+                    health = await client.get("/health")
+                    metrics = await client.get("/metrics")
+                    polls.append((health.status_code, metrics.status_code))
+                    await asyncio.sleep(0.05)
+
+            async def hostile() -> httpx.Response:
+                return await client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1})
+
+            poller = asyncio.create_task(poll())
+            try:
+                answers = await asyncio.wait_for(asyncio.gather(*(hostile() for _ in range(3))), 240)
+            finally:
+                done.set()
+                await poller
+            return answers, polls
+
+    answers, polls = asyncio.run(main())
+    for r in answers:
+        assert r.status_code == 400, r.text[:300]
+        err = r.json()["error"]
+        assert err["param"] == "prompt" and err["code"] == "context_length_exceeded", err
+    assert len(polls) >= 3 and all(p == (200, 200) for p in polls), polls
+    assert all(metric(scrape(front.base_url), "sloserve:instance_requests_in_flight", instance=str(i)) == 0
+               for i in range(2))
