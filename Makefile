@@ -13,12 +13,14 @@ $(PY):
 
 $(STAMP): $(PY) pyproject.toml
 	@# Debian packages: the shared KV tier's server (`sloserve kv-store`, the tier tests); Chromium,
-	@# its driver and tmux for the dashboard tests (a real browser, `sloserve top` in a terminal).
+	@# its driver and tmux for the dashboard tests (a real browser, `sloserve top` in a terminal); Prometheus
+	@# and promtool for the board test (a real Prometheus scrapes a real server and front).
 	missing=""; \
 	command -v redis-server >/dev/null || command -v valkey-server >/dev/null || missing="$$missing redis-server"; \
 	command -v chromium >/dev/null || missing="$$missing chromium"; \
 	command -v chromedriver >/dev/null || missing="$$missing chromium-driver"; \
 	command -v tmux >/dev/null || missing="$$missing tmux"; \
+	command -v promtool >/dev/null || missing="$$missing prometheus"; \
 	if [ -n "$$missing" ]; then $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q $$missing; fi
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0

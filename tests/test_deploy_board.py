@@ -7,8 +7,8 @@ declared minimum, has no `walk`; the node types used are the same through 0.12).
 export is read from their /metrics with prometheus_client's parser, as sample names (`_total`,
 `_bucket`, `_sum`, `_count` included):
 - a multi-instance front, in-process over stand-in workers (tests/multi_helpers.py), with
-  autoscaling and prefill/decode roles both on so their families are exported (the CLI refuses
-  the two together; the front's metrics code does not care);
+  autoscaling and prefill/decode roles both on so their families are exported (the CLI takes
+  the two together too: `--pd P:D --autoscale POLICY --pd-capacity ...`, as the test below runs);
 - a real `sloserve serve` (slow: it loads the embedded model), after one answered request and
   one refused one, so its labelled families (by finish reason, rejection reason, route and
   status, QoS class) have samples rather than only HELP/TYPE lines.
@@ -17,6 +17,11 @@ Checked: every metric the board selects is exported; every family exported is se
 board; label matchers and `by (...)` labels exist on what they select. Not shown on purpose:
 the `<name>_created` gauges prometheus_client adds beside its own counters and histograms
 (series creation timestamps, not quantities).
+
+Then the board as it runs (slow): a real Prometheus (the Debian package, which `make install`
+installs) scrapes a real server and a real front (P/D and autoscaling on) with the shipped job,
+and every board query must answer with data through its HTTP API once traffic has flowed.
+promtool checks the shipped config; a missing promtool or prometheus is a failure, not a skip.
 """
 from __future__ import annotations
 
@@ -27,6 +32,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -40,6 +46,7 @@ BUILDER = ROOT / "deploy" / "grafana" / "build_board.py"
 PROMETHEUS_YML = ROOT / "deploy" / "prometheus" / "prometheus.yml"
 TARGET_LABELS = {"job", "instance"}  # what Prometheus adds to every scraped series
 LABEL_VALUES = re.compile(r"^label_values\((?P<metric>.+),\s*(?P<label>\w+)\)$")
+KEY = "sk-board"  # the real servers' API key
 
 
 # ---- the board --------------------------------------------------------------------------
@@ -160,24 +167,31 @@ def front_metrics():
 
 
 @pytest.fixture(scope="module")
-def server_metrics(tmp_path_factory):
-    """/metrics of a real `sloserve serve` after an answered request and a refused one."""
+def real_server(tmp_path_factory):
+    """A real `sloserve serve` (the embedded model) taking key KEY, shared by this module's tests."""
     from server_helpers import ServerProcess
 
-    server = ServerProcess(["--api-key", "sk-board", "--log-level", "warning"],
+    server = ServerProcess(["--api-key", KEY, "--log-level", "warning"],
                            tmp_path_factory.mktemp("board") / "server.log", exact=False)
     try:
-        body = {"prompt": "Hello", "max_tokens": 4, "temperature": 0}
-        ok = httpx.post(server.v1 + "/completions", json=body, headers={"Authorization": "Bearer sk-board"},
-                        timeout=120)
-        assert ok.status_code == 200, ok.text
-        refused = httpx.post(server.v1 + "/completions", json=body, timeout=30)  # no key: rejected, unauthorized
-        assert refused.status_code == 401, refused.text
-        metrics = httpx.get(server.base_url + "/metrics", timeout=10)
-        assert metrics.status_code == 200, metrics.text
-        return exposition(metrics.text)
+        yield server
     finally:
         server.kill()
+
+
+@pytest.fixture(scope="module")
+def server_metrics(real_server):
+    """/metrics of a real `sloserve serve` after (at least) an answered request and a refused one."""
+    server = real_server
+    body = {"prompt": "Hello", "max_tokens": 4, "temperature": 0}
+    ok = httpx.post(server.v1 + "/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
+                    timeout=120)
+    assert ok.status_code == 200, ok.text
+    refused = httpx.post(server.v1 + "/completions", json=body, timeout=30)  # no key: rejected, unauthorized
+    assert refused.status_code == 401, refused.text
+    metrics = httpx.get(server.base_url + "/metrics", timeout=10)
+    assert metrics.status_code == 200, metrics.text
+    return exposition(metrics.text)
 
 
 # ---- tests: the files themselves ------------------------------------------------------------
@@ -235,10 +249,11 @@ def test_prometheus_config_scrapes_localhost_8000_every_5s():
     assert job["static_configs"] == [{"targets": ["localhost:8000"]}]
 
 
-@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool (Prometheus) not installed")
 def test_promtool_accepts_the_prometheus_config():
-    out = subprocess.run(["promtool", "check", "config", str(PROMETHEUS_YML)], capture_output=True, text=True,
-                         timeout=60)
+    promtool = shutil.which("promtool")
+    assert promtool, "promtool not found: `make install` installs it (Debian package prometheus)"
+    out = subprocess.run([promtool, "check", "config", str(PROMETHEUS_YML)], capture_output=True, text=True,
+                         timeout=60, check=False)
     assert out.returncode == 0, out.stdout + out.stderr
 
 
@@ -293,3 +308,203 @@ def test_every_metric_and_label_the_board_selects_is_exported(server_metrics, fr
                 if missing:
                     problems.append(f"{where}: grouping by {sorted(missing)}, which nothing under it has")
     assert problems == [], "\n".join(problems)
+
+
+# ---- tests: the board's queries on a real Prometheus ------------------------------------------
+SCRAPE_S = 1  # scrape interval of the test's Prometheus: the board's 1m and 5m windows hold many scrapes
+GRAFANA_VARIABLE = re.compile(r"\$\{(\w+)(?::\w+)?\}|\$(\w+)|\[\[(\w+)\]\]")  # $v, ${v}, ${v:fmt}, [[v]]
+# Counters the traffic below must move, as (panel title, refId): their query must be > 0, so data that
+# is there but is zero everywhere (say, a series that exists but is never scraped as it grows) fails.
+MOVED = [("Finished requests by reason", "A"), ("Rejected requests by reason", "A"),
+         ("Token throughput", "B"), ("Requests routed per instance", "A"),
+         ("SLO requests per class at the front", "A"), ("P/D hand-offs (per 5 min)", "A")]
+
+
+def prometheus_config(targets: list[str]) -> dict:
+    """deploy/prometheus/prometheus.yml, its `sloserve` job (name, path, labels: what the board's
+    queries rely on) pointed at `targets` and scraping every SCRAPE_S seconds."""
+    config = yaml.safe_load(PROMETHEUS_YML.read_text())
+    config["global"].update(scrape_interval=f"{SCRAPE_S}s", evaluation_interval=f"{SCRAPE_S}s")
+    (job,) = [j for j in config["scrape_configs"] if j["job_name"] == "sloserve"]
+    job.update(scrape_interval=f"{SCRAPE_S}s", static_configs=[{"targets": targets}])
+    return config
+
+
+def promql_regex(value: str) -> str:
+    """`value` as Grafana puts a selected variable value into a `=~"..."` matcher: its regex
+    metacharacters escaped, and the backslashes doubled for the PromQL string."""
+    return "".join("\\\\" + c if c in "\\^$.|?*+()[]{}" else c for c in value)
+
+
+# Grafana's built-in interval variables as they would be on a Prometheus data source scraped every
+# SCRAPE_S (the board writes its windows literally today; these keep a later $__rate_interval working):
+# $__interval is the panel's step, $__rate_interval max($__interval + scrape interval, 4 x scrape interval).
+GRAFANA_BUILTINS = {"__interval": f"{SCRAPE_S}s", "__rate_interval": f"{4 * SCRAPE_S}s"}
+
+
+def grafana_substitute(expr: str, variables: dict[str, str]) -> str:
+    """`expr` with its template variables (`variables`, then Grafana's built-in intervals) replaced
+    as Grafana would; an unknown one fails."""
+    values = {**GRAFANA_BUILTINS, **variables}
+
+    def one(m: re.Match) -> str:
+        name = m[1] or m[2] or m[3]
+        assert name in values, f"board query uses ${name}, which this test does not fill in: {expr}"
+        return values[name]
+
+    return GRAFANA_VARIABLE.sub(one, expr)
+
+
+class Prometheus:
+    """A real `prometheus` on 127.0.0.1 (a free port), its TSDB and config under `workdir`."""
+
+    def __init__(self, targets: list[str], workdir: Path) -> None:
+        from server_helpers import free_port, wait_for
+
+        binary = shutil.which("prometheus")
+        assert binary, "prometheus not found: `make install` installs it (Debian package prometheus)"
+        config = workdir / "prometheus.yml"
+        config.write_text(yaml.safe_dump(prometheus_config(targets)))
+        check = subprocess.run([shutil.which("promtool") or "promtool", "check", "config", str(config)],
+                               capture_output=True, text=True, timeout=60, check=False)
+        assert check.returncode == 0, check.stdout + check.stderr
+        self.base_url = f"http://127.0.0.1:{free_port()}"
+        self.http = httpx.Client(base_url=self.base_url, timeout=10)
+        self.log_path = workdir / "prometheus.log"
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(
+            [binary, f"--config.file={config}", f"--storage.tsdb.path={workdir / 'data'}",
+             f"--web.listen-address={self.base_url.removeprefix('http://')}", "--log.level=warn"],
+            stdout=self._log, stderr=subprocess.STDOUT, cwd=workdir)
+        try:
+            wait_for(self._ready, 30, interval=0.2, what="Prometheus ready")
+        except BaseException:
+            self.kill()
+            raise
+
+    def _ready(self) -> bool:
+        assert self.proc.poll() is None, f"prometheus exited with {self.proc.returncode}:\n{self.log()}"
+        try:
+            return self.http.get("/-/ready", timeout=2).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    def api(self, path: str, **params) -> dict | list:
+        r = self.http.get("/api/v1/" + path, params=params)
+        body = r.json()
+        assert r.status_code == 200 and body["status"] == "success", (path, params, body)
+        return body["data"]
+
+    def query(self, expr: str) -> list:
+        """The instant query's result now (a vector's samples; a scalar as one)."""
+        data = self.api("query", query=expr)
+        return data["result"] if data["resultType"] in ("vector", "matrix") else [data["result"]]
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self.http.close()
+        self._log.close()
+
+
+def send_traffic(base_url: str, streams: int) -> str:
+    """`streams` completions and chats each, through the official client, streamed and not;
+    then one request refused for its key. Returns the served model's name."""
+    import openai
+
+    client = openai.OpenAI(base_url=base_url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+    (model,) = [m.id for m in client.models.list().data]
+    for i in range(streams):
+        prompt = f"Count to {i + 3}:"
+        text = client.completions.create(model=model, prompt=prompt, max_tokens=6, temperature=0).choices[0].text
+        assert text
+        chunks = client.completions.create(model=model, prompt=prompt, max_tokens=6, temperature=0, stream=True)
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == text
+        messages = [{"role": "user", "content": f"Name {i + 2} colours."}]
+        chat = client.chat.completions.create(model=model, messages=messages, max_tokens=6, temperature=0)
+        assert chat.choices[0].message.content
+        chunks = client.chat.completions.create(model=model, messages=messages, max_tokens=6, temperature=0,
+                                                stream=True)
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    stranger = openai.OpenAI(base_url=base_url + "/v1", api_key="sk-wrong", max_retries=0, timeout=30)
+    with pytest.raises(openai.AuthenticationError):
+        stranger.completions.create(model=model, prompt="Hello", max_tokens=2)
+    return model
+
+
+@pytest.mark.slow
+def test_every_board_query_has_data_in_a_real_prometheus(real_server, tmp_path):
+    """The board as a user sees it: a real Prometheus (deploy/prometheus/prometheus.yml's job,
+    scraping every second) scrapes a real `sloserve serve` and a real front over a prefill and a
+    decode worker (`--pd 1:1`) with reactive autoscaling that never acts in this test's lifetime,
+    so that the P/D and autoscaling families exist too. Traffic goes through both in two rounds
+    with a scrape between them (so counters created by the first round grow in the second). Then
+    every board query, with `$model_name` as "All" and as the one model the variable's own query
+    finds, answers status success and a non-empty result through Prometheus' HTTP API."""
+    from server_helpers import ServerProcess, wait_for
+
+    front = ServerProcess(["--pd", "1:1", "--autoscale", "reactive", "--pd-capacity", "10:10",
+                           "--scaling-interval", "3600", "--kv-cache-gib", "0.1", "--api-key", KEY,
+                           "--log-level", "warning"], tmp_path / "front.log", startup_timeout=300, exact=False)
+    servers = {"server": real_server, "front": front}
+    prometheus = None
+    try:
+        auth = {"Authorization": f"Bearer {KEY}"}
+        wait_for(lambda: [d["status"] for d in httpx.get(front.v1 + "/instances", headers=auth, timeout=10)
+                          .json()["data"]] == ["healthy"] * 2, 240, interval=0.5, what="both workers healthy")
+        prometheus = Prometheus([s.base_url.removeprefix("http://") for s in servers.values()], tmp_path)
+
+        def scraped_since(t: float) -> bool:
+            """Both targets up, each last scraped after wall-clock time t."""
+            up = {s["metric"]["instance"]: float(s["value"][1]) for s in prometheus.query("up")}
+            last = [float(s["value"][1]) for s in prometheus.query("timestamp(up)")]
+            return len(up) == 2 and all(up.values()) and len(last) == 2 and min(last) > t
+
+        wait_for(lambda: scraped_since(0), 30, interval=0.2, what="both targets scraped")
+        models = set()
+        for _ in range(2):
+            models |= {send_traffic(s.base_url, streams=1) for s in servers.values()}
+            done = time.time()
+            wait_for(lambda done=done: scraped_since(done), 30, interval=0.2,
+                     what="a scrape of both after the traffic")
+        (model,) = models
+
+        board = load_board()
+        (variable,) = [v for v in board["templating"]["list"] if v["name"] == "model_name"]
+        found = LABEL_VALUES.match(variable["query"])
+        assert prometheus.api(f"label/{found['label']}/values", **{"match[]": found["metric"]}) == [model]
+        choices = {"All": {"model_name": variable["allValue"]}, "one": {"model_name": promql_regex(model)}}
+        queries = [(f"{where} (model {choice})", grafana_substitute(expr, values))
+                   for where, expr in board_expressions(board) for choice, values in choices.items()]
+
+        def empty() -> list[str]:
+            return [f"{where}: {expr}" for where, expr in queries if not prometheus.query(expr)]
+
+        deadline = time.monotonic() + 15  # every series has two scrapes in every window by now: bounded slack
+        while (missing := empty()) and time.monotonic() < deadline:
+            time.sleep(SCRAPE_S)
+        assert missing == [], "board queries without data:\n" + "\n".join(missing)
+
+        by_title = {p["title"]: p for p in all_panels(board)}
+        for title, ref in MOVED:
+            (target,) = [t for t in by_title[title]["targets"] if t["refId"] == ref]
+            values = [float(s["value"][1]) for s in prometheus.query(grafana_substitute(target["expr"],
+                                                                                         choices["All"]))]
+            assert values and max(values) > 0, (title, ref, values)
+    except BaseException:
+        if prometheus is not None:
+            print(prometheus.log()[-4000:])
+        raise
+    finally:
+        if prometheus is not None:
+            prometheus.kill()
+        front.kill()
