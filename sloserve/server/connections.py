@@ -1,4 +1,4 @@
-"""Connection-level limits that uvicorn 0.54 lacks, and the one place its Config is built.
+"""Connection-level limits that uvicorn lacks, and the one place its Config is built.
 
 What uvicorn already bounds (checked against its h11 protocol):
 - an idle keep-alive connection, *after* a response: closed after `timeout_keep_alive`;
@@ -16,7 +16,9 @@ timeout for the app (EdgeMiddleware applies it), and `uvicorn_config` builds the
 them, for the single-instance server and the multi-instance front alike.
 
 h11, not httptools, on purpose: httptools is not installed here (uvicorn's "auto" would pick
-h11 anyway) and the subclass below relies on h11_impl's internals, named where used.
+h11 anyway) and the subclass below relies on h11_impl's internals, named where used. uvicorn and
+h11 are pinned to the versions tested (pyproject.toml); tests/test_pinned_internals.py fails if
+what the subclass reads moves.
 """
 from __future__ import annotations
 
@@ -105,7 +107,7 @@ def timed_receive(receive: Receive, timeout_s: float) -> Receive:
 class LimitedH11Protocol(H11Protocol):
     """uvicorn's h11 protocol with a header read timeout and a cap on open connections.
 
-    Relies on these H11Protocol internals (uvicorn 0.54): `self.connections` (the server's set
+    Relies on these H11Protocol internals: `self.connections` (the server's set
     of open protocols, added in `connection_made`), `self.cycle` (the current request's
     RequestResponseCycle, with `response_complete`), `self.conn` (the h11.Connection) and
     `self.transport`. uvicorn builds it as `Config.http(config=, server_state=, app_state=, _loop=)`;
