@@ -8,6 +8,13 @@ that rate. The search brackets it from the burst throughput (every request at on
 makespan), doubling or halving until one end meets the SLO and the other does not, then bisects
 geometrically. Each rate is tried with the same sample, or (`sustained`) with as many requests
 as a minimum duration of arrivals at that rate takes: the steady-state answer at high rates.
+
+A fixed sample squeezed to a high rate is a burst, and a fleet absorbs a burst within a loose TTFT
+however far past its capacity the rate is (100 requests at 177,000 req/s arrive in half a
+millisecond). So every search that holds rates for a minimum duration (`sustained`, SUSTAIN_S by
+default) also refuses to credit a rate its sample cannot hold that long: a rate that would need
+more requests than the sample has counts as not met, and the answer is then a lower bound
+(`Goodput.limited`), never a burst absorbed. Each answer says how long it was held (`Goodput.held_s`).
 """
 from __future__ import annotations
 
@@ -30,6 +37,16 @@ ATTAINMENT = 0.9
 MAX_BRACKET_STEPS = 12  # 2^12 either way of the burst throughput: far past any real fleet's range
 
 
+def stretchable(reqs: Sequence[WorkloadRequest]) -> Sequence[WorkloadRequest]:
+    """`reqs`, checked to have an arrival pattern to stretch: requests all sent at once stay a
+    burst at every rate (`at_rate` cannot spread them), so a search over rates would measure the
+    same burst at each."""
+    if len(reqs) > 1 and reqs[-1].arrival_s <= reqs[0].arrival_s:
+        raise ValueError(f"the {len(reqs)} requests arrive all at once: a rate search needs arrival times to "
+                         "stretch (give the workload a rate, or --replay a trace)")
+    return reqs
+
+
 def at_rate(reqs: Sequence[WorkloadRequest], rate: float) -> list[WorkloadRequest]:
     """The same requests, their arrival pattern stretched or squeezed to a mean of `rate` req/s."""
     span = reqs[-1].arrival_s or 1.0
@@ -38,8 +55,38 @@ def at_rate(reqs: Sequence[WorkloadRequest], rate: float) -> list[WorkloadReques
     return [replace(r, arrival_s=r.arrival_s * f) for r in reqs]
 
 
+SUSTAIN_S = 60.0
+"""Seconds of arrivals each rate of a search is held for by default (the capacity model and `sloserve
+plan`). A rate a share e over capacity queues about e x t seconds of work after t seconds, so requests
+arriving after TTFT / e miss, and over W seconds the misses pass the 10% the attainment allows once
+e > TTFT / (0.9 W): with W = 60 s, from 1.9% over capacity at a 1 s TTFT (9% at 5 s). Longer
+windows resolve finer but cost rate x W requests per simulated probe: 60 s is ~1,800 requests at
+30 req/s, a minute or two for an 8-GPU plan."""
+
+
+@dataclass(frozen=True)
+class Sustained:
+    """Requests for probing a rate with sustained load (see `sustained`)."""
+
+    source: Callable[[int], Sequence[WorkloadRequest]]
+    base: int
+    min_duration_s: float
+    max_requests: int
+
+    def size(self, rate: float) -> int:
+        """Requests asked for at `rate`: the base sample, or `min_duration_s` of arrivals, capped."""
+        return min(self.max_requests, max(self.base, math.ceil(rate * self.min_duration_s)))
+
+    def holds(self, count: int, rate: float) -> bool:
+        """Whether `count` requests at `rate` last `min_duration_s`."""
+        return count >= rate * self.min_duration_s * (1 - 1e-9)
+
+    def __call__(self, rate: float) -> list[WorkloadRequest]:
+        return at_rate(self.source(self.size(rate)), rate)
+
+
 def sustained(source: Callable[[int], Sequence[WorkloadRequest]], base: int, min_duration_s: float,
-              max_requests: int) -> Callable[[float], list[WorkloadRequest]]:
+              max_requests: int) -> Sustained:
     """Requests for probing a rate with sustained load: at `rate`, the first max(`base`, rate x
     `min_duration_s`) requests of the workload (`source(n)` gives its first n; at most
     `max_requests`), squeezed or stretched to that rate.
@@ -49,11 +96,73 @@ def sustained(source: Callable[[int], Sequence[WorkloadRequest]], base: int, min
     measures a transient (2,000 ShareGPT requests at 800 req/s arrive in 2.5 s). With a minimum
     duration, a rate past capacity builds a queue that grows for the whole window, so the misses
     it causes outnumber the 10% the attainment allows once the window is long against the TTFT
-    target (at 1 s of TTFT and 60 s of arrivals, from about 2% over capacity)."""
-    def at(rate: float) -> list[WorkloadRequest]:
-        n = min(max_requests, max(base, math.ceil(rate * min_duration_s)))
-        return at_rate(source(n), rate)
-    return at
+    target (SUSTAIN_S). A rate whose probe cannot last `min_duration_s` (the cap, or the end of
+    the workload) is not credited by the searches (`search_rate`)."""
+    return Sustained(source, base, min_duration_s, max_requests)
+
+
+@dataclass(frozen=True)
+class Goodput:
+    """What a rate search found: the rate, the requests it was tried with and how many seconds of
+    arrivals they lasted at it, and, when the sample bounded the search, the lowest rate the search
+    wanted to try but could not hold for the probe's minimum duration (with the requests the sample
+    gave there): the rate is then a lower bound."""
+
+    rps: float
+    requests: int = 0
+    refused_rps: Optional[float] = None
+    refused_requests: Optional[int] = None
+
+    @property
+    def held_s(self) -> float:
+        """Seconds of arrivals at `rps` (requests / rate; inf when nothing was met)."""
+        return self.requests / self.rps if self.rps > 0 else math.inf
+
+    @property
+    def limited(self) -> bool:
+        return self.refused_rps is not None
+
+    def as_dict(self) -> dict:
+        return {"rps": self.rps, "requests": self.requests,
+                "held_s": self.held_s if self.rps > 0 else None, "refused_rps": self.refused_rps,
+                "refused_requests": self.refused_requests}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Goodput":
+        return cls(float(d["rps"]), int(d["requests"]), d.get("refused_rps"), d.get("refused_requests"))
+
+
+def search_rate(check: Callable[[list[WorkloadRequest], float], bool],
+                requests_at: Callable[[float], list[WorkloadRequest]], start: float, iters: int) -> Goodput:
+    """The highest rate at which `check(requests_at(rate), rate)` holds (`max_rate`). With a
+    `Sustained` probe, a rate whose requests cannot last its minimum duration counts as not met
+    without a run: the search never credits a burst, and says when that bounded it (a rate the
+    sample could not hold, below every rate that failed on its merits)."""
+    sustain = requests_at if isinstance(requests_at, Sustained) else None
+    counts: dict[float, int] = {}
+    refused: list = [math.inf, None]
+    failed = [math.inf]
+
+    def meets(rate: float) -> bool:
+        tried: list[WorkloadRequest] = []
+        count = sustain.size(rate) if sustain is not None else 0
+        if sustain is None or sustain.holds(count, rate):  # built only when the cap leaves it a chance to hold
+            tried = requests_at(rate)
+            count = len(tried)
+        counts[rate] = count
+        if sustain is not None and not sustain.holds(count, rate):
+            if rate < refused[0]:
+                refused[:] = [rate, count]
+            return False
+        if check(tried, rate):
+            return True
+        failed[0] = min(failed[0], rate)
+        return False
+
+    found = max_rate(meets, start, iters)
+    limited = refused[0] < failed[0]
+    return Goodput(found, counts.get(found, 0) if found > 0 else 0, refused[0] if limited else None,
+                   refused[1] if limited else None)
 
 
 def max_rate(meets: Callable[[float], bool], start: float, iters: int) -> float:
@@ -87,16 +196,25 @@ def attainment(reqs: Sequence[WorkloadRequest], cfg: FleetConfig, slo: SLO) -> t
     return sum(slo.met(r) for r in records) / max(1, len(reqs)), result.end_time
 
 
+def search_goodput(reqs: Sequence[WorkloadRequest], cfg: "FleetConfig | Callable[[float], FleetConfig]", slo: SLO,
+                   iters: int = 3, target: float = ATTAINMENT,
+                   requests_at: Optional[Callable[[float], list[WorkloadRequest]]] = None) -> Goodput:
+    """Requests/s the fleet serves with >= `target` of them within `slo` (module docstring), with
+    how long that rate was held. `cfg` may be a function of the rate tried (a fleet sized to it);
+    `requests_at` the requests each rate is tried with (`sustained`: rates it cannot hold are not
+    credited), by default `reqs` at that rate."""
+    stretchable(reqs)  # the sample the search starts from, and its pattern (`sustained` draws more like it)
+    fleet_at = cfg if callable(cfg) else (lambda rate: cfg)
+    probe = requests_at or (lambda rate: at_rate(reqs, rate))
+    return search_rate(lambda tried, rate: attainment(tried, fleet_at(rate), slo)[0] >= target, probe,
+                       burst_rate(reqs, fleet_at(0.0), slo), iters)
+
+
 def goodput(reqs: Sequence[WorkloadRequest], cfg: "FleetConfig | Callable[[float], FleetConfig]", slo: SLO,
             iters: int = 3, target: float = ATTAINMENT,
             requests_at: Optional[Callable[[float], list[WorkloadRequest]]] = None) -> float:
-    """Requests/s the fleet serves with >= `target` of them within `slo` (module docstring).
-    `cfg` may be a function of the rate tried (a fleet sized to it); `requests_at` the requests
-    each rate is tried with (`sustained`), by default `reqs` at that rate."""
-    fleet_at = cfg if callable(cfg) else (lambda rate: cfg)
-    probe = requests_at or (lambda rate: at_rate(reqs, rate))
-    return max_rate(lambda rate: attainment(probe(rate), fleet_at(rate), slo)[0] >= target,
-                    burst_rate(reqs, fleet_at(0.0), slo), iters)
+    """The rate `search_goodput` finds."""
+    return search_goodput(reqs, cfg, slo, iters, target, requests_at).rps
 
 
 def burst_rate(reqs: Sequence[WorkloadRequest], cfg: FleetConfig, slo: SLO) -> float:
@@ -119,33 +237,40 @@ def simulator_fingerprint() -> str:
                                        root / "config.py"])
 
 
-CAPACITY_SUSTAIN_S = 60.0  # arrivals each rate of the capacity search is held for (see `sustained`)
+CAPACITY_SUSTAIN_S = SUSTAIN_S  # arrivals each rate of the capacity search is held for (see `sustained`)
+CAPACITY_MOST_REQUESTS = 50_000  # with `more`: the most requests a capacity probe draws (833 req/s held 60 s)
 
 
 def instance_capacity(reqs: Sequence[WorkloadRequest], cfg: FleetConfig, slo: SLO, iters: int = 3,
                       sample: int = 400, cache: Optional[JsonCache] = None,
-                      min_duration_s: float = CAPACITY_SUSTAIN_S) -> float:
+                      min_duration_s: float = CAPACITY_SUSTAIN_S,
+                      more: Optional[Callable[[int], Sequence[WorkloadRequest]]] = None,
+                      most: int = CAPACITY_MOST_REQUESTS) -> float:
     """The capacity model of autoscaling: requests/s ONE instance of `cfg` serves with >= 90% of
     them within `slo`, by the goodput search. Each rate is tried with at least `sample` requests
     of the workload and with as many of `reqs` as `min_duration_s` of arrivals at that rate take
     (`sustained`), so the answer is what an instance keeps up with, not a burst it absorbs
     (a 400-request sample at 30 req/s is 13 s of arrivals, which a 1 s TTFT forgives ~10% past
-    capacity). Give `reqs` long enough for that (rate x duration); the search warns when it runs out.
+    capacity). A rate that would need more requests than `reqs` has is not credited: give `reqs`
+    long enough (rate x duration), or `more(n)` (the workload's first n requests, at most `most`)
+    to draw from past them; when the sample bounds the search, the answer is a lower bound and a
+    warning says so (again whenever it is read back from the cache).
     Kept in `cache` (default: on disk, `capacity_cache()`) per hardware, model, tp, profile
     (its contents), scheduler and cache settings, SLO, workload shape and simulator code: the
     search runs dozens of simulations, and the same question comes back every run."""
     head = _sample(reqs, len(reqs))
     cache = capacity_cache() if cache is None else cache
-    key = _capacity_key(head, cfg, slo, iters, "mixed", sample, min_duration_s)
+    probe = _probe(head, sample, min_duration_s, more, most)
+    key = _capacity_key(head, cfg, slo, iters, "mixed", sample, min_duration_s, probe.max_requests)
     known = cache.get(key)
-    if isinstance(known, (int, float)):
-        return float(known)
-    probe = _probe(head, sample, min_duration_s)
-    capacity = goodput(head[:sample], replace(cfg, instances=1, autoscale=None, pd=None, migration="none"), slo,
-                       iters, requests_at=probe)
-    _warn_if_short(capacity, head, min_duration_s, "an instance")
-    cache.put(key, capacity)
-    return capacity
+    if isinstance(known, dict) and "rps" in known:
+        found = Goodput.from_dict(known)
+    else:
+        found = search_goodput(head[:sample], replace(cfg, instances=1, autoscale=None, pd=None, migration="none"),
+                               slo, iters, requests_at=probe)
+        cache.put(key, found.as_dict())
+    _warn_if_limited(found, found.rps, min_duration_s, "an instance")
+    return found.rps
 
 
 POOL_HEADROOM = 4  # the other pool's instances, at least, while one pool's instance is measured
@@ -154,7 +279,9 @@ POOL_MOST = 16  # ... and at most: a pool this size is what the measured instanc
 
 def pool_capacity(reqs: Sequence[WorkloadRequest], cfg: FleetConfig, slo: SLO, iters: int = 3, sample: int = 400,
                   cache: Optional[JsonCache] = None,
-                  min_duration_s: float = CAPACITY_SUSTAIN_S) -> tuple[float, float]:
+                  min_duration_s: float = CAPACITY_SUSTAIN_S,
+                  more: Optional[Callable[[int], Sequence[WorkloadRequest]]] = None,
+                  most: int = CAPACITY_MOST_REQUESTS) -> tuple[float, float]:
     """The capacity model of an autoscaled P/D fleet: requests/s ONE prefill instance serves
     within the SLO's TTFT, and ONE decode instance within its TPOT, with `cfg`'s pool settings
     (cached as instance_capacity).
@@ -167,17 +294,28 @@ def pool_capacity(reqs: Sequence[WorkloadRequest], cfg: FleetConfig, slo: SLO, i
     against prefill pools sized from that, then prefill again against decode pools sized from
     the decode answer. A decode instance is held to having room for (nearly) every hand-off too:
     one that has none leaves the request decoding on its prefill instance, which is the fleet's
-    fallback, not decode capacity. Rates are held for `min_duration_s` as in instance_capacity."""
+    fallback, not decode capacity. Rates are held for `min_duration_s` as in instance_capacity
+    (`more`, `most` and the lower bound too)."""
     head = _sample(reqs, len(reqs))
     cache = capacity_cache() if cache is None else cache
-    key = _capacity_key(head, cfg, slo, iters, "prefill/decode", sample, min_duration_s)
+    probe = _probe(head, sample, min_duration_s, more, most)
+    key = _capacity_key(head, cfg, slo, iters, "prefill/decode", sample, min_duration_s, probe.max_requests)
     known = cache.get(key)
-    if isinstance(known, list) and len(known) == 2:
-        return float(known[0]), float(known[1])
+    if isinstance(known, dict) and "capacity" in known:
+        (prefill, decode), searches = known["capacity"], [Goodput.from_dict(d) for d in known["searches"]]
+    else:
+        prefill, decode, searches = _measure_pools(head[:sample], cfg, slo, iters, probe)
+        cache.put(key, {"capacity": [prefill, decode], "searches": [g.as_dict() for g in searches]})
+    _warn_if_limited(searches[0], prefill, min_duration_s, "a prefill instance")
+    _warn_if_limited(searches[1], decode, min_duration_s, "a decode instance")
+    return float(prefill), float(decode)
+
+
+def _measure_pools(first: list[WorkloadRequest], cfg: FleetConfig, slo: SLO, iters: int,
+                   probe: Sustained) -> tuple[float, float, list[Goodput]]:
+    """pool_capacity's searches: (prefill, decode, [the prefill search, the decode search])."""
     base = replace(cfg, autoscale=None, migration="none")
     ttft_only, tpot_only = replace(slo, tpot_s=None), replace(slo, ttft_s=None, e2e_s=None)
-    probe = _probe(head, sample, min_duration_s)
-    first = head[:sample]
 
     def sized(rate: float, capacity: float) -> int:
         return min(POOL_MOST, max(POOL_HEADROOM, math.ceil(2 * rate / capacity))) if capacity > 0 else POOL_HEADROOM
@@ -193,24 +331,22 @@ def pool_capacity(reqs: Sequence[WorkloadRequest], cfg: FleetConfig, slo: SLO, i
             return most
         return found
 
-    def decode_keeps_up(rate: float) -> bool:
+    def decode_keeps_up(tried: list[WorkloadRequest], rate: float) -> bool:
         """TPOT met, and the decode instance had room for the hand-offs: a request it cannot
         take keeps decoding on its prefill instance, which must not count as decode capacity."""
-        tried = probe(rate)
         records, result = simulate(build_fleet(replace(base, pd=f"{sized(rate, prefill)}:1")), sim_requests(tried))
         met = sum(tpot_only.met(r) for r in records) / len(tried)
         decoding = sum(r.output_len > 1 for r in tried)  # a one-token request has nothing to hand off
         return met >= ATTAINMENT and result.handoffs.get("completed", 0) >= ATTAINMENT * decoding
 
-    prefill = goodput(first, replace(base, pd=f"1:{POOL_HEADROOM}"), ttft_only, iters, requests_at=probe)
+    prefill = search_goodput(first, replace(base, pd=f"1:{POOL_HEADROOM}"), ttft_only, iters, requests_at=probe).rps
     start = burst_rate(first, replace(base, pd=f"{POOL_HEADROOM}:1"), tpot_only)
-    decode = bounded(max_rate(decode_keeps_up, start, iters), prefill, "decode")
-    prefill = bounded(goodput(first, lambda rate: replace(base, pd=f"1:{sized(rate, decode)}"), ttft_only, iters,
-                              requests_at=probe), decode, "prefill")
-    _warn_if_short(prefill, head, min_duration_s, "a prefill instance")
-    _warn_if_short(decode, head, min_duration_s, "a decode instance")
-    cache.put(key, [prefill, decode])
-    return prefill, decode
+    decode_search = search_rate(decode_keeps_up, probe, start, iters)
+    decode = bounded(decode_search.rps, prefill, "decode")
+    prefill_search = search_goodput(first, lambda rate: replace(base, pd=f"1:{sized(rate, decode)}"), ttft_only,
+                                    iters, requests_at=probe)
+    prefill = bounded(prefill_search.rps, decode, "prefill")
+    return prefill, decode, [prefill_search, decode_search]
 
 
 CURVE_LOADS = (0.25, 0.5, 0.7, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5)  # of the capacity model's rate
@@ -268,24 +404,30 @@ def _sample(reqs: Sequence[WorkloadRequest], sample: int) -> list[WorkloadReques
     head = list(reqs[:sample])
     if len(head) < 10:
         raise ValueError(f"the capacity model needs at least 10 requests of the workload, got {len(head)}")
-    return head
+    return list(stretchable(head))
 
 
-def _probe(head: Sequence[WorkloadRequest], sample: int,
-           min_duration_s: float) -> Callable[[float], list[WorkloadRequest]]:
-    """The capacity search's requests at a rate: at least `sample`, and `min_duration_s` of them."""
-    return sustained(lambda n: head[:n], min(sample, len(head)), min_duration_s, len(head))
+def _probe(head: Sequence[WorkloadRequest], sample: int, min_duration_s: float,
+           more: Optional[Callable[[int], Sequence[WorkloadRequest]]] = None, most: int = 0) -> Sustained:
+    """The capacity search's requests at a rate: at least `sample`, and `min_duration_s` of them,
+    from `head` and past it from `more` (up to `most`)."""
+    if more is None:
+        return sustained(lambda n: head[:n], min(sample, len(head)), min_duration_s, len(head))
+    return sustained(lambda n: head[:n] if n <= len(head) else more(n), min(sample, len(head)), min_duration_s,
+                     max(most, len(head)))
 
 
-def _warn_if_short(capacity: float, head: Sequence[WorkloadRequest], min_duration_s: float, what: str) -> None:
-    if capacity * min_duration_s > len(head):
-        logger.warning("capacity of %s: %.2f req/s for %.0f s needs %d requests, the workload gave %d: the answer "
-                       "may count a burst absorbed as capacity", what, capacity, min_duration_s,
-                       math.ceil(capacity * min_duration_s), len(head))
+def _warn_if_limited(found: Goodput, capacity: float, min_duration_s: float, what: str) -> None:
+    """Say that a capacity is a lower bound when the sample stopped the search (`search_rate`)."""
+    if found.limited:
+        logger.warning("capacity of %s: %.2f req/s is a lower bound: holding %.0f s of arrivals at %.2f req/s needs "
+                       "%d requests, the sample gave %d (give a longer workload)", what, capacity, min_duration_s,
+                       found.refused_rps, math.ceil(found.refused_rps * min_duration_s),  # type: ignore[operator]
+                       found.refused_requests)
 
 
 def _capacity_key(head: Sequence[WorkloadRequest], cfg: FleetConfig, slo: SLO, iters: int, what: str,
-                  sample: int, min_duration_s: float) -> str:
+                  sample: int, min_duration_s: float, most: Optional[int] = None) -> str:
     shape = (round(sum(r.prompt_len for r in head) / len(head), -1), round(sum(r.output_len for r in head) / len(head), -1))
     profile = source_fingerprint([Path(cfg.profile)]) if cfg.profile else None
     pools = [asdict(cfg.prefill_pool), asdict(cfg.decode_pool), cfg.link, cfg.pd_transfer, cfg.decode_router] \
@@ -293,7 +435,8 @@ def _capacity_key(head: Sequence[WorkloadRequest], cfg: FleetConfig, slo: SLO, i
     return json.dumps([cfg.hardware, cfg.model, cfg.tp, profile, asdict(cfg.scheduler), asdict(cfg.cache),
                        cfg.num_blocks, cfg.max_model_len, cfg.dtype_bytes, cfg.predictor, cfg.kv_store_gib,
                        cfg.kv_store_link, slo.ttft_s, slo.tpot_s, slo.e2e_s, shape, len(head), min(sample, len(head)),
-                       min_duration_s, iters, simulator_fingerprint(), what, *pools], sort_keys=True, default=str)
+                       min_duration_s, iters, simulator_fingerprint(), what, most or len(head), *pools], sort_keys=True,
+                      default=str)
 
 
 @dataclass(frozen=True)
@@ -322,7 +465,11 @@ class Layout:
 class PlanRow:
     layout: Layout
     gpus: int
-    goodput: float  # req/s
+    found: Goodput  # the search's answer: the rate, how long it was held, whether the sample bounded it
+
+    @property
+    def goodput(self) -> float:  # req/s
+        return self.found.rps
 
     @property
     def per_gpu(self) -> float:
@@ -343,12 +490,14 @@ def plan(reqs: Sequence[WorkloadRequest], cfg: FleetConfig, slo: SLO, gpus: int,
          requests_at: Optional[Callable[[float], list[WorkloadRequest]]] = None) -> list[PlanRow]:
     """Goodput of every candidate layout on `gpus` devices, best per GPU first. Candidates whose
     pools' tensor-parallel degrees do not add up to `gpus` are priced at the devices they use.
-    `requests_at`: the requests each rate is tried with (`sustained`; by default `reqs` at it)."""
+    `requests_at`: the requests each rate is tried with (`sustained`, whose rates a row's search
+    credits only when they last its minimum duration; by default `reqs` squeezed to each rate, which
+    holds rates only as long as `reqs` lasts at them: see `PlanRow.found`)."""
     rows = []
     for layout in candidates:
         fleet = layout.apply(cfg, gpus)
         fleet.validate()
-        row = PlanRow(layout, fleet_gpus(fleet), goodput(reqs, fleet, slo, iters, requests_at=requests_at))
+        row = PlanRow(layout, fleet_gpus(fleet), search_goodput(reqs, fleet, slo, iters, requests_at=requests_at))
         rows.append(row)
         if on_done is not None:
             on_done(row)

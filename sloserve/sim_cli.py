@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import math
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -38,6 +39,7 @@ def add_simulate_parser(sub: argparse._SubParsersAction) -> None:
 
 def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     from sloserve.bench.cli import add_workload_args
+    from sloserve.planning import SUSTAIN_S
 
     p = sub.add_parser("plan", help="the best prefill/decode split (and pool settings) for a workload and SLO, "
                                     "against the best colocated fleet, on the simulator")
@@ -51,11 +53,14 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
                    help="prefill pool settings to try, ';'-separated (each as --pd-prefill; default: the fleet's)")
     g.add_argument("--decode-pools", default="", metavar="SPEC;SPEC", help="decode pool settings to try, as above")
     g.add_argument("--iters", type=int, default=3, help="bisection steps of each goodput search")
-    g.add_argument("--sustain", type=float, default=0.0, metavar="S",
-                   help="try each rate with at least S seconds of arrivals: more of the workload (up to "
-                        "--max-requests), not the same requests squeezed, which a loose TTFT absorbs as one burst; "
-                        "0 (default): the workload as given")
-    g.add_argument("--max-requests", type=int, default=20000, help="with --sustain: most requests per rate tried")
+    g.add_argument("--sustain", type=float, default=SUSTAIN_S, metavar="S",
+                   help="hold each rate tried for at least S seconds of arrivals (default %(default)g: a rate 2%% "
+                        "past capacity fails a 1 s TTFT): more of the workload (up to --max-requests), not the same "
+                        "requests squeezed, which a loose TTFT absorbs as one burst. A rate the sample cannot hold "
+                        "that long is not credited: the row is then a lower bound (marked >=). 0: the workload as "
+                        "given, squeezed to each rate (rows it held under %(default)g s are marked !)")
+    g.add_argument("--max-requests", type=int, default=20000,
+                   help="most requests per rate tried (with --sustain S: rates up to N / S req/s can be shown)")
     g.add_argument("--out", default="plan-out", metavar="DIR", help="plan.json and plan.png go here")
     g.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=cmd_plan)
@@ -447,15 +452,23 @@ def prepare_autoscaling(fleet, args: argparse.Namespace, spec, slo) -> None:
     if measured and slo.empty:
         given = "--pd-capacity P_RPS:D_RPS" if fleet.pd else "--capacity RPS"
         raise ValueError(f"autoscaling needs {given}, or --slo to measure it on the workload")
-    # rates are held for planning.CAPACITY_SUSTAIN_S of arrivals: 4,000 requests last a minute up to ~66 req/s
-    head = build_stream(replace(spec, num_requests=CAPACITY_PROBE_REQUESTS, duration_s=None)) if measured else []
+    # rates are held for planning.CAPACITY_SUSTAIN_S of arrivals: 4,000 requests last a minute up to ~66 req/s,
+    # and a faster instance's search draws more of the workload (`more`, up to planning.CAPACITY_MOST_REQUESTS).
+    # The search stretches the workload's arrival pattern to each rate: one with neither times nor a rate here
+    # (--rate is the runs') would be sent all at once, a burst at every rate, so it gets the runs' arrival process
+    shaped = spec if spec.rate is not None or spec.replay or spec.has_trace_times else replace(spec, rate=1.0)
+
+    def more(n: int):
+        return build_stream(replace(shaped, num_requests=n, duration_s=None))
+
+    head = more(CAPACITY_PROBE_REQUESTS) if measured else []
     if fleet.pd and fleet.pd_capacity is None:
-        fleet.pd_capacity = pool_capacity(head, fleet, slo)
+        fleet.pd_capacity = pool_capacity(head, fleet, slo, more=more)
         if not all(c > 0 for c in fleet.pd_capacity):  # type: ignore[union-attr]
             raise ValueError("one pool's instance meets the SLO at no rate on this workload: loosen --slo or "
                              "give --pd-capacity")
     elif not fleet.pd and fleet.capacity_rps is None:
-        fleet.capacity_rps = instance_capacity(head, replace(fleet, autoscale=None), slo)
+        fleet.capacity_rps = instance_capacity(head, replace(fleet, autoscale=None), slo, more=more)
         if not fleet.capacity_rps > 0:
             raise ValueError("one instance meets the SLO at no rate on this workload: loosen --slo or give --capacity")
     if args.scaling_history:
@@ -503,12 +516,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
     import json
 
     from rich.console import Console
+    from rich.markup import escape
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
     from sloserve.bench.cli import resolve_rates, workload_spec_from_args
     from sloserve.bench.metrics import SLO
-    from sloserve.planning import layouts, plan, sustained
+    from sloserve.planning import SUSTAIN_S, layouts, plan, sustained
     from sloserve.simulation import PoolSettings
     from sloserve.workload.build import build_stream
 
@@ -540,27 +554,67 @@ def cmd_plan(args: argparse.Namespace) -> int:
         task = progress.add_task("goodput searches", total=len(candidates))
         rows = plan(stream, fleet, slo, args.gpus, candidates, args.iters, on_done=lambda _: progress.advance(task),
                     requests_at=requests_at)
+    # seconds of arrivals a row's rate must have lasted to count as sustained: what --sustain asked, and with
+    # --sustain 0 (the workload squeezed) the default's, so that a burst the fleet absorbed is marked all the same
+    need_s = args.sustain if args.sustain > 0 else SUSTAIN_S
+    short = [r for r in rows if r.goodput > 0 and r.found.held_s < need_s * (1 - 1e-9)]
+    limited = [r for r in rows if r.found.limited]
+
+    def mark(r) -> str:  # a lower bound; a rate held too short is marked at its seconds
+        return ">=" if r.found.limited else ""
+
+    def secs(x: float) -> str:  # inf: nothing met, nothing held
+        return "-" if math.isinf(x) else f"{x:.0f}" if x >= 10 else f"{x:.2g}"
+
+    def label(r) -> str:  # pool settings are in [brackets], which rich reads as markup
+        return escape(r.layout.label)
+
     colocated = next(r for r in rows if r.layout.pd is None)
     best_pd = next((r for r in rows if r.layout.pd is not None), None)
-    table = Table(title=f"goodput per GPU at >= 90% within {args.slo} ms: {len(stream)} requests of "
-                        f"{spec.name}, {args.gpus} x {fleet.hardware}, {fleet.model}, link {fleet.link}")
-    for col in ("layout", "GPUs", "goodput req/s", "per GPU", "vs colocated"):
-        table.add_column(col, justify="right")
+    held = (f"each rate held >= {args.sustain:g} s of arrivals (at most {args.max_requests} requests)"
+            if args.sustain > 0 else f"the workload's {len(stream)} requests squeezed to each rate")
+    table = Table(title=f"goodput per GPU at >= 90% within {args.slo} ms: {spec.name}, {held}; {args.gpus} x "
+                        f"{fleet.hardware}, {fleet.model}, link {fleet.link}")
+    for col in ("layout", "GPUs", "goodput req/s", "per GPU", "vs colocated", "held s (requests)"):
+        table.add_column(col, justify="right", overflow="fold")
     for r in rows:
         ratio = r.per_gpu / colocated.per_gpu if colocated.per_gpu > 0 else float("inf")
-        table.add_row(r.layout.label, str(r.gpus), f"{r.goodput:.2f}", f"{r.per_gpu:.3f}", f"{ratio:.2f}x")
+        table.add_row(label(r), str(r.gpus), f"{mark(r)}{r.goodput:.2f}", f"{r.per_gpu:.3f}", f"{ratio:.2f}x",
+                      secs(r.found.held_s) + ("!" if r in short else "") + f" ({r.found.requests})")
     out = Console()
     out.print(table)
     winner = rows[0]
-    out.print(f"best: {winner.layout.label} ({winner.per_gpu:.3f} req/s per GPU); best colocated "
-              f"{colocated.per_gpu:.3f}" + (f"; best P:D {best_pd.layout.label} {best_pd.per_gpu:.3f}" if best_pd else ""))
+    out.print(f"best: {label(winner)} ({mark(winner)}{winner.per_gpu:.3f} req/s per GPU, held "
+              f"{secs(winner.found.held_s)}{'!' if winner in short else ''} s of arrivals); best colocated "
+              f"{mark(colocated)}{colocated.per_gpu:.3f}"
+              + (f"; best P:D {label(best_pd)} {mark(best_pd)}{best_pd.per_gpu:.3f}" if best_pd else ""),
+              highlight=False, soft_wrap=True)
+    if limited:
+        first = min(limited, key=lambda r: r.found.refused_rps)
+        out.print(f"[bold red]warning:[/] {len(limited)} of {len(rows)} rows (marked >=) are lower bounds, not "
+                  f"goodput: {args.sustain:g} s of arrivals at {first.found.refused_rps:.1f} req/s "
+                  f"({label(first)}) needs {math.ceil(first.found.refused_rps * args.sustain)} requests and the "
+                  f"sample gave {first.found.refused_requests} ("
+                  + (f"--max-requests {args.max_requests}): " if first.found.refused_requests >= args.max_requests
+                     else "the end of the workload): ")
+                  + "the search credits no rate it cannot hold that long; raise --max-requests or give a longer "
+                    "workload", highlight=False, soft_wrap=True)
+    if short:
+        worst = min(short, key=lambda r: r.found.held_s)
+        out.print(f"[bold red]warning:[/] the goodput of {len(short)} of {len(rows)} rows (marked !) held less than "
+                  f"{need_s:g} s of arrivals ({label(worst)}: {worst.found.requests} requests at "
+                  f"{worst.goodput:.1f} req/s, {secs(worst.found.held_s)} s): a burst the fleet absorbs, not a "
+                  "rate it sustains; run without --sustain 0", highlight=False, soft_wrap=True)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    record = {"workload": spec.name, "requests": len(stream), "sustain_s": args.sustain, "gpus": args.gpus, "slo": args.slo,
+    record = {"workload": spec.name, "requests": len(stream), "sustain_s": args.sustain,
+              "max_requests": args.max_requests, "gpus": args.gpus, "slo": args.slo,
               "hardware": fleet.hardware, "model": fleet.model, "link": fleet.link, "pd_transfer": fleet.pd_transfer,
               "rows": [{"layout": r.layout.label, "pd": r.layout.pd, "prefill_pool": vars(r.layout.prefill_pool),
                         "decode_pool": vars(r.layout.decode_pool), "gpus": r.gpus, "goodput_rps": r.goodput,
-                        "per_gpu": r.per_gpu} for r in rows]}
+                        "per_gpu": r.per_gpu, "held_s": r.found.held_s if r.goodput > 0 else None,
+                        "probe_requests": r.found.requests, "lower_bound": r.found.limited,
+                        "refused_rps": r.found.refused_rps, "short": r in short} for r in rows]}
     (out_dir / "plan.json").write_text(json.dumps(record, indent=1))
     _plot_plan(rows, out_dir / "plan.png", table.title)
     console.print(f"wrote {out_dir / 'plan.json'} and {out_dir / 'plan.png'}")

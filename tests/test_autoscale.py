@@ -209,7 +209,7 @@ def test_the_capacity_model_is_measured_once_and_read_back_from_disk(tmp_path, m
     def no_search(*args, **kwargs):
         raise AssertionError("measured again instead of reading the cache")
 
-    monkeypatch.setattr(planning, "goodput", no_search)
+    monkeypatch.setattr(planning, "search_goodput", no_search)
     # A new process (a new cache object on the same file) reads the measurement back ...
     assert planning.instance_capacity(reqs, cfg, slo, iters=2, cache=JsonCache(path)) == measured
     # ... but another SLO, another scheduler setting or another simulator is another question.
@@ -306,14 +306,18 @@ def test_pool_capacities_are_measured_per_role_and_cached(tmp_path, monkeypatch)
     # meet; a 3,000-token context alone takes a decode step to ~34 ms, so those get 100 ms.
     slo = SLO(ttft_s=1.0, tpot_s=0.035)
     cache = JsonCache(tmp_path / "capacity.json")
-    p_out, d_out = planning.pool_capacity(long_out, cfg, slo, iters=2, cache=cache)
-    p_in, d_in = planning.pool_capacity(long_in, cfg, SLO(ttft_s=1.0, tpot_s=0.1), iters=2, cache=cache)
+    # 40 requests hold 60 s of arrivals only below 0.67 req/s, and the search credits no rate past that (every
+    # answer would be that lower bound); these evenly spaced, identical requests give the same answers squeezed
+    # as held for 60 s (drawn past the 40, ~30 s of simulation), so they are squeezed here
+    p_out, d_out = planning.pool_capacity(long_out, cfg, slo, iters=2, cache=cache, min_duration_s=0.0)
+    p_in, d_in = planning.pool_capacity(long_in, cfg, SLO(ttft_s=1.0, tpot_s=0.1), iters=2, cache=cache,
+                                        min_duration_s=0.0)
     assert all(c > 0 for c in (p_out, d_out, p_in, d_in))
     assert d_out < p_out  # long outputs: a decode instance carries fewer requests than a prefill one
     assert p_in < d_in  # long prompts: the other way round
-    monkeypatch.setattr(planning, "goodput", lambda *a, **k: pytest.fail("measured again"))
-    assert planning.pool_capacity(long_out, cfg, slo, iters=2, cache=JsonCache(tmp_path / "capacity.json")) \
-        == (p_out, d_out)
+    monkeypatch.setattr(planning, "search_goodput", lambda *a, **k: pytest.fail("measured again"))
+    assert planning.pool_capacity(long_out, cfg, slo, iters=2, cache=JsonCache(tmp_path / "capacity.json"),
+                                  min_duration_s=0.0) == (p_out, d_out)
 
 
 def test_simulate_command_autoscales_each_pool(tmp_path, capsys):
