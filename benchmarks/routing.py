@@ -6,7 +6,12 @@ For each trace (Azure 2023 conversation, Azure 2023 code, Mooncake FAST'25 conve
    arrival pattern.
 2. Measure the fleet's capacity: the highest mean rate (the trace's arrival pattern rescaled
    to that rate) at which least-requests routing still meets the SLO for >= 90% of requests,
-   found by bisection on the rate (bracketed from the fleet's saturation throughput).
+   found by bisection on the rate (bracketed from the fleet's saturation throughput). Each rate
+   is tried with at least `--sustain` seconds of the trace's arrivals (default 60: more of the
+   trace past the window, up to `--max-requests`; planning.sustained), and a rate the trace
+   cannot hold that long is not credited (planning.search_rate): the capacity is then a lower
+   bound, warned and marked >=. A window squeezed to a high rate is a burst the fleet absorbs
+   within a loose TTFT, not a rate it sustains (2,000 Azure requests at 700 req/s last 3 s).
 3. Replay the same requests at 50% ... 110% of that capacity under every policy and record
    SLO attainment, P50/P99 TTFT, P99 TPOT, preemptions and the prefix-cache hit rate.
 
@@ -28,7 +33,7 @@ from typing import Callable, Optional
 
 from sloserve.bench.metrics import SLO, jsonable, percentile
 from sloserve.config import SchedulerConfig
-from sloserve.planning import at_rate, max_rate
+from sloserve.planning import SUSTAIN_S, Goodput, Sustained, at_rate, search_rate, sustained
 from sloserve.simulation import FleetConfig, build_fleet, make_predictions, sim_requests, simulate
 from sloserve.workload.build import WorkloadSpec, build_stream
 from sloserve.workload.types import WorkloadRequest
@@ -92,31 +97,94 @@ def run(reqs: list[WorkloadRequest], policy: str, slo: SLO, instances: int, seed
     }
 
 
-def measure_capacity(reqs: list[WorkloadRequest], slo: SLO, instances: int, iters: int,
-                     requests_at: Optional[Callable[[float], list[WorkloadRequest]]] = None,
-                     **fleet_options) -> tuple[float, list[dict]]:
-    """Highest rate at which the capacity router keeps >= 90% attainment (bisection on rate).
+def longer_windows(trace: Trace) -> Callable[[int], list[WorkloadRequest]]:
+    """The trace's first n requests, for any n (loaded once per size, rounded up to 1,000): what a
+    sustained probe draws from past the window."""
+    loaded: dict[int, list[WorkloadRequest]] = {}
+
+    def first(n: int) -> list[WorkloadRequest]:
+        size = -(-n // 1000) * 1000
+        if size not in loaded:
+            loaded[size] = window(replace(trace, num_requests=size))
+        return loaded[size][:n]
+    return first
+
+
+def search_capacity(reqs: list[WorkloadRequest], slo: SLO, instances: int, iters: int,
+                    requests_at: Optional[Callable[[float], list[WorkloadRequest]]] = None,
+                    min_duration_s: float = SUSTAIN_S, **fleet_options) -> tuple[Goodput, list[dict]]:
+    """Highest rate at which the capacity router keeps >= 90% attainment (bisection on rate), as
+    planning.search_rate's answer (the rate, how long it was held, and whether the sample bounded it).
 
     Bracketing starts from the burst throughput (every request at once: requests / makespan).
     That is not an upper bound here (a burst's makespan is set by its longest outputs, not by
     the fleet's rate), so the bracket doubles up from it, or halves down, until one end meets
     the SLO and the other does not; then `iters` geometric bisection steps. `requests_at` gives the
-    requests each rate is tried with (planning.sustained), by default `reqs` at that rate."""
-    probes = []
+    requests each rate is tried with (a planning.sustained probe: a rate it cannot hold for its
+    minimum duration is not credited); by default `reqs` at that rate, held for `min_duration_s`
+    (rates past len(reqs) / min_duration_s are not credited; 0: every rate is tried with `reqs`,
+    however short they last at it)."""
+    probes: list[dict] = []
+    probe = requests_at if requests_at is not None else sustained(lambda n: reqs[:n], len(reqs), min_duration_s,
+                                                                  len(reqs))
 
-    def probe(rate: float) -> bool:
-        res = run(requests_at(rate) if requests_at else at_rate(reqs, rate), CAPACITY_ROUTER, slo, instances,
-                  **fleet_options)
+    def meets(tried: list[WorkloadRequest], rate: float) -> bool:
+        res = run(tried, CAPACITY_ROUTER, slo, instances, **fleet_options)
         probes.append({"rate": rate, **res})
-        logger.info("  capacity probe %.1f req/s: attainment %.1f%%", rate, 100 * res["slo_attainment"])
+        logger.info("  capacity probe %.1f req/s (%d requests, %.0f s): attainment %.1f%%", rate, len(tried),
+                    len(tried) / rate, 100 * res["slo_attainment"])
         return res["slo_attainment"] >= CAPACITY_ATTAINMENT
 
     burst = run([replace(r, arrival_s=0.0) for r in reqs], CAPACITY_ROUTER, slo, instances, **fleet_options)
     probes.append({"rate": None, "burst": True, **burst})
     start = len(reqs) / burst["sim_s"]
-    capacity = max_rate(probe, start, iters)
-    logger.info("burst throughput %.1f req/s, capacity %.1f req/s", start, capacity)
-    return capacity, probes
+    found = search_rate(meets, probe, start, iters)
+    if found.limited:  # the rate the search wanted but the sample could not hold: not run, not credited
+        probes.append({"rate": found.refused_rps, "refused": True, "requests": found.refused_requests})
+    logger.info("burst throughput %.1f req/s, capacity %s%.1f req/s (held %.0f s, %d requests)", start,
+                ">=" if found.limited else "", found.rps, found.held_s, found.requests)
+    return found, probes
+
+
+def warn_if_limited(found: Goodput, min_duration_s: float, what: str) -> bool:
+    """One warning line when the sample bounded the search (the capacity is a lower bound), or, for a search
+    that held rates for no minimum duration (`min_duration_s` 0), when its answer lasted under SUSTAIN_S of
+    arrivals (a burst the fleet absorbed, not a rate it sustains). Whether it warned."""
+    if found.limited:
+        logger.warning("capacity of %s: %.2f req/s is a lower bound: holding %g s of arrivals at %.2f req/s needs %d "
+                       "requests, the sample gave %d (give the search more: --max-requests, a longer trace)", what,
+                       found.rps, min_duration_s, found.refused_rps, math.ceil(found.refused_rps * min_duration_s),
+                       found.refused_requests)
+        return True
+    if min_duration_s <= 0 and found.rps > 0 and found.held_s < SUSTAIN_S:
+        logger.warning("capacity of %s: %.2f req/s held only %.1f s of arrivals (%d requests): a burst the fleet "
+                       "absorbs, not a rate it sustains (hold rates for %g s: --sustain)", what, found.rps,
+                       found.held_s, found.requests, SUSTAIN_S)
+        return True
+    return False
+
+
+def measure_capacity(reqs: list[WorkloadRequest], slo: SLO, instances: int, iters: int,
+                     requests_at: Optional[Callable[[float], list[WorkloadRequest]]] = None,
+                     min_duration_s: float = SUSTAIN_S, **fleet_options) -> tuple[float, list[dict]]:
+    """`search_capacity`'s rate, with its probes; a warning when it is a lower bound (the sample could not
+    hold a rate the search wanted to try for the probe's minimum duration)."""
+    found, probes = search_capacity(reqs, slo, instances, iters, requests_at, min_duration_s, **fleet_options)
+    # seconds each rate was held for: the probe's; a probe that is not `sustained` held none
+    need = requests_at.min_duration_s if isinstance(requests_at, Sustained) else \
+        min_duration_s if requests_at is None else 0.0
+    warn_if_limited(found, need, f"{instances} instances")
+    return found.rps, probes
+
+
+def bound(t: dict) -> str:
+    """'>=' before a capacity the search could only bound from below."""
+    return ">=" if t.get("capacity_limited") else ""
+
+
+def held(t: dict) -> str:
+    """How long the capacity was held, for a heading (nothing for a capacity given on the command line)."""
+    return f"held {t['capacity_held_s']:.0f} s; " if t.get("capacity_held_s") is not None else ""
 
 
 def fmt_ms(s: float) -> str:
@@ -126,8 +194,9 @@ def fmt_ms(s: float) -> str:
 def markdown(results: dict) -> str:
     lines = []
     for t in results["traces"]:
-        lines += [f"#### {t['label']} — {t['requests']} requests, capacity {t['capacity_rps']:.1f} req/s "
-                  f"(SLO: TTFT ≤ {1e3 * t['slo']['ttft_s']:.0f} ms, TPOT ≤ {1e3 * t['slo']['tpot_s']:.0f} ms)", "",
+        lines += [f"#### {t['label']} — {t['requests']} requests, capacity {bound(t)}{t['capacity_rps']:.1f} "
+                  f"req/s ({held(t)}SLO: TTFT ≤ {1e3 * t['slo']['ttft_s']:.0f} ms, "
+                  f"TPOT ≤ {1e3 * t['slo']['tpot_s']:.0f} ms)", "",
                   "| load | policy | SLO attainment | P50 TTFT ms | P99 TTFT ms | P99 TPOT ms | preemptions | prefix hit |",
                   "|---:|---|---:|---:|---:|---:|---:|---:|"]
         for row in t["runs"]:
@@ -177,7 +246,7 @@ def plot(results: dict, path: Path) -> None:
             x = [100 * r["load"] for r in rows]
             axes[0][col].plot(x, [100 * r["slo_attainment"] for r in rows], marker="o", label=policy)
             axes[1][col].plot(x, [1e3 * r["p99_ttft_s"] for r in rows], marker="o", label=policy)
-        axes[0][col].set_title(f"{t['label']} (capacity {t['capacity_rps']:.0f} req/s)")
+        axes[0][col].set_title(f"{t['label']} (capacity {bound(t)}{t['capacity_rps']:.0f} req/s)")
         axes[0][col].set_ylabel("SLO attainment %")
         axes[1][col].set_ylabel("P99 TTFT ms")
         axes[1][col].set_yscale("log")
@@ -200,6 +269,13 @@ def main() -> int:
     p.add_argument("--requests", type=float, default=1.0, help="scale every trace's request count")
     p.add_argument("--capacity-iters", type=int, default=3, help="bisection steps after bracketing")
     p.add_argument("--capacity", help="skip the search: trace=req/s,... (e.g. from an earlier run)")
+    p.add_argument("--sustain", type=float, default=SUSTAIN_S, metavar="S",
+                   help="try each rate of the capacity search with at least S seconds of the trace's arrivals (more "
+                        "of the trace past the window, up to --max-requests; planning.sustained); a rate the trace "
+                        "cannot hold that long is not credited (the capacity is then a lower bound, marked >=). "
+                        "0: the window alone squeezed to each rate (a burst at high rates, as the runs before this "
+                        "option)")
+    p.add_argument("--max-requests", type=int, default=20000, help="with --sustain: at most this many per probe")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--figure", type=Path, help="also save the PNG here (BENCHMARKS.md shows benchmarks/figures/routing.png)")
@@ -212,16 +288,24 @@ def main() -> int:
     results = {"when": datetime.now(timezone.utc).isoformat(timespec="seconds"), "instances": args.instances,
                "hardware": "h100-80g", "model": "llama-3.1-8b", "policies": policies, "loads": loads,
                "predictor": "default (length-only, online)", "capacity_router": CAPACITY_ROUTER,
-               "capacity_attainment": CAPACITY_ATTAINMENT, "traces": []}
+               "capacity_attainment": CAPACITY_ATTAINMENT, "sustain_s": args.sustain,
+               "max_requests": args.max_requests, "traces": []}
     t_start = time.perf_counter()
     for trace in chosen:
         trace = replace(trace, num_requests=max(50, int(trace.num_requests * args.requests)))
         reqs = window(trace)
+        found: Optional[Goodput] = None
         if trace.name in given:
             capacity, probes = float(given[trace.name]), []
         else:
-            capacity, probes = measure_capacity(reqs, trace.slo, args.instances, args.capacity_iters)
+            requests_at = sustained(longer_windows(trace), len(reqs), args.sustain, max(len(reqs), args.max_requests))
+            found, probes = search_capacity(reqs, trace.slo, args.instances, args.capacity_iters, requests_at)
+            warn_if_limited(found, args.sustain, f"{args.instances} instances on {trace.label}")
+            capacity = found.rps
         entry = {"name": trace.name, "label": trace.label, "requests": len(reqs), "capacity_rps": capacity,
+                 "capacity_held_s": found.held_s if found and found.rps > 0 else None,
+                 "capacity_limited": found.limited if found else None,
+                 "capacity_search": found.as_dict() if found else None,
                  "slo": {"ttft_s": trace.slo.ttft_s, "tpot_s": trace.slo.tpot_s}, "capacity_probes": probes,
                  "runs": []}
         for load in loads:

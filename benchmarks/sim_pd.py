@@ -4,9 +4,12 @@
 For each workload, SLO and link, the goodput per GPU of a colocated fleet (chunked prefill,
 `--instances` mixed instances) against every prefill:decode split of the same GPU count. Goodput is
 the highest request rate at which >= 90% of requests meet both TTFT and TPOT targets, found by
-bisection over the rate (the routing study's `measure_capacity`: bracket from the burst throughput,
+bisection over the rate (the routing study's `search_capacity`: bracket from the burst throughput,
 then geometric bisection), each rate tried with at least `--sustain` seconds of the trace's arrivals
-(`planning.sustained`); divided by the GPUs it is goodput per GPU.
+(default 60; `planning.sustained`); divided by the GPUs it is goodput per GPU. A rate the trace cannot hold
+that long (`--max-requests`, or the trace's end) is not credited (`planning.search_rate`): that goodput is then a
+lower bound, marked >= in the table and `*_lower_bound` in the JSON (with how long each answer held), a warning
+says how many, and a cell whose losing layout is only bounded is not counted as decided.
 Disaggregated fleets hand each request's KV to a decode instance after its first token
 (`--pd-transfer`, pipelined by default), priced on the link.
 
@@ -29,23 +32,24 @@ import argparse
 import heapq
 import json
 import logging
+import math
 import sys
 import time
 from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Callable
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from routing import TRACES, Trace, measure_capacity, window  # noqa: E402  (the routing study's workloads and search)
+from routing import TRACES, Trace, longer_windows, search_capacity, window  # noqa: E402  (the routing study's
+# workloads, its capacity search and the source its sustained probes draw from)
 
 from sloserve.bench.metrics import SLO, jsonable, percentile  # noqa: E402
 from sloserve.config import SchedulerConfig  # noqa: E402
-from sloserve.planning import max_rate, sustained  # noqa: E402
+from sloserve.planning import SUSTAIN_S, Goodput, max_rate, sustained  # noqa: E402
 from sloserve.sched.costs import StepLoad  # noqa: E402
 from sloserve.sim.catalog import get_model  # noqa: E402
 from sloserve.sim.hardware import get_link  # noqa: E402
@@ -497,10 +501,12 @@ def scored(cells: list[dict]) -> list[dict]:
 
 def decided(cells: list[dict], iters: int) -> list[dict]:
     """Scored cells whose layouts differ by more than the search's resolution: after bracketing within 2x,
-    `iters` geometric bisections leave a factor 2^(1/2^iters) (9% at 3), so a closer pair is a tie to it."""
+    `iters` geometric bisections leave a factor 2^(1/2^iters) (9% at 3), so a closer pair is a tie to it. A cell
+    whose losing layout's goodput is a lower bound (`winner_bounded`: its sample could not hold a rate the search
+    wanted to try) is not decided either."""
     resolution = 2 ** (1 / 2 ** iters)
-    return [c for c in scored(cells) if c["colocated_goodput_per_gpu"] == 0
-            or not 1 / resolution < c["pd_goodput_per_gpu"] / c["colocated_goodput_per_gpu"] < resolution]
+    return [c for c in scored(cells) if not c.get("winner_bounded") and (c["colocated_goodput_per_gpu"] == 0
+            or not 1 / resolution < c["pd_goodput_per_gpu"] / c["colocated_goodput_per_gpu"] < resolution)]
 
 
 def rescore(path: Path) -> dict:
@@ -523,18 +529,6 @@ def rescore(path: Path) -> dict:
 def base_window(trace: Trace, scale: float) -> list:
     """The trace's window for a grid: its first requests, `scale` times the routing study's count (at least 50)."""
     return window(replace(trace, num_requests=max(50, int(trace.num_requests * scale))))
-
-
-def longer_windows(trace: Trace) -> Callable[[int], list]:
-    """The trace's first n requests, for any n (loaded once per size, rounded up to 1,000)."""
-    loaded: dict[int, list] = {}
-
-    def first(n: int) -> list:
-        size = -(-n // 1000) * 1000
-        if size not in loaded:
-            loaded[size] = window(replace(trace, num_requests=size))
-        return loaded[size][:n]
-    return first
 
 
 def mechanism(reqs, model: str, tp: int, link: str, transfer: str) -> dict:
@@ -565,8 +559,9 @@ def main() -> int:
     p.add_argument("--pd-transfer", default="pipelined", choices=["pipelined", "blocking"])
     p.add_argument("--sustain", type=float, default=60.0, metavar="S",
                    help="try each rate with at least S seconds of arrivals (more of the trace; planning.sustained); "
-                        "0: the window alone, squeezed to the rate, as the runs before 2026-12-02 (a transient at "
-                        "high rates)")
+                        "a rate the trace cannot hold that long (--max-requests, or its end) is not credited: the "
+                        "goodput is then a lower bound (marked >=). 0: the window alone, squeezed to the rate, as the "
+                        "runs before 2026-12-02 (a transient at high rates)")
     p.add_argument("--max-requests", type=int, default=12000, help="with --sustain: at most this many per probe")
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--rescore", type=Path, metavar="JSON",
@@ -590,7 +585,7 @@ def main() -> int:
                 for split in splits(args.instances):
                     jobs.append((trace, slo_name, slo, link, split))
     t0 = time.perf_counter()
-    capacities: dict[tuple, float] = {}
+    searches: dict[tuple, Goodput] = {}
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console) as progress:
         task = progress.add_task("capacity searches", total=len(jobs))
@@ -601,12 +596,14 @@ def main() -> int:
                 sources[trace.name] = longer_windows(trace)
             reqs = windows[trace.name]
             requests_at = sustained(sources[trace.name], len(reqs), args.sustain, args.max_requests) \
-                if args.sustain > 0 else None
+                if args.sustain > 0 else None  # 0: the window alone, every rate tried (min_duration_s 0 below)
             options = {} if split is None else {"pd": split, "link": link, "pd_transfer": args.pd_transfer}
-            capacity, _ = measure_capacity(reqs, slo, args.instances, args.capacity_iters, requests_at=requests_at,
-                                           **options, **model_options)
-            capacities[(trace.name, slo_name, link, split)] = capacity
+            found, _ = search_capacity(reqs, slo, args.instances, args.capacity_iters, requests_at=requests_at,
+                                       min_duration_s=0.0, **options, **model_options)
+            searches[(trace.name, slo_name, link, split)] = found
             progress.advance(task)
+    warn_bounds(searches, args)
+    capacities = {key: found.rps for key, found in searches.items()}
     for trace in chosen:
         for slo_name, slo in slos_for(trace.slo).items():
             colocated = capacities[(trace.name, slo_name, None, None)]
@@ -614,6 +611,10 @@ def main() -> int:
                 best_split = max(splits(args.instances), key=lambda s: capacities[(trace.name, slo_name, link, s)])
                 best = capacities[(trace.name, slo_name, link, best_split)]
                 winner = "pd" if best > colocated else "colocated"
+                coloc_search = searches[(trace.name, slo_name, None, None)]
+                split_searches = {s: searches[(trace.name, slo_name, link, s)] for s in splits(args.instances)}
+                # the winner could change when a losing layout's goodput is only a lower bound
+                losers = [coloc_search] if winner == "pd" else list(split_searches.values())
                 cell = {"trace": trace.name, "slo": slo_name, "ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s,
                         "link": link, "model": args.model, "tp": args.tp,
                         "colocated_goodput_per_gpu": colocated / gpus,
@@ -621,6 +622,14 @@ def main() -> int:
                         "splits": {s: capacities[(trace.name, slo_name, link, s)] / gpus
                                    for s in splits(args.instances)},
                         "winner": winner, "pd_over_colocated": best / colocated if colocated else float("inf"),
+                        "colocated_lower_bound": coloc_search.limited,
+                        "colocated_held_s": coloc_search.held_s if coloc_search.rps > 0 else None,
+                        "pd_lower_bound": split_searches[best_split].limited,
+                        "pd_held_s": split_searches[best_split].held_s if best > 0 else None,
+                        "splits_lower_bound": [s for s, g in split_searches.items() if g.limited],
+                        "winner_bounded": any(g.limited for g in losers),
+                        "searches": {"colocated": coloc_search.as_dict(),
+                                     **{s: g.as_dict() for s, g in split_searches.items()}},
                         **rule_columns(windows[trace.name], slo_name, slo, link, args)}
                 cells.append(cell)
     stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
@@ -632,6 +641,25 @@ def main() -> int:
     report(saved, console, args.out / f"sim_pd-{stamp}-{args.model}-{'+'.join(links)}.json")
     console.print(f"{time.perf_counter() - t0:.0f} s")
     return 0
+
+
+def warn_bounds(searches: dict[tuple, Goodput], args) -> None:
+    """One warning line when some searches' goodput is a lower bound (the sample could not hold a rate they wanted
+    to try for --sustain seconds), or, with --sustain 0, when some answers lasted under SUSTAIN_S of arrivals."""
+    limited = [(key, g) for key, g in searches.items() if g.limited]
+    if limited:
+        (trace, slo_name, link, split), g = min(limited, key=lambda kv: kv[1].refused_rps)
+        logger.warning("%d of %d goodput searches are lower bounds (marked >=): %g s of arrivals at %.1f req/s "
+                       "(%s, %s SLO, %s) needs %d requests, the trace gave %d; raise --max-requests (%d) or lower "
+                       "--sustain",
+                       len(limited), len(searches), args.sustain, g.refused_rps, trace, slo_name,
+                       f"{split} on {link}" if split else "colocated", math.ceil(g.refused_rps * args.sustain),
+                       g.refused_requests, args.max_requests)
+    short = [g for g in searches.values() if args.sustain <= 0 and g.rps > 0 and g.held_s < SUSTAIN_S]
+    if short:
+        logger.warning("%d of %d goodput searches held their answer under %g s of arrivals (shortest %.1f s): bursts "
+                       "the fleet absorbs, not rates it sustains (run without --sustain 0)", len(short),
+                       len(searches), SUSTAIN_S, min(g.held_s for g in short))
 
 
 RULES = ("rule", "rule2", "rule3", "rule4", "rule5", "rule6", "rule7")
@@ -657,14 +685,17 @@ def report(saved: dict, console: Console, path: Path) -> None:
     def ratio(x: float | None) -> str:  # a saved inf reads back as None
         return "—" if x is None or x == float("inf") else f"{x:.2f}x"
 
+    def bound(c: dict, layout: str) -> str:  # a goodput the sample could only bound from below
+        return ">=" if c.get(f"{layout}_lower_bound") else ""
+
     def call(c: dict, name: str) -> str:
         mark = "" if c not in counted else (" ✓" if c[name] == c["winner"] else " ✗")
         return c[name] + mark
 
     for c in cells:
         table.add_row(c["trace"], f"{c['prefill_share']:.2f}", f"{c['slo']} ({c['ttft_s']:g}s/{1e3 * c['tpot_s']:g}ms)",
-                      c["link"], f"{c['colocated_goodput_per_gpu']:.2f}", c["best_split"],
-                      f"{c['pd_goodput_per_gpu']:.2f}", ratio(c['pd_over_colocated']),
+                      c["link"], f"{bound(c, 'colocated')}{c['colocated_goodput_per_gpu']:.2f}", c["best_split"],
+                      f"{bound(c, 'pd')}{c['pd_goodput_per_gpu']:.2f}", ratio(c['pd_over_colocated']),
                       c["winner"] if c in counted else "—", call(c, "rule"), call(c, "rule2"),
                       f"{1e3 * c['chunk_step_s']:.0f}", f"{1e3 * c['exposed_handoff_s']:.0f}", call(c, "rule3"),
                       f"{c['analytic_colocated_rps'] / gpus:.2f} / {c['analytic_pd_rps'] / gpus:.2f} "
