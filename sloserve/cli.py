@@ -54,7 +54,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def add_kv_tier_args(g) -> None:
     """The prefix cache's lower tiers: the same options on every command that runs an engine or a simulation."""
-    from sloserve.config import KV_DTYPES
+    from sloserve.config import KV_DTYPES, KV_FLUSH_ORDERS
 
     g.add_argument("--kv-dtype", default="auto", choices=KV_DTYPES,
                    help="what the KV cache stores (int8: per-token scales, dequantized in attention)")
@@ -68,6 +68,10 @@ def add_kv_tier_args(g) -> None:
     g.add_argument("--kv-write-through", action="store_true",
                    help="with host and disk tiers, write every evicted block to the disk at once "
                         "(default: the disk gets what host memory evicts)")
+    g.add_argument("--kv-flush-order", default=KV_FLUSH_ORDERS[0], choices=KV_FLUSH_ORDERS,
+                   help="a clean stop (SIGTERM, within what the drain leaves of --grace-period) writes the blocks "
+                        "only host memory and the device hold to --kv-disk-dir, most prefix hits first (default), "
+                        "most recently used first (newest), or none (off)")
 
 
 def engine_config_from_args(args: argparse.Namespace):
@@ -84,7 +88,7 @@ def engine_config_from_args(args: argparse.Namespace):
                           enable_prefix_caching=not args.no_prefix_caching, swap_space_gib=args.swap_space,
                           kv_dtype=args.kv_dtype, host_tier_gib=args.kv_host_gib, disk_tier_dir=args.kv_disk_dir,
                           disk_tier_gib=args.kv_disk_gib, kv_store_url=args.kv_store,
-                          tier_write_back=not args.kv_write_through),
+                          tier_write_back=not args.kv_write_through, tier_flush_order=args.kv_flush_order),
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                                   enable_chunked_prefill=not args.no_chunked_prefill, policy=args.scheduling_policy,
                                   preemption_mode=args.preemption_mode, preemption_victim=args.preemption_victim,
@@ -228,7 +232,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-queue", type=int, default=256,
                    help="requests that may wait beyond one full batch (max-num-seqs); more get 429 (default 256)")
     g.add_argument("--grace-period", type=float, default=30.0, metavar="S",
-                   help="on SIGTERM/SIGINT, seconds in-flight requests get to finish before they are aborted")
+                   help="on SIGTERM/SIGINT, seconds in-flight requests get to finish before they are aborted; what "
+                        "they leave of it bounds writing the KV tiers' blocks to --kv-disk-dir (--kv-flush-order)")
     g.add_argument("--max-body-bytes", type=int, default=4 * 2**20, help="larger request bodies get 413")
     g.add_argument("--header-timeout", type=float, default=10.0, metavar="S",
                    help="a request line + headers not received within S seconds: 408 and close (slowloris)")

@@ -60,6 +60,8 @@ class ModelConfig:
 
 
 KV_DTYPES = ("auto", "float32", "bfloat16", "int8")  # what a KV cache may store (CacheConfig.kv_dtype)
+# How a clean stop ranks the blocks it writes to the disk tier (CacheConfig.tier_flush_order; kv/tiers.py)
+KV_FLUSH_ORDERS = ("most-reused", "newest", "off")
 
 
 @dataclass
@@ -91,6 +93,9 @@ class CacheConfig:
     # With host and disk tiers: the disk gets what the host tier evicts (write-back), or every
     # evicted device block at once (False: write-through).
     tier_write_back: bool = True
+    # A clean stop writes what only host memory and the device hold to the disk tier, within the
+    # stop's time budget, in this order (KV_FLUSH_ORDERS; see kv/tiers.py).
+    tier_flush_order: str = "most-reused"
 
     def validate(self) -> None:
         if self.block_size <= 0:
@@ -111,6 +116,9 @@ class CacheConfig:
             raise ValueError(f"--kv-dtype must be auto, float32, bfloat16 or int8, got {self.kv_dtype!r}")
         if self.disk_tier_dir and not self.disk_tier_gib > 0:
             raise ValueError("--kv-disk-dir needs --kv-disk-gib > 0")
+        if self.tier_flush_order not in KV_FLUSH_ORDERS:
+            raise ValueError(f"--kv-flush-order must be one of {', '.join(KV_FLUSH_ORDERS)}, "
+                             f"got {self.tier_flush_order!r}")
         if (self.host_tier_gib > 0 or self.disk_tier_dir or self.kv_store_url) and not self.enable_prefix_caching:
             raise ValueError("KV tiers hold the prefix cache: they need prefix caching on")
 

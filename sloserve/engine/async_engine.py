@@ -22,6 +22,10 @@ from sloserve.types import Request, SamplingParams
 
 logger = logging.getLogger(__name__)
 
+# Seconds a stop without a budget of its own (e.g. a worker's) gives the KV shutdown flush: the
+# server's default --grace-period.
+FLUSH_BUDGET_S = 30.0
+
 
 class EngineDeadError(RuntimeError):
     """The engine loop failed while this request was in flight."""
@@ -192,14 +196,21 @@ class AsyncLLMEngine:
     def num_in_flight(self) -> int:
         return len(self._streams)
 
-    def shutdown(self, timeout: float = 5.0) -> None:
-        """Stop the loop; requests still in flight end with EngineDeadError."""
+    def shutdown(self, timeout: float = 5.0, flush_budget_s: float = FLUSH_BUDGET_S) -> None:
+        """Stop the loop; requests still in flight end with EngineDeadError. Then, within
+        `flush_budget_s` seconds from now (the loop's stop included), write what only host
+        memory and the device cache to the disk tier (LLMEngine.flush_tiers)."""
+        clock = self.engine.clock
+        deadline = clock() + flush_budget_s
         with self._cond:
             self._stopped = True
             self._cond.notify()
         self._thread.join(timeout)
         if not self._thread.is_alive():
-            self.engine.close()
+            try:
+                self.engine.close(max(0.0, deadline - clock()))
+            except Exception:  # noqa: BLE001 - a failed flush costs cache, never the stop
+                logger.exception("closing the engine (the KV shutdown flush) failed")
 
     # ---- the engine thread -------------------------------------------------------
     def _run(self, factory, built: concurrent.futures.Future) -> None:

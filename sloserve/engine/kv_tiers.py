@@ -100,6 +100,18 @@ class DiskKVTier:
         for key in keys:
             self.path(key).unlink(missing_ok=True)
 
+    def rank(self, keys: list[BlockHash]) -> None:
+        """Give `keys`' files increasing modification times (the last one the newest), so a
+        restart seeds its LRU order with them in that order (`stored_keys`); 1 us apart, as a
+        coarse file-system clock could otherwise tie them. Missing files are skipped."""
+        now = time.time_ns()
+        for i, key in enumerate(keys):
+            t = now - (len(keys) - i) * 1000
+            try:
+                os.utime(self.path(key), ns=(t, t))
+            except OSError:
+                pass
+
 
 @dataclass
 class TierMoveReport:
@@ -114,6 +126,32 @@ class TierMoveReport:
     @property
     def total_s(self) -> float:
         return sum(self.seconds.values())
+
+
+@dataclass
+class FlushReport:
+    """What a clean stop's flush to the disk tier did (LLMEngine.flush_tiers)."""
+
+    order: str
+    budget_s: float
+    written: int = 0
+    from_host: int = 0
+    from_device: int = 0
+    budget_out: int = 0  # left unwritten: the time budget ran out
+    disk_full: int = 0  # left out: beyond the disk tier's bound, or a write failed (a full disk)
+    off: int = 0  # left unwritten: the flush is off
+    seconds: float = 0.0
+
+    @property
+    def dropped(self) -> int:
+        return self.budget_out + self.disk_full + self.off
+
+    def line(self) -> str:
+        budget = "no" if self.budget_s == float("inf") else f"a {self.budget_s:.1f} s"
+        return (f"KV shutdown flush ({self.order}): wrote {self.written} blocks to the disk tier in "
+                f"{self.seconds:.2f} s ({self.from_host} from host memory, {self.from_device} from the device), "
+                f"dropped {self.dropped} ({self.budget_out} when {budget} budget ran out, {self.disk_full} for a "
+                f"full disk tier, {self.off} with the flush off)")
 
 
 class TierMovers:
@@ -177,6 +215,23 @@ class TierMovers:
 
     def _blocks(self) -> torch.Tensor:
         return HostKVPool._blocks(self.kv_cache)
+
+    def flush(self, ops: list) -> tuple[int, int]:
+        """Write a shutdown flush's `ops` (kv/tiers.FlushPlan: host rows and device blocks) to
+        the disk now, on this thread; raises OSError (a full disk) with some maybe unwritten.
+        Returns how many came from host memory and from the device."""
+        assert self.disk is not None
+        spills = [op for op in ops if op.block < 0]
+        saves = [op for op in ops if op.block >= 0]
+        if spills:
+            assert self.host is not None
+            slots = torch.tensor([op.slot for op in spills], dtype=torch.long)
+            self.disk.save(self.host.data[:, :, slots].permute(2, 0, 1, 3, 4, 5), [op.key for op in spills])
+        if saves:
+            idx = torch.tensor([op.block for op in saves], dtype=torch.long, device=self.kv_cache.data.device)
+            data = self._blocks().index_select(2, idx).to("cpu").permute(2, 0, 1, 3, 4, 5)
+            self.disk.save(data, [op.key for op in saves])
+        return len(spills), len(saves)
 
     def run(self, ops: TierOps) -> TierMoveReport:
         """Every move of `ops` (no swaps in between): saves, then loads; prefetches are waited for."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ from sloserve.engine.precision_probe import choose_cpu_dtype, prepack_pays, quan
 from sloserve.engine.quant import (can_prepack, int8_activation_kernels, resolve_quantization,
                                    takes_int8_activations)
 from sloserve.engine.kv_store import KVStoreClient
-from sloserve.engine.kv_tiers import DiskKVTier, TierMovers, kv_fingerprint, model_identity
+from sloserve.engine.kv_tiers import DiskKVTier, FlushReport, TierMovers, kv_fingerprint, model_identity
 from sloserve.engine.runner import KVTransferError, ModelRunner, TierLoadFailed
 from sloserve.engine.step_trace import StepRecord, StepTraceWriter
 from sloserve.engine.stop_strings import StopMatcher
@@ -43,6 +44,9 @@ Prompt = Union[str, list[int]]
 # First guess of the disk tier's read/write speed (bytes/s), refined from every measured move.
 DISK_BANDWIDTH_PRIOR = 1e9
 STORE_BANDWIDTH_PRIOR = 5e8  # the shared store, over the network (loopback is faster; refined the same way)
+# Blocks a shutdown flush writes between two looks at its deadline (16 fp32 SmolLM2 blocks: 12 MB,
+# tens of ms on a local disk: the most a flush overruns its budget by).
+FLUSH_BATCH = 16
 
 
 def resolve_device(name: str) -> torch.device:
@@ -477,17 +481,58 @@ class LLMEngine:
                                          StepLoad.of_plan(plan)))
         return outputs
 
-    def close(self) -> None:
-        """Flush and close the step trace (the engine stays usable, untraced), and write the
-        device's cached prefixes to the disk tier, so a restart on the same directory finds them."""
+    def close(self, flush_budget_s: float = math.inf) -> None:
+        """Flush and close the step trace (the engine stays usable, untraced), and write what
+        only host memory and the device cache to the disk tier within `flush_budget_s` seconds
+        (`flush_tiers`), so a restart on the same directory finds it."""
         if self._trace is not None:
             self._trace.close()
             self._trace = None
-        if self.tier_movers is not None and self.tier_movers.disk is not None:
-            self.kv.persist(DISK)
-            report = self.tier_movers.run(self.kv.take_tier_ops())
-            logger.info("wrote %d cached KV blocks to the disk tier in %.2f s", report.blocks.get(DISK, 0),
-                        report.total_s)
+        self.flush_tiers(flush_budget_s)
+
+    def flush_tiers(self, budget_s: float) -> Optional[FlushReport]:
+        """A clean stop: write the full blocks the disk tier lacks that host memory or the device
+        pool holds (write-back owes them to the disk), best first by the configured order
+        (kv/tiers.py FLUSH_ORDERS), FLUSH_BATCH blocks at a time until `budget_s` seconds have
+        passed; logs one line (written, dropped and why). Unpaced: no step runs behind it. None
+        without a disk tier. Run it with no step in flight (the engine's own thread, or after it)."""
+        movers = self.tier_movers
+        if movers is None or movers.disk is None or self.kv.tiers.disk is None:
+            return None
+        start = self.clock()
+        deadline = start + budget_s
+        # Moves planned but not run yet (a host save whose row would otherwise be flushed
+        # stale), and the last step's writes behind it; a block whose load failed is no copy.
+        moved = movers.run(self.kv.take_tier_ops())
+        self.kv.forget_blocks(moved.failed_blocks)
+        for key in moved.lost_keys:
+            self.kv.tiers.lost(key)
+        plan = self.kv.plan_flush(self.config.cache.tier_flush_order)
+        report = FlushReport(plan.order, budget_s, disk_full=plan.disk_full, off=plan.off)
+        keep = {op.key for op in plan.ops}
+        tiers, done = self.kv.tiers, 0
+        while done < len(plan.ops) and self.clock() < deadline:
+            batch = plan.ops[done:done + FLUSH_BATCH]
+            movers.disk.delete(tiers.flushed(batch, keep))
+            try:
+                from_host, from_device = movers.flush(batch)
+            except OSError as exc:  # a full disk: what is left is lost, never the stop
+                logger.warning("KV shutdown flush: writing %d blocks failed: %s", len(batch), exc)
+                tiers.unflushed(op.key for op in batch)
+                movers.disk.delete([op.key for op in batch])
+                report.disk_full += len(plan.ops) - done
+                done = len(plan.ops)
+                break
+            report.from_host += from_host
+            report.from_device += from_device
+            report.written += len(batch)
+            done += len(batch)
+        report.budget_out = len(plan.ops) - done
+        # The restart's LRU order: the best block the newest, the first a full disk gives up last.
+        movers.disk.rank([op.key for op in reversed(plan.ops[:report.written])])
+        report.seconds = self.clock() - start
+        logger.info(report.line())
+        return report
 
     def _isolate_failures(self, plan: StepPlan, exc: Exception) -> tuple[StepPlan, StepResult, dict[str, str]]:
         """The step's compute failed: re-run each scheduled request alone, so one request's bad

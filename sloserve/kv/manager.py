@@ -12,7 +12,7 @@ from typing import Container, Optional, Sequence
 from sloserve.kv.block_pool import Block, BlockPool
 from sloserve.kv.hashing import BlockHash, hash_packed_blocks, pack_tokens
 from sloserve.kv.host_pool import HostBlockPool
-from sloserve.kv.tiers import KVTiers, TierHit, TierOps
+from sloserve.kv.tiers import FlushPlan, KVTiers, TierHit, TierOps
 from sloserve.types import Request
 
 logger = logging.getLogger(__name__)
@@ -166,12 +166,15 @@ class KVCacheManager:
                 self.tiers.lost(block.block_hash)
                 self.pool.uncache(block)
 
-    def persist(self, tier: str) -> None:
-        """Demote every cached device block to `tier` now (a disk tier at shutdown: the prefix
-        cache outlives the process). The moves are in the next `take_tier_ops`."""
-        for block in self.pool.blocks:
-            if block.block_hash is not None:
-                self.tiers.demote(block.block_id, block.block_hash, only=tier)
+    def plan_flush(self, order: str) -> FlushPlan:
+        """A clean stop: what the disk tier lacks of the device's cached blocks and host memory's,
+        ranked by `order` (tiers.FLUSH_ORDERS), for the engine to write within its time budget
+        (the prefix cache outlives the process)."""
+        pool = self.pool
+        free = [pool.blocks[i] for i in pool.free_queue]  # least recently freed first
+        held = [b for b in pool.blocks if b.ref_count > 0]  # in use: the newest
+        return self.tiers.plan_flush(((b.block_id, b.block_hash) for b in free + held if b.block_hash is not None),
+                                     order)
 
     def held_keys(self) -> Container[BlockHash]:
         """Every block key this instance serves without recomputing: the device's cached blocks
@@ -243,6 +246,8 @@ class KVCacheManager:
             return None
 
         ids = self._ids.setdefault(request.request_id, [])
+        if computed_blocks and self.tiers.disk is not None:
+            self.tiers.reused(b.block_hash for b in computed_blocks)  # (ranks the shutdown flush)
         self.pool.touch(computed_blocks)
         table.extend(computed_blocks)
         ids.extend(b.block_id for b in computed_blocks)
