@@ -323,9 +323,10 @@ def test_the_default_engine_generates_what_the_reference_does_within_tolerance(l
 def test_the_native_decode_stack_computes_what_the_layer_loop_does(heldout_ids, dtype):
     """The whole-stack decode call (kernels/decode_stack.cpp) chains the loop's own kernels: the
     same tokens and bit-identical logprobs, for a batch of decodes of different lengths. Without
-    the prefix cache: the second run's prefills would be shorter, and where the probe gave the
-    4-bit layers a dense copy for large steps, they could take the other kernel."""
-    engine = LLM(config=EngineConfig(dtype=dtype, quantization="int4",
+    the prefix cache: the second run's prefills would be shorter. Without the dense copy: the
+    stack takes every decode step whatever this machine's probe (a timing) would give the copy,
+    so the batch of three goes through it on a busy machine too."""
+    engine = LLM(config=EngineConfig(dtype=dtype, quantization="int4", quantized_dense_copy=False,
                                      cache=CacheConfig(enable_prefix_caching=False)))
     model = engine.engine.model
     kernels = load_fused_ops()

@@ -273,3 +273,44 @@ def test_detokenizer_random_ids(tok: Tokenizer, ids: list[int], chunk: int) -> N
         assert "".join(deltas) == full
         assert not any("\ufffd" in d for d in deltas)
     assert "".join(deltas) + detok.flush() == full
+
+
+# ---------------------------------------------------------------------- a bound without encoding
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=st.one_of(st.text(max_size=300), st.sampled_from([
+    " " * 257, "\n" * 300, "-" * 400, "<|im_start|>" * 40, "<|endoftext|>" * 30, "😀" * 90, "ab" * 200,
+    "                                                                " * 5])))
+def test_min_tokens_never_exceeds_the_real_count(tok: Tokenizer, text: str) -> None:
+    """The bound a server refuses over-long prompts on is a true lower bound, also for the texts
+    that pack the most characters into one token (whitespace runs, special tokens)."""
+    assert tok.min_tokens(text) <= len(tok.encode(text))
+
+
+def test_min_tokens_claims_nothing_behind_a_normalizer(tmp_path: Path) -> None:
+    write_spm_gguf(tmp_path / "spm.gguf")
+    spm = load_tokenizer(str(tmp_path / "spm.gguf"))
+    if spm.backend.normalizer is not None:
+        assert spm.min_tokens("x" * 100_000) == 0
+    else:
+        assert 0 < spm.min_tokens("x" * 100_000) <= len(spm.encode("x" * 100_000))
+
+
+@pytest.mark.slow
+def test_a_prompt_far_past_the_window_is_refused_before_it_is_tokenized(llm, monkeypatch) -> None:
+    from sloserve.engine.llm_engine import ContextLengthError
+
+    huge = "lorem ipsum dolor sit amet " * 150_000  # 4 MB: ~1.5M tokens, seconds of CPU to tokenize
+    near = "hello " * 9000  # past the window too, but not provably so without encoding it
+    with pytest.raises(ContextLengthError, match=r"^prompt has \d+ tokens; the context window is 8192"):
+        llm.engine.check_context(llm.engine.tokenize_prompt(near))
+
+    def encoded(*args, **kwargs):
+        raise AssertionError("the tokenizer ran on a prompt the bound refuses")
+
+    monkeypatch.setattr(llm.engine.tokenizer, "encode", encoded)
+    with pytest.raises(ContextLengthError, match=r"^prompt has at least \d+ tokens .*context window is 8192"):
+        llm.engine.tokenize_prompt(huge)
+    with pytest.raises(ContextLengthError, match=r"^conversation has at least"):
+        llm.engine.tokenize_chat([{"role": "user", "content": huge}])

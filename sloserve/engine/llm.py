@@ -86,7 +86,7 @@ class LLM:
         if not isinstance(messages, (list, tuple)) or not messages:
             raise ValueError("messages must be a non-empty list")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
-        prompts = [self.tokenizer.encode_chat(list(c)) for c in conversations]
+        prompts = [self.engine.tokenize_chat(list(c)) for c in conversations]
         return self.generate(prompts, params, progress)
 
     def _run(self, requests, progress: bool) -> list[CompletedOutput]:

@@ -234,6 +234,7 @@ class LLMEngine:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty")
+            self._refuse_far_past_context(prompt, "prompt")
             ids = self.tokenizer.encode(prompt)
         elif isinstance(prompt, (list, tuple)):
             ids = list(prompt)
@@ -245,6 +246,21 @@ class LLMEngine:
         if not ids:
             raise ValueError("prompt is empty")
         return ids
+
+    def tokenize_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of a conversation rendered by the model's chat template."""
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt)
+        self._refuse_far_past_context(text, "conversation")
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def _refuse_far_past_context(self, text: str, what: str) -> None:
+        """ContextLengthError, before any tokenizing, for text that cannot fit the context window
+        however it tokenizes (Tokenizer.min_tokens): a multi-megabyte prompt costs a server
+        microseconds instead of seconds of CPU."""
+        least = self.tokenizer.min_tokens(text)
+        if least >= self.max_model_len:
+            raise ContextLengthError(f"{what} has at least {least} tokens ({len(text)} characters); the context "
+                                     f"window is {self.max_model_len}")
 
     def check_context(self, ids: list[int], max_tokens: Optional[int] = None) -> list[int]:
         """`ids`, or ContextLengthError when they (and `max_tokens` more) do not fit the context."""

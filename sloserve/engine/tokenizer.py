@@ -145,6 +145,7 @@ class Tokenizer:
         self._special_ids = frozenset(i for i, tok in added.items() if tok.special)
         self._added_content = {i: tok.content for i, tok in added.items()}
         self._compiled_template: Optional[jinja2.Template] = None
+        self._max_token_bytes: Optional[int] = None
 
     # ------------------------------------------------------------------ construction
 
@@ -265,6 +266,19 @@ class Tokenizer:
         # encode_batch releases the GIL while the Rust side works (encode holds it for the whole
         # call: seconds for a multi-MB prompt), so a server can tokenize off its event loop.
         return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+    def min_tokens(self, text: str) -> int:
+        """A lower bound on the tokens `text` encodes to, known without encoding it: no token
+        stands for more bytes of text than the vocabulary's longest, and a character is at least
+        one byte. 0 (no bound claimed) when a normalizer rewrites the text first, since it may
+        shorten it. What lets a server refuse a prompt far past its context window without
+        spending seconds of CPU tokenizing it."""
+        if self._backend.normalizer is not None:
+            return 0
+        if self._max_token_bytes is None:
+            self._max_token_bytes = max(len(self.token_bytes(i)) for i in range(self.vocab_size)
+                                        if self._backend.id_to_token(i) is not None)
+        return len(text) // max(1, self._max_token_bytes)
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)

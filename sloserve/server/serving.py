@@ -159,7 +159,8 @@ class OpenAIServing:
         params = body.sampling_params()
         conversation = body.conversation()
         self._counting_rejections(self.admission.check_room, body.num_choices)
-        ids = await self._off_loop(lambda: self._check_length(self.tokenizer.encode_chat(conversation)), "messages")
+        ids = await self._off_loop(lambda: self._check_length(self.engine.engine.tokenize_chat(conversation)),
+                                  "messages")
         choices = self._choices(ctx, [ids], params, body.num_choices)
         streams = self._submit(ctx, choices)
         if body.stream:
@@ -206,7 +207,7 @@ class OpenAIServing:
             conversation = [m.plain(i) for i, m in enumerate(body.messages)]
             render = body.add_generation_prompt
             ids = await self._off_loop(
-                lambda: self._check_length(self.tokenizer.encode_chat(conversation, add_generation_prompt=render)),
+                lambda: self._check_length(self.engine.engine.tokenize_chat(conversation, render)),
                 "messages")
         try:
             return self.engine.engine.check_context(ids, body.max_tokens)
