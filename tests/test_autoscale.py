@@ -117,6 +117,7 @@ def fleet(**kw) -> FleetConfig:
                        cold_start_s=60, demand_step_s=10, scale_down_delay_s=120, **kw)
 
 
+@pytest.mark.slow
 def test_a_simulated_burst_adds_instances_that_serve_only_once_loaded_and_drains_them_after():
     cfg = fleet(migration="drain")
     reqs = burst_workload()
@@ -228,6 +229,7 @@ def test_the_capacity_model_is_measured_once_and_read_back_from_disk(tmp_path, m
     assert "unreadable cache" in caplog.text and len(json.loads(path.read_text())) == 1
 
 
+@pytest.mark.slow
 def test_the_capacity_model_holds_rates_long_enough_to_see_a_queue_grow(tmp_path):
     """An H100 serves short 8B requests at ~25 req/s; 400 of them at 40 req/s arrive in 10 s, and
     a 3 s TTFT forgives that burst. Squeezing the sample measured such a transient (~1.6x the

@@ -88,6 +88,7 @@ def test_a_mixed_fleet_sends_more_work_to_its_faster_instances():
 
 
 @pytest.mark.parametrize("sampler, trials", [("gp", 40), ("tpe", 50)])
+@pytest.mark.slow
 def test_the_joint_search_finds_the_known_optimum_the_sequential_one_cannot(sampler, trials):
     """One A10 and four H100s: 70B needs all four H100s, so the small model can only run on the
     A10, where 8B decodes slower (27 ms a token) than 70B on four H100s (~11 ms). Enumerating the

@@ -43,6 +43,7 @@ def long_prompts(n: int = 120) -> list[WorkloadRequest]:
 FLEET = FleetConfig(hardware="h100-80g", model="llama-3.1-8b", router="least-requests")
 
 
+@pytest.mark.slow
 def test_a_tight_tpot_over_long_prompts_is_won_by_a_prefill_heavy_split():
     rows = plan(long_prompts(), FLEET, SLO(ttft_s=2.0, tpot_s=0.03), 4, layouts(4))
     assert [r.per_gpu for r in rows] == sorted((r.per_gpu for r in rows), reverse=True)
@@ -51,6 +52,7 @@ def test_a_tight_tpot_over_long_prompts_is_won_by_a_prefill_heavy_split():
     assert rows[0].per_gpu > 1.2 * colocated.per_gpu
 
 
+@pytest.mark.slow
 def test_a_loose_tpot_is_won_by_the_colocated_fleet():
     rows = plan(long_prompts(), FLEET, SLO(ttft_s=2.0, tpot_s=0.2), 4, layouts(4))
     assert rows[0].layout == Layout()

@@ -240,6 +240,7 @@ def test_a_dense_copy_is_kept_only_where_it_is_clearly_faster():
     assert crossover({4: (2.0, 1.9), 2: (1.0, 0.2)}) == 1  # by row count, not insertion order
 
 
+@pytest.mark.slow
 def test_the_probes_measure_once_and_then_read_their_cache(tmp_path):
     cache = tmp_path / "probe.json"
     result = choose_cpu_dtype(64, 128, cache)
@@ -284,6 +285,7 @@ PRECISIONS = {
 
 
 @pytest.mark.parametrize("name", list(PRECISIONS))
+@pytest.mark.slow
 def test_each_precision_stays_within_its_quality_tolerance(llm, heldout_ids, reference_ppl, name):
     candidate = LLM(config=EngineConfig(**PRECISIONS[name]))
     model = candidate.engine.model
@@ -299,6 +301,7 @@ def test_each_precision_stays_within_its_quality_tolerance(llm, heldout_ids, ref
     assert model.weight_bytes - twice < {"bfloat16": 0.51, "int8": 0.3, "int4": 0.2}[name.split()[0]] * exact
 
 
+@pytest.mark.slow
 def test_the_default_engine_generates_what_the_reference_does_within_tolerance(llm, heldout_ids):
     """The default (dtype and quantization auto) on this machine: whatever it picked, its greedy
     generations start as the float32 reference's and its per-step choices agree within the
@@ -356,6 +359,7 @@ def test_exact_configuration_is_unchanged(llm):
     assert isinstance(llm.engine.model.lm_head, DenseLinear)
 
 
+@pytest.mark.slow
 def test_the_default_server_serves_the_fast_precision(tmp_path):
     """`sloserve serve` with no precision flags: the file's int4 codes (and whatever dtype the
     probe picked), streamed through the official client like any other model."""
@@ -379,6 +383,7 @@ def test_the_default_server_serves_the_fast_precision(tmp_path):
 
 
 @pytest.mark.parametrize("kv_dtype", ["bfloat16", "int8"])
+@pytest.mark.slow
 def test_kv_cache_precision_stays_within_its_tolerance(llm, heldout_ids, kv_dtype):
     """The float32 model reading its context from a bf16 or int8 cache (chunked prefills, so
     every chunk after the first reads the cache) against reading it from a float32 cache."""
@@ -398,6 +403,7 @@ def test_kv_cache_precision_stays_within_its_tolerance(llm, heldout_ids, kv_dtyp
     assert same / total >= tolerance.min_top1_agreement
 
 
+@pytest.mark.slow
 def test_int8_kv_cache_holds_more_tokens_and_generates_what_float32_does(llm, heldout_ids):
     """Greedy runs through the engine's int8 cache (chunked prefill and decode both read it back) pick, at every
     step, a token the float32 model ranks first or within a near-tie of first after the same prefix. A flipped

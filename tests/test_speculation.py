@@ -326,6 +326,7 @@ PROMPTS = [f"Add a docstring to each function:\n{CODE}", "Repeat this sentence t
            "What is the capital of France?"]
 
 
+@pytest.mark.slow
 def test_engine_greedy_output_is_identical_with_speculation(engines):
     plain, spec = engines
     params = SamplingParams(max_tokens=96, temperature=0.0)
@@ -342,6 +343,7 @@ def test_engine_greedy_output_is_identical_with_speculation(engines):
     SamplingParams(max_tokens=7, temperature=0.0),
     SamplingParams(max_tokens=50, temperature=0.0, repetition_penalty=1.3, min_tokens=30),
 ], ids=["stop-string", "stop-included", "max-tokens", "penalty-min-tokens"])
+@pytest.mark.slow
 def test_engine_stops_and_penalties_are_exact_with_speculation(engines, params):
     plain, spec = engines
     assert generate(spec, PROMPTS[:2], params) == generate(plain, PROMPTS[:2], params)
@@ -358,6 +360,7 @@ def test_engine_sampled_and_logprob_requests_never_speculate(engines):
 # ---------------------------------------------------------------------- the real server
 
 
+@pytest.mark.slow
 def test_server_with_speculation_streams_what_the_engine_generates_without_it(engines, tmp_path):
     """`sloserve serve --speculative prompt-lookup` over loopback with the official client: the
     streamed chat completion (several tokens may arrive in one chunk) equals the non-streamed one

@@ -95,6 +95,7 @@ def scaled() -> FleetConfig:
     return autoscaled_fleet(migration="drain")
 
 
+@pytest.mark.slow
 def test_recording_changes_no_decision_and_shows_the_autoscaled_fleet():
     # Quiet, a burst that needs more instances, quiet again (shorter than the autoscaling test's).
     reqs = burst_workload(((2.0, 200.0), (14.0, 420.0), (1.0, 1100.0)), seed=3, max_prompt=1500, max_output=300)
