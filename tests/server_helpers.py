@@ -80,12 +80,19 @@ class ServerProcess:
             return None
 
     def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            if self.wait(15) is None:
-                self.proc.kill()
-                self.proc.wait(10)
+        stop_process(self.proc)
         self._log.close()
+
+
+def stop_process(proc: subprocess.Popen, grace_s: float = 15.0) -> None:
+    """SIGTERM, and SIGKILL if it has not exited within `grace_s`."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
 
 
 def scrape(base_url: str, api_key: Optional[str] = None) -> dict[tuple[str, tuple], float]:

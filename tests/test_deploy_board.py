@@ -405,13 +405,9 @@ class Prometheus:
         return self.log_path.read_text(errors="replace")
 
     def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        from server_helpers import stop_process
+
+        stop_process(self.proc)
         self.http.close()
         self._log.close()
 

@@ -20,7 +20,7 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
-from server_helpers import ROOT, free_port
+from server_helpers import ROOT, free_port, stop_process
 from sloserve.sched.costs import OnlineStepEstimator, StepLoad
 from sloserve.server.admission import Admission
 from sloserve.server.errors import APIError
@@ -319,12 +319,7 @@ class Server:
         raise TimeoutError(log.read_text())
 
     def close(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(15)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
+        stop_process(self.proc)
         self._log.close()
 
 
