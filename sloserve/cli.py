@@ -254,7 +254,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     m = p.add_argument_group("multi-instance")
     m.add_argument("--instances", default="1", metavar="N|MIN:MAX",
                    help="engine workers behind one router (threads split evenly); MIN:MAX with --autoscale")
-    m.add_argument("--router", default="least-requests", help="routing policy across instances (see README)")
+    m.add_argument("--router", default="least-requests", help="routing policy across instances (see docs/fleet.md)")
     m.add_argument("--backend", default="process", choices=["process", "ray"], help="workers as local processes or Ray actors")
     m.add_argument("--front-max-in-flight", type=int, default=None, metavar="N",
                    help="requests the front proxies at once; more get 429 (default: the workers' combined capacity)")
