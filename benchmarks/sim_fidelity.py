@@ -96,12 +96,16 @@ def main() -> int:
     p.add_argument("--profile", type=Path, help="reuse a profile instead of measuring one")
     p.add_argument("--quick-profile", action="store_true")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="auto", help="the engine's compute dtype (both the profile and the server)")
+    p.add_argument("--quantization", default="auto", help="the engine's weight quantization")
+    p.add_argument("--kv-dtype", default="auto", help="what the KV cache stores")
     args = p.parse_args()
     out = REPO / "benchmarks" / "results" / f"sim_fidelity-{datetime.now(timezone.utc).strftime('%Y%m%d-%H%M%S')}"
     out.mkdir(parents=True, exist_ok=True)
     console = Console()
     engine_args = ["--num-threads", str(args.num_threads), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-                   "--max-num-seqs", str(args.max_num_seqs)]
+                   "--max-num-seqs", str(args.max_num_seqs), "--dtype", args.dtype, "--quantization", args.quantization,
+                   "--kv-dtype", args.kv_dtype]
     trace_path = out / "steps.jsonl"
     server_args = [*engine_args, "--num-blocks", str(args.num_blocks), "--step-trace", str(trace_path)]
 
@@ -166,8 +170,10 @@ def main() -> int:
     breakdown = step_breakdown(list(read_step_trace(trace_path)), ProfiledCostModel(Profile.load(profile)))
     console.print(breakdown_table(breakdown))
     save_results(out / "results.json", results)
-    (out / "fidelity.json").write_text(json.dumps({"rows": rows, "profile": str(profile), "steps": breakdown},
-                                                  indent=1))
+    precision = Profile.load(profile).precision
+    console.print(f"precision: {precision}")
+    (out / "fidelity.json").write_text(json.dumps({"rows": rows, "profile": str(profile), "precision": precision,
+                                                   "steps": breakdown, "args": vars(args)}, indent=1, default=str))
     plot_latency_cdfs(results, out / "latency_cdf.png")
     console.print(f"wrote {out}")
     return 0

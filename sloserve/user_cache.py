@@ -1,5 +1,7 @@
-"""Where sloserve keeps what it measured once and reads again (`$XDG_CACHE_HOME/sloserve`, else
-`~/.cache/sloserve`): the CPU's dtype probe, autoscaling's capacity model."""
+"""Where sloserve keeps what it measured once and reads again (`$SLOSERVE_CACHE_DIR`, else
+`$XDG_CACHE_HOME/sloserve`, else `~/.cache/sloserve`): the CPU's dtype probe, autoscaling's
+capacity model. The test suite points `$SLOSERVE_CACHE_DIR` at a folder of its own: probes timed
+while tests run side by side are noisy and must not become what `sloserve serve` reads."""
 from __future__ import annotations
 
 import hashlib
@@ -12,7 +14,12 @@ from typing import Iterable, Optional
 logger = logging.getLogger(__name__)
 
 
+CACHE_DIR_ENV = "SLOSERVE_CACHE_DIR"
+
+
 def user_cache_path(name: str) -> Path:
+    if os.environ.get(CACHE_DIR_ENV):
+        return Path(os.environ[CACHE_DIR_ENV]) / name
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "sloserve" / name
 

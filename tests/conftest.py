@@ -3,10 +3,16 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))  # tests import their helpers by module name
+
+# What the tests measure once (dtype and crossover probes, capacities) goes to a cache of their
+# own, inherited by the servers they start: probes timed while two test workers share the cores
+# are noisy, and the user's cache is what `sloserve serve` reads for good (user_cache.py).
+os.environ.setdefault("SLOSERVE_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"sloserve-tests-{os.getuid()}"))
 
 
 @pytest.fixture(scope="session")

@@ -127,7 +127,7 @@ def test_simulate_runs_hours_of_demand_at_flow_level_from_the_command_line(tmp_p
 
     from sloserve.cli import main
 
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # the response curve is measured here, not read
+    monkeypatch.setenv("SLOSERVE_CACHE_DIR", str(tmp_path / "cache"))  # the response curve is measured here, not read
     out = tmp_path / "fluid"
     args = ["simulate", "--fidelity", "fluid", "--demand", "servegen:m-large", "--start", str(12 * 86400),
             "--duration", str(6 * 3600), "--rate", "3", "--workload", "azure-conv", "--model", "llama-2-7b",

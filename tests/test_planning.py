@@ -234,7 +234,7 @@ def test_the_capacity_model_stretches_a_workload_that_has_no_arrival_times(tmp_p
     from sloserve import planning
     from sloserve.cli import main
 
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("SLOSERVE_CACHE_DIR", str(tmp_path / "cache"))
     out = tmp_path / "sim"
     assert main(["simulate", "--workload", "synthetic", "--input-len", "2000", "--output-len", "64", "--rate", "1",
                  "--duration", "30", "--instances", "1:2", "--autoscale", "reactive", "--slo", "ttft=2000,tpot=100",

@@ -56,7 +56,8 @@ def test_profile_of_the_real_engine_fits_its_step_times(llm):
     # How well the fit matches depends on how quiet the machine is (a timing property, reported by
     # `sloserve profile`, not asserted here); the structure of the profile does not.
     assert len(profile.samples) >= 20 and profile.fit_error is not None and profile.fit_error >= 0
-    assert profile.knots == sorted(profile.knots) and len(profile.coefficients) == len(profile.knots) + 3
+    assert profile.knots == sorted(profile.knots) and profile.decode_knots == sorted(profile.decode_knots)
+    assert len(profile.coefficients) == len(profile.knots) + len(profile.decode_knots) + 3
     model = ProfiledCostModel(profile)
     small = model.step_time(StepLoad.decodes(1, 64))
     big = model.step_time(StepLoad(128 + 16, 17, 16, 16 * 256, 128 * 64.5, 128))

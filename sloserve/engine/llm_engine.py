@@ -172,6 +172,10 @@ class LLMEngine:
 
         num_host_blocks = 0 if sched_cfg.preemption_mode == "recompute" else cache.host_blocks(per_block)
         self.kv_cache = KVCache(self.model_config, num_blocks, cache.block_size, self.dtype, self.device, kv_dtype)
+        # what a measured speed holds for (profiles and benchmarks name it)
+        self.precision = (f"{str(self.dtype).removeprefix('torch.')}, "
+                          f"{'dense' if self.quantization == 'none' else self.quantization} weights, "
+                          f"KV {str(kv_dtype).removeprefix('torch.')}")
         link_bandwidth = measure_link_bandwidth(self.device) if num_host_blocks or cache.host_tier_gib else 0.0
         tiers, self.tier_movers, self.tier_cost = self._make_tiers(config, per_block, link_bandwidth)
         self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching, cache.watermark,

@@ -299,6 +299,19 @@ class LlamaModel:
             cfg.sliding_window or 0)
         return stack, rows
 
+    @property
+    def cost_jumps(self) -> list[int]:
+        """Row counts after which a step runs another way (the dense copies take over from the
+        packed kernels, the native decode stack hands over to the layer loop): a step's time may
+        jump between r and r + 1 rows. What `sloserve profile` measures either side of."""
+        jumps = {lin.max_small_rows for layer in self.layers for lin in layer.values()
+                 if isinstance(lin, RowDispatchLinear)}
+        if isinstance(self.lm_head, RowDispatchLinear):
+            jumps.add(self.lm_head.max_small_rows)
+        if self.decode_stack is not None and math.isfinite(self._stack_rows):
+            jumps.add(int(self._stack_rows))
+        return sorted(j for j in jumps if j >= 1)
+
     def _stack_takes(self, batch: ForwardBatch, kv_cache: KVCache) -> bool:
         """Whether this step runs as one native call: decodes only, few enough rows for the 4-bit
         kernels, a cache attention reads as is (what the Python loop would do natively too)."""

@@ -106,12 +106,23 @@ def dense_pays(packed_s: float, dense_s: float) -> bool:
     return dense_s < COPY_MARGIN * packed_s
 
 
-def crossover(times: dict[int, tuple[float, float]]) -> Optional[int]:
+def crossover(times: dict[int, tuple[float, float]], final: bool = True) -> Optional[int]:
     """From (packed, dense) seconds per row count: the most rows below the first count where a
-    dense copy pays (0 if it pays at one row), or None where it never does."""
-    for rows in sorted(times):
-        if dense_pays(*times[rows]):
-            return rows // 2 if rows > 1 else 0
+    dense copy pays there and at the next count measured (0 if from one row), or None where it
+    never does. One count alone does not decide: a pass slowed by another process once made a
+    dense copy "pay" at 16 rows on a machine where whole steps ran 1.3-2x slower with it (2-vCPU
+    Zen4, 2026-12-05), and the answer is cached for good. A dense copy that pays only at the last
+    count measured is kept when `final` (nothing follows to confirm it)."""
+    ordered = sorted(times)
+    for i, rows in enumerate(ordered):
+        if not dense_pays(*times[rows]):
+            continue
+        if i + 1 < len(ordered):
+            if not dense_pays(*times[ordered[i + 1]]):
+                continue
+        elif not final:
+            return None
+        return rows // 2 if rows > 1 else 0
     return None
 
 
@@ -137,7 +148,7 @@ def quantized_max_rows(hidden: int, intermediate: int, quantization: str, dtype:
     times: dict[int, tuple[float, float]] = {}
     for rows in CROSSOVER_ROWS:
         times[rows] = (packed.seconds(rows), dense.seconds(rows))
-        if dense_pays(*times[rows]):
+        if crossover(times, final=False) is not None:
             break
     max_rows = crossover(times)
     logger.info("%s probe: (packed, dense) seconds per row count %s -> dense above %s rows", quantization,

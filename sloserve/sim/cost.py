@@ -12,7 +12,7 @@ from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import Mapping, NamedTuple, Optional
+from typing import Iterable, Mapping, NamedTuple, Optional, Sequence
 
 from sloserve.config import ModelConfig
 from sloserve.kv.tiers import DISK, HOST, STORE
@@ -245,24 +245,27 @@ class RooflineCostModel(CostModel):
 ATTENTION_FEATURES = ("num_sampled", "decode_context", "prefill_attention")
 
 
-def choose_knots(token_counts: list[int], spacing: float = 1.25) -> list[int]:
+def choose_knots(token_counts: list[int], spacing: float = 1.25, keep: Iterable[int] = ()) -> list[int]:
     """Knots for the per-step token count: the measured counts, thinned so that each is at
-    least `spacing` times the previous one.
+    least `spacing` times the previous one, plus every count in `keep` that was measured.
 
     A step's cost is not linear in its token count on a CPU (small GEMMs run far below peak:
     8 decodes can cost 2.5x one decode), so the linear-layer part of the model is piecewise
-    linear between these knots. Each knot is a measured count, so each has data on it."""
+    linear between these knots. Each knot is a measured count, so each has data on it. `keep`
+    holds the counts on either side of a jump the engine makes (a kernel it switches at a row
+    count), which thinning would otherwise smooth over."""
+    measured = sorted(set(max(1, t) for t in token_counts))
+    kept = set(keep) & set(measured)
     knots: list[int] = []
-    for t in sorted(set(max(1, t) for t in token_counts)):
-        if not knots or t >= spacing * knots[-1]:
+    for t in measured:
+        if not knots or t >= spacing * knots[-1] or t in kept:
             knots.append(t)
     return knots
 
 
-def features(shape: StepLoad, knots: list[int]) -> list[float]:
-    """Hat-function weights of the token count over `knots` (linear interpolation, linear
-    extrapolation past the ends), then the attention and LM-head terms."""
-    t = shape.num_tokens
+def _hats(t: int, knots: Sequence[int]) -> list[float]:
+    """Hat-function weights of `t` over `knots` (linear interpolation, linear extrapolation past
+    the ends)."""
     hats = [0.0] * len(knots)
     if len(knots) == 1:
         hats[0] = t / knots[0]
@@ -273,7 +276,23 @@ def features(shape: StepLoad, knots: list[int]) -> list[float]:
         lo, hi = knots[i], knots[i + 1]
         w = (hi - t) / (hi - lo)
         hats[i], hats[i + 1] = w, 1.0 - w
-    return hats + [shape.num_sampled, shape.decode_context, shape.prefill_attention]
+    return hats
+
+
+def is_decode_only(shape: StepLoad) -> bool:
+    return shape.num_decodes == shape.num_tokens > 0
+
+
+def features(shape: StepLoad, knots: Sequence[int], decode_knots: Sequence[int] = ()) -> list[float]:
+    """Hat-function weights of the token count over `knots`, then over `decode_knots` (a
+    decode-only step is priced on its own curve when there is one: the engine may run it another
+    way, as one native call per step), then the attention and LM-head terms."""
+    t = shape.num_tokens
+    if decode_knots and is_decode_only(shape):
+        return [0.0] * len(knots) + _hats(t, decode_knots) + [shape.num_sampled, shape.decode_context,
+                                                               shape.prefill_attention]
+    return _hats(t, knots) + [0.0] * len(decode_knots) + [shape.num_sampled, shape.decode_context,
+                                                          shape.prefill_attention]
 
 
 @dataclass
@@ -284,10 +303,23 @@ class Profile:
     machine: str
     dtype: str
     num_threads: int
-    coefficients: list[float]  # step time at each knot, then seconds per unit of each ATTENTION_FEATURES entry
+    # Step time at each knot, then at each decode knot, then seconds per unit of each
+    # ATTENTION_FEATURES entry.
+    coefficients: list[float]
     samples: list[dict]  # the measured grid: shape fields + "seconds"
     knots: list[int] = field(default_factory=list)  # token counts of the piecewise-linear part
     fit_error: Optional[float] = None  # mean relative error of the fit over the samples
+    # Token counts of decode-only steps' own piecewise-linear part (empty: they share `knots`).
+    decode_knots: list[int] = field(default_factory=list)
+    # Row counts at which the engine changes how it runs a step (engine/llm_engine.py
+    # `cost_jumps`): the grid measured either side of each.
+    jumps: list[int] = field(default_factory=list)
+    # What the engine computed in: compute dtype, weights, KV cache ("bfloat16, int4 weights, KV
+    # bfloat16"); a profile prices only the precision it was measured at.
+    precision: str = ""
+    # Seconds a served step spends outside the model runner (scheduling, output processing),
+    # added to every step's price.
+    step_overhead_s: float = 0.0
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(asdict(self), indent=1))
@@ -301,7 +333,7 @@ class Profile:
             raise
         except (ValueError, TypeError) as e:
             raise ValueError(f"{path}: not a sloserve profile ({e})") from None
-        want = len(profile.knots) + len(ATTENTION_FEATURES)
+        want = len(profile.knots) + len(profile.decode_knots) + len(ATTENTION_FEATURES)
         if not profile.knots or len(profile.coefficients) != want:
             raise ValueError(f"{path}: expected knots and {want} coefficients, got {len(profile.coefficients)}")
         return profile
@@ -316,6 +348,8 @@ class ProfiledCostModel(CostModel):
         self.profile = profile
         self.coefficients = list(profile.coefficients)
         self.knots = list(profile.knots)
+        self.decode_knots = list(profile.decode_knots)
+        self.step_overhead_s = profile.step_overhead_s
         self.swap_s_per_block = swap_s_per_block
 
     def swap_time(self, num_blocks: int) -> float:
@@ -324,8 +358,8 @@ class ProfiledCostModel(CostModel):
     def step_time(self, shape: StepLoad) -> float:
         if shape.num_tokens == 0:
             return self.kv_ops_time(shape) + self.save_time(shape)
-        t = sum(c * f for c, f in zip(self.coefficients, features(shape, self.knots)))
-        return self.with_saves(max(t, 0.0), shape) + self.kv_ops_time(shape)
+        t = sum(c * f for c, f in zip(self.coefficients, features(shape, self.knots, self.decode_knots)))
+        return self.with_saves(max(t, 0.0) + self.step_overhead_s, shape) + self.kv_ops_time(shape)
 
 
 def fit_nonnegative(rows: list[list[float]], targets: list[float], iterations: int = 2000) -> list[float]:
