@@ -1,8 +1,10 @@
 """Does the simulator predict the real server? One workload, both ways, in one run.
 
 1. `sloserve profile` measures this machine's engine step times (the simulator's cost model).
-2. `sloserve serve` (embedded model) takes ShareGPT prompts at Poisson arrivals through the
-   bench client, at two rates.
+2. `sloserve serve` (embedded model, at the precision asked: by default what `serve` picks) takes
+   ShareGPT prompts at Poisson arrivals through the bench client, at two rates; with `--repeats N`
+   N times, each on a fresh server, rates interleaved: the spread of those runs is the real
+   server's own noise, and the simulator is compared with their median.
 3. The simulator runs the same requests (same token ids, arrival times and output lengths) on
    one simulated instance with the same scheduler settings, priced by that profile.
 It prints the relative error of p50/p90/p99 TTFT, TPOT and E2E and writes both runs as bench
@@ -15,6 +17,7 @@ import argparse
 import asyncio
 import json
 import math
+import statistics
 import subprocess
 import sys
 from dataclasses import replace
@@ -96,6 +99,9 @@ def main() -> int:
     p.add_argument("--profile", type=Path, help="reuse a profile instead of measuring one")
     p.add_argument("--quick-profile", action="store_true")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=1,
+                   help="real runs per rate, each on a fresh server, rates interleaved; the simulator is compared "
+                        "with their median and their spread ((max - min) / median) is the real server's own noise")
     p.add_argument("--dtype", default="auto", help="the engine's compute dtype (both the profile and the server)")
     p.add_argument("--quantization", default="auto", help="the engine's weight quantization")
     p.add_argument("--kv-dtype", default="auto", help="what the KV cache stores")
@@ -107,7 +113,7 @@ def main() -> int:
                    "--max-num-seqs", str(args.max_num_seqs), "--dtype", args.dtype, "--quantization", args.quantization,
                    "--kv-dtype", args.kv_dtype]
     trace_path = out / "steps.jsonl"
-    server_args = [*engine_args, "--num-blocks", str(args.num_blocks), "--step-trace", str(trace_path)]
+    server_args = [*engine_args, "--num-blocks", str(args.num_blocks)]
 
     profile = args.profile
     if profile is None:
@@ -127,53 +133,75 @@ def main() -> int:
                         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
                                                   max_num_seqs=args.max_num_seqs),
                         cache=CacheConfig(block_size=16))
+    workloads = []
+    for i, rate in enumerate(rates):
+        # Each rate gets its own prompts and the warm-up a prompt of its own: the server's prefix
+        # cache lives across runs, the simulator starts each run empty.
+        requests = prepare(replace(base, rate=rate, seed=args.seed + i), synthesizer, "tokens")
+        warm = [replace(requests[0], arrival_s=0.0, output_len=4, prompt_len=16,
+                        prompt_token_ids=list(range(1000 + 16 * i, 1016 + 16 * i)))]
+        workloads.append((rate, requests, warm))
     results: list[BenchResult] = []
+    real_runs: dict[float, list] = {rate: [] for rate in rates}
+    for repeat in range(args.repeats):
+        # a fresh server per repeat (its prefix cache empty, as the simulator's), rates interleaved
+        step_trace = trace_path if repeat == 0 else out / f"steps-{repeat}.jsonl"
+        server = LocalServer([*server_args, "--step-trace", str(step_trace)], out / f"server-{repeat}.log")
+        try:
+            server.wait_ready()
+            client = ClientConfig(base_url=server.base_url, request_timeout_s=600)
+            for rate, requests, warm in workloads:
+                asyncio.run(BenchClient(client).run(warm))
+                console.rule(f"real server, {rate:g} req/s (run {repeat + 1} of {args.repeats})")
+                real = asyncio.run(BenchClient(client).run(requests))
+                real_summary = summarize(real.records, real.duration_s)
+                real_runs[rate].append(real_summary)
+                results.append(BenchResult(f"real · rate {rate:g} · run {repeat + 1}", real_summary, real.records, rate))
+        finally:
+            server.stop()
     rows = []
-    server = LocalServer(server_args, out / "server.log")
-    try:
-        server.wait_ready()
-        client = ClientConfig(base_url=server.base_url, request_timeout_s=600)
-        for i, rate in enumerate(rates):
-            # Each rate gets its own prompts and the warm-up a prompt of its own: the server's prefix
-            # cache lives across runs, the simulator starts each run empty.
-            requests = prepare(replace(base, rate=rate, seed=args.seed + i), synthesizer, "tokens")
-            warm = [replace(requests[0], arrival_s=0.0, output_len=4, prompt_len=16,
-                            prompt_token_ids=list(range(1000 + 16 * i, 1016 + 16 * i)))]
-            asyncio.run(BenchClient(client).run(warm))
-            console.rule(f"real server, {rate:g} req/s")
-            real = asyncio.run(BenchClient(client).run(requests))
-            real_summary = summarize(real.records, real.duration_s)
-            console.rule(f"simulator, {rate:g} req/s")
-            records, _ = simulate(build_fleet(fleet), sim_requests(requests))
-            sim_summary = summarize(records)
-            results += [BenchResult(f"real · rate {rate:g}", real_summary, real.records, rate),
-                        BenchResult(f"sim · rate {rate:g}", sim_summary, records, rate)]
-            for metric in METRICS:
-                r_stats, s_stats = real_summary.overall.latency[metric], sim_summary.overall.latency[metric]
-                for q in QUANTILES:
-                    rv, sv = r_stats.p(float(q[1:])), s_stats.p(float(q[1:]))
-                    err = abs(sv - rv) / rv if rv and not math.isnan(rv) else math.nan
-                    rows.append({"rate": rate, "metric": metric, "quantile": q, "real_ms": 1e3 * rv,
-                                 "sim_ms": 1e3 * sv, "rel_error": err})
-    finally:
-        server.stop()
+    for rate, requests, _ in workloads:
+        console.rule(f"simulator, {rate:g} req/s")
+        records, _ = simulate(build_fleet(fleet), sim_requests(requests))
+        sim_summary = summarize(records)
+        results.append(BenchResult(f"sim · rate {rate:g}", sim_summary, records, rate))
+        for metric in METRICS:
+            s_stats = sim_summary.overall.latency[metric]
+            for q in QUANTILES:
+                reals = sorted(r.overall.latency[metric].p(float(q[1:])) for r in real_runs[rate])
+                rv, sv = statistics.median(reals), s_stats.p(float(q[1:]))
+                err = abs(sv - rv) / rv if rv and not math.isnan(rv) else math.nan
+                spread = (reals[-1] - reals[0]) / rv if rv and not math.isnan(rv) else math.nan
+                rows.append({"rate": rate, "metric": metric, "quantile": q, "real_ms": 1e3 * rv,
+                             "real_runs_ms": [1e3 * x for x in reals], "real_spread": spread,
+                             "sim_ms": 1e3 * sv, "rel_error": err})
 
     table = Table(title="simulator vs real server (relative error)")
-    for col in ("rate", "metric", "quantile", "real ms", "sim ms", "error", "target"):
+    for col in ("rate", "metric", "quantile", "real ms (median of runs)", "real spread", "sim ms", "error", "target"):
         table.add_column(col)
     for r in rows:
         target = 0.10 if r["quantile"] == "p50" else 0.20 if r["quantile"] == "p99" else None
         ok = "" if target is None else ("ok" if r["rel_error"] <= target else "MISSED")
-        table.add_row(f"{r['rate']:g}", r["metric"], r["quantile"], f"{r['real_ms']:.0f}", f"{r['sim_ms']:.0f}",
+        table.add_row(f"{r['rate']:g}", r["metric"], r["quantile"], f"{r['real_ms']:.0f}",
+                      f"{100 * r['real_spread']:.1f}%" if len(r["real_runs_ms"]) > 1 else "-", f"{r['sim_ms']:.0f}",
                       f"{100 * r['rel_error']:.1f}%", f"{'' if target is None else f'<= {target:.0%}'} {ok}")
     console.print(table)
-    breakdown = step_breakdown(list(read_step_trace(trace_path)), ProfiledCostModel(Profile.load(profile)))
+    cost = ProfiledCostModel(Profile.load(profile))
+    breakdown = step_breakdown(list(read_step_trace(trace_path)), cost)
     console.print(breakdown_table(breakdown))
+    # The machine's own drift: how the served steps of each run compare with their price. A shared
+    # VM ran the same steps 4% and 8% slower in a second and third run than in the first (2-vCPU
+    # Zen4, 2026-12-05), and latency near capacity amplifies that several times over.
+    drift = []
+    for repeat in range(args.repeats):
+        steps = list(read_step_trace(trace_path if repeat == 0 else out / f"steps-{repeat}.jsonl"))
+        drift.append(sum(s.execute_s for s in steps) / sum(cost.estimate(s.load) for s in steps))
+    console.print("served steps took " + ", ".join(f"{x:.3f}x" for x in drift) + " of their price (run by run)")
     save_results(out / "results.json", results)
     precision = Profile.load(profile).precision
     console.print(f"precision: {precision}")
     (out / "fidelity.json").write_text(json.dumps({"rows": rows, "profile": str(profile), "precision": precision,
-                                                   "steps": breakdown, "args": vars(args)}, indent=1, default=str))
+                                                   "steps": breakdown, "served_over_price": drift, "args": vars(args)}, indent=1, default=str))
     plot_latency_cdfs(results, out / "latency_cdf.png")
     console.print(f"wrote {out}")
     return 0

@@ -364,6 +364,9 @@ def build_parser() -> argparse.ArgumentParser:
     from sloserve.top import add_top_parser
 
     add_top_parser(sub)
+    from sloserve.evaluation.cli import add_evaluate_parser
+
+    add_evaluate_parser(sub)
     return parser
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import platform
 import statistics
 import time
@@ -89,25 +90,27 @@ MAX_REPEATS = 20
 def profile_engine(engine: LLMEngine, grid: Iterable[tuple[int, int, int, int]] = QUICK_GRID, repeats: int = 3,
                    on_point: Optional[Callable[[int, int], None]] = None, passes: int = 2) -> Profile:
     """Time every grid point, plus the points either side of the engine's own cost jumps, and fit
-    the cost model. Each of `passes` passes over the grid runs a point once to warm up, then at
-    least `repeats` times and for at least MIN_POINT_S; a point's time is the median of all its
-    runs. Passes rather than one long stay per point: a second or two of a slower machine (another
-    process, a frequency dip) then touches a few of a point's runs instead of all of them, which
-    once priced 3 decodes at 11.3 ms when serving ran them in 8-9 ms."""
+    the cost model. Each of `passes` passes over the grid runs a point (once to warm up, in the
+    first pass) at least `repeats` / `passes` times and for at least MIN_POINT_S; a point's time is
+    the median of all its runs. Passes rather than one long stay per point: a second or two of a
+    slower machine (another process, a frequency dip) then touches a few of a point's runs instead
+    of all of them, which once priced 3 decodes at 11.3 ms when serving ran them in 8-9 ms."""
     jumps = engine.model.cost_jumps
     points = _grid_points([*grid, *jump_points(jumps)])
     # The engine's own pool is the device memory the steps read from; a private manager
     # hands its blocks out so the engine's scheduler state is never touched.
     kv = KVCacheManager(engine.kv.num_blocks, engine.kv.block_size, enable_prefix_caching=False, watermark=0.0)
+    least = max(1, math.ceil(repeats / passes))
     times: list[list[float]] = [[] for _ in points]
     shapes: list[StepLoad] = []
     for pass_index in range(passes):
         for index, (d, ctx, n, start) in enumerate(points):
             plan, requests = _build_plan(engine, kv, d, ctx, n, start, index)
-            engine.runner.execute(plan)  # warm-up
+            if pass_index == 0:
+                engine.runner.execute(plan)  # warm-up
             began = time.perf_counter()
             runs = 0
-            while runs < repeats or (runs < MAX_REPEATS and time.perf_counter() - began < MIN_POINT_S):
+            while runs < least or (runs < MAX_REPEATS and time.perf_counter() - began < MIN_POINT_S):
                 t0 = time.perf_counter()
                 engine.runner.execute(plan)
                 times[index].append(time.perf_counter() - t0)

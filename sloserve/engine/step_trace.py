@@ -38,6 +38,8 @@ class StepRecord:
     def from_json(cls, line: str) -> "StepRecord":
         d = json.loads(line)
         fields = ("start_s", "schedule_s", "execute_s", "process_s")
+        if "saves" in d:
+            d["saves"] = tuple(d["saves"])  # JSON has no tuples; a StepLoad compares equal only with its own
         return cls(*(float(d.pop(k)) for k in fields), StepLoad(**d))
 
 

@@ -1,0 +1,139 @@
+"""From a cell's settings and a policy to a simulated fleet, and one run of it.
+
+Every run of the suite goes through `simulate_policy`: the packaged output-length predictor
+(length-only, learning online from completed requests) annotates every request for every policy,
+so no policy sees the recorded output lengths (as benchmarks/routing.py and sim_migration.py).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from functools import lru_cache
+from typing import Any, Mapping, Optional, Sequence
+
+from sloserve.bench.metrics import SLO
+from sloserve.cluster.migration import MIGRATION_POLICIES, CombinedPolicy, parse_migration
+from sloserve.config import SchedulerConfig
+from sloserve.evaluation.workloads import Fit, slo_for
+from sloserve.records import RequestRecord
+from sloserve.sim.simulator import SimResult
+from sloserve.simulation import (FleetConfig, build_cost_model, build_fleet, fleet_gpus, make_predictions,
+                                 sim_requests, simulate)
+from sloserve.workload.types import WorkloadRequest
+
+PREDICTOR = "default"
+
+
+def scheduler() -> SchedulerConfig:
+    """Every instance's step budget and batch bound (as the routing and migration studies)."""
+    return SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=256)
+
+
+@dataclass(frozen=True)
+class Setting:
+    """A cell's settings, typed: what the simulator is asked to build. `slo` is a multiplier on the
+    trace's base TTFT and TPOT targets (workloads.TRACES). No defaults here: a grid gives every
+    setting, in its axes or its `defaults:` (one place says what a cell that does not name a setting ran)."""
+
+    trace: str
+    hardware: str
+    model: str
+    tp: int
+    instances: int
+    slo: float
+    link: str
+
+    @classmethod
+    def of(cls, params: Mapping[str, Any]) -> "Setting":
+        known = [f.name for f in fields(cls)]
+        unknown = sorted(set(params) - set(known))
+        if unknown:
+            raise ValueError(f"unknown setting(s) {', '.join(unknown)}; the simulator's are {', '.join(known)}")
+        missing = [k for k in known if k not in params]
+        if missing:
+            raise ValueError(f"a cell needs the setting(s) {', '.join(missing)} (in the grid's axes: or defaults:)")
+        return cls(str(params["trace"]), str(params["hardware"]), str(params["model"]), int(params["tp"]),
+                   int(params["instances"]), float(params["slo"]), str(params["link"]))
+
+    @property
+    def slo_targets(self) -> SLO:
+        return slo_for(self.trace, self.slo)
+
+
+@dataclass(frozen=True)
+class Policy:
+    """What the cluster scheduler runs in a cell: a router and a migration spec ("none": routing only)."""
+
+    router: str
+    migration: str = "none"
+
+    @property
+    def name(self) -> str:
+        return self.router if self.migration == "none" else f"{self.router} + {self.migration}"
+
+
+def fleet_config(setting: Setting, policy: Policy) -> FleetConfig:
+    cfg = FleetConfig(instances=setting.instances, hardware=setting.hardware, model=setting.model, tp=setting.tp,
+                      router=policy.router, migration=policy.migration, link=setting.link,
+                      scheduler=scheduler(), predictor=PREDICTOR)
+    cfg.validate()
+    return cfg
+
+
+def migration_policy(spec: str, thresholds: Mapping[str, Mapping[str, Any]]):
+    """The migration policy of `spec` with some policies' constructor arguments set (`thresholds`:
+    policy name -> {argument: value}); the others as `make_migration_policy` builds them."""
+    names = parse_migration(spec)
+    stray = sorted(set(thresholds) - set(names))
+    if stray:
+        raise ValueError(f"thresholds for {', '.join(stray)}, which {spec!r} does not run")
+    policies = [MIGRATION_POLICIES[n](**dict(thresholds.get(n, {}))) for n in names]
+    return policies[0] if len(policies) == 1 else CombinedPolicy(policies)
+
+
+def simulate_policy(reqs: Sequence[WorkloadRequest], cfg: FleetConfig,
+                    thresholds: Optional[Mapping[str, Mapping[str, Any]]] = None
+                    ) -> tuple[list[RequestRecord], SimResult]:
+    """One run of `reqs` on the fleet `cfg`, every request annotated by the run's own predictor;
+    `thresholds`: migration policies' constructor arguments (see `migration_policy`)."""
+    predictions = make_predictions(cfg)
+    sim = build_fleet(cfg, predictions)
+    if thresholds:
+        sim.controller.migration = migration_policy(cfg.migration, thresholds)  # type: ignore[attr-defined]
+    return simulate(sim, sim_requests(reqs, predictions=predictions), predictions=predictions)
+
+
+def fit_of(setting: Setting) -> Fit:
+    """The requests a cell can serve at all (workloads.Fit): within the context of one instance
+    (the model's, or its KV pool if smaller), and prompts one idle instance prefills within the
+    TTFT target."""
+    cfg = fleet_config(setting, Policy("round-robin"))
+    _, model, blocks = build_cost_model(cfg)
+    context = min(model.max_position_embeddings, blocks * cfg.cache.block_size)
+    return Fit(_longest_prompt(cfg.hardware, cfg.model, cfg.tp, context, setting.slo_targets.ttft_s), context)
+
+
+@lru_cache(maxsize=64)
+def _longest_prompt(hardware: str, model: str, tp: int, context: int, ttft_s: Optional[float]) -> int:
+    """The longest prompt (to 64 tokens) a lone request gets its first token within `ttft_s` on an
+    idle instance; `context` - 1 when every prompt that fits does."""
+    if ttft_s is None:
+        return context - 1
+    cfg = FleetConfig(hardware=hardware, model=model, tp=tp, scheduler=scheduler())
+
+    def alone(tokens: int) -> float:
+        records, _ = simulate(build_fleet(cfg), sim_requests([WorkloadRequest(0.0, tokens, 2)]))
+        return records[0].ttft_s if records[0].ttft_s is not None else math.inf
+
+    lo, hi = 1, context - 1
+    if alone(hi) <= ttft_s:
+        return hi
+    while hi - lo > 64:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if alone(mid) <= ttft_s else (lo, mid)
+    return lo
+
+
+def gpu_hours(cfg: FleetConfig, seconds: float) -> float:
+    """Device-hours of the fleet over `seconds` of simulated time (every instance runs throughout)."""
+    return fleet_gpus(cfg) * seconds / 3600.0

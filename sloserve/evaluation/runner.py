@@ -1,0 +1,162 @@
+"""Runs the cells of a split: every (cell, seed) is one job, in a process pool of `jobs` workers
+(in this process when jobs is 1); the seeds of a cell are then judged together. Writes
+results.json (cells, split, metrics, verdicts, the git commit and the date) into
+`<out>/evaluate-<split>-<UTC time>/`."""
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from concurrent.futures import Future, ProcessPoolExecutor, as_completed
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+from sloserve.evaluation.decisions import make_decision
+from sloserve.evaluation.metrics import CellMetrics
+from sloserve.evaluation.suite import REPO_ROOT, SPLITS, Cell, Measure, cells, load_grid
+from sloserve.evaluation.verdict import Verdict, judge
+from sloserve.records import jsonable
+
+RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
+
+
+@dataclass
+class CellResult:
+    """A cell's metrics (policy -> one per seed, in seed order) and its verdicts."""
+
+    cell: Cell
+    metrics: dict[str, list[CellMetrics]]
+    verdicts: list[Verdict]
+    wall_s: float
+
+    @property
+    def split(self) -> str:
+        return self.cell.split
+
+    def as_dict(self) -> dict:
+        return {**self.cell.as_dict(), "metrics": {p: [m.as_dict() for m in runs] for p, runs in self.metrics.items()},
+                "verdicts": [v.as_dict() for v in self.verdicts], "wall_s": self.wall_s}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "CellResult":
+        return cls(Cell.from_dict(d), {p: [CellMetrics.from_dict(m) for m in runs] for p, runs in d["metrics"].items()},
+                   [Verdict.from_dict(v) for v in d["verdicts"]], float(d["wall_s"]))
+
+
+@dataclass
+class Evaluation:
+    """One `sloserve evaluate` run."""
+
+    split: str  # dev, test or both
+    quick: bool
+    seeds: int
+    decisions: list[str]
+    measures: dict[str, Measure]
+    commit: str
+    dirty: bool
+    date: str
+    cells: list[CellResult] = field(default_factory=list)
+    wall_s: float = 0.0
+
+    def as_dict(self) -> dict:
+        return jsonable({"suite": "sloserve evaluate", "split": self.split, "quick": self.quick, "seeds": self.seeds,
+                         "decisions": self.decisions, "measure": {d: m.as_dict() for d, m in self.measures.items()},
+                         "commit": self.commit, "dirty": self.dirty, "date": self.date, "wall_s": self.wall_s,
+                         "cells": [c.as_dict() for c in self.cells]})
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Evaluation":
+        return cls(d["split"], bool(d["quick"]), int(d["seeds"]), list(d["decisions"]),
+                   {k: Measure.parse(v) for k, v in d["measure"].items()}, d["commit"], bool(d["dirty"]), d["date"],
+                   [CellResult.from_dict(c) for c in d["cells"]], float(d.get("wall_s", 0.0)))
+
+    @classmethod
+    def load(cls, path: Path) -> "Evaluation":
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+
+def git_state(root: Path = REPO_ROOT) -> tuple[str, bool]:
+    """(HEAD's commit, whether the work tree differs from it); ("unknown", True) outside a checkout."""
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
+                                check=True).stdout.strip()
+        dirty = bool(subprocess.run(["git", "status", "--porcelain"], cwd=root, capture_output=True, text=True,
+                                    check=True).stdout.strip())
+        return commit, dirty
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown", True
+
+
+def _job(decision: str, measure: Measure, cell: Cell, seed: int) -> dict[str, CellMetrics]:
+    """One seed of one cell (what a worker process runs)."""
+    return make_decision(decision, measure).run(cell, seed)
+
+
+def planned(decisions: Sequence[str], split: str, quick: bool) -> list[tuple[str, Measure, Cell]]:
+    """(decision, how it is measured, cell) for every cell of `split` of every decision."""
+    out = []
+    for name in decisions:
+        make_decision(name)  # an unknown name fails before any work
+        measure = load_grid(name, quick).measure
+        out.extend((name, measure, c) for c in cells(name, None if split == "both" else split, quick))
+    return out
+
+
+def run_evaluation(decisions: Sequence[str], split: str = "dev", quick: bool = False, seeds: int = 2, jobs: int = 1,
+                   on_done: Optional[Callable[[str], None]] = None) -> Evaluation:
+    """Run every cell of `split` of `decisions` with seeds 0..seeds-1 and judge each cell.
+    `on_done(label)` is called as each (cell, seed) finishes."""
+    if split not in (*SPLITS, "both"):
+        raise ValueError(f"--split must be dev, test or both, got {split!r}")
+    if seeds < 2:
+        raise ValueError(f"--seeds must be >= 2 (a tie is judged against how much the per-seed ratios disagree), got {seeds}")
+    if jobs < 1:
+        raise ValueError(f"--jobs must be >= 1, got {jobs}")
+    work = planned(decisions, split, quick)
+    if not work:
+        raise ValueError(f"no {split} cells in the {'quick ' if quick else ''}grid of {', '.join(decisions)}")
+    commit, dirty = git_state()
+    run = Evaluation(split, quick, seeds, list(decisions), {d: m for d, m, _ in work}, commit, dirty,
+                     datetime.now(timezone.utc).isoformat(timespec="seconds"))
+    t0 = time.perf_counter()
+    jobs_of = [(d, m, c, s) for d, m, c in work for s in range(seeds)]
+    done: dict[tuple[int, int], dict[str, CellMetrics]] = {}
+    if jobs == 1:
+        for k, (d, m, c, s) in enumerate(jobs_of):
+            done[(k // seeds, s)] = _job(d, m, c, s)
+            if on_done:
+                on_done(f"{d} {c.label} seed {s}")
+    else:
+        with ProcessPoolExecutor(max_workers=jobs) as pool:
+            futures: dict[Future, tuple[int, int]] = {}
+            for k, (d, m, c, s) in enumerate(jobs_of):
+                futures[pool.submit(_job, d, m, c, s)] = (k // seeds, s)
+            for f in as_completed(futures):
+                i, s = futures[f]
+                done[futures[f]] = f.result()
+                if on_done:
+                    d, _, c = work[i]
+                    on_done(f"{d} {c.label} seed {s}")
+    for i, (d, m, c) in enumerate(work):
+        per_seed = [done[(i, s)] for s in range(seeds)]
+        metrics = {p: [runs[p] for runs in per_seed] for p in per_seed[0]}
+        wall = sum(x.wall_s for runs in per_seed for x in runs.values())
+        run.cells.append(CellResult(c, metrics, judge(metrics, make_decision(d, m).judged(c)), wall))
+    run.wall_s = time.perf_counter() - t0
+    return run
+
+
+def write_results(run: Evaluation, out: Optional[Path] = None) -> Path:
+    """results.json in a new `evaluate-<split>-<UTC time>` folder under `out` (benchmarks/results); its path."""
+    parent = Path(out) if out is not None else RESULTS_DIR
+    stamp = datetime.fromisoformat(run.date).strftime("%Y%m%d-%H%M%S")
+    folder = parent / f"evaluate-{run.split}-{stamp}"
+    n = 1
+    while folder.exists():
+        n += 1
+        folder = parent / f"evaluate-{run.split}-{stamp}-{n}"
+    folder.mkdir(parents=True)
+    (folder / "results.json").write_text(json.dumps(run.as_dict(), indent=1))
+    return folder

@@ -1,0 +1,249 @@
+"""The held-out evaluation suite (sloserve/evaluation, `sloserve evaluate`): the dev/test split is a
+fixed function of each cell's description, the grids load as declared, verdicts follow the noise
+rule, the tuner never sees a test cell, and the quick grid runs end to end with real numbers."""
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import math
+import re
+from pathlib import Path
+
+import pytest
+
+from sloserve.cli import main
+from sloserve.cluster.migration import MIGRATION_POLICIES
+from sloserve.evaluation.decisions import DECISIONS, make_decision
+from sloserve.evaluation.fleet import Setting
+from sloserve.evaluation.metrics import CellMetrics, LoadPoint
+from sloserve.evaluation.runner import Evaluation
+from sloserve.evaluation.suite import Cell, cells, load_grid, split_of
+from sloserve.evaluation.tune import tune
+from sloserve.evaluation.verdict import NOISE_FLOOR, judge, seed_ratios
+from sloserve.planning import Goodput
+
+GRID = """
+defaults:
+  instances: 4
+  slo: 1.0
+axes:
+  trace: [azure-conv, azure-code, sharegpt]
+  hardware: [h100-80g, a10-24g]
+  slo: [1.0, 0.5]
+exclude:
+  - {hardware: a10-24g, slo: 0.5}
+measure: {sustain_s: 30}
+quick:
+  trace: [azure-conv]
+  measure: {sustain_s: 5}
+"""
+
+
+def write_grid(folder: Path, text: str, name: str = "toy") -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{name}.yaml").write_text(text)
+    return folder
+
+
+# ---- the split --------------------------------------------------------------------------------
+
+def test_the_split_is_the_hash_of_the_canonical_description():
+    cell = Cell.make("routing", {"trace": "azure-conv", "slo": 0.5, "hardware": "a10-24g"})
+    text = '{"decision":"routing","settings":{"hardware":"a10-24g","slo":0.5,"trace":"azure-conv"}}'
+    assert cell.description == text  # sorted keys, no spaces, whatever order the settings came in
+    expected = "test" if int(hashlib.sha256(text.encode()).hexdigest()[:8], 16) % 100 < 40 else "dev"
+    assert split_of(cell) == cell.split == expected
+    assert Cell.make("routing", {"hardware": "a10-24g", "trace": "azure-conv", "slo": 0.5}) == cell
+
+
+@pytest.mark.parametrize("decision, settings, split", [
+    ("routing", {"trace": "azure-conv"}, "test"),
+    ("routing", {"instances": 12, "trace": "mooncake-conv"}, "dev"),
+    ("routing", {"hardware": "a10-24g", "model": "llama-2-7b", "slo": 2.0, "trace": "sharegpt"}, "dev"),
+    ("routing", {"hardware": "a10-24g", "model": "llama-2-7b", "slo": 2.0, "trace": "azure-code"}, "test"),
+    ("routing", {"hardware": "a10-24g", "instances": 2, "model": "llama-2-7b", "trace": "azure-conv"}, "dev"),
+    ("migration", {"link": "roce-100g", "trace": "mooncake-conv"}, "dev"),
+    ("migration", {"hardware": "a10-24g", "model": "llama-2-7b", "trace": "azure-conv"}, "test"),
+    ("migration", {"slo": 0.5, "trace": "synthetic"}, "dev"),
+])
+def test_named_cells_keep_their_split(decision, settings, split):
+    """Pinned: a change to the description or the hash that moved these would reshuffle every claim."""
+    assert split_of(Cell.make(decision, settings)) == split
+    grid = load_grid(decision)
+    shipped = Cell.make(decision, {**grid.defaults, **settings}, grid.defaults)
+    assert shipped.description == Cell.make(decision, settings).description  # defaults are not described
+    if settings.get("instances") != 2:  # (the quick grid's cells are not in the full grid)
+        assert shipped in grid.cells
+
+
+def test_adding_a_setting_or_an_axis_value_moves_no_other_cell(tmp_path):
+    before = load_grid("toy", root=write_grid(tmp_path / "a", GRID)).cells
+    grown = GRID.replace("trace: [azure-conv, azure-code, sharegpt]",  # one more value, one more axis
+                         "trace: [azure-conv, azure-code, sharegpt, mooncake-conv]\n"
+                         "  link: [infiniband-ndr, roce-100g]")
+    grown = grown.replace("defaults:\n", "defaults:\n  link: infiniband-ndr\n")
+    after = load_grid("toy", root=write_grid(tmp_path / "b", grown)).cells
+    old = {c.description: c.split for c in before}
+    new = {c.description: c.split for c in after}
+    assert len(after) == len(before) * 2 + 6  # each old cell again on roce-100g, and mooncake-conv on both links
+    assert all(new[d] == s for d, s in old.items())  # every old cell: same description, same split
+    assert all(dict(c.defaults)["link"] == "infiniband-ndr" for c in after if c.description in old)
+    added = [c for c in after if c.description not in old]
+    assert {c.split for c in added} == {"dev", "test"}
+
+
+def test_about_forty_percent_of_a_large_grid_is_test(tmp_path):
+    text = "axes:\n  a: [" + ", ".join(map(str, range(40))) + "]\n  b: [" + \
+        ", ".join(f"b{i}" for i in range(25)) + "]\n  c: [0.5, 1.0, 2.0, 4.0]\n"
+    grid = load_grid("big", root=write_grid(tmp_path, text, "big"))
+    share = sum(c.split == "test" for c in grid.cells) / len(grid.cells)
+    assert len(grid.cells) == 4000
+    assert 0.37 < share < 0.43
+
+
+def test_grids_load_with_their_exclusions_and_quick_overrides(tmp_path):
+    root = write_grid(tmp_path, GRID)
+    grid = load_grid("toy", root=root)
+    assert len(grid.cells) == 3 * 2 * 2 - 3 and grid.measure.sustain_s == 30
+    assert not any(c.params["hardware"] == "a10-24g" and c.params["slo"] == 0.5 for c in grid.cells)
+    quick = load_grid("toy", quick=True, root=root)
+    assert {c.params["trace"] for c in quick.cells} == {"azure-conv"} and quick.measure.sustain_s == 5
+    both = cells("toy", "both", root=root)
+    assert sorted(c.description for c in cells("toy", "dev", root=root) + cells("toy", "test", root=root)) == \
+        sorted(c.description for c in both)
+    for bad, message in [("axes: {trace: azure-conv}", "list of values"), (GRID + "bogus: 1\n", "unknown key"),
+                         (GRID.replace("hardware: a10-24g, slo", "gpu: a10-24g, slo"), "exclude names unknown"),
+                         (GRID.replace("sustain_s: 30", "sustain_s: 0"), "sustain_s must be > 0")]:
+        with pytest.raises(ValueError, match=message):
+            load_grid("toy", root=write_grid(tmp_path / "bad", bad))
+
+
+def test_shipped_grids_are_moderate_and_their_quick_grids_hold_both_splits():
+    for decision in DECISIONS:
+        full, quick = load_grid(decision), load_grid(decision, quick=True)
+        assert 20 <= len(full.cells) <= 60
+        assert 2 <= len(quick.cells) <= 4 and {c.split for c in quick.cells} == {"dev", "test"}
+        for cell in full.cells + quick.cells:  # every cell names every setting the simulator needs
+            Setting.of(cell.params)
+            assert make_decision(decision).policies(cell).candidates
+        assert not any(c.params["model"] == "llama-2-7b" and c.params["trace"].startswith("mooncake")
+                       for c in full.cells)  # 4k context: excluded
+    traces = {c.params["trace"] for d in DECISIONS for c in load_grid(d).cells}
+    assert {"azure-conv", "azure-code", "mooncake-conv", "mooncake-synthetic", "sharegpt", "servegen",
+            "synthetic"} <= traces
+
+
+# ---- verdicts ---------------------------------------------------------------------------------
+
+def metrics(policy: str, *goodputs99: float) -> list[CellMetrics]:
+    point = LoadPoint(1.0, 1.0, 10, 1.0, 0.1, 0.01, 0.001, 0, 0.0)
+    return [CellMetrics(policy, seed, Goodput(g * 1.1, 100), Goodput(g, 100), 1.0, (point,), 1, 0.0)
+            for seed, g in enumerate(goodputs99)]
+
+
+def test_a_verdict_is_paired_by_seed_and_needs_more_than_the_ratios_noise():
+    """Windows differ more than policies: a candidate 10% better in both a busy and a quiet window
+    wins, though the baseline's own goodput spans 2x across them; ratios that disagree make a tie."""
+    base = {"rr": metrics("rr", 5.0, 10.0), "lr": metrics("lr", 4.0, 9.0)}
+    judged = {"cand": ("rr", "lr")}
+    [v] = judge({**base, "cand": metrics("cand", 5.5, 11.0)}, judged)
+    assert v.baseline == "rr" and v.ratio == pytest.approx(1.1) and v.noise == NOISE_FLOOR and v.outcome == "win"
+    [v] = judge({**base, "cand": metrics("cand", 4.5, 9.0)}, judged)
+    assert v.outcome == "loss" and v.ratio == pytest.approx(0.9)
+    [v] = judge({**base, "cand": metrics("cand", 6.0, 9.0)}, judged)  # +20% in one window, -10% in the other
+    assert v.outcome == "tie" and v.noise == pytest.approx(math.sqrt(1.2 / 0.9) - 1)
+    steady = {"lr": metrics("lr", 10.0, 10.0)}  # the floor decides: one lattice step (2.2%) is no win
+    assert judge({**steady, "c": metrics("c", 10.4, 10.4)}, {"c": ("lr",)})[0].outcome == "win"
+    [v] = judge({**steady, "c": metrics("c", 10.22, 10.22)}, {"c": ("lr",)})
+    assert v.outcome == "tie" and v.noise == NOISE_FLOOR
+    none = {"lr": metrics("lr", 0.0, 0.0)}
+    assert judge({**none, "c": metrics("c", 0.0, 0.0)}, {"c": ("lr",)})[0].outcome == "tie"
+    assert judge({**none, "c": metrics("c", 1.0, 0.0)}, {"c": ("lr",)})[0].ratio == math.inf
+    with pytest.raises(ValueError, match="two seeds"):
+        judge({"lr": metrics("lr", 1.0), "c": metrics("c", 1.0)}, {"c": ("lr",)})
+
+
+# ---- tuning -----------------------------------------------------------------------------------
+
+def test_declared_thresholds_are_constructor_arguments_around_their_defaults():
+    for cls in DECISIONS.values():
+        for policy, args in cls.thresholds.items():
+            params = inspect.signature(MIGRATION_POLICIES[policy].__init__).parameters
+            for arg, t in args.items():
+                assert arg in params, f"{policy} has no constructor argument {arg}"
+                assert t.low <= params[arg].default <= t.high
+
+
+def test_the_tuner_refuses_test_cells(capsys):
+    test_cells = cells("migration", "test", quick=True)
+    assert test_cells
+    with pytest.raises(ValueError, match="refusing to tune on 1 test cell"):
+        tune("balance", test_cells, trials=1)
+    with pytest.raises(ValueError, match="test cell"):  # one test cell among dev ones is enough
+        tune("balance", cells("migration", "both", quick=True), trials=1)
+    for split in ("test", "both"):
+        assert main(["evaluate", "--tune", "balance", "--quick", "--split", split]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("sloserve: error: refusing to tune") and "\n" not in err
+    assert main(["evaluate", "--tune", "predicted-load"]) == 2
+    assert "predicted-load declares no thresholds" in capsys.readouterr().err
+
+
+def test_bad_input_is_one_line(capsys):
+    for argv, message in [(["--split", "train"], "--split must be dev, test or both"),
+                          (["--decision", "autoscaling"], "unknown decision 'autoscaling'"),
+                          (["--seeds", "1", "--quick"], "--seeds must be >= 2"),
+                          (["--jobs", "0", "--quick"], "--jobs must be >= 1")]:
+        assert main(["evaluate", *argv]) == 2
+        err = capsys.readouterr().err.strip()
+        assert message in err and "\n" not in err
+
+
+# ---- end to end -------------------------------------------------------------------------------
+
+def test_quick_dev_run_end_to_end(tmp_path):
+    assert main(["evaluate", "--quick", "--split", "dev", "--jobs", "2", "--no-progress", "--out", str(tmp_path)]) == 0
+    [folder] = tmp_path.glob("evaluate-dev-*")
+    data = json.loads((folder / "results.json").read_text())
+    assert data["split"] == "dev" and data["quick"] and data["seeds"] == 2
+    assert re.fullmatch(r"[0-9a-f]{40}", data["commit"]) and data["date"]
+    assert {c["decision"] for c in data["cells"]} == {"routing", "migration"}
+    assert all(c["split"] == "dev" for c in data["cells"])
+    run = Evaluation.load(folder / "results.json")
+    for result in run.cells:
+        decision = make_decision(result.cell.decision)
+        lineup = decision.policies(result.cell)
+        assert set(result.metrics) == {p.name for p in lineup.every}
+        baselines = [p.name for p in lineup.baselines]
+        for seed in range(2):
+            runs = {p: m[seed] for p, m in result.metrics.items()}
+            capacity = max(runs[b].goodput90.rps for b in baselines)
+            assert capacity > 0 and all(m.capacity_rps == capacity for m in runs.values())
+            for m in runs.values():
+                assert m.seed == seed and m.goodput90.rps >= m.goodput99.rps >= 0
+                assert m.goodput90.held_s >= run.measures[result.cell.decision].sustain_s * 0.999  # sustained
+                assert [p.load for p in m.loads] == [0.8, 1.0, 1.1]
+                assert [p.rate_rps for p in m.loads] == pytest.approx([0.8 * capacity, capacity, 1.1 * capacity])
+                assert all(p.p99_ttft_s > 0 and p.p99_tpot_s > 0 and p.gpu_hours > 0 for p in m.loads)
+            # the load point at 100% replays the very run that set the capacity: it met the SLO for >= 90%
+            best = max(baselines, key=lambda b: runs[b].goodput90.rps)
+            assert runs[best].at(1.0).attainment >= 0.9
+            assert runs[best].at(1.1).p99_ttft_s > runs[best].at(0.8).p99_ttft_s
+        for name, per_seed in result.metrics.items():
+            moved = sum(m.migrations for m in per_seed)
+            assert (moved > 0 and sum(m.bytes_moved for m in per_seed) > 0) if "+" in name else moved == 0
+        assert {v.candidate for v in result.verdicts} == {p.name for p in lineup.candidates}
+        for v in result.verdicts:
+            means = {b: sum(m.goodput99.rps for m in result.metrics[b]) / 2 for b in baselines}
+            assert v.baseline_rps == max(means.values()) and v.baseline == max(means, key=means.get)
+            assert v.baseline_rps > 0 and v.noise >= NOISE_FLOOR
+            per_seed = seed_ratios(result.metrics[v.candidate], result.metrics[v.baseline])
+            assert v.ratio == pytest.approx(math.exp(sum(map(math.log, per_seed)) / len(per_seed)))
+            assert v.outcome == ("win" if v.ratio > 1 + v.noise else "loss" if v.ratio < 1 / (1 + v.noise) else "tie")
+    md = (folder / "report.md").read_text()
+    assert "| predicted-load |" in md and "not run" in md and "balance,defrag" in md
+    page = (folder / "report.html").read_text()
+    assert "data:image/png;base64," in page and "not run" in page and "trace=azure-conv" in page
+    png = (folder / "summary.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
