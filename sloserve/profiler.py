@@ -88,10 +88,11 @@ MAX_REPEATS = 20
 
 
 def profile_engine(engine: LLMEngine, grid: Iterable[tuple[int, int, int, int]] = QUICK_GRID, repeats: int = 3,
-                   on_point: Optional[Callable[[int, int], None]] = None, passes: int = 2) -> Profile:
+                   on_point: Optional[Callable[[int, int], None]] = None, passes: int = 2,
+                   min_point_s: float = MIN_POINT_S) -> Profile:
     """Time every grid point, plus the points either side of the engine's own cost jumps, and fit
     the cost model. Each of `passes` passes over the grid runs a point (once to warm up, in the
-    first pass) at least `repeats` / `passes` times and for at least MIN_POINT_S; a point's time is
+    first pass) at least `repeats` / `passes` times and for at least `min_point_s`; a point's time is
     the median of all its runs. Passes rather than one long stay per point: a second or two of a
     slower machine (another process, a frequency dip) then touches a few of a point's runs instead
     of all of them, which once priced 3 decodes at 11.3 ms when serving ran them in 8-9 ms."""
@@ -110,7 +111,7 @@ def profile_engine(engine: LLMEngine, grid: Iterable[tuple[int, int, int, int]] 
                 engine.runner.execute(plan)  # warm-up
             began = time.perf_counter()
             runs = 0
-            while runs < least or (runs < MAX_REPEATS and time.perf_counter() - began < MIN_POINT_S):
+            while runs < least or (runs < MAX_REPEATS and time.perf_counter() - began < min_point_s):
                 t0 = time.perf_counter()
                 engine.runner.execute(plan)
                 times[index].append(time.perf_counter() - t0)

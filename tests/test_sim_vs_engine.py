@@ -52,7 +52,7 @@ def test_simulated_instance_plans_the_same_steps_as_the_engine():
 
 
 def test_profile_of_the_real_engine_fits_its_step_times(llm):
-    profile = profile_engine(llm.engine, QUICK_GRID, repeats=1)
+    profile = profile_engine(llm.engine, QUICK_GRID, repeats=1, passes=1, min_point_s=0.0)  # the structure, not the fit
     # How well the fit matches depends on how quiet the machine is (a timing property, reported by
     # `sloserve profile`, not asserted here); the structure of the profile does not.
     assert len(profile.samples) >= 20 and profile.fit_error is not None and profile.fit_error >= 0
