@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 
 # (decodes, decode context, prefill chunk, prefill start)
 # Decode-only steps dominate TPOT and their kernels run rows in small tiles (a step of 5 decodes
-# cost 1.35x one of 4 on a 2-vCPU Zen4), so every small row count is measured, at one context.
+# cost 1.13-1.36x one of 4 on a 2-vCPU Zen4), so every small row count is measured, at one context.
 DECODE_SWEEP = [(d, 256, 0, 0) for d in (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24, 48)]
 QUICK_GRID = [*itertools.product((0, 4, 16), (64, 256), (0, 32, 128), (0, 128)),
               *((d, 256, 0, 0) for d in (1, 2, 5, 8))]
