@@ -93,12 +93,13 @@ class CellMetrics:
 
 def probe_for(setting: Setting, seed: int, measure: Measure) -> Sustained:
     """The requests each rate is tried with: `sustain_s` seconds of the seed's window at that rate
-    (of the requests the cell can serve at all: fleet.fit_of)."""
+    (at least `sustain_ttfts` TTFT targets; of the requests the cell can serve at all: fleet.fit_of)."""
     fit = fit_of(setting)
     most = available(setting.trace, seed, measure.max_requests, fit)
     if most < 10:
         raise ValueError(f"{setting.trace} seed {seed}: its window has {most} requests the cell can serve, too few")
-    return sustained(source(setting.trace, seed, fit), min(measure.sample, most), measure.sustain_s, most)
+    sustain = measure.sustain_for(setting.slo_targets.ttft_s)
+    return sustained(source(setting.trace, seed, fit), min(measure.sample, most), sustain, most)
 
 
 class PolicyRuns:

@@ -107,12 +107,14 @@ def split_of(cell: Cell) -> str:
 class Measure:
     """How a decision's cells are measured: not part of any cell's description (a quicker or more
     careful measurement of a cell is still that cell). Each rate of a goodput search is held for
-    `sustain_s` seconds of the trace's arrivals (planning.sustained: never fewer than `sample`
+    `sustain_s` seconds of the trace's arrivals, and at least `sustain_ttfts` times the cell's TTFT
+    target (a backlog must have time to cost a TTFT miss; planning.sustained: never fewer than `sample`
     requests, never more than `max_requests`; a rate that cannot be held is not credited), the
     search bisects `iters` times after bracketing, and every policy is also run at `loads` x the
     cell's capacity."""
 
     sustain_s: float = 60.0
+    sustain_ttfts: float = 0.0
     iters: int = 5
     sample: int = 200
     max_requests: int = 20000
@@ -137,6 +139,8 @@ class Measure:
         return out
 
     def validate(self) -> None:
+        if self.sustain_ttfts < 0:
+            raise ValueError(f"measure: sustain_ttfts must be >= 0, got {self.sustain_ttfts}")
         if not self.sustain_s > 0:
             raise ValueError(f"measure: sustain_s must be > 0 (rates are held, never squeezed), got {self.sustain_s}")
         if self.iters < 1 or self.sample < 10 or self.max_requests < self.sample:
@@ -144,8 +148,12 @@ class Measure:
         if not self.loads or not all(x > 0 for x in self.loads):
             raise ValueError(f"measure: loads must be positive fractions of capacity, got {self.loads}")
 
+    def sustain_for(self, ttft_s: Optional[float]) -> float:
+        """Seconds each rate is held in a cell whose TTFT target is `ttft_s`."""
+        return max(self.sustain_s, self.sustain_ttfts * ttft_s) if ttft_s else self.sustain_s
+
     def as_dict(self) -> dict:
-        return {"sustain_s": self.sustain_s, "iters": self.iters, "sample": self.sample,
+        return {"sustain_s": self.sustain_s, "sustain_ttfts": self.sustain_ttfts, "iters": self.iters, "sample": self.sample,
                 "max_requests": self.max_requests, "loads": list(self.loads)}
 
 
