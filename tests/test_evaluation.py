@@ -236,8 +236,8 @@ def test_quick_dev_run_end_to_end(tmp_path):
         assert {v.candidate for v in result.verdicts} == {p.name for p in lineup.candidates}
         for v in result.verdicts:
             means = {b: sum(m.goodput99.rps for m in result.metrics[b]) / 2 for b in baselines}
-            assert v.baseline_rps == max(means.values()) and v.baseline == max(means, key=means.get)
-            assert v.baseline_rps > 0 and v.noise >= NOISE_FLOOR
+            assert v.baseline_value == max(means.values()) and v.baseline == max(means, key=means.get)
+            assert v.baseline_value > 0 and v.noise >= NOISE_FLOOR
             per_seed = seed_ratios(result.metrics[v.candidate], result.metrics[v.baseline])
             assert v.ratio == pytest.approx(math.exp(sum(map(math.log, per_seed)) / len(per_seed)))
             assert v.outcome == ("win" if v.ratio > 1 + v.noise else "loss" if v.ratio < 1 / (1 + v.noise) else "tie")

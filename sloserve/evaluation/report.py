@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from sloserve.evaluation.runner import CellResult, Evaluation
+from sloserve.evaluation.decisions import make_decision
+from sloserve.evaluation.runner import Evaluation
 from sloserve.evaluation.suite import SPLITS
 from sloserve.evaluation.verdict import OUTCOMES, Verdict
 
@@ -38,7 +39,8 @@ class Tally:
         return math.exp(sum(map(math.log, finite)) / len(finite)) if finite else math.nan
 
     def text(self) -> str:
-        return "/".join(str(self.outcomes[o]) for o in OUTCOMES)
+        text = "/".join(str(self.outcomes[o]) for o in OUTCOMES[:3])
+        return text + (f" +{self.outcomes['trade']} trade" if self.outcomes["trade"] else "")
 
 
 def tallies(run: Evaluation) -> dict[str, dict[str, dict[str, Tally]]]:
@@ -83,32 +85,22 @@ def summary_rows(run: Evaluation, decision: str) -> list[list[str]]:
 
 
 SUMMARY_HEADER = ["candidate", "dev win/tie/loss", "dev geo-mean ratio", "test win/tie/loss", "test geo-mean ratio"]
-CELL_HEADER = ["split", "cell", "candidate", "vs baseline", "goodput@99 req/s", "ratio", "noise", "verdict",
-               "capacity req/s", "P99 TTFT ms @100%", "P99 TPOT ms @100%", "migrations (GB)"]
 
 
-def _mean(values: list[float]) -> float:
+def mean_of(values: list[float]) -> float:
+    """Mean of the values that are not NaN (NaN when none is)."""
     finite = [v for v in values if not math.isnan(v)]
     return sum(finite) / len(finite) if finite else math.nan
 
 
-def cell_rows(result: CellResult) -> list[list[str]]:
-    rows = []
-    for v in result.verdicts:
-        mine, base = result.metrics[v.candidate], result.metrics[v.baseline]
+def decision_of(run: Evaluation, name: str):
+    return make_decision(name, run.measures.get(name))
 
-        def at_full(runs, what: str) -> float:
-            return _mean([getattr(p, what) for m in runs for p in m.loads if abs(p.load - 1.0) < 1e-9])
 
-        moved = sum(m.migrations for m in mine)
-        gb = sum(m.bytes_moved for m in mine) / 1e9
-        rows.append([result.split, result.cell.label, v.candidate, v.baseline,
-                     f"{'≥' if v.lower_bound else ''}{v.candidate_rps:.2f} / {v.baseline_rps:.2f}", fmt_ratio(v.ratio),
-                     f"{100 * v.noise:.1f}%", v.outcome, f"{_mean([m.capacity_rps for m in mine]):.2f}",
-                     f"{fmt_ms(at_full(mine, 'p99_ttft_s'))} / {fmt_ms(at_full(base, 'p99_ttft_s'))}",
-                     f"{fmt_ms(at_full(mine, 'p99_tpot_s'))} / {fmt_ms(at_full(base, 'p99_tpot_s'))}",
-                     f"{moved} ({gb:.2f})"])
-    return rows
+def cell_rows(run: Evaluation, decision: str) -> list[list[str]]:
+    """Every verdict of `decision`'s cells, as the decision reads its numbers."""
+    d = decision_of(run, decision)
+    return [r for c in run.cells if c.cell.decision == decision for r in d.cell_rows(c)]
 
 
 def _md_table(header: list[str], rows: list[list[str]]) -> list[str]:
@@ -128,19 +120,12 @@ def provenance(run: Evaluation) -> str:
 def markdown(run: Evaluation) -> str:
     """The run's tables as markdown (what BENCHMARKS.md quotes)."""
     lines = [f"### sloserve evaluate — {provenance(run)}", "",
-             "Verdicts on goodput at >= 99% of requests within the SLO (sustained arrivals), candidate ÷ the best "
-             "baseline of the cell, paired by seed (each seed one window of the trace); a tie is within how much the "
-             "per-seed ratios disagree (>= 3%). "
-             "Ratios are geometric means over the cells.", ""]
+             "Ratios are candidate ÷ baseline (> 1: the candidate is better), geometric means over the cells.", ""]
     for decision in run.decisions:
-        measure = run.measures[decision]
-        loads = ", ".join(f"{x:g}" for x in measure.loads)
-        lines += [f"#### {decision}", "",
-                  f"Each rate held {measure.sustain_s:g} s of arrivals; loads {loads} x capacity (the best baseline's "
-                  "goodput at 90%).", ""]
+        d = decision_of(run, decision)
+        lines += [f"#### {decision}", "", d.rule, "", d.describe_measure(), ""]
         lines += _md_table(SUMMARY_HEADER, summary_rows(run, decision)) + [""]
-        rows = [r for c in run.cells if c.cell.decision == decision for r in cell_rows(c)]
-        lines += _md_table(CELL_HEADER, rows) + [""]
+        lines += _md_table(d.cell_header(), cell_rows(run, decision)) + [""]
     return "\n".join(lines)
 
 
@@ -148,7 +133,8 @@ def print_summary(run: Evaluation, console) -> None:
     from rich.table import Table
 
     for decision in run.decisions:
-        table = Table(title=f"{decision}: win/tie/loss on goodput@99 vs the best baseline ({provenance(run)})")
+        metric = decision_of(run, decision).metric
+        table = Table(title=f"{decision}: win/tie/loss on {metric} vs the best baseline ({provenance(run)})")
         for col in SUMMARY_HEADER:
             table.add_column(col, justify="left" if col == "candidate" else "right")
         for row in summary_rows(run, decision):
@@ -165,7 +151,7 @@ def plot(run: Evaluation, path: Path) -> Path:
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
-    colors = {"win": "tab:green", "tie": "tab:gray", "loss": "tab:red"}
+    colors = {"win": "tab:green", "tie": "tab:gray", "loss": "tab:red", "trade": "tab:orange"}
     ran = splits_run(run)
     n = len(run.decisions)
     fig, axes = plt.subplots(2, n, figsize=(6 * n, 7), squeeze=False)
@@ -188,7 +174,8 @@ def plot(run: Evaluation, path: Path) -> Path:
         ax.invert_yaxis()
         ax.set_xlabel("cells")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.set_title(f"{decision}: verdicts on goodput@99", fontsize=10)
+        metric = decision_of(run, decision).metric
+        ax.set_title(f"{decision}: verdicts on {metric}", fontsize=10)
         ax.legend(fontsize=8, loc="lower right")
         ax = axes[1][col]
         results = [c for c in run.cells if c.cell.decision == decision]
@@ -204,7 +191,7 @@ def plot(run: Evaluation, path: Path) -> Path:
         ax.set_xlim(-0.5, max(1, len(results)) - 0.5)
         ax.set_yscale("log")
         ax.set_xticks(range(len(results)), [f"{r.split}\n{i}" for i, r in enumerate(results)], fontsize=6)
-        ax.set_ylabel("goodput@99 ratio (candidate ÷ best baseline)")
+        ax.set_ylabel(f"{metric} ratio (candidate ÷ baseline, > 1 better)")
         ax.set_xlabel("cell (report.html lists them in this order)")
         ax.grid(alpha=0.3)
     fig.suptitle(f"sloserve evaluate: {provenance(run)}", fontsize=9)
@@ -221,21 +208,17 @@ def html_page(run: Evaluation, figure: Optional[Path]) -> str:
                                         for c in row) + "</tr>" for row in rows)
         return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
-    parts = [f"<h1>sloserve evaluate</h1><p>{html.escape(provenance(run))}</p>",
-             "<p>Verdicts on goodput at &ge; 99% of requests within the SLO, candidate &divide; the best baseline of "
-             "the cell, paired by seed; a tie is within how much the per-seed ratios disagree (&ge; 3%).</p>"]
+    parts = [f"<h1>sloserve evaluate</h1><p>{html.escape(provenance(run))}</p>"]
     if figure is not None and figure.is_file():
         data = base64.b64encode(figure.read_bytes()).decode("ascii")
         parts.append(f'<img alt="summary" src="data:image/png;base64,{data}">')
     for decision in run.decisions:
-        measure = run.measures[decision]
+        d = decision_of(run, decision)
         parts.append(f"<h2>{html.escape(decision)}</h2>")
-        parts.append(f"<p>each rate held {measure.sustain_s:g} s of arrivals, {measure.iters} bisection steps; loads "
-                     f"{', '.join(f'{x:g}' for x in measure.loads)} &times; capacity</p>")
+        parts.append(f"<p>{html.escape(d.rule)}</p><p>{html.escape(d.describe_measure())}</p>")
         parts.append(table(SUMMARY_HEADER, summary_rows(run, decision)))
         parts.append("<h3>cells</h3>")
-        rows = [r for c in run.cells if c.cell.decision == decision for r in cell_rows(c)]
-        parts.append(table(CELL_HEADER, rows))
+        parts.append(table(d.cell_header(), cell_rows(run, decision)))
     style = ("body{font-family:sans-serif;margin:2em}table{border-collapse:collapse;margin:1em 0}"
              "td,th{border:1px solid #ccc;padding:3px 8px;font-size:13px;text-align:right}"
              "td:first-child,th:first-child{text-align:left}.win{background:#d8f5d8}.loss{background:#f8d8d8}"

@@ -13,10 +13,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
 
-from sloserve.evaluation.decisions import make_decision
-from sloserve.evaluation.metrics import CellMetrics
-from sloserve.evaluation.suite import REPO_ROOT, SPLITS, Cell, Measure, cells, load_grid
-from sloserve.evaluation.verdict import Verdict, judge
+from sloserve.evaluation.decisions import DECISIONS, make_decision
+from sloserve.evaluation.suite import REPO_ROOT, SPLITS, Cell, cells, load_grid
+from sloserve.evaluation.verdict import Verdict
 from sloserve.records import jsonable
 
 RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
@@ -24,10 +23,11 @@ RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
 
 @dataclass
 class CellResult:
-    """A cell's metrics (policy -> one per seed, in seed order) and its verdicts."""
+    """A cell's metrics (policy -> one per seed, in seed order; the decision's metrics_type) and
+    its verdicts."""
 
     cell: Cell
-    metrics: dict[str, list[CellMetrics]]
+    metrics: dict[str, list[Any]]
     verdicts: list[Verdict]
     wall_s: float
 
@@ -41,7 +41,8 @@ class CellResult:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "CellResult":
-        return cls(Cell.from_dict(d), {p: [CellMetrics.from_dict(m) for m in runs] for p, runs in d["metrics"].items()},
+        kind = DECISIONS[d["decision"]].metrics_type
+        return cls(Cell.from_dict(d), {p: [kind.from_dict(m) for m in runs] for p, runs in d["metrics"].items()},
                    [Verdict.from_dict(v) for v in d["verdicts"]], float(d["wall_s"]))
 
 
@@ -53,7 +54,7 @@ class Evaluation:
     quick: bool
     seeds: int
     decisions: list[str]
-    measures: dict[str, Measure]
+    measures: dict[str, Any]  # decision -> how its cells were measured (its measure_type)
     commit: str
     dirty: bool
     date: str
@@ -69,7 +70,7 @@ class Evaluation:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Evaluation":
         return cls(d["split"], bool(d["quick"]), int(d["seeds"]), list(d["decisions"]),
-                   {k: Measure.parse(v) for k, v in d["measure"].items()}, d["commit"], bool(d["dirty"]), d["date"],
+                   {k: DECISIONS[k].measure_type.parse(v) for k, v in d["measure"].items()}, d["commit"], bool(d["dirty"]), d["date"],
                    [CellResult.from_dict(c) for c in d["cells"]], float(d.get("wall_s", 0.0)))
 
     @classmethod
@@ -89,12 +90,12 @@ def git_state(root: Path = REPO_ROOT) -> tuple[str, bool]:
         return "unknown", True
 
 
-def _job(decision: str, measure: Measure, cell: Cell, seed: int) -> dict[str, CellMetrics]:
+def _job(decision: str, measure: Any, cell: Cell, seed: int) -> dict[str, Any]:
     """One seed of one cell (what a worker process runs)."""
     return make_decision(decision, measure).run(cell, seed)
 
 
-def planned(decisions: Sequence[str], split: str, quick: bool) -> list[tuple[str, Measure, Cell]]:
+def planned(decisions: Sequence[str], split: str, quick: bool) -> list[tuple[str, Any, Cell]]:
     """(decision, how it is measured, cell) for every cell of `split` of every decision."""
     out = []
     for name in decisions:
@@ -122,7 +123,7 @@ def run_evaluation(decisions: Sequence[str], split: str = "dev", quick: bool = F
                      datetime.now(timezone.utc).isoformat(timespec="seconds"))
     t0 = time.perf_counter()
     jobs_of = [(d, m, c, s) for d, m, c in work for s in range(seeds)]
-    done: dict[tuple[int, int], dict[str, CellMetrics]] = {}
+    done: dict[tuple[int, int], dict[str, Any]] = {}
     if jobs == 1:
         for k, (d, m, c, s) in enumerate(jobs_of):
             done[(k // seeds, s)] = _job(d, m, c, s)
@@ -143,7 +144,7 @@ def run_evaluation(decisions: Sequence[str], split: str = "dev", quick: bool = F
         per_seed = [done[(i, s)] for s in range(seeds)]
         metrics = {p: [runs[p] for runs in per_seed] for p in per_seed[0]}
         wall = sum(x.wall_s for runs in per_seed for x in runs.values())
-        run.cells.append(CellResult(c, metrics, judge(metrics, make_decision(d, m).judged(c)), wall))
+        run.cells.append(CellResult(c, metrics, make_decision(d, m).judge(c, metrics), wall))
     run.wall_s = time.perf_counter() - t0
     return run
 

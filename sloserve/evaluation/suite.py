@@ -165,7 +165,7 @@ class Grid:
     axes: dict[str, list[Value]]
     defaults: dict[str, Value]
     exclude: tuple[dict[str, list[Value]], ...]
-    measure: Measure
+    measure: Any  # the decision's measure type (Decision.measure_type): Measure for the goodput decisions
     quick: bool = False
 
     @property
@@ -181,8 +181,9 @@ class Grid:
         return list(dict.fromkeys(out))  # an axis value equal to its default twice over is one cell
 
 
-def load_grid(decision: str, quick: bool = False, root: Optional[Path] = None) -> Grid:
-    """The grid of `decision` from `<root>/<decision>.yaml` (root: benchmarks/suite)."""
+def load_grid(decision: str, quick: bool = False, root: Optional[Path] = None, measure_type: Any = None) -> Grid:
+    """The grid of `decision` from `<root>/<decision>.yaml` (root: benchmarks/suite); its `measure:`
+    parsed by `measure_type` (default: the decision's own, `Measure` for a name no decision has)."""
     path = (root or SUITE_DIR) / f"{decision}.yaml"
     if not path.is_file():
         raise FileNotFoundError(f"no grid for decision {decision!r}: {path} not found")
@@ -196,10 +197,14 @@ def load_grid(decision: str, quick: bool = False, root: Optional[Path] = None) -
     defaults = dict(raw.get("defaults") or {})
     for key, value in defaults.items():
         _check_scalar(key, value)
-    measure = Measure.parse(raw.get("measure"))
+    if measure_type is None:
+        from sloserve.evaluation.decisions import DECISIONS  # decisions import this module
+
+        measure_type = DECISIONS[decision].measure_type if decision in DECISIONS else Measure
+    measure = measure_type.parse(raw.get("measure"))
     if quick:
         overrides = dict(raw.get("quick") or {})
-        measure = Measure.parse(overrides.pop("measure", None), measure)
+        measure = measure_type.parse(overrides.pop("measure", None), measure)
         stray = sorted(set(overrides) - set(axes) - set(defaults))
         if stray:
             raise ValueError(f"{path}: quick: overrides settings the grid does not have: {', '.join(stray)}")

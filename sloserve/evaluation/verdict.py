@@ -1,4 +1,5 @@
-"""Win, tie or loss of a candidate against its baseline in one cell, on goodput at 99%.
+"""Win, tie or loss of a candidate against its baseline in one cell (`Verdict`, what every
+decision answers), and the goodput decisions' rule for it (`judge`), on goodput at 99%.
 
 The baseline is the best of the candidate's baselines in the cell (highest mean goodput at 99%
 over the seeds). The comparison is paired: each seed is one window of the trace, and windows
@@ -21,19 +22,23 @@ from typing import Any, Mapping, Sequence
 from sloserve.evaluation.metrics import CellMetrics
 
 NOISE_FLOOR = 0.03
-OUTCOMES = ("win", "tie", "loss")
+# trade: better on one of a decision's two measures and worse on the other (autoscaling: cheaper but
+# fewer requests within the SLO); the goodput decisions never give it
+OUTCOMES = ("win", "tie", "loss", "trade")
 
 
 @dataclass(frozen=True)
 class Verdict:
     candidate: str
     baseline: str  # the best baseline of the cell
-    candidate_rps: float  # mean goodput at 99% over the seeds
-    baseline_rps: float
-    ratio: float  # geometric mean over seeds of candidate / baseline (inf: only the candidate meets the SLO)
-    noise: float  # how much the per-seed ratios disagree (>= NOISE_FLOOR)
-    outcome: str  # win, tie or loss
-    lower_bound: bool  # some goodput of the two is a lower bound (the window could not hold a higher rate)
+    candidate_value: float  # the decision's measure (`metric`), mean over the seeds
+    baseline_value: float
+    ratio: float  # > 1: the candidate is better (geometric mean over seeds; inf: only the candidate meets the SLO)
+    noise: float  # how much the per-seed ratios disagree (>= the decision's floor)
+    outcome: str  # one of OUTCOMES
+    lower_bound: bool  # some value of the two is a lower bound (goodput: the window could not hold a higher rate)
+    metric: str = "goodput@99 req/s"
+    note: str = ""  # what else the decision says of the pair (autoscaling: attainments, x the oracle)
 
     def as_dict(self) -> dict:
         d = dict(vars(self))
@@ -43,6 +48,9 @@ class Verdict:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Verdict":
         kw = dict(d)
+        for old, new in (("candidate_rps", "candidate_value"), ("baseline_rps", "baseline_value")):
+            if old in kw:  # results.json written before verdicts named their measure
+                kw[new] = kw.pop(old)
         kw["ratio"] = math.inf if kw["ratio"] == "inf" else float(kw["ratio"])
         return cls(**kw)
 
@@ -61,13 +69,13 @@ def seed_ratios(candidate: Sequence[CellMetrics], baseline: Sequence[CellMetrics
     return ratios
 
 
-def noise_of(ratios: Sequence[float]) -> float:
-    """How much per-seed ratios disagree: exp(half the range of their logs) - 1, at least NOISE_FLOOR."""
+def noise_of(ratios: Sequence[float], floor: float = NOISE_FLOOR) -> float:
+    """How much per-seed ratios disagree: exp(half the range of their logs) - 1, at least `floor`."""
     finite = [r for r in ratios if 0 < r < math.inf]
     if len(finite) < 2:
-        return NOISE_FLOOR
+        return floor
     logs = [math.log(r) for r in finite]
-    return max(NOISE_FLOOR, math.exp((max(logs) - min(logs)) / 2) - 1)
+    return max(floor, math.exp((max(logs) - min(logs)) / 2) - 1)
 
 
 def judge_one(candidate: str, baselines: Sequence[str], metrics: Mapping[str, Sequence[CellMetrics]]) -> Verdict:
@@ -79,16 +87,20 @@ def judge_one(candidate: str, baselines: Sequence[str], metrics: Mapping[str, Se
 
     best = max(baselines, key=lambda b: (mean99(b), -baselines.index(b)))
     ratios = seed_ratios(metrics[candidate], metrics[best])
-    if any(r == 0 for r in ratios):
-        ratio = 0.0
-    elif any(math.isinf(r) for r in ratios):
-        ratio = math.inf
-    else:
-        ratio = math.exp(fmean(math.log(r) for r in ratios))
+    ratio = paired_log_ratio(ratios)
     noise = noise_of(ratios)
     outcome = "win" if ratio > 1 + noise else "loss" if ratio < 1 / (1 + noise) else "tie"
     bounded = any(m.goodput99.limited for name in (candidate, best) for m in metrics[name])
     return Verdict(candidate, best, mean99(candidate), mean99(best), ratio, noise, outcome, bounded)
+
+
+def paired_log_ratio(ratios: Sequence[float]) -> float:
+    """Geometric mean of per-seed ratios (0 if any is 0, inf if any is inf)."""
+    if any(r == 0 for r in ratios):
+        return 0.0
+    if any(math.isinf(r) for r in ratios):
+        return math.inf
+    return math.exp(fmean(math.log(r) for r in ratios))
 
 
 def judge(metrics: Mapping[str, Sequence[CellMetrics]], judged: Mapping[str, Sequence[str]]) -> list[Verdict]:

@@ -2,17 +2,17 @@
 (and its grid, benchmarks/suite/<name>.yaml)."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
-from sloserve.evaluation.decisions.base import Decision, Lineup, Threshold
+from sloserve.evaluation.decisions.base import Decision, GoodputDecision, Lineup, Threshold
 from sloserve.evaluation.decisions.migration import MigrationDecision
 from sloserve.evaluation.decisions.routing import RoutingDecision
-from sloserve.evaluation.suite import Measure
 
 DECISIONS: dict[str, type[Decision]] = {d.name: d for d in (RoutingDecision, MigrationDecision)}
 
 
-def make_decision(name: str, measure: Optional[Measure] = None) -> Decision:
+def make_decision(name: str, measure: Optional[Any] = None) -> Decision:
+    """The decision `name`, measured as `measure` (an instance of its measure_type; default: the type's defaults)."""
     try:
         cls = DECISIONS[name]
     except KeyError:
@@ -20,4 +20,4 @@ def make_decision(name: str, measure: Optional[Measure] = None) -> Decision:
     return cls(measure)
 
 
-__all__ = ["Decision", "Lineup", "Threshold", "DECISIONS", "make_decision", "RoutingDecision", "MigrationDecision"]
+__all__ = ["Decision", "GoodputDecision", "Lineup", "Threshold", "DECISIONS", "make_decision", "RoutingDecision", "MigrationDecision"]

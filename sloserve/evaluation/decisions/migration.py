@@ -10,7 +10,7 @@ routing and migration studies run them), so it would never move anything; it joi
 two-class axis."""
 from __future__ import annotations
 
-from sloserve.evaluation.decisions.base import Decision, Lineup, Threshold
+from sloserve.evaluation.decisions.base import GoodputDecision, Lineup, Threshold
 from sloserve.evaluation.fleet import Policy
 from sloserve.evaluation.suite import Cell
 from sloserve.evaluation.workloads import get_trace
@@ -19,7 +19,7 @@ ROUTER = "predicted-load"
 MIGRATIONS = ("balance", "balance,defrag")
 
 
-class MigrationDecision(Decision):
+class MigrationDecision(GoodputDecision):
     name = "migration"
     # constructor arguments of sloserve/cluster/migration/{balance,defrag}.py (tests check they are)
     thresholds = {

@@ -6,7 +6,7 @@ Mooncake traces). Baselines: round-robin and least-requests; a candidate is judg
 better of the two in each cell."""
 from __future__ import annotations
 
-from sloserve.evaluation.decisions.base import Decision, Lineup
+from sloserve.evaluation.decisions.base import GoodputDecision, Lineup
 from sloserve.evaluation.fleet import Policy
 from sloserve.evaluation.suite import Cell
 from sloserve.evaluation.workloads import get_trace
@@ -14,7 +14,7 @@ from sloserve.evaluation.workloads import get_trace
 BASELINES = (Policy("round-robin"), Policy("least-requests"))
 
 
-class RoutingDecision(Decision):
+class RoutingDecision(GoodputDecision):
     name = "routing"
 
     def policies(self, cell: Cell) -> Lineup:
