@@ -104,6 +104,7 @@ class FleetConfig:
     forecaster: str = "seasonal-naive"
     forecast_level: float = 0.9  # predictive/hybrid plan for the top of this band (lower: fewer instances, more risk)
     scaling_history: Optional[object] = None  # a workload.series.Series of demand before the run (predictive)
+    scaling_future: Optional[object] = None  # a Series of the run's own demand from its start (the oracle only)
     # The fleet's shared KV store (kv/tiers.py, sim/kv_store.py): its size (0: none) and the link
     # each instance reaches it over. Per-instance host and disk tiers are sized in `cache`.
     kv_store_gib: float = 0.0
@@ -206,6 +207,8 @@ def scaling_parts(cfg: FleetConfig):
                              history=None if history is None else history.values,  # type: ignore[attr-defined]
                              history_step_s=None if history is None else history.step_s,  # type: ignore[attr-defined]
                              history_start_s=0.0 if history is None else history.start_s,  # type: ignore[attr-defined]
+                             future=None if cfg.scaling_future is None else cfg.scaling_future.values,  # type: ignore[attr-defined]
+                             future_step_s=None if cfg.scaling_future is None else cfg.scaling_future.step_s,  # type: ignore[attr-defined]
                              extra={"interval_s": cfg.scaling_interval_s})
     if cfg.pd is not None:
         (p_low, d_low), (p_high, d_high) = pd_pool_bounds(cfg.pd, cfg.pd_min)

@@ -14,13 +14,17 @@ import pytest
 
 from sloserve.cli import main
 from sloserve.cluster.migration import MIGRATION_POLICIES
-from sloserve.evaluation.decisions import DECISIONS, make_decision
+from sloserve.cluster.autoscale import ScalingOptions, make_autoscaler
+from sloserve.evaluation.decisions import DECISIONS, GoodputDecision, make_decision
+from sloserve.evaluation.decisions.autoscaling import (ORACLE, REACTIVE, STATIC, ScalingMetrics, ScalingSetting,
+                                                       judge_pair, policy_names)
 from sloserve.evaluation.fleet import Setting
 from sloserve.evaluation.metrics import CellMetrics, LoadPoint
-from sloserve.evaluation.runner import Evaluation
+from sloserve.evaluation.runner import Evaluation, run_evaluation
 from sloserve.evaluation.suite import Cell, cells, load_grid, split_of
 from sloserve.evaluation.tune import tune
 from sloserve.evaluation.verdict import NOISE_FLOOR, judge, seed_ratios
+from sloserve.fleet_view import ScalingSignals
 from sloserve.planning import Goodput
 
 GRID = """
@@ -120,16 +124,22 @@ def test_grids_load_with_their_exclusions_and_quick_overrides(tmp_path):
 
 
 def test_shipped_grids_are_moderate_and_their_quick_grids_hold_both_splits():
+    goodput = [d for d, cls in DECISIONS.items() if issubclass(cls, GoodputDecision)]
+    assert {"routing", "migration"} <= set(goodput) and "autoscaling" in DECISIONS
     for decision in DECISIONS:
         full, quick = load_grid(decision), load_grid(decision, quick=True)
-        assert 20 <= len(full.cells) <= 60
+        assert 20 <= len(full.cells) <= 120
         assert 2 <= len(quick.cells) <= 4 and {c.split for c in quick.cells} == {"dev", "test"}
-        for cell in full.cells + quick.cells:  # every cell names every setting the simulator needs
-            Setting.of(cell.params)
-            assert make_decision(decision).policies(cell).candidates
-        assert not any(c.params["model"] == "llama-2-7b" and c.params["trace"].startswith("mooncake")
-                       for c in full.cells)  # 4k context: excluded
-    traces = {c.params["trace"] for d in DECISIONS for c in load_grid(d).cells}
+        for cell in full.cells + quick.cells:  # every cell names every setting its runs need
+            if decision in goodput:
+                Setting.of(cell.params)
+                assert make_decision(decision).policies(cell).candidates
+            else:
+                ScalingSetting.of(cell.params)
+        if decision in goodput:
+            assert not any(c.params["model"] == "llama-2-7b" and c.params["trace"].startswith("mooncake")
+                           for c in full.cells)  # 4k context: excluded
+    traces = {c.params["trace"] for d in goodput for c in load_grid(d).cells}
     assert {"azure-conv", "azure-code", "mooncake-conv", "mooncake-synthetic", "sharegpt", "servegen",
             "synthetic"} <= traces
 
@@ -192,7 +202,7 @@ def test_the_tuner_refuses_test_cells(capsys):
 
 def test_bad_input_is_one_line(capsys):
     for argv, message in [(["--split", "train"], "--split must be dev, test or both"),
-                          (["--decision", "autoscaling"], "unknown decision 'autoscaling'"),
+                          (["--decision", "placement"], "unknown decision 'placement'"),
                           (["--seeds", "1", "--quick"], "--seeds must be >= 2"),
                           (["--jobs", "0", "--quick"], "--jobs must be >= 1")]:
         assert main(["evaluate", *argv]) == 2
@@ -203,7 +213,8 @@ def test_bad_input_is_one_line(capsys):
 # ---- end to end -------------------------------------------------------------------------------
 
 def test_quick_dev_run_end_to_end(tmp_path):
-    assert main(["evaluate", "--quick", "--split", "dev", "--jobs", "2", "--no-progress", "--out", str(tmp_path)]) == 0
+    assert main(["evaluate", "--quick", "--decision", "routing", "migration", "--split", "dev", "--jobs", "2",
+                 "--no-progress", "--out", str(tmp_path)]) == 0
     [folder] = tmp_path.glob("evaluate-dev-*")
     data = json.loads((folder / "results.json").read_text())
     assert data["split"] == "dev" and data["quick"] and data["seeds"] == 2
@@ -247,3 +258,60 @@ def test_quick_dev_run_end_to_end(tmp_path):
     assert "data:image/png;base64," in page and "not run" in page and "trace=azure-conv" in page
     png = (folder / "summary.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+
+
+# ---- autoscaling ------------------------------------------------------------------------------
+
+def scaling(policy: str, *runs: tuple[float, float]) -> list[ScalingMetrics]:
+    """One ScalingMetrics per seed from (GPU-hours, attainment)."""
+    return [ScalingMetrics(policy, seed, gpu, att, 1000.0, 0.0, 1, 0, 4, 0.0) for seed, (gpu, att) in enumerate(runs)]
+
+
+def test_an_autoscaling_verdict_weighs_gpu_hours_and_attainment_together():
+    base = scaling("reactive", (100.0, 0.990), (80.0, 0.995))
+    cases = [((90.0, 0.990), (72.0, 0.995), "win"),  # 10% cheaper, attainment held
+             ((100.0, 0.995), (80.0, 0.998), "win"),  # as dear, attainment up beyond the seeds' noise
+             ((90.0, 0.980), (72.0, 0.990), "trade"),  # cheaper, and fewer requests within the SLO
+             ((110.0, 0.990), (88.0, 0.995), "loss"),
+             ((100.5, 0.9905), (80.2, 0.9952), "tie")]  # within 1% and 0.1 point
+    for first, second, outcome in cases:
+        v = judge_pair("c", "reactive", {"reactive": base, "c": scaling("c", first, second)})
+        assert v.outcome == outcome, (first, second, v)
+        assert v.ratio == pytest.approx(math.sqrt(100 / first[0] * 80 / second[0]))
+        assert v.candidate_value == pytest.approx((first[0] + second[0]) / 2) and v.baseline_value == 90.0
+
+
+def test_the_oracle_plans_for_the_true_peak_one_cold_start_and_one_interval_ahead():
+    future = [10.0] * 5 + [50.0] + [10.0] * 10  # req/s per 60 s step; a burst in [300, 360) s
+    oracle = make_autoscaler("oracle", ScalingOptions(target_utilization=0.5, future=future, future_step_s=60.0,
+                                                      extra={"interval_s": 60.0}))
+
+    def target(now: float) -> int:
+        return oracle.decide(ScalingSignals(now, 1, 0, 0, [], (), 60.0, 10.0, 120.0)).target
+
+    assert target(0.0) == 2 and target(120.0) == 2  # 10 req/s / (10 x 0.5): the next decision is early enough
+    assert target(180.0) == 10 and target(300.0) == 10  # the burst within a cold start and an interval
+    assert target(360.0) == 2 and target(10_000.0) == 0  # past it, and past the run's end
+    with pytest.raises(ValueError, match="needs the run's demand in advance"):
+        make_autoscaler("oracle", ScalingOptions())
+
+
+def test_quick_autoscaling_run_both_splits():
+    """Every policy runs the quick cells' day at flow level; the oracle needs the fewest GPU-hours
+    among the autoscaled policies at full attainment, and every verdict follows the rule."""
+    run = run_evaluation(["autoscaling"], "both", quick=True, seeds=2)
+    assert {c.split for c in run.cells} == {"dev", "test"}
+    candidates, every = policy_names(run.measures["autoscaling"])
+    for result in run.cells:
+        assert list(result.metrics) == every
+        for seed in range(2):
+            got = {p: m[seed] for p, m in result.metrics.items()}
+            assert all(m.requests > 1000 and 0.9 <= m.attainment <= 1.0 and m.gpu_hours > 0 for m in got.values())
+            peak = ScalingSetting.of(result.cell.params).peak
+            assert got[STATIC].gpu_hours == pytest.approx(peak * 3.0)  # its size, the whole 3 hours
+            assert got[ORACLE].gpu_hours <= min(got[p].gpu_hours for p in (REACTIVE, *candidates)) * 1.001
+            assert got[ORACLE].attainment >= 0.999
+        assert [(v.candidate, v.baseline) for v in result.verdicts] == \
+            [(c, REACTIVE) for c in candidates] + [(REACTIVE, STATIC)]
+        for v in result.verdicts:
+            assert v == judge_pair(v.candidate, v.baseline, result.metrics)

@@ -5,12 +5,13 @@ from typing import Optional
 
 from sloserve.cluster.autoscale.base import Autoscaler, ScalingDecision, ScalingOptions, ScalingSignals
 from sloserve.cluster.autoscale.hybrid import HybridAutoscaler
+from sloserve.cluster.autoscale.oracle import OracleAutoscaler
 from sloserve.cluster.autoscale.predictive import PredictiveAutoscaler
 from sloserve.cluster.autoscale.reactive import ReactiveAutoscaler
 from sloserve.cluster.autoscale.static import StaticAutoscaler
 
 AUTOSCALERS: dict[str, type[Autoscaler]] = {a.name: a for a in (
-    StaticAutoscaler, ReactiveAutoscaler, PredictiveAutoscaler, HybridAutoscaler)}
+    StaticAutoscaler, ReactiveAutoscaler, PredictiveAutoscaler, HybridAutoscaler, OracleAutoscaler)}
 
 
 def make_autoscaler(name: str, options: Optional[ScalingOptions] = None) -> Autoscaler:

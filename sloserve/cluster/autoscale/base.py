@@ -28,6 +28,8 @@ class ScalingOptions:
     history: Optional[np.ndarray] = None  # demand before the run (requests/s per step): trains the forecaster
     history_step_s: Optional[float] = None  # its step (default: the fleet's demand step); a multiple of it
     history_start_s: float = 0.0  # when the history's first step began, in seconds after a midnight
+    future: Optional[np.ndarray] = None  # the run's own demand from its start (requests/s per step): the oracle's
+    future_step_s: Optional[float] = None
     extra: dict = field(default_factory=dict)
 
 
