@@ -20,7 +20,9 @@ from sloserve.evaluation.decisions.autoscaling import (ORACLE, REACTIVE, STATIC,
                                                        judge_pair, policy_names)
 from sloserve.evaluation.fleet import Setting
 from sloserve.evaluation.metrics import CellMetrics, LoadPoint
-from sloserve.evaluation.runner import Evaluation, run_evaluation
+from sloserve.evaluation.decisions.forecasting import BASELINE
+from sloserve.evaluation.report import write_report
+from sloserve.evaluation.runner import Evaluation, run_evaluation, write_results
 from sloserve.evaluation.suite import Cell, cells, load_grid, split_of
 from sloserve.evaluation.tune import tune
 from sloserve.evaluation.verdict import NOISE_FLOOR, judge, seed_ratios
@@ -296,7 +298,7 @@ def test_the_oracle_plans_for_the_true_peak_one_cold_start_and_one_interval_ahea
         make_autoscaler("oracle", ScalingOptions())
 
 
-def test_quick_autoscaling_run_both_splits():
+def test_quick_autoscaling_run_both_splits(tmp_path):
     """Every policy runs the quick cells' day at flow level; the oracle needs the fewest GPU-hours
     among the autoscaled policies at full attainment, and every verdict follows the rule."""
     run = run_evaluation(["autoscaling"], "both", quick=True, seeds=2)
@@ -315,3 +317,34 @@ def test_quick_autoscaling_run_both_splits():
             [(c, REACTIVE) for c in candidates] + [(REACTIVE, STATIC)]
         for v in result.verdicts:
             assert v == judge_pair(v.candidate, v.baseline, result.metrics)
+    folder = write_results(run, tmp_path)
+    write_report(run, folder)
+    md = (folder / "report.md").read_text()
+    assert "#### autoscaling" in md and "| predictive[seasonal-naive] |" in md and "x oracle GPU-hours" in md
+    assert Evaluation.load(folder / "results.json").cells[0].metrics[ORACLE] == run.cells[0].metrics[ORACLE]
+
+
+# ---- forecasting ------------------------------------------------------------------------------
+
+def test_quick_forecasting_run_both_splits(tmp_path):
+    """Every forecaster forecasts every origin of the held-out day; verdicts are naive's MAPE over
+    the candidate's, and the learned model's seed is what the seeds change."""
+    run = run_evaluation(["forecasting"], "both", quick=True, seeds=2)
+    assert {c.split for c in run.cells} == {"dev", "test"}
+    measure = run.measures["forecasting"]
+    for result in run.cells:
+        assert list(result.metrics) == [BASELINE, *measure.forecasters]
+        for name, per_seed in result.metrics.items():
+            assert all(m.origins >= 140 and 0 < m.mape < m.max_ape and 0 <= m.coverage <= 1 for m in per_seed)
+            if name != "gbm":  # deterministic: the seed changes nothing
+                assert per_seed[0].mape == per_seed[1].mape
+        for v in result.verdicts:
+            naive, mine = result.metrics[BASELINE], result.metrics[v.candidate]
+            assert v.baseline == BASELINE and v.baseline_value == pytest.approx(naive[0].mape)
+            ratios = [b.mape / m.mape for m, b in zip(mine, naive)]
+            assert v.ratio == pytest.approx(math.exp(sum(map(math.log, ratios)) / 2))
+            assert v.outcome == ("win" if v.ratio > 1 + v.noise else "loss" if v.ratio < 1 / (1 + v.noise) else "tie")
+    folder = write_results(run, tmp_path)
+    write_report(run, folder)
+    md = (folder / "report.md").read_text()
+    assert "#### forecasting" in md and "| gbm | " in md and "naive ÷ candidate" in md

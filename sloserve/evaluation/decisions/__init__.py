@@ -5,11 +5,13 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from sloserve.evaluation.decisions.autoscaling import AutoscalingDecision
+from sloserve.evaluation.decisions.forecasting import ForecastingDecision
 from sloserve.evaluation.decisions.base import Decision, GoodputDecision, Lineup, Threshold
 from sloserve.evaluation.decisions.migration import MigrationDecision
 from sloserve.evaluation.decisions.routing import RoutingDecision
 
-DECISIONS: dict[str, type[Decision]] = {d.name: d for d in (RoutingDecision, MigrationDecision, AutoscalingDecision)}
+DECISIONS: dict[str, type[Decision]] = {d.name: d for d in (
+    RoutingDecision, MigrationDecision, AutoscalingDecision, ForecastingDecision)}
 
 
 def make_decision(name: str, measure: Optional[Any] = None) -> Decision:
@@ -21,4 +23,5 @@ def make_decision(name: str, measure: Optional[Any] = None) -> Decision:
     return cls(measure)
 
 
-__all__ = ["Decision", "GoodputDecision", "Lineup", "Threshold", "DECISIONS", "make_decision", "RoutingDecision", "MigrationDecision", "AutoscalingDecision"]
+__all__ = ["Decision", "GoodputDecision", "Lineup", "Threshold", "DECISIONS", "make_decision", "RoutingDecision", "MigrationDecision", "AutoscalingDecision",
+           "ForecastingDecision"]
