@@ -20,7 +20,7 @@ from sloserve.evaluation.decisions.autoscaling import (ORACLE, REACTIVE, STATIC,
                                                        judge_pair, policy_names)
 from sloserve.evaluation.fleet import Setting
 from sloserve.evaluation.metrics import CellMetrics, LoadPoint
-from sloserve.evaluation.decisions.forecasting import BASELINE
+from sloserve.evaluation.decisions.forecasting import BASELINE, ForecastSetting
 from sloserve.evaluation.report import write_report
 from sloserve.evaluation.runner import Evaluation, run_evaluation, write_results
 from sloserve.evaluation.suite import Cell, cells, load_grid, split_of
@@ -137,7 +137,7 @@ def test_shipped_grids_are_moderate_and_their_quick_grids_hold_both_splits():
                 Setting.of(cell.params)
                 assert make_decision(decision).policies(cell).candidates
             else:
-                ScalingSetting.of(cell.params)
+                {"autoscaling": ScalingSetting, "forecasting": ForecastSetting}[decision].of(cell.params)
         if decision in goodput:
             assert not any(c.params["model"] == "llama-2-7b" and c.params["trace"].startswith("mooncake")
                            for c in full.cells)  # 4k context: excluded
