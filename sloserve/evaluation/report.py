@@ -125,6 +125,10 @@ def markdown(run: Evaluation) -> str:
         d = decision_of(run, decision)
         lines += [f"#### {decision}", "", d.rule, "", d.describe_measure(), ""]
         lines += _md_table(SUMMARY_HEADER, summary_rows(run, decision)) + [""]
+        for split in SPLITS:
+            reached = d.targets([c for c in run.cells if c.cell.decision == decision and c.split == split])
+            if reached:
+                lines += [f"Targets on the {split} split:", ""] + [f"- {t}" for t in reached] + [""]
         lines += _md_table(d.cell_header(), cell_rows(run, decision)) + [""]
     return "\n".join(lines)
 
@@ -134,7 +138,7 @@ def print_summary(run: Evaluation, console) -> None:
 
     for decision in run.decisions:
         metric = decision_of(run, decision).metric
-        table = Table(title=f"{decision}: win/tie/loss on {metric} vs the best baseline ({provenance(run)})")
+        table = Table(title=f"{decision}: win/tie/loss on {metric} vs its baseline ({provenance(run)})")
         for col in SUMMARY_HEADER:
             table.add_column(col, justify="left" if col == "candidate" else "right")
         for row in summary_rows(run, decision):
@@ -217,6 +221,11 @@ def html_page(run: Evaluation, figure: Optional[Path]) -> str:
         parts.append(f"<h2>{html.escape(decision)}</h2>")
         parts.append(f"<p>{html.escape(d.rule)}</p><p>{html.escape(d.describe_measure())}</p>")
         parts.append(table(SUMMARY_HEADER, summary_rows(run, decision)))
+        for split in SPLITS:
+            reached = d.targets([c for c in run.cells if c.cell.decision == decision and c.split == split])
+            if reached:
+                items = "".join(f"<li>{html.escape(t)}</li>" for t in reached)
+                parts.append(f"<p>Targets on the {split} split:</p><ul>{items}</ul>")
         parts.append("<h3>cells</h3>")
         parts.append(table(d.cell_header(), cell_rows(run, decision)))
     style = ("body{font-family:sans-serif;margin:2em}table{border-collapse:collapse;margin:1em 0}"

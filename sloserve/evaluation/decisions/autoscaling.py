@@ -283,6 +283,31 @@ class AutoscalingDecision(Decision):
         pairs = [(c, REACTIVE) for c in candidates if c in metrics] + [(REACTIVE, STATIC)]
         return [judge_pair(c, b, metrics) for c, b in pairs]
 
+    def targets(self, results: Sequence["CellResult"]) -> list[str]:
+        """Issue 43: predictive or hybrid reaches reactive's attainment or better at <= reactive's
+        GPU-hours (a win or a tie here) in >= 80% of cells, and needs <= 1.15x the oracle's GPU-hours
+        at >= 99% attainment where the oracle reaches 99%."""
+        if not results:
+            return []
+        out = []
+        for name in policy_names(self.measure)[0]:
+            verdicts = [v for r in results for v in r.verdicts if v.candidate == name]
+            if not verdicts:
+                continue
+            held = sum(v.outcome in ("win", "tie") for v in verdicts) / len(verdicts)
+            near, where = 0, 0
+            for r in results:
+                oracle, mine = r.metrics.get(ORACLE), r.metrics.get(name)
+                if not oracle or not mine or fmean(o.attainment for o in oracle) < 0.99:
+                    continue
+                where += 1
+                x = fmean(m.gpu_hours / o.gpu_hours for m, o in zip(mine, oracle))
+                near += x <= 1.15 and fmean(m.attainment for m in mine) >= 0.99
+            out.append(f"{name}: reactive's attainment or better at <= its GPU-hours in {100 * held:.0f}% of "
+                       f"{len(verdicts)} cells (target >= 80%: {'met' if held >= 0.8 else 'missed'}); <= 1.15x the "
+                       f"oracle's GPU-hours at >= 99% in {near} of {where} cells where the oracle reaches 99%")
+        return out
+
     def describe_measure(self) -> str:
         m = self.measure
         return (f"{m.hours:g} h of each day from {m.start_hour:g} h at flow level (sim/fluid.py), decisions every "

@@ -52,6 +52,11 @@ class Decision(ABC):
         """How the cells were measured, one sentence."""
         return ""
 
+    def targets(self, results: Sequence["CellResult"]) -> list[str]:
+        """The issue's targets for this decision, each one line: what `results` (one split's cells)
+        reach against it. None by default."""
+        return []
+
     def check(self, cell: Cell) -> None:
         if cell.decision != self.name:
             raise ValueError(f"cell of {cell.decision!r} given to the {self.name!r} decision")

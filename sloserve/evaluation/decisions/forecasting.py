@@ -147,6 +147,26 @@ class ForecastingDecision(Decision):
         return [judge_forecaster(name, metrics, self.measure.level) for name in self.measure.forecasters
                 if name in metrics]
 
+    def targets(self, results: Sequence["CellResult"]) -> list[str]:
+        """The best forecaster (highest geometric-mean MAPE ratio over the cells) against MAPE <= 0.8x
+        naive's and max APE <= 60% (issue 43)."""
+        if not results:
+            return []
+        scores = {}
+        for name in self.measure.forecasters:
+            ratios = [v.ratio for r in results for v in r.verdicts if v.candidate == name and 0 < v.ratio < math.inf]
+            worst = max((m.max_ape for r in results for m in r.metrics.get(name, [])), default=math.nan)
+            if ratios:
+                scores[name] = (math.exp(fmean(math.log(x) for x in ratios)), worst)
+        if not scores:
+            return []
+        best = max(scores, key=lambda n: scores[n][0])
+        ratio, worst = scores[best]
+        naive_worst = max(m.max_ape for r in results for m in r.metrics[BASELINE])
+        return [f"best forecaster {best}: MAPE {1 / ratio:.3f}x naive's over {len(results)} cells (target <= 0.8x: "
+                f"{'met' if 1 / ratio <= 0.8 else 'missed'}); its max APE {100 * worst:.0f}% (target <= 60%: "
+                f"{'met' if worst <= 0.6 else 'missed'}; naive's {100 * naive_worst:.0f}%)"]
+
     def describe_measure(self) -> str:
         return (f"Forecasters {', '.join(self.measure.forecasters)} against naive; bands at "
                 f"{self.measure.level:.0%} nominal coverage.")
