@@ -39,6 +39,7 @@ sys.path.insert(0, str(REPO))
 
 from sloserve.bench.metrics import SLO  # noqa: E402
 from sloserve.config import SchedulerConfig  # noqa: E402
+from sloserve.evaluation.decisions.autoscaling import poisson_requests  # noqa: E402
 from sloserve.planning import (CURVE_DURATION_S, CURVE_INSTANCES, CURVE_LOADS, instance_capacity,  # noqa: E402
                                pool_capacity, response_curve)
 from sloserve.sim.catalog import get_model  # noqa: E402
@@ -100,18 +101,7 @@ def demand(args: argparse.Namespace) -> tuple[Series, Series]:
 
 def requests(run: Series, scale: float, lengths: list[WorkloadRequest], seed: int) -> list[WorkloadRequest]:
     """Poisson arrivals at `scale` x the run's rate in each window, lengths drawn from a trace."""
-    rng = np.random.default_rng(seed)
-    out = []
-    for k, rate in enumerate(run.values * scale):
-        t, end = k * run.step_s, (k + 1) * run.step_s
-        while rate > 0:
-            t += rng.exponential(1 / rate)
-            if t >= end:
-                break
-            pick = lengths[int(rng.integers(len(lengths)))]
-            out.append(WorkloadRequest(t, prompt_len=max(1, pick.prompt_len), output_len=max(1, pick.output_len),
-                                       request_id=f"r{len(out)}"))
-    return out
+    return poisson_requests(run.values * scale, run.step_s, lengths, seed)
 
 
 def main() -> int:
