@@ -22,7 +22,8 @@ def add_evaluate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--trials", type=int, default=20, help="with --tune: trials")
     p.add_argument("--out", type=Path, metavar="DIR",
                    help="parent of the run's evaluate-<split>-<time>/ folder (default: benchmarks/results)")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bar: one line per finished cell and seed instead (for logs)")
     p.set_defaults(func=cmd_evaluate)
 
 
@@ -53,8 +54,14 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     with progress:
         task = progress.add_task(f"{args.split} cells x seeds", total=total)
 
+        finished = 0
+
         def done(label: str) -> None:
+            nonlocal finished
+            finished += 1
             progress.update(task, advance=1, description=label)
+            if args.no_progress:
+                console.print(f"[{finished}/{total}] {label}", highlight=False)
 
         run = run_evaluation(decisions, args.split, args.quick, args.seeds, args.jobs, on_done=done)
     folder = write_results(run, args.out)
