@@ -103,8 +103,35 @@ def split_of(cell: Cell) -> str:
     return "test" if int(digest[:8], 16) % 100 < TEST_PERCENT else "dev"
 
 
+class MeasureSpec:
+    """What every decision's measure type shares (a frozen dataclass of settings with `validate()`):
+    parsed from a grid's `measure:` mapping over a base (lists become tuples), and written back."""
+
+    @classmethod
+    def parse(cls, raw: Optional[Mapping[str, Any]], base: Any = None) -> Any:
+        base = base if base is not None else cls()
+        if raw is None:
+            return base
+        if not isinstance(raw, Mapping):
+            raise ValueError(f"measure: must be a mapping, got {raw!r}")
+        known = [f.name for f in fields(cls)]  # type: ignore[arg-type]
+        unknown = sorted(set(raw) - set(known))
+        if unknown:
+            raise ValueError(f"unknown measure setting(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        out = replace(base, **{k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()})
+        out.validate()
+        return out
+
+    def validate(self) -> None:
+        """Raise ValueError (one line) on settings that cannot be measured."""
+
+    def as_dict(self) -> dict:
+        return {f.name: list(v) if isinstance(v := getattr(self, f.name), tuple) else v
+                for f in fields(self)}  # type: ignore[arg-type]
+
+
 @dataclass(frozen=True)
-class Measure:
+class Measure(MeasureSpec):
     """How a decision's cells are measured: not part of any cell's description (a quicker or more
     careful measurement of a cell is still that cell). Each rate of a goodput search is held for
     `sustain_s` seconds of the trace's arrivals, and at least `sustain_ttfts` times the cell's TTFT
@@ -120,24 +147,6 @@ class Measure:
     max_requests: int = 20000
     loads: tuple[float, ...] = (0.8, 1.0, 1.1)
 
-    @classmethod
-    def parse(cls, raw: Optional[Mapping[str, Any]], base: Optional["Measure"] = None) -> "Measure":
-        base = base or cls()
-        if raw is None:
-            return base
-        if not isinstance(raw, Mapping):
-            raise ValueError(f"measure: must be a mapping, got {raw!r}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(raw) - known)
-        if unknown:
-            raise ValueError(f"unknown measure setting(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-        values = dict(raw)
-        if "loads" in values:
-            values["loads"] = tuple(float(x) for x in values["loads"])
-        out = replace(base, **values)
-        out.validate()
-        return out
-
     def validate(self) -> None:
         if self.sustain_ttfts < 0:
             raise ValueError(f"measure: sustain_ttfts must be >= 0, got {self.sustain_ttfts}")
@@ -151,10 +160,6 @@ class Measure:
     def sustain_for(self, ttft_s: Optional[float]) -> float:
         """Seconds each rate is held in a cell whose TTFT target is `ttft_s`."""
         return max(self.sustain_s, self.sustain_ttfts * ttft_s) if ttft_s else self.sustain_s
-
-    def as_dict(self) -> dict:
-        return {"sustain_s": self.sustain_s, "sustain_ttfts": self.sustain_ttfts, "iters": self.iters, "sample": self.sample,
-                "max_requests": self.max_requests, "loads": list(self.loads)}
 
 
 @dataclass(frozen=True)

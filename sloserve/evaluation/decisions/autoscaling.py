@@ -24,13 +24,13 @@ import math
 import time
 from dataclasses import dataclass, fields, replace
 from statistics import fmean
-from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import numpy as np
 
 from sloserve.evaluation.decisions.base import Decision
 from sloserve.evaluation.fleet import scheduler
-from sloserve.evaluation.suite import Cell
+from sloserve.evaluation.suite import Cell, MeasureSpec
 from sloserve.evaluation.verdict import Verdict, noise_of, paired_log_ratio
 from sloserve.evaluation.workloads import WHOLE_TRACE, get_trace, slo_for, spec_for
 
@@ -44,7 +44,7 @@ DAY_S = 86400.0
 
 
 @dataclass(frozen=True)
-class ScalingMeasure:
+class ScalingMeasure(MeasureSpec):
     """How an autoscaling cell is run (not part of its description): `hours` of the day from
     `start_hour`, each policy planning for `utilization` of an instance's capacity, deciding every
     `interval_s` on demand observed in `demand_step_s` windows, scaling down after
@@ -61,24 +61,6 @@ class ScalingMeasure:
     forecasters: tuple[str, ...] = ("seasonal-naive", "gbm")
     level: float = 0.9
 
-    @classmethod
-    def parse(cls, raw: Optional[Mapping[str, Any]], base: Optional["ScalingMeasure"] = None) -> "ScalingMeasure":
-        base = base or cls()
-        if raw is None:
-            return base
-        if not isinstance(raw, Mapping):
-            raise ValueError(f"measure: must be a mapping, got {raw!r}")
-        unknown = sorted(set(raw) - {f.name for f in fields(cls)})
-        if unknown:
-            raise ValueError(f"unknown measure setting(s) {', '.join(unknown)}; known: "
-                             f"{', '.join(f.name for f in fields(cls))}")
-        values = dict(raw)
-        if "forecasters" in values:
-            values["forecasters"] = tuple(str(x) for x in values["forecasters"])
-        out = replace(base, **values)
-        out.validate()
-        return out
-
     def validate(self) -> None:
         from sloserve.cluster.forecast import FORECASTERS
 
@@ -91,11 +73,6 @@ class ScalingMeasure:
         unknown = [f for f in self.forecasters if f not in FORECASTERS]
         if unknown or not self.forecasters:
             raise ValueError(f"measure: forecasters from {sorted(FORECASTERS)}, got {list(self.forecasters)}")
-
-    def as_dict(self) -> dict:
-        d = {f.name: getattr(self, f.name) for f in fields(self)}
-        d["forecasters"] = list(self.forecasters)
-        return d
 
 
 @dataclass(frozen=True)

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 from statistics import fmean
-from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from sloserve.evaluation.decisions.base import Decision
-from sloserve.evaluation.suite import Cell
+from sloserve.evaluation.suite import Cell, MeasureSpec
 from sloserve.evaluation.verdict import NOISE_FLOOR, Verdict, noise_of, paired_log_ratio
 
 if TYPE_CHECKING:
@@ -28,28 +28,11 @@ BASELINE = "naive"
 
 
 @dataclass(frozen=True)
-class ForecastMeasure:
+class ForecastMeasure(MeasureSpec):
     """How a forecasting cell is run: the forecasters judged against naive, and their band's level."""
 
     forecasters: tuple[str, ...] = ("seasonal-naive", "holt-winters", "gbm")
     level: float = 0.9
-
-    @classmethod
-    def parse(cls, raw: Optional[Mapping[str, Any]], base: Optional["ForecastMeasure"] = None) -> "ForecastMeasure":
-        base = base or cls()
-        if raw is None:
-            return base
-        if not isinstance(raw, Mapping):
-            raise ValueError(f"measure: must be a mapping, got {raw!r}")
-        unknown = sorted(set(raw) - {f.name for f in fields(cls)})
-        if unknown:
-            raise ValueError(f"unknown measure setting(s) {', '.join(unknown)}; known: forecasters, level")
-        values = dict(raw)
-        if "forecasters" in values:
-            values["forecasters"] = tuple(str(x) for x in values["forecasters"])
-        out = replace(base, **values)
-        out.validate()
-        return out
 
     def validate(self) -> None:
         from sloserve.cluster.forecast import FORECASTERS
@@ -60,9 +43,6 @@ class ForecastMeasure:
                              f"baseline), got {list(self.forecasters)}")
         if not 0 < self.level < 1:
             raise ValueError(f"measure: level in (0, 1), got {self.level}")
-
-    def as_dict(self) -> dict:
-        return {"forecasters": list(self.forecasters), "level": self.level}
 
 
 @dataclass(frozen=True)
