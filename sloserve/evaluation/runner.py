@@ -4,6 +4,7 @@ results.json (cells, split, metrics, verdicts, the git commit and the date) into
 `<out>/evaluate-<split>-<UTC time>/`."""
 from __future__ import annotations
 
+import gzip
 import json
 import subprocess
 import time
@@ -75,7 +76,10 @@ class Evaluation:
 
     @classmethod
     def load(cls, path: Path) -> "Evaluation":
-        return cls.from_dict(json.loads(Path(path).read_text()))
+        """A run's results.json, or results.json.gz (as benchmarks/suite/runs/ keeps them)."""
+        path = Path(path)
+        raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+        return cls.from_dict(json.loads(raw))
 
 
 def git_state(root: Path = REPO_ROOT) -> tuple[str, bool]:
