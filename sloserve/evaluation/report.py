@@ -158,7 +158,7 @@ def plot(run: Evaluation, path: Path) -> Path:
     colors = {"win": "tab:green", "tie": "tab:gray", "loss": "tab:red", "trade": "tab:orange"}
     ran = splits_run(run)
     n = len(run.decisions)
-    fig, axes = plt.subplots(2, n, figsize=(6 * n, 7), squeeze=False)
+    fig, axes = plt.subplots(2, n, figsize=(max(9, 6 * n), 7), squeeze=False)
     all_tallies = tallies(run)
     for col, decision in enumerate(run.decisions):
         ax = axes[0][col]
@@ -195,7 +195,8 @@ def plot(run: Evaluation, path: Path) -> Path:
         ax.set_xlim(-0.5, max(1, len(results)) - 0.5)
         ax.set_yscale("log")
         ax.set_xticks(range(len(results)), [f"{r.split}\n{i}" for i, r in enumerate(results)], fontsize=6)
-        ax.set_ylabel(f"{metric} ratio (candidate ÷ baseline, > 1 better)")
+        compared = next((v.metric for c in results for v in c.verdicts), metric)
+        ax.set_ylabel(f"{compared}\n(candidate ÷ baseline, > 1 better)", fontsize=8)
         ax.set_xlabel("cell (report.html lists them in this order)")
         ax.grid(alpha=0.3)
     fig.suptitle(f"sloserve evaluate: {provenance(run)}", fontsize=9)
