@@ -15,7 +15,7 @@ import pytest
 from sloserve.cli import main
 from sloserve.cluster.migration import MIGRATION_POLICIES
 from sloserve.cluster.autoscale import ScalingOptions, make_autoscaler
-from sloserve.evaluation.decisions import DECISIONS, GoodputDecision, make_decision
+from sloserve.evaluation.decisions import DECISIONS, GoodputDecision, make_decision, measure_of
 from sloserve.evaluation.decisions.autoscaling import (ORACLE, REACTIVE, STATIC, ScalingMetrics, ScalingSetting,
                                                        judge_pair, policy_names)
 from sloserve.evaluation.fleet import Setting
@@ -23,7 +23,7 @@ from sloserve.evaluation.metrics import CellMetrics, LoadPoint
 from sloserve.evaluation.decisions.forecasting import BASELINE, ForecastSetting
 from sloserve.evaluation.report import write_report
 from sloserve.evaluation.runner import Evaluation, run_evaluation, write_results
-from sloserve.evaluation.suite import Cell, cells, load_grid, split_of
+from sloserve.evaluation.suite import Cell, Measure, cells, load_grid, split_of
 from sloserve.evaluation.tune import tune
 from sloserve.evaluation.verdict import NOISE_FLOOR, judge, seed_ratios
 from sloserve.fleet_view import ScalingSignals
@@ -111,10 +111,10 @@ def test_about_forty_percent_of_a_large_grid_is_test(tmp_path):
 def test_grids_load_with_their_exclusions_and_quick_overrides(tmp_path):
     root = write_grid(tmp_path, GRID)
     grid = load_grid("toy", root=root)
-    assert len(grid.cells) == 3 * 2 * 2 - 3 and grid.measure.sustain_s == 30
+    assert len(grid.cells) == 3 * 2 * 2 - 3 and grid.measure_as(Measure).sustain_s == 30
     assert not any(c.params["hardware"] == "a10-24g" and c.params["slo"] == 0.5 for c in grid.cells)
     quick = load_grid("toy", quick=True, root=root)
-    assert {c.params["trace"] for c in quick.cells} == {"azure-conv"} and quick.measure.sustain_s == 5
+    assert {c.params["trace"] for c in quick.cells} == {"azure-conv"} and quick.measure_as(Measure).sustain_s == 5
     both = cells("toy", "both", root=root)
     assert sorted(c.description for c in cells("toy", "dev", root=root) + cells("toy", "test", root=root)) == \
         sorted(c.description for c in both)
@@ -122,7 +122,7 @@ def test_grids_load_with_their_exclusions_and_quick_overrides(tmp_path):
                          (GRID.replace("hardware: a10-24g, slo", "gpu: a10-24g, slo"), "exclude names unknown"),
                          (GRID.replace("sustain_s: 30", "sustain_s: 0"), "sustain_s must be > 0")]:
         with pytest.raises(ValueError, match=message):
-            load_grid("toy", root=write_grid(tmp_path / "bad", bad))
+            load_grid("toy", root=write_grid(tmp_path / "bad", bad)).measure_as(Measure)
 
 
 def test_shipped_grids_are_moderate_and_their_quick_grids_hold_both_splits():
@@ -130,6 +130,7 @@ def test_shipped_grids_are_moderate_and_their_quick_grids_hold_both_splits():
     assert {"routing", "migration"} <= set(goodput) and "autoscaling" in DECISIONS
     for decision in DECISIONS:
         full, quick = load_grid(decision), load_grid(decision, quick=True)
+        assert measure_of(decision) != measure_of(decision, quick=True)  # both read by the decision's own type
         assert 20 <= len(full.cells) <= 120
         assert 2 <= len(quick.cells) <= 4 and {c.split for c in quick.cells} == {"dev", "test"}
         for cell in full.cells + quick.cells:  # every cell names every setting its runs need

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from sloserve.bench.report import fmt_num
 from sloserve.evaluation.decisions import make_decision
 from sloserve.evaluation.runner import Evaluation
 from sloserve.evaluation.suite import SPLITS
@@ -58,14 +59,6 @@ def splits_run(run: Evaluation) -> set[str]:
     return {c.split for c in run.cells}
 
 
-def fmt_ratio(r: float) -> str:
-    return "∞" if r == math.inf else "—" if math.isnan(r) else f"{r:.3f}"
-
-
-def fmt_ms(s: Optional[float]) -> str:
-    return "—" if s is None or math.isnan(s) else f"{1e3 * s:,.0f}"
-
-
 def summary_rows(run: Evaluation, decision: str) -> list[list[str]]:
     """candidate | dev W/T/L | dev geo-mean ratio | test W/T/L | test geo-mean ratio."""
     ran = splits_run(run)
@@ -79,18 +72,12 @@ def summary_rows(run: Evaluation, decision: str) -> list[list[str]]:
             elif t is None:
                 row += ["0/0/0", "—"]
             else:
-                row += [t.text(), fmt_ratio(t.geomean)]
+                row += [t.text(), fmt_num(t.geomean, 3)]
         rows.append(row)
     return rows
 
 
 SUMMARY_HEADER = ["candidate", "dev win/tie/loss", "dev geo-mean ratio", "test win/tie/loss", "test geo-mean ratio"]
-
-
-def mean_of(values: list[float]) -> float:
-    """Mean of the values that are not NaN (NaN when none is)."""
-    finite = [v for v in values if not math.isnan(v)]
-    return sum(finite) / len(finite) if finite else math.nan
 
 
 def decision_of(run: Evaluation, name: str):

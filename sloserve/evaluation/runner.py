@@ -14,37 +14,12 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
 
-from sloserve.evaluation.decisions import DECISIONS, make_decision
-from sloserve.evaluation.suite import REPO_ROOT, SPLITS, Cell, cells, load_grid
-from sloserve.evaluation.verdict import Verdict
+from sloserve.evaluation.decisions import DECISIONS, make_decision, measure_of
+from sloserve.evaluation.result import CellResult
+from sloserve.evaluation.suite import REPO_ROOT, SPLITS, Cell, cells
 from sloserve.records import jsonable
 
 RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
-
-
-@dataclass
-class CellResult:
-    """A cell's metrics (policy -> one per seed, in seed order; the decision's metrics_type) and
-    its verdicts."""
-
-    cell: Cell
-    metrics: dict[str, list[Any]]
-    verdicts: list[Verdict]
-    wall_s: float
-
-    @property
-    def split(self) -> str:
-        return self.cell.split
-
-    def as_dict(self) -> dict:
-        return {**self.cell.as_dict(), "metrics": {p: [m.as_dict() for m in runs] for p, runs in self.metrics.items()},
-                "verdicts": [v.as_dict() for v in self.verdicts], "wall_s": self.wall_s}
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "CellResult":
-        kind = DECISIONS[d["decision"]].metrics_type
-        return cls(Cell.from_dict(d), {p: [kind.from_dict(m) for m in runs] for p, runs in d["metrics"].items()},
-                   [Verdict.from_dict(v) for v in d["verdicts"]], float(d["wall_s"]))
 
 
 @dataclass
@@ -72,7 +47,7 @@ class Evaluation:
     def from_dict(cls, d: Mapping[str, Any]) -> "Evaluation":
         return cls(d["split"], bool(d["quick"]), int(d["seeds"]), list(d["decisions"]),
                    {k: DECISIONS[k].measure_type.parse(v) for k, v in d["measure"].items()}, d["commit"], bool(d["dirty"]), d["date"],
-                   [CellResult.from_dict(c) for c in d["cells"]], float(d.get("wall_s", 0.0)))
+                   [CellResult.from_dict(c, DECISIONS[c["decision"]].metrics_type) for c in d["cells"]], float(d.get("wall_s", 0.0)))
 
     @classmethod
     def load(cls, path: Path) -> "Evaluation":
@@ -104,7 +79,7 @@ def planned(decisions: Sequence[str], split: str, quick: bool) -> list[tuple[str
     out = []
     for name in decisions:
         make_decision(name)  # an unknown name fails before any work
-        measure = load_grid(name, quick).measure
+        measure = measure_of(name, quick)
         out.extend((name, measure, c) for c in cells(name, None if split == "both" else split, quick))
     return out
 

@@ -170,8 +170,12 @@ class Grid:
     axes: dict[str, list[Value]]
     defaults: dict[str, Value]
     exclude: tuple[dict[str, list[Value]], ...]
-    measure: Any  # the decision's measure type (Decision.measure_type): Measure for the goodput decisions
+    measure: dict[str, Any]  # the grid's measure: as written (quick overrides applied); see measure_as
     quick: bool = False
+
+    def measure_as(self, kind: Any) -> Any:
+        """The grid's measure read by `kind` (a MeasureSpec: the decision's measure_type), validated."""
+        return kind.parse(self.measure)
 
     @property
     def cells(self) -> list[Cell]:
@@ -186,9 +190,9 @@ class Grid:
         return list(dict.fromkeys(out))  # an axis value equal to its default twice over is one cell
 
 
-def load_grid(decision: str, quick: bool = False, root: Optional[Path] = None, measure_type: Any = None) -> Grid:
-    """The grid of `decision` from `<root>/<decision>.yaml` (root: benchmarks/suite); its `measure:`
-    parsed by `measure_type` (default: the decision's own, `Measure` for a name no decision has)."""
+def load_grid(decision: str, quick: bool = False, root: Optional[Path] = None) -> Grid:
+    """The grid of `decision` from `<root>/<decision>.yaml` (root: benchmarks/suite). Its `measure:`
+    stays a mapping: each decision reads it with its own type (`Grid.measure_as`)."""
     path = (root or SUITE_DIR) / f"{decision}.yaml"
     if not path.is_file():
         raise FileNotFoundError(f"no grid for decision {decision!r}: {path} not found")
@@ -202,14 +206,10 @@ def load_grid(decision: str, quick: bool = False, root: Optional[Path] = None, m
     defaults = dict(raw.get("defaults") or {})
     for key, value in defaults.items():
         _check_scalar(key, value)
-    if measure_type is None:
-        from sloserve.evaluation.decisions import DECISIONS  # decisions import this module
-
-        measure_type = DECISIONS[decision].measure_type if decision in DECISIONS else Measure
-    measure = measure_type.parse(raw.get("measure"))
+    measure = _mapping(raw.get("measure"), path, "measure")
     if quick:
         overrides = dict(raw.get("quick") or {})
-        measure = measure_type.parse(overrides.pop("measure", None), measure)
+        measure = {**measure, **_mapping(overrides.pop("measure", None), path, "quick: measure")}
         stray = sorted(set(overrides) - set(axes) - set(defaults))
         if stray:
             raise ValueError(f"{path}: quick: overrides settings the grid does not have: {', '.join(stray)}")
@@ -231,6 +231,14 @@ def cells(decision: str, split: Optional[str] = None, quick: bool = False, root:
         raise ValueError(f"split must be dev, test or both, got {split!r}")
     every = load_grid(decision, quick, root).cells
     return every if split in (None, "both") else [c for c in every if split_of(c) == split]
+
+
+def _mapping(raw: Any, path: Path, what: str) -> dict[str, Any]:
+    if raw is None:
+        return {}
+    if not isinstance(raw, Mapping):
+        raise ValueError(f"{path}: {what}: must be a mapping, got {raw!r}")
+    return dict(raw)
 
 
 def _axes(raw: Any, path: Path) -> dict[str, list[Value]]:

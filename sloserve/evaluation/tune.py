@@ -16,10 +16,10 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 from sloserve.cluster.migration import MIGRATION_POLICIES, parse_migration
-from sloserve.evaluation.decisions import DECISIONS, Decision, Threshold, make_decision
+from sloserve.evaluation.decisions import DECISIONS, Decision, Threshold, make_decision, measure_of
 from sloserve.evaluation.fleet import Setting
 from sloserve.evaluation.metrics import PolicyRuns, probe_for, start_rate
-from sloserve.evaluation.suite import REPO_ROOT, Cell, load_grid, split_of
+from sloserve.evaluation.suite import REPO_ROOT, Cell, split_of
 
 RATIO_FLOOR = 1e-3  # a candidate meeting the SLO at no rate scores this ratio, not log(0)
 
@@ -83,7 +83,7 @@ def tune(policy: str, cells: Sequence[Cell], trials: int = 20, seeds: int = 2, q
     if trials < 1 or seeds < 1:
         raise ValueError("--trials and --seeds must be >= 1")
     decision, space = declared(policy)
-    decision = make_decision(decision.name, load_grid(decision.name, quick).measure)
+    decision = make_decision(decision.name, measure_of(decision.name, quick))
     mine = [c for c in cells if c.decision == decision.name]
     if not mine:
         raise ValueError(f"no dev cells of the {decision.name} decision to tune {policy} on")

@@ -9,6 +9,7 @@ from sloserve.evaluation.decisions.forecasting import ForecastingDecision
 from sloserve.evaluation.decisions.base import Decision, GoodputDecision, Lineup, Threshold
 from sloserve.evaluation.decisions.migration import MigrationDecision
 from sloserve.evaluation.decisions.routing import RoutingDecision
+from sloserve.evaluation.suite import load_grid
 
 DECISIONS: dict[str, type[Decision]] = {d.name: d for d in (
     RoutingDecision, MigrationDecision, AutoscalingDecision, ForecastingDecision)}
@@ -23,5 +24,12 @@ def make_decision(name: str, measure: Optional[Any] = None) -> Decision:
     return cls(measure)
 
 
-__all__ = ["Decision", "GoodputDecision", "Lineup", "Threshold", "DECISIONS", "make_decision", "RoutingDecision", "MigrationDecision", "AutoscalingDecision",
+def measure_of(name: str, quick: bool = False) -> Any:
+    """How the cells of `name`'s grid (its quick grid) are measured: the grid's measure: read by the
+    decision's measure_type."""
+    make_decision(name)  # an unknown name fails here, in one line
+    return load_grid(name, quick).measure_as(DECISIONS[name].measure_type)
+
+
+__all__ = ["Decision", "GoodputDecision", "Lineup", "Threshold", "DECISIONS", "make_decision", "measure_of", "RoutingDecision", "MigrationDecision", "AutoscalingDecision",
            "ForecastingDecision"]

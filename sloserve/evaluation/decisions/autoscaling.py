@@ -24,18 +24,16 @@ import math
 import time
 from dataclasses import dataclass, fields, replace
 from statistics import fmean
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
 from sloserve.evaluation.decisions.base import Decision
 from sloserve.evaluation.fleet import scheduler
+from sloserve.evaluation.result import CellResult, FlatRecord
 from sloserve.evaluation.suite import Cell, MeasureSpec
 from sloserve.evaluation.verdict import Verdict, noise_of, paired_log_ratio
 from sloserve.evaluation.workloads import WHOLE_TRACE, get_trace, slo_for, spec_for
-
-if TYPE_CHECKING:
-    from sloserve.evaluation.runner import CellResult
 
 GPU_FLOOR = 0.01  # GPU-hours: a smaller difference is never a win or a loss
 ATTAINMENT_FLOOR = 0.001  # attainment: 0.1 point
@@ -104,7 +102,7 @@ class ScalingSetting:
 
 
 @dataclass(frozen=True)
-class ScalingMetrics:
+class ScalingMetrics(FlatRecord):
     """One policy through one cell's day in one seed."""
 
     policy: str
@@ -117,13 +115,6 @@ class ScalingMetrics:
     warm_starts: int
     peak_ready: int
     wall_s: float
-
-    def as_dict(self) -> dict:
-        return dict(vars(self))
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "ScalingMetrics":
-        return cls(**{f.name: d[f.name] for f in fields(cls)})
 
 
 def policy_names(measure: ScalingMeasure) -> tuple[list[str], list[str]]:
@@ -260,7 +251,7 @@ class AutoscalingDecision(Decision):
         pairs = [(c, REACTIVE) for c in candidates if c in metrics] + [(REACTIVE, STATIC)]
         return [judge_pair(c, b, metrics) for c, b in pairs]
 
-    def targets(self, results: Sequence["CellResult"]) -> list[str]:
+    def targets(self, results: Sequence[CellResult]) -> list[str]:
         """Issue 43: predictive or hybrid reaches reactive's attainment or better at <= reactive's
         GPU-hours (a win or a tie here) in >= 80% of cells, and needs <= 1.15x the oracle's GPU-hours
         at >= 99% attainment where the oracle reaches 99%."""
@@ -295,7 +286,7 @@ class AutoscalingDecision(Decision):
         return ["split", "cell", "candidate", "vs baseline", "GPU-hours", "ratio", "noise", "verdict",
                 "SLO attainment", "x oracle GPU-hours", "oracle attainment", "cold starts"]
 
-    def cell_rows(self, result: "CellResult") -> list[list[str]]:
+    def cell_rows(self, result: CellResult) -> list[list[str]]:
         rows = []
         oracle = result.metrics.get(ORACLE, [])
         for v in result.verdicts:

@@ -10,15 +10,15 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Mapping, Optional, Sequence
+import math
+from typing import Any, ClassVar, Mapping, Optional, Sequence
 
+from sloserve.bench.report import fmt_ms, fmt_num
 from sloserve.evaluation.fleet import Policy, Setting
 from sloserve.evaluation.metrics import CellMetrics, measure_cell
+from sloserve.evaluation.result import CellResult
 from sloserve.evaluation.suite import Cell, Measure
 from sloserve.evaluation.verdict import Verdict, judge
-
-if TYPE_CHECKING:
-    from sloserve.evaluation.runner import CellResult
 
 
 class Decision(ABC):
@@ -45,14 +45,14 @@ class Decision(ABC):
     def cell_header(self) -> list[str]: ...
 
     @abstractmethod
-    def cell_rows(self, result: "CellResult") -> list[list[str]]:
+    def cell_rows(self, result: CellResult) -> list[list[str]]:
         """A row per verdict of `result`: split, cell, candidate, baseline, then the decision's numbers."""
 
     def describe_measure(self) -> str:
         """How the cells were measured, one sentence."""
         return ""
 
-    def targets(self, results: Sequence["CellResult"]) -> list[str]:
+    def targets(self, results: Sequence[CellResult]) -> list[str]:
         """The issue's targets for this decision, each one line: what `results` (one split's cells)
         reach against it. None by default."""
         return []
@@ -120,26 +120,30 @@ class GoodputDecision(Decision):
         return ["split", "cell", "candidate", "vs baseline", "goodput@99 req/s", "ratio", "noise", "verdict",
                 "capacity req/s", "P99 TTFT ms @100%", "P99 TPOT ms @100%", "migrations (GB)"]
 
-    def cell_rows(self, result: "CellResult") -> list[list[str]]:
-        from sloserve.evaluation.report import fmt_ms, fmt_ratio, mean_of
-
+    def cell_rows(self, result: CellResult) -> list[list[str]]:
         rows = []
         for v in result.verdicts:
             mine, base = result.metrics[v.candidate], result.metrics[v.baseline]
 
             def at_full(runs, what: str) -> float:
-                return mean_of([getattr(p, what) for m in runs for p in m.loads if abs(p.load - 1.0) < 1e-9])
+                return _mean([getattr(p, what) for m in runs for p in m.loads if abs(p.load - 1.0) < 1e-9])
 
             moved = sum(m.migrations for m in mine)
             gb = sum(m.bytes_moved for m in mine) / 1e9
             rows.append([result.split, result.cell.label, v.candidate, v.baseline,
                          f"{'≥' if v.lower_bound else ''}{v.candidate_value:.2f} / {v.baseline_value:.2f}",
-                         fmt_ratio(v.ratio), f"{100 * v.noise:.1f}%", v.outcome,
-                         f"{mean_of([m.capacity_rps for m in mine]):.2f}",
+                         fmt_num(v.ratio, 3), f"{100 * v.noise:.1f}%", v.outcome,
+                         f"{_mean([m.capacity_rps for m in mine]):.2f}",
                          f"{fmt_ms(at_full(mine, 'p99_ttft_s'))} / {fmt_ms(at_full(base, 'p99_ttft_s'))}",
                          f"{fmt_ms(at_full(mine, 'p99_tpot_s'))} / {fmt_ms(at_full(base, 'p99_tpot_s'))}",
                          f"{moved} ({gb:.2f})"])
         return rows
+
+
+def _mean(values: list[float]) -> float:
+    """Mean of the values that are not NaN (NaN when none is)."""
+    finite = [v for v in values if not math.isnan(v)]
+    return sum(finite) / len(finite) if finite else math.nan
 
 
 __all__ = ["Decision", "GoodputDecision", "Lineup", "Threshold"]

@@ -15,14 +15,12 @@ import math
 import time
 from dataclasses import dataclass, fields
 from statistics import fmean
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from sloserve.evaluation.decisions.base import Decision
+from sloserve.evaluation.result import CellResult, FlatRecord
 from sloserve.evaluation.suite import Cell, MeasureSpec
 from sloserve.evaluation.verdict import NOISE_FLOOR, Verdict, noise_of, paired_log_ratio
-
-if TYPE_CHECKING:
-    from sloserve.evaluation.runner import CellResult
 
 BASELINE = "naive"
 
@@ -60,7 +58,7 @@ class ForecastSetting:
 
 
 @dataclass(frozen=True)
-class ForecastMetrics:
+class ForecastMetrics(FlatRecord):
     """One forecaster on one cell's day in one seed (evaluate.Score's numbers)."""
 
     policy: str
@@ -72,13 +70,6 @@ class ForecastMetrics:
     band_width: float
     origins: int
     wall_s: float
-
-    def as_dict(self) -> dict:
-        return dict(vars(self))
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "ForecastMetrics":
-        return cls(**{f.name: d[f.name] for f in fields(cls)})
 
 
 def held_out_day(setting: ForecastSetting):
@@ -127,7 +118,7 @@ class ForecastingDecision(Decision):
         return [judge_forecaster(name, metrics, self.measure.level) for name in self.measure.forecasters
                 if name in metrics]
 
-    def targets(self, results: Sequence["CellResult"]) -> list[str]:
+    def targets(self, results: Sequence[CellResult]) -> list[str]:
         """The best forecaster (highest geometric-mean MAPE ratio over the cells) against MAPE <= 0.8x
         naive's and max APE <= 60% (issue 43)."""
         if not results:
@@ -155,7 +146,7 @@ class ForecastingDecision(Decision):
         return ["split", "cell", "candidate", "vs baseline", "MAPE", "ratio", "noise", "verdict", "max APE",
                 "band coverage", "band width / actual"]
 
-    def cell_rows(self, result: "CellResult") -> list[list[str]]:
+    def cell_rows(self, result: CellResult) -> list[list[str]]:
         rows = []
         for v in result.verdicts:
             mine, base = result.metrics[v.candidate], result.metrics[v.baseline]
