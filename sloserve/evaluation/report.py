@@ -84,6 +84,17 @@ def decision_of(run: Evaluation, name: str):
     return make_decision(name, run.measures.get(name))
 
 
+def targets(run: Evaluation, decision: str) -> list[tuple[str, list[str]]]:
+    """(split, the decision's target lines on that split's cells) for each split that has any."""
+    d = decision_of(run, decision)
+    out = []
+    for split in SPLITS:
+        reached = d.targets([c for c in run.cells if c.cell.decision == decision and c.split == split])
+        if reached:
+            out.append((split, reached))
+    return out
+
+
 def cell_rows(run: Evaluation, decision: str) -> list[list[str]]:
     """Every verdict of `decision`'s cells, as the decision reads its numbers."""
     d = decision_of(run, decision)
@@ -112,10 +123,8 @@ def markdown(run: Evaluation) -> str:
         d = decision_of(run, decision)
         lines += [f"#### {decision}", "", d.rule, "", d.describe_measure(), ""]
         lines += _md_table(SUMMARY_HEADER, summary_rows(run, decision)) + [""]
-        for split in SPLITS:
-            reached = d.targets([c for c in run.cells if c.cell.decision == decision and c.split == split])
-            if reached:
-                lines += [f"Targets on the {split} split:", ""] + [f"- {t}" for t in reached] + [""]
+        for split, reached in targets(run, decision):
+            lines += [f"Targets on the {split} split:", ""] + [f"- {t}" for t in reached] + [""]
         lines += _md_table(d.cell_header(), cell_rows(run, decision)) + [""]
     return "\n".join(lines)
 
@@ -209,11 +218,9 @@ def html_page(run: Evaluation, figure: Optional[Path]) -> str:
         parts.append(f"<h2>{html.escape(decision)}</h2>")
         parts.append(f"<p>{html.escape(d.rule)}</p><p>{html.escape(d.describe_measure())}</p>")
         parts.append(table(SUMMARY_HEADER, summary_rows(run, decision)))
-        for split in SPLITS:
-            reached = d.targets([c for c in run.cells if c.cell.decision == decision and c.split == split])
-            if reached:
-                items = "".join(f"<li>{html.escape(t)}</li>" for t in reached)
-                parts.append(f"<p>Targets on the {split} split:</p><ul>{items}</ul>")
+        for split, reached in targets(run, decision):
+            items = "".join(f"<li>{html.escape(t)}</li>" for t in reached)
+            parts.append(f"<p>Targets on the {split} split:</p><ul>{items}</ul>")
         parts.append("<h3>cells</h3>")
         parts.append(table(d.cell_header(), cell_rows(run, decision)))
     style = ("body{font-family:sans-serif;margin:2em}table{border-collapse:collapse;margin:1em 0}"
