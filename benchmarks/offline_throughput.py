@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import math
 import os
 import platform
 import random
@@ -167,15 +168,14 @@ def load_prompts(args: argparse.Namespace) -> tuple[list[list[int]], ModelFacts,
     Raw prompt text, no chat template (as vLLM's own throughput benchmark does); the first
     `max_prompt_len` tokens are kept.
     """
-    import gguf
-
+    from sloserve.engine.gguf_file import read_gguf
     from sloserve.engine.tokenizer import Tokenizer
-    from sloserve.engine.weights import embedded_model_path, read_gguf_metadata
+    from sloserve.engine.weights import embedded_model_path
 
     path = embedded_model_path()
-    reader = gguf.GGUFReader(path)
-    tokenizer = Tokenizer.from_gguf_metadata(read_gguf_metadata(reader, path))
-    facts = model_facts(path, reader)
+    gguf_file = read_gguf(path)
+    tokenizer = Tokenizer.from_gguf_metadata(gguf_file.metadata)
+    facts = model_facts(path, gguf_file)
 
     rows = read_dataset(args.dataset)
     if args.num_prompts > len(rows):
@@ -206,8 +206,8 @@ def read_dataset(path: Path) -> list[dict[str, Any]]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def model_facts(path: str, reader: Any) -> ModelFacts:
-    sizes = {t.name: int(t.n_elements) for t in reader.tensors}
+def model_facts(path: str, gguf_file: Any) -> ModelFacts:
+    sizes = {t.name: math.prod(t.shape) for t in gguf_file.tensors}
     head = sizes["token_embd.weight"]
     total = sum(sizes.values())
     body = total - head - sizes.get("output.weight", 0)  # an untied head would be the same size: count it once

@@ -36,7 +36,7 @@ REACHED_INTO = {
     "fastapi": "server/errors.py: the body-parse message; GuardedRoute",
     "pydantic": "server/protocol.py: strict models and their error locations",
     "tokenizers": "engine/tokenizer.py: a decoder's serialized state",
-    "gguf": "engine/weights.py: GGUFReader and gguf.quants",
+    "gguf": "engine/gguf_file.py and engine/weights.py: the tensor types, their sizes, gguf.quants",
     "schemathesis": "tests/fuzz_helpers.py: its checks and failure types",
     "promql-parser": "tests/test_deploy_board.py: its AST node types",
 }
@@ -153,16 +153,24 @@ def test_a_byte_level_decoder_is_recognised_from_its_serialized_state():
     assert _uses_byte_level(byte_level) and not _uses_byte_level(other)
 
 
-def test_gguf_reader_gives_what_the_weight_loader_reads():
+def test_our_gguf_reader_reads_what_gguf_py_reads():
+    """engine/gguf_file.py parses the header itself and leans on gguf-py for the tensor types,
+    their block sizes and dequantization: on the embedded model it gives every metadata value as
+    GGUFReader's `contents()` and every tensor as GGUFReader's view of the same bytes."""
     import gguf
 
+    from sloserve.engine.gguf_file import read_gguf
     from sloserve.engine.weights import embedded_model_path
 
-    reader = gguf.GGUFReader(str(embedded_model_path()))
-    assert reader.fields["general.architecture"].contents() == "llama"  # how read_gguf_metadata reads a field
-    tensor = reader.tensors[0]
-    for name in ("name", "tensor_type", "shape", "data"):
-        assert hasattr(tensor, name), f"gguf's ReaderTensor has no {name!r}: update engine/weights.py"
-    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+    path = embedded_model_path()
+    ours, reader = read_gguf(path), gguf.GGUFReader(str(path))
+    assert ours.metadata == {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+    assert [t.name for t in ours.tensors] == [t.name for t in reader.tensors]
+    for mine, theirs in zip(ours.tensors, reader.tensors):
+        assert mine.tensor_type == theirs.tensor_type and mine.shape == tuple(theirs.shape.tolist())
+        assert mine.data.dtype == theirs.data.dtype and mine.data.shape == theirs.data.shape
+        assert np.array_equal(mine.data, theirs.data)
+    tensor = ours.tensors[0]
+    shape = tuple(reversed(tensor.shape))
     assert int(np.prod(gguf.quants.quant_shape_to_byte_shape(shape, tensor.tensor_type))) == tensor.data.nbytes
     assert gguf.quants.dequantize(tensor.data, tensor.tensor_type).size == int(np.prod(shape))

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from sloserve.engine.gguf_file import read_gguf
 from sloserve.engine.tokenizer import Tokenizer
 from sloserve.engine.weights import embedded_model_path, load_model, load_tokenizer
 
@@ -205,6 +206,12 @@ def test_gguf_tensor_types_dequantize(tmp_path: Path, qtype: Q) -> None:
     model = load_model(str(path))
 
     assert set(model.weights) == set(original)
+    # engine/gguf_file.py reads the file as gguf-py's own reader does (its views of the same bytes)
+    ours, reader = read_gguf(path), gguf.GGUFReader(str(path))
+    assert ours.metadata == {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+    for mine, theirs in zip(ours.tensors, reader.tensors, strict=True):
+        assert (mine.name, mine.tensor_type, mine.shape) == (theirs.name, theirs.tensor_type, tuple(theirs.shape.tolist()))
+        assert mine.data.dtype == theirs.data.dtype and np.array_equal(mine.data, theirs.data), mine.name
     for name, want in expected.items():
         got = model.weights[name]
         assert got.dtype == torch.float32 and got.is_contiguous(), name

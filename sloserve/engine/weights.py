@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from sloserve.config import ModelConfig
+from sloserve.engine.gguf_file import GGUFFile, read_gguf
 from sloserve.engine.quant import GGUF_INT4_TYPES, GroupAffine4
 from sloserve.engine.tokenizer import Tokenizer
 
@@ -132,8 +133,7 @@ def load_tokenizer(path: str | os.PathLike | None = None) -> Tokenizer:
         if gguf_file is None:
             return Tokenizer.from_dir(resolved)
         resolved = gguf_file
-    reader = _open_gguf(resolved)
-    return _gguf_tokenizer(resolved, read_gguf_metadata(reader, resolved))
+    return _gguf_tokenizer(resolved, _open_gguf(resolved).metadata)
 
 
 def _resolve(path: str | os.PathLike | None) -> Path:
@@ -160,28 +160,18 @@ def _single_gguf_in(directory: Path) -> Optional[Path]:
 # ---------------------------------------------------------------------- GGUF
 
 
-def _open_gguf(path: Path):
-    import gguf
-
-    with open(path, "rb") as f:
-        magic = f.read(4)
-    if magic != b"GGUF":
-        raise ValueError(f"{path}: not a GGUF file (bad magic {magic!r})")
+def _open_gguf(path: Path) -> GGUFFile:
     try:
-        return gguf.GGUFReader(str(path))
-    except Exception as exc:  # the reader raises bare ValueError/IndexError/struct errors on damage
+        return read_gguf(path)
+    except Exception as exc:  # struct errors, bad enum values, short files: all one message
+        if str(exc).startswith("bad magic"):
+            raise ValueError(f"{path}: not a GGUF file ({exc})") from exc
         raise ValueError(f"{path}: corrupt or truncated GGUF ({_one_line(exc)})") from exc
 
 
-def read_gguf_metadata(reader: Any, path: Path | str = "") -> dict[str, Any]:
-    """Every metadata field of a GGUFReader as a plain Python value (str, number, bool or list)."""
-    metadata: dict[str, Any] = {}
-    for key, field in reader.fields.items():
-        try:
-            metadata[key] = field.contents()
-        except Exception as exc:
-            raise ValueError(f"{path}: corrupt GGUF metadata field {key!r} ({_one_line(exc)})") from exc
-    return metadata
+def read_gguf_metadata(path: Path | str) -> dict[str, Any]:
+    """Every metadata field of a GGUF file as a plain Python value (str, number, bool or list)."""
+    return _open_gguf(Path(path)).metadata
 
 
 def _gguf_tokenizer(path: Path, metadata: dict[str, Any]) -> Tokenizer:
@@ -275,7 +265,7 @@ def _load_gguf(path: Path, dtype: torch.dtype, keep_int4: bool) -> LoadedModel:
     import gguf
 
     reader = _open_gguf(path)
-    metadata = read_gguf_metadata(reader, path)
+    metadata = reader.metadata
     arch = metadata.get("general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise ValueError(f"{path}: architecture {arch!r} is not supported (supported: {', '.join(GGUF_ARCHITECTURES)})")
@@ -299,7 +289,7 @@ def _load_gguf(path: Path, dtype: torch.dtype, keep_int4: bool) -> LoadedModel:
         if kind not in GGUF_TENSOR_TYPES:
             raise ValueError(f"{path}: tensor {tensor.name} has unsupported type {kind} "
                              f"(supported: {', '.join(GGUF_TENSOR_TYPES)})")
-        shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))  # GGUF lists dims innermost first
+        shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dims innermost first
         expected_bytes = gguf.quants.quant_shape_to_byte_shape(shape, tensor.tensor_type)
         if int(np.prod(expected_bytes)) != tensor.data.nbytes:
             raise ValueError(f"{path}: tensor {tensor.name} data is truncated")
