@@ -17,8 +17,8 @@ from sloserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from sloserve.engine.kernels import load_fused_ops
 from sloserve.engine.llm import LLM
 from sloserve.engine.precision_probe import choose_cpu_dtype, crossover, prepack_pays, quantized_max_rows
-from sloserve.engine.quality import (KV_TOLERANCES, TOLERANCES, chunked_next_token_logits, greedy_agreement, load_texts,
-                                     next_token_logits, perplexity, top1_agreement)
+from sloserve.engine.quality import (KV_TOLERANCES, TOLERANCES, TextScores, chunked_next_token_logits, greedy_agreement,
+                                     load_texts, next_token_logits, perplexity, score_texts, top1_agreement)
 from sloserve.engine.quant import (DenseLinear, GroupAffine4, Int4Linear, Int8Linear, RowDispatchLinear,
                                    can_prepack, resolve_quantization)
 from sloserve.engine.weights import load_model
@@ -272,8 +272,19 @@ def heldout_ids(llm):
 
 
 @pytest.fixture(scope="module")
-def reference_ppl(llm, heldout_ids):
-    return perplexity(llm.engine.model, heldout_ids)
+def reference_scores(llm, heldout_ids):
+    """The float32 reference's perplexity and per-position choices on the held-out texts."""
+    return score_texts(llm.engine.model, heldout_ids)
+
+
+def test_one_pass_scores_give_the_perplexity_and_agreement_of_their_own_passes(llm, heldout_ids):
+    texts = [ids[:24] for ids in heldout_ids[:3]]
+    model = llm.engine.model
+    scores = score_texts(model, texts)
+    assert scores.perplexity == pytest.approx(perplexity(model, texts), rel=1e-6)
+    assert scores.top1_agreement(scores) == 1.0 == top1_agreement(model, model, texts)
+    shifted = TextScores(scores.perplexity, tuple(c + 1 for c in scores.choices))
+    assert scores.top1_agreement(shifted) == 0.0
 
 
 # Each precision alone, its packed kernels scored without the dense copy (which prefill would use).
@@ -289,13 +300,14 @@ PRECISIONS = {
 
 @pytest.mark.parametrize("name", list(PRECISIONS))
 @pytest.mark.slow
-def test_each_precision_stays_within_its_quality_tolerance(llm, heldout_ids, reference_ppl, name):
+def test_each_precision_stays_within_its_quality_tolerance(llm, heldout_ids, reference_scores, name):
     candidate = LLM(config=EngineConfig(**PRECISIONS[name]))
     model = candidate.engine.model
     tolerance = TOLERANCES[name.split()[0]]
-    ratio = perplexity(model, heldout_ids) / reference_ppl
+    scores = score_texts(model, heldout_ids)
+    ratio = scores.perplexity / reference_scores.perplexity
     assert ratio <= tolerance.max_perplexity_ratio, (name, ratio)
-    agreement = top1_agreement(llm.engine.model, model, heldout_ids)
+    agreement = reference_scores.top1_agreement(scores)
     assert agreement >= tolerance.min_top1_agreement, (name, agreement)
     exact = llm.engine.model.weight_bytes
     # A tied table prepacked as the LM head is held twice: the embedding reads the plain rows.
@@ -305,7 +317,7 @@ def test_each_precision_stays_within_its_quality_tolerance(llm, heldout_ids, ref
 
 
 @pytest.mark.slow
-def test_the_default_engine_generates_what_the_reference_does_within_tolerance(llm, heldout_ids):
+def test_the_default_engine_generates_what_the_reference_does_within_tolerance(llm, heldout_ids, reference_scores):
     """The default (dtype and quantization auto) on this machine: whatever it picked, its greedy
     generations start as the float32 reference's and its per-step choices agree within the
     loosest tolerance of the precisions it may have picked."""
@@ -321,7 +333,7 @@ def test_the_default_engine_generates_what_the_reference_does_within_tolerance(l
     assert all(len(t) == 24 for t in got)
     assert greedy_agreement(ref, got).prefix_fraction > 0.3
     loosest = min(t.min_top1_agreement for t in TOLERANCES.values())
-    assert top1_agreement(llm.engine.model, default.engine.model, heldout_ids) >= loosest
+    assert reference_scores.top1_agreement(score_texts(default.engine.model, heldout_ids)) >= loosest
     assert default.engine.kv.num_free_blocks == default.engine.kv.num_blocks
 
 

@@ -112,17 +112,39 @@ def perplexity(model: LlamaModel, token_lists: Iterable[Sequence[int]], kv_dtype
     return math.exp(total / count)
 
 
+@dataclass(frozen=True)
+class TextScores:
+    """A model's teacher-forced scores of some texts, from one prefill per text: its perplexity,
+    and its most likely next token at every position of every text."""
+
+    perplexity: float
+    choices: tuple[torch.Tensor, ...]  # per text: argmax of the logits after each prefix
+
+    def top1_agreement(self, other: "TextScores") -> float:
+        """Fraction of positions where both pick the same next token (see `top1_agreement`)."""
+        if len(self.choices) != len(other.choices):
+            raise ValueError("scores of different texts")
+        same = sum(int((a == b).sum()) for a, b in zip(self.choices, other.choices))
+        return same / sum(a.numel() for a in self.choices)
+
+
+def score_texts(model: LlamaModel, token_lists: Iterable[Sequence[int]]) -> TextScores:
+    total, count, choices = 0.0, 0, []
+    for ids in token_lists:
+        logits = next_token_logits(model, ids)
+        targets = torch.tensor(list(ids[1:]), dtype=torch.long, device=logits.device)
+        total -= float(torch.log_softmax(logits, dim=-1).gather(1, targets.unsqueeze(1)).sum())
+        count += len(ids) - 1
+        choices.append(logits.argmax(-1))
+    return TextScores(math.exp(total / count), tuple(choices))
+
+
 def top1_agreement(reference: LlamaModel, model: LlamaModel, token_lists: Iterable[Sequence[int]]) -> float:
     """Fraction of positions (teacher-forced on the texts) where both models' most likely next
     token is the same: per-step greedy agreement, free of the drift that one early difference
     causes in a free-running generation."""
-    same = total = 0
-    for ids in token_lists:
-        a = next_token_logits(reference, ids).argmax(-1)
-        b = next_token_logits(model, ids).argmax(-1)
-        same += int((a == b).sum())
-        total += a.numel()
-    return same / total
+    texts = list(token_lists)
+    return score_texts(reference, texts).top1_agreement(score_texts(model, texts))
 
 
 @dataclass
