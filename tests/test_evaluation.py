@@ -8,6 +8,7 @@ import inspect
 import json
 import math
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ from sloserve.evaluation.decisions.autoscaling import (ORACLE, REACTIVE, STATIC,
                                                        judge_pair, policy_names)
 from sloserve.evaluation.fleet import Setting
 from sloserve.evaluation.metrics import CellMetrics, LoadPoint
+from sloserve.evaluation.decisions.disaggregation import CHOICE, planner_choice
 from sloserve.evaluation.decisions.forecasting import BASELINE, ForecastSetting
 from sloserve.evaluation.report import write_report
 from sloserve.evaluation.runner import Evaluation, run_evaluation, write_results
@@ -261,6 +263,28 @@ def test_quick_dev_run_end_to_end(tmp_path):
     assert "data:image/png;base64," in page and "not run" in page and "trace=azure-conv" in page
     png = (folder / "summary.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+
+
+def test_quick_disaggregation_run_judges_every_split_and_the_planners_choice(tmp_path):
+    """Each split against the best colocated fleet; the planner's choice is the measurement of the
+    layout it picked on its own window, judged against every layout of the cell (never a win)."""
+    assert main(["evaluate", "--quick", "--decision", "disaggregation", "--split", "dev", "--no-progress",
+                 "--out", str(tmp_path)]) == 0
+    [folder] = tmp_path.glob("evaluate-dev-*")
+    [result] = Evaluation.load(folder / "results.json").cells
+    decision = make_decision("disaggregation")
+    lineup = decision.policies(result.cell)
+    assert [p.pd for p in lineup.candidates] == ["1:1"] and all(p.pd is None for p in lineup.baselines)
+    picked = planner_choice(Setting.of(result.cell.params))
+    assert picked in lineup.every
+    for seed, choice in enumerate(result.metrics[CHOICE]):
+        assert choice.policy == f"{CHOICE}: {picked.name}"
+        assert replace(choice, policy=picked.name) == result.metrics[picked.name][seed]
+    verdicts = {v.candidate: v for v in result.verdicts}
+    assert verdicts["P:D 1:1 (least-requests)"].baseline in {p.name for p in lineup.baselines}
+    assert verdicts[CHOICE].outcome in ("tie", "loss") and verdicts[CHOICE].ratio <= 1.0
+    md = (folder / "report.md").read_text()
+    assert f"{CHOICE}: right in" in md and f"{CHOICE}: {picked.name}" in md
 
 
 # ---- autoscaling ------------------------------------------------------------------------------

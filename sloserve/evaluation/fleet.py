@@ -62,19 +62,22 @@ class Setting:
 
 @dataclass(frozen=True)
 class Policy:
-    """What the cluster scheduler runs in a cell: a router and a migration spec ("none": routing only)."""
+    """What the cluster scheduler runs in a cell: a router, a migration spec ("none": routing only),
+    and the fleet's layout: colocated (`pd` None) or a prefill:decode split of its instances."""
 
     router: str
     migration: str = "none"
+    pd: Optional[str] = None
 
     @property
     def name(self) -> str:
-        return self.router if self.migration == "none" else f"{self.router} + {self.migration}"
+        name = self.router if self.migration == "none" else f"{self.router} + {self.migration}"
+        return name if self.pd is None else f"P:D {self.pd} ({name})"
 
 
 def fleet_config(setting: Setting, policy: Policy) -> FleetConfig:
     cfg = FleetConfig(instances=setting.instances, hardware=setting.hardware, model=setting.model, tp=setting.tp,
-                      router=policy.router, migration=policy.migration, link=setting.link,
+                      router=policy.router, migration=policy.migration, link=setting.link, pd=policy.pd,
                       scheduler=scheduler(), predictor=PREDICTOR)
     cfg.validate()
     return cfg
