@@ -268,8 +268,9 @@ def test_quick_dev_run_end_to_end(tmp_path):
 def test_quick_disaggregation_run_judges_every_split_and_the_planners_choice(tmp_path):
     """Each split against the best colocated fleet; the planner's choice is the measurement of the
     layout it picked on its own window, judged against every layout of the cell (never a win)."""
+    kept = tmp_path / "jobs.jsonl"
     assert main(["evaluate", "--quick", "--decision", "disaggregation", "--split", "dev", "--no-progress",
-                 "--out", str(tmp_path)]) == 0
+                 "--out", str(tmp_path), "--checkpoint", str(kept)]) == 0
     [folder] = tmp_path.glob("evaluate-dev-*")
     [result] = Evaluation.load(folder / "results.json").cells
     decision = make_decision("disaggregation")
@@ -285,6 +286,23 @@ def test_quick_disaggregation_run_judges_every_split_and_the_planners_choice(tmp
     assert verdicts[CHOICE].outcome in ("tie", "loss") and verdicts[CHOICE].ratio <= 1.0
     md = (folder / "report.md").read_text()
     assert f"{CHOICE}: right in" in md and f"{CHOICE}: {picked.name}" in md
+    # the checkpoint holds both seeds: a second run restores them and judges the same
+    assert len(kept.read_text().splitlines()) == 2
+    labels: list[str] = []
+    again = run_evaluation(["disaggregation"], "dev", quick=True, on_done=labels.append, checkpoint=kept)
+    assert len(labels) == 2 and all(label.endswith("(restored)") for label in labels)
+    assert again.cells[0].metrics == result.metrics and again.cells[0].verdicts == result.verdicts
+    # a torn last line and a job measured by other code are measured again
+    lines = kept.read_text().splitlines()
+    other = json.loads(lines[1]) | {"code": "older"}
+    kept.write_text(lines[0] + "\n" + json.dumps(other) + "\n" + lines[1][:40] + "\n")
+    labels.clear()
+    third = run_evaluation(["disaggregation"], "dev", quick=True, on_done=labels.append, checkpoint=kept)
+    assert sorted(label.endswith("(restored)") for label in labels) == [False, True]
+    def timeless(metrics):  # a job measured again took its own wall time
+        return {p: [replace(m, wall_s=0.0) for m in runs] for p, runs in metrics.items()}
+
+    assert timeless(third.cells[0].metrics) == timeless(result.metrics)
 
 
 # ---- autoscaling ------------------------------------------------------------------------------

@@ -9,7 +9,8 @@ def add_evaluate_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("evaluate", help="policies against their baselines on held-out settings (dev/test split by a "
                                         "hash of each setting), on the simulator")
     p.add_argument("--decision", action="extend", nargs="+", metavar="NAME",
-                   help="decisions to evaluate: routing, migration (default: all; grids in benchmarks/suite/)")
+                   help="decisions to evaluate: routing, migration, disaggregation, autoscaling, forecasting (default: "
+                        "all; grids in benchmarks/suite/)")
     p.add_argument("--split", default="dev", metavar="dev|test|both",
                    help="which cells: dev (default; what tuning, plots and iteration read), test (the claims: run "
                         "once the policy is frozen) or both")
@@ -22,6 +23,9 @@ def add_evaluate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--trials", type=int, default=20, help="with --tune: trials")
     p.add_argument("--out", type=Path, metavar="DIR",
                    help="parent of the run's evaluate-<split>-<time>/ folder (default: benchmarks/results)")
+    p.add_argument("--checkpoint", type=Path, metavar="FILE",
+                   help="append each finished cell and seed to FILE, and skip those FILE already holds that the same "
+                        "code measured: a run cut short goes on where it stopped")
     p.add_argument("--no-progress", action="store_true",
                    help="no progress bar: one line per finished cell and seed instead (for logs)")
     p.set_defaults(func=cmd_evaluate)
@@ -63,7 +67,8 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
             if args.no_progress:
                 console.print(f"[{finished}/{total}] {label}", highlight=False)
 
-        run = run_evaluation(decisions, args.split, args.quick, args.seeds, args.jobs, on_done=done)
+        run = run_evaluation(decisions, args.split, args.quick, args.seeds, args.jobs, on_done=done,
+                             checkpoint=args.checkpoint)
     folder = write_results(run, args.out)
     paths = write_report(run, folder)
     print_summary(run, Console())

@@ -1,7 +1,8 @@
 """Runs the cells of a split: every (cell, seed) is one job, in a process pool of `jobs` workers
 (in this process when jobs is 1); the seeds of a cell are then judged together. Writes
 results.json (cells, split, metrics, verdicts, the git commit and the date) into
-`<out>/evaluate-<split>-<UTC time>/`."""
+`<out>/evaluate-<split>-<UTC time>/`. With a checkpoint file, finished jobs are kept as they
+finish and restored by the next run (evaluation/checkpoint.py)."""
 from __future__ import annotations
 
 import gzip
@@ -14,6 +15,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
 
+from sloserve.evaluation.checkpoint import Checkpoint, job_key
 from sloserve.evaluation.decisions import DECISIONS, make_decision, measure_of
 from sloserve.evaluation.result import CellResult
 from sloserve.evaluation.suite import REPO_ROOT, SPLITS, Cell, cells
@@ -85,9 +87,11 @@ def planned(decisions: Sequence[str], split: str, quick: bool) -> list[tuple[str
 
 
 def run_evaluation(decisions: Sequence[str], split: str = "dev", quick: bool = False, seeds: int = 2, jobs: int = 1,
-                   on_done: Optional[Callable[[str], None]] = None) -> Evaluation:
+                   on_done: Optional[Callable[[str], None]] = None,
+                   checkpoint: Optional[Path] = None) -> Evaluation:
     """Run every cell of `split` of `decisions` with seeds 0..seeds-1 and judge each cell.
-    `on_done(label)` is called as each (cell, seed) finishes."""
+    `on_done(label)` is called as each (cell, seed) finishes (or is restored from `checkpoint`:
+    see evaluation/checkpoint.py)."""
     if split not in (*SPLITS, "both"):
         raise ValueError(f"--split must be dev, test or both, got {split!r}")
     if seeds < 2:
@@ -101,24 +105,36 @@ def run_evaluation(decisions: Sequence[str], split: str = "dev", quick: bool = F
     run = Evaluation(split, quick, seeds, list(decisions), {d: m for d, m, _ in work}, commit, dirty,
                      datetime.now(timezone.utc).isoformat(timespec="seconds"))
     t0 = time.perf_counter()
-    jobs_of = [(d, m, c, s) for d, m, c in work for s in range(seeds)]
+    kept = Checkpoint(checkpoint) if checkpoint is not None else None
+    restored = kept.restore() if kept is not None else {}
     done: dict[tuple[int, int], dict[str, Any]] = {}
+    todo: list[tuple[tuple[int, int], str, Any, Cell, int]] = []
+    for i, (d, m, c) in enumerate(work):
+        for s in range(seeds):
+            key = job_key(d, m, c, s)
+            if key in restored:
+                done[(i, s)] = restored[key]
+                if on_done:
+                    on_done(f"{d} {c.label} seed {s} (restored)")
+            else:
+                todo.append(((i, s), d, m, c, s))
+
+    def finished(slot: tuple[int, int], metrics: dict[str, Any]) -> None:
+        done[slot] = metrics
+        d, m, c = work[slot[0]]
+        if kept is not None:
+            kept.record(job_key(d, m, c, slot[1]), d, metrics)
+        if on_done:
+            on_done(f"{d} {c.label} seed {slot[1]}")
+
     if jobs == 1:
-        for k, (d, m, c, s) in enumerate(jobs_of):
-            done[(k // seeds, s)] = _job(d, m, c, s)
-            if on_done:
-                on_done(f"{d} {c.label} seed {s}")
+        for slot, d, m, c, s in todo:
+            finished(slot, _job(d, m, c, s))
     else:
         with ProcessPoolExecutor(max_workers=jobs) as pool:
-            futures: dict[Future, tuple[int, int]] = {}
-            for k, (d, m, c, s) in enumerate(jobs_of):
-                futures[pool.submit(_job, d, m, c, s)] = (k // seeds, s)
+            futures: dict[Future, tuple[int, int]] = {pool.submit(_job, d, m, c, s): slot for slot, d, m, c, s in todo}
             for f in as_completed(futures):
-                i, s = futures[f]
-                done[futures[f]] = f.result()
-                if on_done:
-                    d, _, c = work[i]
-                    on_done(f"{d} {c.label} seed {s}")
+                finished(futures[f], f.result())
     for i, (d, m, c) in enumerate(work):
         per_seed = [done[(i, s)] for s in range(seeds)]
         metrics = {p: [runs[p] for runs in per_seed] for p in per_seed[0]}

@@ -1,0 +1,71 @@
+"""Finished jobs of an evaluation kept as they finish, so a run cut short goes on where it stopped.
+
+A split of the routing grid is hours of simulation on two cores: longer than a working session.
+With `--checkpoint FILE`, each finished (cell, seed) is appended to FILE as one JSON line; a
+later run with the same FILE skips every job already there and measured by the same code, and
+judges the cells with the restored metrics beside the new ones. "The same code" is a digest of the
+sources that produce the numbers (the simulator, the schedulers, the cluster policies, the fleet
+assembly, the workloads and the evaluation package): a job recorded before any of them changed is
+measured again. A line that cannot be read (a run killed mid-write) is skipped."""
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Mapping
+
+from sloserve.evaluation.decisions import DECISIONS
+from sloserve.evaluation.suite import Cell
+from sloserve.records import jsonable
+from sloserve.user_cache import source_fingerprint
+
+logger = logging.getLogger(__name__)
+
+_PACKAGE = Path(__file__).resolve().parents[1]  # sloserve/
+_MEASURED_BY = ("sim", "sched", "kv", "cluster", "workload", "evaluation")
+_MEASURED_BY_FILES = ("simulation.py", "planning.py", "types.py", "config.py", "fleet_view.py", "records.py")
+
+
+@lru_cache(maxsize=1)
+def code_fingerprint() -> str:
+    """A digest of the sources a job's numbers depend on (see the module docstring)."""
+    files = [p for d in _MEASURED_BY for p in (_PACKAGE / d).rglob("*.py")]
+    return source_fingerprint(files + [_PACKAGE / f for f in _MEASURED_BY_FILES])
+
+
+def job_key(decision: str, measure: Any, cell: Cell, seed: int) -> str:
+    """What makes two jobs the same: the decision, how it is measured, the cell and the seed."""
+    return json.dumps([decision, jsonable(measure.as_dict()), cell.description, seed], sort_keys=True)
+
+
+@dataclass
+class Checkpoint:
+    path: Path
+
+    def restore(self) -> dict[str, dict[str, Any]]:
+        """Job key -> its metrics per policy, for every readable line measured by this code."""
+        if not self.path.exists():
+            return {}
+        fingerprint, out, stale = code_fingerprint(), {}, 0
+        for n, line in enumerate(self.path.read_text().splitlines(), 1):
+            try:
+                entry = json.loads(line)
+                if entry["code"] != fingerprint:
+                    stale += 1
+                    continue
+                metrics_type = DECISIONS[entry["decision"]].metrics_type
+                out[entry["key"]] = {p: metrics_type.from_dict(m) for p, m in entry["metrics"].items()}
+            except (ValueError, KeyError, TypeError) as exc:
+                logger.warning("%s:%d: skipped an unreadable job (%s)", self.path, n, exc)
+        if stale:
+            logger.warning("%s: %d job(s) were measured by other code and run again", self.path, stale)
+        return out
+
+    def record(self, key: str, decision: str, metrics: Mapping[str, Any]) -> None:
+        line = json.dumps({"key": key, "decision": decision, "code": code_fingerprint(),
+                           "metrics": {p: jsonable(m.as_dict()) for p, m in metrics.items()}})
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "a") as f:
+            f.write(line + "\n")
