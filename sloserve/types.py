@@ -54,6 +54,38 @@ MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
 
 
+# What a structured output may constrain a generation to (engine/structured.py compiles each):
+# a JSON schema (as JSON text), any JSON object, a regular expression, one of a list of strings,
+# or an EBNF grammar (GBNF, as llama.cpp and xgrammar read it).
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+MAX_STRUCTURED_CHARS = 100_000  # a schema, pattern or grammar longer than this is refused before compiling
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on what a request may generate: the tokens it samples are masked to those the
+    constraint allows, and it ends when the constraint is complete (an EOS is then the only
+    choice). `spec`: the schema's JSON text, the pattern, the grammar, or the choices (a tuple)."""
+
+    kind: str
+    spec: object = ""
+    source: str = field(default="response_format", compare=False)  # the request field it came from (errors name it)
+
+    def validate(self) -> None:
+        if self.kind not in STRUCTURED_KINDS:
+            raise ValueError(f"structured output kind must be one of {', '.join(STRUCTURED_KINDS)}, got {self.kind!r}")
+        if self.kind == "choice":
+            ok = isinstance(self.spec, tuple) and 0 < len(self.spec) <= 1024 and all(
+                isinstance(c, str) and c for c in self.spec)
+            if not ok or sum(len(c) for c in self.spec) > MAX_STRUCTURED_CHARS:  # type: ignore[union-attr]
+                raise ValueError("guided_choice must be a list of 1 to 1024 non-empty strings")
+        elif self.kind != "json_object":
+            if not isinstance(self.spec, str) or not self.spec:
+                raise ValueError(f"a {self.kind} constraint needs its {self.kind} as a non-empty string")
+            if len(self.spec) > MAX_STRUCTURED_CHARS:
+                raise ValueError(f"a {self.kind} constraint may have at most {MAX_STRUCTURED_CHARS} characters")
+
+
 def _show(value: object) -> str:
     """A value for an error message; a huge int has no printable repr (Python caps it at 4300 digits)."""
     if isinstance(value, int) and value.bit_length() > 128:
@@ -82,6 +114,7 @@ class SamplingParams:
     logprobs: Optional[int] = None  # None = no logprobs; N >= 0 = sampled token plus top-N
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    structured: Optional[StructuredOutput] = None  # JSON schema, regex, choice or grammar (engine/structured.py)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -136,6 +169,12 @@ class SamplingParams:
               f"min_tokens must be an integer in [0, {INT32_MAX}], got {_show(self.min_tokens)}")
         check(self.logprobs is None or int_in(self.logprobs, 0, MAX_LOGPROBS),
               f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {_show(self.logprobs)}")
+        if self.structured is not None:
+            check(isinstance(self.structured, StructuredOutput), "structured must be a StructuredOutput")
+            self.structured.validate()
+            # the constraint ends the output with EOS: neither may hold it back
+            check(not self.ignore_eos, "ignore_eos must be false with a structured output (the constraint ends the output)")
+            check(self.min_tokens == 0, "min_tokens must be 0 with a structured output (the constraint ends the output)")
 
     @property
     def greedy(self) -> bool:

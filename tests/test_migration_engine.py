@@ -53,7 +53,8 @@ def alone(engine: LLMEngine, params: SamplingParams) -> CompletedOutput:
     return _run(engine, OutputAccumulator())
 
 
-def move(source: LLMEngine, target: LLMEngine, rid: str, params: SamplingParams, fold: OutputAccumulator) -> int:
+def move(source: LLMEngine, target: LLMEngine, rid: str, params: SamplingParams, fold: OutputAccumulator,
+         prompt: str = PROMPT) -> int:
     """Migrate `rid` as the worker does: pre-copy full blocks while it decodes (one step, its
     output into `fold`), then suspend and copy the rest. Returns the blocks sent (the target's
     cached prefix is not)."""
@@ -70,7 +71,7 @@ def move(source: LLMEngine, target: LLMEngine, rid: str, params: SamplingParams,
         held += target.kv.reserve(len(pinned) - len(held))
     write_blocks(target.kv_cache, held[sent:len(pinned)], read_blocks(source.kv_cache, pinned[sent:]))
     state.block_ids = held
-    target.add(target.make_request(PROMPT, params, request_id=rid), state)
+    target.add(target.make_request(prompt, params, request_id=rid), state)
     assert source.drop_migrated(rid, pinned)
     return len(pinned) - have
 

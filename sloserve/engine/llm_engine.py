@@ -9,6 +9,7 @@ import itertools
 import logging
 import math
 import os
+import threading
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional, Union
@@ -28,6 +29,7 @@ from sloserve.engine.kv_tiers import DiskKVTier, FlushReport, TierMovers, kv_fin
 from sloserve.engine.runner import KVTransferError, ModelRunner, TierLoadFailed
 from sloserve.engine.step_trace import StepRecord, StepTraceWriter
 from sloserve.engine.stop_strings import StopMatcher
+from sloserve.engine.structured import GrammarBackend, hf_view
 from sloserve.engine.swap import HostKVPool, measure_link_bandwidth
 from sloserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from sloserve.engine.weights import load_model
@@ -191,6 +193,8 @@ class LLMEngine:
                                    swap_cost=self.swap_cost, tier_cost=self.tier_cost)
         self.runner = ModelRunner(self.model, self.kv_cache, eos, seed=config.seed, host_pool=self.host_pool,
                                   tier_movers=self.tier_movers)
+        self._grammar: Optional[GrammarBackend] = None
+        self._grammar_lock = threading.Lock()
         self._tracked: dict[str, _Tracked] = {}
         self._ids = itertools.count()
         self._trace = StepTraceWriter(config.step_trace) if config.step_trace else None
@@ -277,6 +281,20 @@ class LLMEngine:
             )
         return ids
 
+    @property
+    def grammar(self) -> GrammarBackend:
+        """The grammar engine of structured outputs, built with the first request that has one
+        (importing it and reading the vocabulary cost about a second)."""
+        if self._grammar is None:
+            with self._grammar_lock:
+                if self._grammar is None:
+                    eos = self.tokenizer.eos_token_id
+                    text = self.tokenizer.id_to_token(eos) if eos is not None else None
+                    self._grammar = GrammarBackend(hf_view(self.tokenizer.backend, text), self.model_config.vocab_size,
+                                                   self.model_config.eos_token_ids)
+                    self.runner.grammar = self._grammar
+        return self._grammar
+
     def make_request(
         self,
         prompt: Prompt,
@@ -294,6 +312,8 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise ValueError("params must be a SamplingParams")
         params.validate()
+        if params.structured is not None:
+            self.grammar.compile(params.structured)  # StructuredOutputError (a ValueError) before any work
         ids = self.check_context(self.tokenize_prompt(prompt), params.max_tokens)
         return Request(
             request_id=request_id if request_id is not None else f"req-{next(self._ids)}",

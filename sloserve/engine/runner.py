@@ -9,6 +9,7 @@ import torch
 from sloserve.engine.model import ForwardBatch, KVCache, LlamaModel, PrefillSpan
 from sloserve.engine.sampler import Sampler, SamplingRow
 from sloserve.engine.kv_tiers import TierMoveReport, TierMovers
+from sloserve.engine.structured import GrammarBackend, RequestMatcher
 from sloserve.engine.swap import HostKVPool
 from sloserve.sched.plan import ScheduledRequest, StepPlan, StepResult
 
@@ -63,6 +64,8 @@ class ModelRunner:
         default.manual_seed(seed)
         self.sampler = Sampler(default, argmax=getattr(model.fused, "argmax_rows", None))
         self._generators: dict[str, torch.Generator] = {}
+        self.grammar: Optional[GrammarBackend] = None  # set by the engine with its first structured request
+        self._matchers: dict[str, RequestMatcher] = {}
 
     def execute(self, plan: StepPlan) -> StepResult:
         """Run the plan's KV operations, then its forward pass and sampling.
@@ -107,6 +110,7 @@ class ModelRunner:
         batch = self._build_batch(decodes, chunks)
         logits = self.model.forward(batch, self.kv_cache)
         sampling = [s for s in decodes + chunks if s.samples]
+        self._constrain(logits, sampling)
         rows: list[SamplingRow] = []
         for s in sampling:
             rows.extend(self._verify_rows(s) if s.draft_token_ids else [self._row(s)])
@@ -144,6 +148,27 @@ class ModelRunner:
     def release(self, request_id: str) -> None:
         """Forget per-request state once a request has finished."""
         self._generators.pop(request_id, None)
+        self._matchers.pop(request_id, None)
+
+    def _constrain(self, logits: torch.Tensor, sampling: list[ScheduledRequest]) -> None:
+        """Mask the logits rows of requests with a structured output to what their constraint
+        allows next (engine/structured.py); their matchers first catch up with their outputs.
+        Such requests never carry drafts (sched/speculation.py)."""
+        rows: list[tuple[int, RequestMatcher]] = []
+        i = 0
+        for s in sampling:
+            constraint = s.request.sampling_params.structured
+            if constraint is not None and not s.draft_token_ids:
+                if self.grammar is None:
+                    raise RuntimeError("a structured request reached the runner before the engine built its grammar")
+                matcher = self._matchers.get(s.request_id)
+                if matcher is None:
+                    matcher = self._matchers[s.request_id] = self.grammar.matcher(constraint)
+                matcher.sync(s.request.output_token_ids)
+                rows.append((i, matcher))
+            i += 1 + len(s.draft_token_ids)
+        if rows:
+            self.grammar.mask(logits, rows)  # type: ignore[union-attr]
 
     def _row(self, item: ScheduledRequest) -> SamplingRow:
         req = item.request

@@ -14,6 +14,7 @@ anything is forwarded.
 """
 from __future__ import annotations
 
+import json
 import re
 import time
 from typing import Any, Literal, Optional, Union
@@ -22,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic_core import PydanticCustomError
 
 from sloserve.server.errors import APIError, bad_request, param_from_message, validation_message
-from sloserve.types import SamplingParams
+from sloserve.types import SamplingParams, StructuredOutput
 
 MAX_CHOICES = 64  # n x prompts per HTTP request; each choice is one engine request
 MAX_REQUEST_ID = 128
@@ -104,6 +105,14 @@ class SamplingFields(_Strict):
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # structured outputs: OpenAI's response_format, and vLLM's spellings (guided_*, or the
+    # structured_outputs object); at most one of them per call
+    response_format: Optional[dict[str, Any]] = None
+    guided_json: Optional[Union[dict[str, Any], str]] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
+    structured_outputs: Optional[dict[str, Any]] = None
     # sloserve extensions (also accepted as X-QoS-Class / X-Priority headers)
     priority: Optional[int] = None
     qos_class: Optional[str] = None
@@ -140,12 +149,64 @@ class SamplingFields(_Strict):
             logprobs=logprobs,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
+            structured=self.structured_output(),
         )
         try:
             return SamplingParams(**fields)
         except ValueError as exc:
             message = str(exc)
             raise bad_request(message, param_from_message(message)) from None
+
+    def structured_output(self) -> Optional[StructuredOutput]:
+        """The call's constraint on its output, from whichever field names one (400 for two)."""
+        found: list[StructuredOutput] = []
+        rf = self.response_format
+        if rf is not None:
+            kind = rf.get("type", "text")
+            if kind == "json_object":
+                found.append(StructuredOutput("json_object", source="response_format"))
+            elif kind == "json_schema":
+                spec = rf.get("json_schema")
+                schema = spec.get("schema") if isinstance(spec, dict) else None
+                if not isinstance(schema, dict):
+                    raise bad_request("response_format json_schema needs json_schema.schema (an object)",
+                                      "response_format")
+                found.append(StructuredOutput("json", json.dumps(schema), "response_format"))
+            elif kind != "text":
+                raise bad_request(f"response_format type must be text, json_object or json_schema, got {kind!r}",
+                                  "response_format")
+        if self.guided_json is not None:
+            schema = self.guided_json if isinstance(self.guided_json, str) else json.dumps(self.guided_json)
+            found.append(StructuredOutput("json", schema, "guided_json"))
+        for kind, value in (("regex", self.guided_regex), ("grammar", self.guided_grammar)):
+            if value is not None:
+                found.append(StructuredOutput(kind, value, f"guided_{kind}"))
+        if self.guided_choice is not None:
+            found.append(StructuredOutput("choice", tuple(self.guided_choice), "guided_choice"))
+        if self.structured_outputs is not None:
+            keys = [k for k in ("json", "regex", "choice", "grammar", "json_object") if
+                    self.structured_outputs.get(k) not in (None, False)]
+            stray = sorted(set(self.structured_outputs) - {"json", "regex", "choice", "grammar", "json_object"})
+            if stray or len(keys) != 1:
+                raise bad_request("structured_outputs must name exactly one of json, regex, choice, grammar or "
+                                  "json_object", "structured_outputs")
+            value = self.structured_outputs[keys[0]]
+            if keys[0] == "json" and isinstance(value, dict):
+                value = json.dumps(value)
+            elif keys[0] == "choice":
+                value = tuple(value) if isinstance(value, list) else value
+            elif keys[0] == "json_object":
+                value = ""
+            found.append(StructuredOutput(keys[0], value, "structured_outputs"))
+        if len(found) > 1:
+            raise bad_request(f"one constraint per call: got {', '.join(c.source for c in found)}", found[1].source)
+        if not found:
+            return None
+        try:
+            found[0].validate()
+        except ValueError as exc:
+            raise bad_request(f"{found[0].source}: {exc}", found[0].source) from None
+        return found[0]
 
     @property
     def num_choices(self) -> int:
@@ -229,7 +290,6 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: Optional[int] = None
     logprobs: bool = False
     top_logprobs: Optional[int] = None
-    response_format: Optional[dict[str, Any]] = None
     tools: Optional[list[dict[str, Any]]] = None
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
     parallel_tool_calls: Optional[bool] = None
@@ -245,9 +305,6 @@ class ChatCompletionRequest(SamplingFields):
             raise bad_request("tools are not supported", "tools", "unsupported_parameter")
         if self.tool_choice not in (None, "none"):
             raise bad_request("tool_choice is not supported", "tool_choice", "unsupported_parameter")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise bad_request("only response_format type 'text' is supported", "response_format",
-                              "unsupported_parameter")
         if self.top_logprobs is not None:
             if not self.logprobs:
                 raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")

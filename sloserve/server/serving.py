@@ -307,8 +307,9 @@ class OpenAIServing:
             if isinstance(exc, EngineDeadError):
                 raise APIError(503, "the engine is not running", code="engine_unavailable") from None
             message = str(exc)
-            param = "max_tokens" if "max_tokens" in message else ("messages" if ctx.request_id.startswith("chat")
-                                                                  else "prompt")
+            param = getattr(exc, "param", None) or (  # a structured output names its own field
+                "max_tokens" if "max_tokens" in message else ("messages" if ctx.request_id.startswith("chat")
+                                                              else "prompt"))
             code = "context_length_exceeded" if isinstance(exc, ContextLengthError) else None
             raise bad_request(message, param, code) from None
         if ctx.kv_push is not None and self.push_kv is not None and len(choices) == 1 and ctx.resume is None:
