@@ -123,3 +123,27 @@ def test_health_and_metrics_answer_while_huge_prompts_are_judged(front):
     assert polls and all(p == (200, 200) for p in polls), polls
     assert all(metric(scrape(front.base_url), "sloserve:instance_requests_in_flight", instance=str(i)) == 0
                for i in range(2))
+
+
+def test_structured_outputs_pass_through_the_front(front):
+    """The front judges the constraint's shape and forwards it; the worker that generates compiles
+    it (a 400 naming the field when it cannot) and keeps its stream within it, streamed or whole."""
+    client = openai.OpenAI(base_url=front.base_url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+              "required": ["city"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "place", "schema": schema}}
+    ask = [{"role": "user", "content": "Name a city as JSON."}]
+    whole = client.chat.completions.create(model=client.models.list().data[0].id, messages=ask, max_tokens=60,
+                                           temperature=0, response_format=fmt)
+    assert set(json.loads(whole.choices[0].message.content)) == {"city"}
+    stream = client.chat.completions.create(model=whole.model, messages=ask, max_tokens=60, temperature=0,
+                                            response_format=fmt, stream=True)
+    streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert streamed == whole.choices[0].message.content
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=whole.model, prompt="x", max_tokens=4, extra_body={"guided_regex": "(open"})
+    assert info.value.body["param"] == "guided_regex" and "does not compile" in info.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as info:  # judged at the front, never forwarded
+        client.completions.create(model=whole.model, prompt="x", max_tokens=4,
+                                  extra_body={"guided_regex": "a", "guided_choice": ["a"]})
+    assert info.value.body["param"] == "guided_choice"
