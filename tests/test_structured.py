@@ -221,3 +221,24 @@ def test_a_constraint_the_server_cannot_hold_is_a_400_naming_its_field(client, s
     metrics = httpx.get(server.base_url + "/metrics", timeout=30).text
     usage = [line for line in metrics.splitlines() if line.startswith("sloserve:kv_cache_usage_perc")]
     assert usage and all(float(line.split()[-1]) == 0 for line in usage), usage
+
+
+def test_speculation_verifies_drafts_against_the_constraint():
+    """Prompt-lookup drafts copy spans of the prompt, which the schema may or may not allow next:
+    every verified position is masked by the constraint after the drafts before it, so the greedy
+    output is the one generated without speculation, and drafts that fit are accepted."""
+    from sloserve.config import SchedulerConfig
+
+    schema = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 30}, "b": {"type": "integer"}},
+              "required": ["a", "b"], "additionalProperties": False}
+    prompt = 'Copy this JSON exactly: {"a": "hello world hello world", "b": 12345}\nJSON:'
+    params = SamplingParams(max_tokens=60, temperature=0, structured=StructuredOutput("json", json.dumps(schema)))
+    outs = {}
+    for mode in ("off", "prompt-lookup"):
+        engine = LLMEngine(EngineConfig(scheduler=SchedulerConfig(speculative=mode, num_speculative_tokens=4)))
+        outs[mode] = run_together(engine, [prompt], [params])[0]
+        if mode != "off":
+            stats = engine.scheduler.speculator.stats
+            assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens > 0, stats
+    assert outs["prompt-lookup"].token_ids == outs["off"].token_ids
+    jsonschema.validate(json.loads(outs["off"].text), schema)

@@ -153,19 +153,24 @@ class ModelRunner:
     def _constrain(self, logits: torch.Tensor, sampling: list[ScheduledRequest]) -> None:
         """Mask the logits rows of requests with a structured output to what their constraint
         allows next (engine/structured.py); their matchers first catch up with their outputs.
-        Such requests never carry drafts (sched/speculation.py)."""
+        A request verifying drafts gets one mask per verified position, each after the drafts
+        before it: a draft the constraint forbids cannot be the row's token, so verification
+        stops there, as for any draft the model would not pick."""
         rows: list[tuple[int, RequestMatcher]] = []
         i = 0
         for s in sampling:
             constraint = s.request.sampling_params.structured
-            if constraint is not None and not s.draft_token_ids:
+            if constraint is not None:
                 if self.grammar is None:
                     raise RuntimeError("a structured request reached the runner before the engine built its grammar")
                 matcher = self._matchers.get(s.request_id)
                 if matcher is None:
                     matcher = self._matchers[s.request_id] = self.grammar.matcher(constraint)
                 matcher.sync(s.request.output_token_ids)
-                rows.append((i, matcher))
+                if s.draft_token_ids:
+                    self.grammar.mask_drafts(logits, i, matcher, s.draft_token_ids)
+                else:
+                    rows.append((i, matcher))
             i += 1 + len(s.draft_token_ids)
         if rows:
             self.grammar.mask(logits, rows)  # type: ignore[union-attr]

@@ -114,6 +114,23 @@ class GrammarBackend:
                                               indices=[row for row, _ in rows])
 
 
+    def mask_drafts(self, logits: torch.Tensor, first_row: int, matcher: "RequestMatcher",
+                    drafts: Sequence[int]) -> None:
+        """Mask the verify rows first_row .. first_row + len(drafts) of one request: row j allows
+        what the constraint allows after drafts 0..j-1. Past a draft the constraint refuses, the
+        rows repeat that draft's mask (their tokens are never accepted). The matcher ends where it began."""
+        n = len(drafts) + 1
+        bitmask = self._xgr.allocate_token_bitmask(logits.shape[0], self.vocab_size)
+        accepted = 0
+        for j in range(n):
+            matcher.fill(bitmask, first_row + j)
+            if j < len(drafts) and accepted == j and matcher.try_advance(drafts[j]):
+                accepted += 1
+        matcher.rollback(accepted)
+        self._xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), vocab_size=self.vocab_size,
+                                              indices=list(range(first_row, first_row + n)))
+
+
 class RequestMatcher:
     """One request's place in its constraint: the matcher and how many output tokens it has seen."""
 
@@ -134,6 +151,14 @@ class RequestMatcher:
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         self._m.fill_next_token_bitmask(bitmask, row)
+
+    def try_advance(self, token: int) -> bool:
+        """Accept a draft token if the constraint allows it (undone by `rollback`)."""
+        return bool(self._m.accept_token(int(token)))
+
+    def rollback(self, n: int) -> None:
+        if n:
+            self._m.rollback(n)
 
     @property
     def complete(self) -> bool:

@@ -66,10 +66,10 @@ class Speculator:
 
     @staticmethod
     def eligible(request: Request) -> bool:
-        """Greedy requests without logprobs; not one with a structured output (its drafts are
-        not checked against its constraint)."""
+        """Greedy requests without logprobs (one with a structured output too: the runner masks
+        each verified position by its constraint)."""
         params = request.sampling_params
-        return params.greedy and params.logprobs is None and params.structured is None
+        return params.greedy and params.logprobs is None
 
     def plan(self, decodes: list[Request], budget: int, slack_s: float,
              room: dict[str, int]) -> dict[str, list[int]]:
