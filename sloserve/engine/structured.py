@@ -28,9 +28,10 @@ import torch
 from sloserve.types import StructuredOutput
 
 MAX_COMPILED = 256  # compiled constraints kept (least recently used dropped)
-# Whitespace allowed between JSON tokens: enough to indent a few levels, and bounded, because a
-# model that may emit any whitespace can spend its whole output on it (the embedded model did).
-MAX_JSON_WHITESPACE = 16
+# JSON is generated compact, with json.dumps's separators (", " and ": ") and no other whitespace:
+# a model allowed any whitespace between tokens can spend its whole output on it (the embedded
+# model did, even with at most 16 characters per gap).
+JSON_SEPARATORS = (", ", ": ")
 _ENGINE_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # "[12:00:00] /project/cpp/file.cc:94: " before its message
 
 
@@ -90,10 +91,11 @@ class GrammarBackend:
                 raise StructuredOutputError(f"the JSON schema is not valid JSON: {exc}") from None
             if not isinstance(schema, (dict, bool)):
                 raise StructuredOutputError("a JSON schema must be an object")
-            return self.compiler.compile_json_schema(json.dumps(schema), strict_mode=True,
-                                                     max_whitespace_cnt=MAX_JSON_WHITESPACE)
+            return self.compiler.compile_json_schema(json.dumps(schema), strict_mode=True, any_whitespace=False,
+                                                     separators=JSON_SEPARATORS)
         if c.kind == "json_object":
-            return self.compiler.compile_json_schema('{"type": "object"}', max_whitespace_cnt=MAX_JSON_WHITESPACE)
+            return self.compiler.compile_json_schema('{"type": "object"}', any_whitespace=False,
+                                                     separators=JSON_SEPARATORS)
         if c.kind == "regex":
             return self.compiler.compile_regex(str(c.spec))
         if c.kind == "choice":
