@@ -4,13 +4,15 @@ A split of the routing grid is hours of simulation on two cores: longer than a w
 With `--checkpoint FILE`, each finished (cell, seed) is appended to FILE as one JSON line; a
 later run with the same FILE skips every job already there and measured by the same code, and
 judges the cells with the restored metrics beside the new ones. "The same code" is a digest of the
-sources that produce the numbers (the simulator, the schedulers, the cluster policies, the fleet
-assembly, the workloads and the evaluation package): a job recorded before any of them changed is
-measured again. A line that cannot be read (a run killed mid-write) is skipped."""
+sources that produce the decision's numbers (the simulator, the schedulers, the KV manager, the
+cluster policies, the fleet assembly, the workloads, and the evaluation modules that measure: the
+suite, the fleet, the metrics and the decision's own module): a job recorded before any of them
+changed is measured again. A line that cannot be read (a run killed mid-write) is skipped."""
 from __future__ import annotations
 
 import json
 import logging
+import sys
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -24,15 +26,18 @@ from sloserve.user_cache import source_fingerprint
 logger = logging.getLogger(__name__)
 
 _PACKAGE = Path(__file__).resolve().parents[1]  # sloserve/
-_MEASURED_BY = ("sim", "sched", "kv", "cluster", "workload", "evaluation")
-_MEASURED_BY_FILES = ("simulation.py", "planning.py", "types.py", "config.py", "fleet_view.py", "records.py")
+_MEASURED_BY = ("sim", "sched", "kv", "cluster", "workload")
+_MEASURED_BY_FILES = ("simulation.py", "planning.py", "types.py", "config.py", "fleet_view.py", "records.py",
+                      "evaluation/suite.py", "evaluation/fleet.py", "evaluation/metrics.py", "evaluation/workloads.py",
+                      "evaluation/result.py", "evaluation/decisions/base.py")
 
 
-@lru_cache(maxsize=1)
-def code_fingerprint() -> str:
-    """A digest of the sources a job's numbers depend on (see the module docstring)."""
+@lru_cache(maxsize=None)
+def code_fingerprint(decision: str) -> str:
+    """A digest of the sources `decision`'s numbers depend on (see the module docstring)."""
     files = [p for d in _MEASURED_BY for p in (_PACKAGE / d).rglob("*.py")]
-    return source_fingerprint(files + [_PACKAGE / f for f in _MEASURED_BY_FILES])
+    own = Path(sys.modules[DECISIONS[decision].__module__].__file__ or "")
+    return source_fingerprint(files + [_PACKAGE / f for f in _MEASURED_BY_FILES] + [own])
 
 
 def job_key(decision: str, measure: Any, cell: Cell, seed: int) -> str:
@@ -48,11 +53,11 @@ class Checkpoint:
         """Job key -> its metrics per policy, for every readable line measured by this code."""
         if not self.path.exists():
             return {}
-        fingerprint, out, stale = code_fingerprint(), {}, 0
+        out, stale = {}, 0
         for n, line in enumerate(self.path.read_text().splitlines(), 1):
             try:
                 entry = json.loads(line)
-                if entry["code"] != fingerprint:
+                if entry["code"] != code_fingerprint(entry["decision"]):
                     stale += 1
                     continue
                 metrics_type = DECISIONS[entry["decision"]].metrics_type
@@ -64,7 +69,7 @@ class Checkpoint:
         return out
 
     def record(self, key: str, decision: str, metrics: Mapping[str, Any]) -> None:
-        line = json.dumps({"key": key, "decision": decision, "code": code_fingerprint(),
+        line = json.dumps({"key": key, "decision": decision, "code": code_fingerprint(decision),
                            "metrics": {p: jsonable(m.as_dict()) for p, m in metrics.items()}})
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.path, "a") as f:
