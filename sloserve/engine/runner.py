@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Optional
 
 import torch
@@ -66,6 +67,7 @@ class ModelRunner:
         self._generators: dict[str, torch.Generator] = {}
         self.grammar: Optional[GrammarBackend] = None  # set by the engine with its first structured request
         self._matchers: dict[str, RequestMatcher] = {}
+        self._mask_pool: Optional[ThreadPoolExecutor] = None  # fills masks during the forward pass
 
     def execute(self, plan: StepPlan) -> StepResult:
         """Run the plan's KV operations, then its forward pass and sampling.
@@ -108,9 +110,11 @@ class ModelRunner:
         decodes = [s for s in plan.scheduled if s.num_new_tokens == 1 or s.draft_token_ids]
         chunks = [s for s in plan.scheduled if s.num_new_tokens > 1 and not s.draft_token_ids]
         batch = self._build_batch(decodes, chunks)
-        logits = self.model.forward(batch, self.kv_cache)
         sampling = [s for s in decodes + chunks if s.samples]
-        self._constrain(logits, sampling)
+        masks = self._start_masks(sampling)  # computed while the forward runs
+        logits = self.model.forward(batch, self.kv_cache)
+        if masks is not None:
+            self.grammar.apply(logits, *masks.result())  # type: ignore[union-attr]
         rows: list[SamplingRow] = []
         for s in sampling:
             rows.extend(self._verify_rows(s) if s.draft_token_ids else [self._row(s)])
@@ -150,14 +154,14 @@ class ModelRunner:
         self._generators.pop(request_id, None)
         self._matchers.pop(request_id, None)
 
-    def _constrain(self, logits: torch.Tensor, sampling: list[ScheduledRequest]) -> None:
-        """Mask the logits rows of requests with a structured output to what their constraint
-        allows next (engine/structured.py); their matchers first catch up with their outputs.
-        A request verifying drafts gets one mask per verified position, each after the drafts
-        before it: a draft the constraint forbids cannot be the row's token, so verification
-        stops there, as for any draft the model would not pick."""
-        rows: list[tuple[int, RequestMatcher]] = []
-        i = 0
+    def _start_masks(self, sampling: list[ScheduledRequest]) -> Optional[Future]:
+        """The token masks of this step's requests with a structured output (engine/structured.py),
+        computed on a helper thread while the forward pass runs; None when no request has one.
+        Matchers first catch up with their requests' outputs. A request verifying drafts gets one
+        mask per verified position, each after the drafts before it: a draft the constraint forbids
+        cannot be its row's token, so verification stops there."""
+        work: list[tuple[int, RequestMatcher, tuple[int, ...]]] = []
+        row = 0
         for s in sampling:
             constraint = s.request.sampling_params.structured
             if constraint is not None:
@@ -167,13 +171,13 @@ class ModelRunner:
                 if matcher is None:
                     matcher = self._matchers[s.request_id] = self.grammar.matcher(constraint)
                 matcher.sync(s.request.output_token_ids)
-                if s.draft_token_ids:
-                    self.grammar.mask_drafts(logits, i, matcher, s.draft_token_ids)
-                else:
-                    rows.append((i, matcher))
-            i += 1 + len(s.draft_token_ids)
-        if rows:
-            self.grammar.mask(logits, rows)  # type: ignore[union-attr]
+                work.append((row, matcher, tuple(s.draft_token_ids)))
+            row += 1 + len(s.draft_token_ids)
+        if not work:
+            return None
+        if self._mask_pool is None:
+            self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="sloserve-masks")
+        return self._mask_pool.submit(self.grammar.masks, work, row)  # type: ignore[union-attr]
 
     def _row(self, item: ScheduledRequest) -> SamplingRow:
         req = item.request

@@ -11,8 +11,9 @@ Compiled grammars are cached by constraint; a request's matcher is rebuilt from 
 whenever it is not already in step with them, so a request that was preempted, swapped, migrated
 to this engine or resumed after a failover keeps its constraint: the tokens are the state.
 
-The mask is applied to the logits rows of constrained requests before the sampler, which then
-samples as it would (greedy, seeded or random) among the allowed tokens. Once the constraint is
+The masks are filled on a helper thread while the forward pass runs and applied to the logits rows
+of constrained requests before the sampler, which then samples as it would (greedy, seeded or
+random) among the allowed tokens. Once the constraint is
 complete only the end-of-sequence tokens remain allowed.
 """
 from __future__ import annotations
@@ -105,32 +106,29 @@ class GrammarBackend:
     def matcher(self, constraint: StructuredOutput) -> "RequestMatcher":
         return RequestMatcher(self._xgr.GrammarMatcher(self.compile(constraint)))
 
-    def mask(self, logits: torch.Tensor, rows: Sequence[tuple[int, "RequestMatcher"]]) -> None:
-        """Mask `logits` in place: each (row, matcher) row keeps only the tokens its matcher allows."""
-        if not rows:
-            return
-        bitmask = self._xgr.allocate_token_bitmask(logits.shape[0], self.vocab_size)
-        for row, matcher in rows:
-            matcher.fill(bitmask, row)
-        self._xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), vocab_size=self.vocab_size,
-                                              indices=[row for row, _ in rows])
+    def masks(self, work: Sequence[tuple[int, "RequestMatcher", Sequence[int]]], num_rows: int
+              ) -> tuple[torch.Tensor, list[int]]:
+        """The bitmask of a step's `num_rows` logits rows and the rows it constrains. `work`: per
+        constrained request, its first row, its matcher (in step with its output) and the drafts it
+        verifies: row first + j allows what the constraint allows after drafts 0..j-1; past a
+        draft the constraint refuses, the rows repeat that draft's mask (their tokens are never
+        accepted). Every matcher ends where it began."""
+        bitmask = self._xgr.allocate_token_bitmask(num_rows, self.vocab_size)
+        rows: list[int] = []
+        for first, matcher, drafts in work:
+            accepted = 0
+            for j in range(len(drafts) + 1):
+                matcher.fill(bitmask, first + j)
+                rows.append(first + j)
+                if j < len(drafts) and accepted == j and matcher.try_advance(drafts[j]):
+                    accepted += 1
+            matcher.rollback(accepted)
+        return bitmask, rows
 
-
-    def mask_drafts(self, logits: torch.Tensor, first_row: int, matcher: "RequestMatcher",
-                    drafts: Sequence[int]) -> None:
-        """Mask the verify rows first_row .. first_row + len(drafts) of one request: row j allows
-        what the constraint allows after drafts 0..j-1. Past a draft the constraint refuses, the
-        rows repeat that draft's mask (their tokens are never accepted). The matcher ends where it began."""
-        n = len(drafts) + 1
-        bitmask = self._xgr.allocate_token_bitmask(logits.shape[0], self.vocab_size)
-        accepted = 0
-        for j in range(n):
-            matcher.fill(bitmask, first_row + j)
-            if j < len(drafts) and accepted == j and matcher.try_advance(drafts[j]):
-                accepted += 1
-        matcher.rollback(accepted)
+    def apply(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+        """Mask `logits` in place: each row of `rows` keeps only what its bitmask row allows."""
         self._xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), vocab_size=self.vocab_size,
-                                              indices=list(range(first_row, first_row + n)))
+                                              indices=rows)
 
 
 class RequestMatcher:
