@@ -265,6 +265,24 @@ def test_quick_dev_run_end_to_end(tmp_path):
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
 
 
+def test_migration_targets_count_memory_tight_cells_and_the_worst_ratio():
+    from sloserve.evaluation.result import CellResult
+    from sloserve.evaluation.verdict import Verdict
+
+    def result(hardware: str, ratios: dict[str, float]) -> CellResult:
+        cell = Cell.make("migration", {"trace": "azure-conv", "hardware": hardware, "model": "llama-2-7b"})
+        return CellResult(cell, {}, [Verdict(name, "predicted-load", r, 1.0, r, 0.03, "tie", False)
+                                     for name, r in ratios.items()], 0.0)
+
+    balance, defrag = "predicted-load + balance", "predicted-load + balance,defrag"
+    lines = make_decision("migration").targets([result("a10-24g", {balance: 1.2, defrag: 1.0}),
+                                                result("a10-24g", {balance: 1.16, defrag: 1.3}),
+                                                result("h100-80g", {balance: 0.97, defrag: 1.5})])
+    assert lines[0].startswith(f"{balance}: >= 1.15x") and "in 2 of 2 memory-tight cells (100%; target >= 60%: met)" \
+        in lines[0] and "lowest ratio in any cell 0.970 (target >= 0.98: missed)" in lines[0]
+    assert "in 1 of 2 memory-tight cells (50%; target >= 60%: missed)" in lines[1] and "1.000" in lines[1]
+
+
 def test_quick_disaggregation_run_judges_every_split_and_the_planners_choice(tmp_path):
     """Each split against the best colocated fleet; the planner's choice is the measurement of the
     layout it picked on its own window, judged against every layout of the cell (never a win)."""

@@ -10,13 +10,17 @@ routing and migration studies run them), so it would never move anything; it joi
 two-class axis."""
 from __future__ import annotations
 
+from typing import Sequence
+
 from sloserve.evaluation.decisions.base import GoodputDecision, Lineup, Threshold
 from sloserve.evaluation.fleet import Policy
+from sloserve.evaluation.result import CellResult
 from sloserve.evaluation.suite import Cell
 from sloserve.evaluation.workloads import get_trace
 
 ROUTER = "predicted-load"
 MIGRATIONS = ("balance", "balance,defrag")
+MEMORY_TIGHT = "a10-24g"  # the grid's memory-tight fleets: Llama-2-7B on A10s (Llumnix's setting)
 
 
 class MigrationDecision(GoodputDecision):
@@ -33,3 +37,20 @@ class MigrationDecision(GoodputDecision):
         if get_trace(str(cell.params.get("trace"))).prefixes:
             routers.append("prefix-affinity")
         return Lineup(tuple(Policy(ROUTER, m) for m in MIGRATIONS), tuple(Policy(r) for r in routers))
+
+    def targets(self, results: Sequence[CellResult]) -> list[str]:
+        """Issue 43: goodput at 99% >= 1.15x the best routing-only policy in >= 60% of the
+        memory-tight cells, and never below 0.98x in any cell."""
+        out = []
+        for name in (Policy(ROUTER, m).name for m in MIGRATIONS):
+            verdicts = [(r, v) for r in results for v in r.verdicts if v.candidate == name]
+            if not verdicts:
+                continue
+            tight = [v for r, v in verdicts if r.cell.params.get("hardware") == MEMORY_TIGHT]
+            gained = sum(v.ratio >= 1.15 for v in tight)
+            worst = min(v.ratio for _, v in verdicts)
+            share = gained / len(tight) if tight else 0.0
+            out.append(f"{name}: >= 1.15x the best routing-only goodput@99 in {gained} of {len(tight)} memory-tight "
+                       f"cells ({100 * share:.0f}%; target >= 60%: {'met' if share >= 0.6 else 'missed'}); lowest "
+                       f"ratio in any cell {worst:.3f} (target >= 0.98: {'met' if worst >= 0.98 else 'missed'})")
+        return out
