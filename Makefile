@@ -36,7 +36,8 @@ serve: $(STAMP)
 generate: $(STAMP)
 	$(VENV)/bin/sloserve generate $(ARGS)
 
-# Two workers that steal tests from each other (pytest-xdist): 19:48 on 2 cores against 27-29 min serial.
+# Two workers that steal tests from each other (pytest-xdist): pytest 19:09 on a 2-core EPYC with an evaluation job
+# beside it for most of the run (2026-12-06), 21:18 the day before (every engine then loaded the GGUF header slowly).
 # PYTEST_ARGS adds to them (`make test PYTEST_ARGS="-n 0"` runs serially).
 XDIST ?= -n 2 --dist worksteal
 
