@@ -25,14 +25,13 @@ ARGS = ["--instances", "1:2", "--autoscale", "reactive", "--capacity", "1.25", "
         "--scale-down-delay", "30", "--stable-window", "6", "--router", "least-requests", "--max-num-seqs", "8",
         "--kv-cache-gib", "0.1", "--admin-key", ADMIN, "--log-level", "warning"]
 # Lull streams: three clients each keep one LONG-token stream running until a worker has drained, so streams are in
-# flight on both workers whenever the drain comes, however fast the machine (a fixed pair of streams finished before
-# the 20 s delay ran out on a fast one). Three, not two: the front used to route by the workers' last polled counts
-# (every 0.25 s), so a client that started its next stream at once still saw its last one counted; with two clients
-# a tie could send both streams to the first worker, the other sat idle, and the drain rightly took it with
-# nothing to move. (The front now takes ended relays off those counts; three clients stay, as a margin.) At
-# >= 6 ms a token (three streams share two workers on two cores) each stream lasts >= 3.6 s: three clients arrive at
-# under 1 req/s, which one worker carries (capacity 1.25 x utilization 0.8), so the lull needs one instance; and three
-# streams of LONG tokens fit one worker's KV pool (2,320 tokens at --kv-cache-gib 0.1) once the other has drained.
+# flight on both workers whenever the drain comes, however fast the machine (a fixed pair of streams can finish
+# before the delay runs out on a fast one). Three clients, not two, as a margin: with two, a client that starts its
+# next stream while the front still counts its last one can tie the counts and send both streams to one worker,
+# leaving the drained one with nothing to move. At >= 6 ms a token (three streams share two workers on two cores)
+# each stream lasts >= 3.6 s: three clients arrive at under 1 req/s, which one worker carries (capacity 1.25 x
+# utilization 0.8), so the lull needs one instance; and three streams of LONG tokens fit one worker's KV pool
+# (2,320 tokens at --kv-cache-gib 0.1) once the other has drained.
 LONG = 600
 
 

@@ -1,11 +1,11 @@
 """A call with several choices (n > 1, several prompts), split into one-choice calls.
 
 Only a one-choice call can move between instances: the front relays it as a stream and knows
-from the relay annotations which tokens its client has (front_relay.py, front_whole.py). A call
-with several choices used to go to one worker whole, so on a `--pd` fleet it decoded on the
-prefill instance, it could not be migrated, and a worker failing mid-generation lost it (a
-stream ended with an error event). The front now splits such a call into one call per choice,
-each routed, handed off, resumed and migrated like any other, and gives the client what the
+from the relay annotations which tokens its client has (front_relay.py, front_whole.py). Sent to one
+worker whole, a call with several choices would decode on the prefill instance of a `--pd` fleet,
+could not be migrated, and would be lost with a worker failing mid-generation. So the front splits
+such a call into one call per choice, each routed, handed off, resumed and migrated like any
+other, and gives the client what the
 worker would have sent for the whole call: the choices in the worker's order (the j-th sample
 of prompt p at index p*n + j), the j-th sample seeded as the worker seeds it
 (`protocol.choice_seed`), usage counting each prompt once (its first sample's prompt and cached
