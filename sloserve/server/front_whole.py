@@ -2,11 +2,11 @@
 
 Only a relayed stream can move: the front knows from its annotations which tokens the client
 has, so another instance can continue it (a failover, a live migration, a prefill->decode
-hand-off). A non-streamed answer arrives all at once at the end, so before this module a
-worker failing mid-generation lost the work done, and a `--pd` fleet decoded non-streamed
-requests on the prefill instance. The front now asks the worker for a stream (with the usage
-chunk) and assembles the answer the worker would have sent: the same JSON, field for field,
-built with the same response models. A call with several choices (n > 1, several prompts)
+hand-off). A non-streamed answer arrives all at once at the end: relayed as it is, a worker
+failing mid-generation would lose the work done, and a `--pd` fleet would decode it on the
+prefill instance. So the front asks the worker for a stream (with the usage chunk) and
+assembles the answer the worker would have sent: the same JSON, field for field, built with the
+same response models. A call with several choices (n > 1, several prompts)
 is split into one-choice calls first (front_fanout.py).
 """
 from __future__ import annotations

@@ -29,9 +29,8 @@ What a key may request:
 - priority: any int32 at least its class's priority (lowering urgency is always allowed);
   with `min_priority: N`, any int32 at least N instead.
 - `anonymous` (used only when no keys are configured) takes the same fields; each one it
-  leaves out keeps the behaviour from before this check existed (every class, any int32
-  priority, tenant ""): with no keys there is no tenant to protect from another, and
-  single-tenant deployments keep working. Restrict it on a server open to untrusted callers.
+  leaves out is unrestricted (every class, any int32 priority, tenant ""): with no keys there
+  is no tenant to protect from another, and single-tenant deployments work unconfigured. Restrict it on a server open to untrusted callers.
 
 Limits (`max_concurrent_requests`, `max_tokens_per_minute`: prompt + generated tokens) are per
 tenant (server/tenants.py enforces them): `limits` gives the defaults, `tenants` per-tenant
