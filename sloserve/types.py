@@ -56,8 +56,9 @@ MAX_STOP_TOKEN_IDS = 64
 
 # What a structured output may constrain a generation to (engine/structured.py compiles each):
 # a JSON schema (as JSON text), any JSON object, a regular expression, one of a list of strings,
-# or an EBNF grammar (GBNF, as llama.cpp and xgrammar read it).
-STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+# an EBNF grammar (GBNF, as llama.cpp and xgrammar read it), or tool calls in a model family's
+# format (JSON text: {"functions": [{"name", "parameters"}], "format": "hermes", "parallel": bool}).
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar", "tool_calls")
 MAX_STRUCTURED_CHARS = 100_000  # a schema, pattern or grammar longer than this is refused before compiling
 
 

@@ -242,3 +242,33 @@ def test_speculation_verifies_drafts_against_the_constraint():
             assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens > 0, stats
     assert outs["prompt-lookup"].token_ids == outs["off"].token_ids
     jsonschema.validate(json.loads(outs["off"].text), schema)
+
+
+def test_forced_tool_calls_parse_and_hold_their_parameter_schemas(llm):
+    """tool_choice "required" / a named function, as the API will force them: the output is one
+    or more calls in the hermes format, each to a declared function with valid arguments."""
+    from sloserve.server.tool_parsers import make_tool_parser
+
+    weather = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                                "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+               "required": ["city", "days"], "additionalProperties": False}
+    clock = {"type": "object", "properties": {"tz": {"enum": ["UTC", "CET", "PST"]}}, "required": ["tz"],
+             "additionalProperties": False}
+    functions = [{"name": "get_weather", "parameters": weather}, {"name": "get_time", "parameters": clock}]
+    hermes = make_tool_parser("hermes")
+    ask = [{"role": "user", "content": "What is the weather in Paris for the next 3 days, and the time in Berlin?"}]
+    for spec, names, most in [({"functions": functions[:1]}, {"get_weather"}, 1),
+                              ({"functions": functions, "parallel": True}, {"get_weather", "get_time"}, 4)]:
+        constraint = StructuredOutput("tool_calls", json.dumps(spec))
+        for params in (SamplingParams(max_tokens=240, temperature=0, structured=constraint),  # 4 calls fit
+                       SamplingParams(max_tokens=240, temperature=0.9, seed=5, structured=constraint)):
+            out = llm.chat(ask, params)[0]
+            assert out.finish_reason == "stop", out.text
+            parsed = hermes.parse(out.text)
+            assert parsed.content is None and 1 <= len(parsed.calls) <= most, out.text
+            for call in parsed.calls:
+                assert call.name in names
+                jsonschema.validate(json.loads(call.arguments), weather if call.name == "get_weather" else clock)
+    with pytest.raises(StructuredOutputError, match="format must be one of"):
+        llm.generate("x", SamplingParams(structured=StructuredOutput("tool_calls", json.dumps(
+            {"functions": functions, "format": "nope"}))))

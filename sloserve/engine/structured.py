@@ -33,6 +33,9 @@ MAX_COMPILED = 256  # compiled constraints kept (least recently used dropped)
 # a model allowed any whitespace between tokens can spend its whole output on it (the embedded
 # model did, even with at most 16 characters per gap).
 JSON_SEPARATORS = (", ", ": ")
+# How a forced tool call is wrapped, per format (server/tool_parsers.py reads the same ones back).
+TOOL_CALL_FORMATS = {"hermes": ("<tool_call>\n", "\n</tool_call>")}
+MAX_PARALLEL_CALLS = 4  # calls one forced answer may hold when parallel calls are allowed
 _ENGINE_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # "[12:00:00] /project/cpp/file.cc:94: " before its message
 
 
@@ -101,7 +104,38 @@ class GrammarBackend:
             return self.compiler.compile_regex(str(c.spec))
         if c.kind == "choice":
             return self.compiler.compile_grammar(choice_grammar(c.spec))  # type: ignore[arg-type]
+        if c.kind == "tool_calls":
+            return self.compiler.compile_grammar(self._tool_calls(str(c.spec)))
         return self.compiler.compile_grammar(str(c.spec))
+
+    def _tool_calls(self, spec: str) -> Any:
+        """One call (or, with `parallel`, up to MAX_PARALLEL_CALLS) to one of the functions, in the
+        format's own wrapping, each call's arguments held to the function's parameter schema."""
+        try:
+            d = json.loads(spec)
+            functions = [(f["name"], f.get("parameters") or {"type": "object"}) for f in d["functions"]]
+            fmt, parallel = d.get("format", "hermes"), bool(d.get("parallel", False))
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise StructuredOutputError(f"a tool_calls constraint must be JSON with functions: {exc}") from None
+        if fmt not in TOOL_CALL_FORMATS or not functions:
+            raise StructuredOutputError(f"tool_calls format must be one of {', '.join(TOOL_CALL_FORMATS)}, with "
+                                        "at least one function")
+        schema = {"anyOf": [{"type": "object", "properties": {"name": {"const": name}, "arguments": params},
+                             "required": ["name", "arguments"], "additionalProperties": False}
+                            for name, params in functions]}
+        xgr = self._xgr
+        call = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, separators=JSON_SEPARATORS)
+        open_tag, close_tag = TOOL_CALL_FORMATS[fmt]
+        block = xgr.Grammar.concat(xgr.Grammar.from_ebnf(f"root ::= {json.dumps(open_tag)}"), call,
+                                   xgr.Grammar.from_ebnf(f"root ::= {json.dumps(close_tag)}"))
+        if not parallel:
+            return block
+        sep = xgr.Grammar.from_ebnf(f"root ::= {json.dumps(chr(10))}")  # calls one per line
+        chains, chain = [block], block
+        for _ in range(MAX_PARALLEL_CALLS - 1):
+            chain = xgr.Grammar.concat(chain, sep, block)
+            chains.append(chain)
+        return xgr.Grammar.union(*chains)
 
     def matcher(self, constraint: StructuredOutput) -> "RequestMatcher":
         return RequestMatcher(self._xgr.GrammarMatcher(self.compile(constraint)))
