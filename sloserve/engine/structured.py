@@ -194,10 +194,6 @@ class RequestMatcher:
         if n:
             self._m.rollback(n)
 
-    @property
-    def complete(self) -> bool:
-        return bool(self._m.is_terminated())
-
 
 def hf_view(backend: Any, eos_token: Optional[str]) -> Any:
     """A transformers fast tokenizer around a `tokenizers` one (what the grammar engine reads)."""

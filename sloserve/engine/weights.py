@@ -169,11 +169,6 @@ def _open_gguf(path: Path) -> GGUFFile:
         raise ValueError(f"{path}: corrupt or truncated GGUF ({_one_line(exc)})") from exc
 
 
-def read_gguf_metadata(path: Path | str) -> dict[str, Any]:
-    """Every metadata field of a GGUF file as a plain Python value (str, number, bool or list)."""
-    return _open_gguf(Path(path)).metadata
-
-
 def _gguf_tokenizer(path: Path, metadata: dict[str, Any]) -> Tokenizer:
     try:
         return Tokenizer.from_gguf_metadata(metadata)

@@ -24,6 +24,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import ClassVar, Optional
 
+from sloserve.engine.structured import TOOL_CALL_FORMATS
+
 
 @dataclass(frozen=True)
 class ToolCall:
@@ -83,8 +85,9 @@ def _held_back(text: str, marker: str) -> int:
 
 class HermesParser(ToolParser):
     name = "hermes"
-    START, END = "<tool_call>", "</tool_call>"
-    _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+    # the tags a forced call is generated with (engine/structured.py), whitespace around them optional here
+    START, END = (tag.strip() for tag in TOOL_CALL_FORMATS["hermes"])
+    _BLOCK = re.compile(rf"{re.escape(START)}\s*(.*?)\s*(?:{re.escape(END)}|$)", re.DOTALL)
 
     def parse(self, text: str) -> ParsedOutput:
         calls, kept, last = [], [], 0
