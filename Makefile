@@ -36,17 +36,18 @@ serve: $(STAMP)
 generate: $(STAMP)
 	$(VENV)/bin/sloserve generate $(ARGS)
 
-# Two workers that steal tests from each other (pytest-xdist): pytest 19:09 on a 2-core EPYC with an evaluation job
-# beside it for most of the run (2026-12-06), 21:18 the day before (every engine then loaded the GGUF header slowly).
-# PYTEST_ARGS adds to them (`make test PYTEST_ARGS="-n 0"` runs serially).
+# Two workers that steal tests from each other (pytest-xdist), then the tests marked `alone` with the cores to
+# themselves (a server timed against the capacity it measured fails when a neighbour's load changes mid-run).
+# PYTEST_ARGS adds flags to both runs (`make test PYTEST_ARGS="-n 0"` runs serially); to pick tests, run pytest.
 XDIST ?= -n 2 --dist worksteal
 
 test: $(STAMP)
-	$(PY) -m pytest $(XDIST) $(PYTEST_ARGS)
+	$(PY) -m pytest $(XDIST) -m "not alone" $(PYTEST_ARGS)
+	$(PY) -m pytest -n 0 -m alone $(PYTEST_ARGS)
 
 # The inner loop: everything not marked slow (no model-loading servers).
 test-fast: $(STAMP)
-	$(PY) -m pytest $(XDIST) -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest $(XDIST) -m "not slow and not alone" $(PYTEST_ARGS)
 
 kv-store: $(STAMP)
 	$(VENV)/bin/sloserve kv-store $(ARGS)

@@ -18,7 +18,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="weight-only quantization of the linears (auto: the model file's own class)")
     g.add_argument("--quantized-only", action="store_true",
                    help="keep no dense copy of quantized linears for large steps (least memory; slower prefill)")
-    g.add_argument("--num-threads", type=int, default=None, help="torch threads (default: cores available)")
+    g.add_argument("--num-threads", type=int, default=None, help="torch threads (default: OMP_NUM_THREADS, else the cores available)")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks (overrides --kv-cache-gib)")

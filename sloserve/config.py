@@ -201,7 +201,7 @@ class EngineConfig:
     # Q4 x Q8 products), where the native kernel builds (AVX2). False = bf16 activations (torch's
     # weight-only kernel). int8 layers keep bf16 activations (with int8 ones they left the int8 tolerance).
     layers_a8: bool = True
-    num_threads: Optional[int] = None  # torch intra-op threads; None = the cores this process may use
+    num_threads: Optional[int] = None  # torch intra-op threads; None = OMP_NUM_THREADS, else the cores this process may use
     max_model_len: Optional[int] = None  # defaults to the model's context window
     seed: int = 0
     # Compiled CPU kernels (decode attention, fused norms/RoPE/SiLU; falls back if it cannot build)

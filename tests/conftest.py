@@ -14,6 +14,13 @@ sys.path.insert(0, os.path.dirname(__file__))  # tests import their helpers by m
 # are noisy, and the user's cache is what `sloserve serve` reads for good (user_cache.py).
 os.environ.setdefault("SLOSERVE_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"sloserve-tests-{os.getuid()}"))
 
+# Test workers (pytest-xdist) share the cores: each engine they run, in process or in a server they
+# start, gets its share of threads. Two workers with two threads each on two cores oversubscribe them,
+# and torch's threads then wait for one another: a constrained generation ran 4x slower than with one.
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _workers > 1:  # set before torch is imported: torch's own default reads it too
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // _workers)))
+
 
 @pytest.fixture(scope="session")
 def llm():

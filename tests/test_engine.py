@@ -198,3 +198,15 @@ def test_step_trace_records_every_step_with_its_load(tmp_path, reference_tokens)
     assert all(s.load.num_tokens <= 64 for s in steps)
     assert all(min(s.schedule_s, s.execute_s, s.process_s) >= 0 for s in steps)
     assert all(a.end_s <= b.start_s for a, b in zip(steps, steps[1:]))  # in order, not overlapping
+
+
+def test_unset_thread_count_follows_omp_num_threads(monkeypatch):
+    """A process told its share of the cores (OMP_NUM_THREADS) keeps to it; without it, all its cores."""
+    from sloserve.engine.llm_engine import available_cores, default_num_threads
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert default_num_threads() == 3
+    monkeypatch.setenv("OMP_NUM_THREADS", "lots")
+    assert default_num_threads() == available_cores()
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert default_num_threads() == available_cores()

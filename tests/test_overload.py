@@ -362,6 +362,7 @@ async def _burst(url: str, rate: float, duration_s: float) -> list[tuple[int, fl
 
 
 @pytest.mark.slow
+@pytest.mark.alone  # a neighbour whose load changes mid-burst moved the attainment from 100% to 72-78% in CI
 def test_shedding_keeps_admitted_requests_within_their_ttft_target(tmp_path):
     outcomes, results = {}, {}
     capacity = target = None

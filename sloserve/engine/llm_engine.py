@@ -84,6 +84,15 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
+def default_num_threads() -> int:
+    """torch threads when none are configured: OMP_NUM_THREADS where it is set (the convention a
+    process sharing its machine uses), else every core this process may run on."""
+    try:
+        return max(1, int(os.environ["OMP_NUM_THREADS"]))
+    except (KeyError, ValueError):
+        return available_cores()
+
+
 @dataclass
 class _Tracked:
     """Engine-side state of a request the scheduler does not need."""
@@ -117,7 +126,7 @@ class LLMEngine:
         self.device = resolve_device(config.device)
         resolve_dtype(config.dtype, self.device)  # a bad name fails before the model loads
         if self.device.type == "cpu":
-            torch.set_num_threads(config.num_threads or available_cores())
+            torch.set_num_threads(config.num_threads or default_num_threads())
         if config.attention_kernel not in ("auto", "portable") and config.native_kernels and self.device.type == "cpu":
             offered = attention_kernels()  # before the model loads: a path this CPU lacks fails at once
             if config.attention_kernel not in offered:
