@@ -173,6 +173,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         admin_keys=list(args.admin_key or []),
         timeline_interval_s=args.dashboard_interval,
         event_loop=args.event_loop,
+        tool_call_parser=args.tool_call_parser,
     )
     settings.validate()
     low, high = parse_instance_range(args.instances)
@@ -212,7 +213,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     from sloserve.cluster.mixed_handoff import DEFAULT_QUEUED_TOKENS, MIXED_HANDOFFS
     from sloserve.server.front_handoff import TRANSFERS
-    from sloserve.server.settings import EVENT_LOOPS
+    from sloserve.server.settings import EVENT_LOOPS, TOOL_PARSER_CHOICES
 
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, local only)")
@@ -244,6 +245,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--keep-alive", type=float, default=5.0, metavar="S", help="idle keep-alive connections close after S")
     g.add_argument("--event-loop", choices=EVENT_LOOPS, default="auto",
                    help="the HTTP server's event loop: auto = uvloop where installed (less per-token overhead)")
+    g.add_argument("--tool-call-parser", choices=TOOL_PARSER_CHOICES, default="auto",
+                   help="how chat outputs' tool calls are written and read: auto = the format the chat template "
+                        "uses (hermes where it names none, as sloserve's own tool prompt asks)")
     g.add_argument("--client-stall-timeout", type=float, default=60.0, metavar="S",
                    help="end a stream (and abort its requests) whose client accepts no data for S seconds")
     g.add_argument("--no-shed-unattainable", action="store_true",

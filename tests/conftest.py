@@ -34,6 +34,16 @@ def llm():
 
 
 @pytest.fixture(scope="session")
+def default_server(tmp_path_factory):
+    """`sloserve serve` with its defaults on a loopback port, shared by the tests that only call it."""
+    from server_helpers import ServerProcess
+
+    proc = ServerProcess([], tmp_path_factory.mktemp("default-server") / "server.log", exact=False)
+    yield proc
+    proc.kill()
+
+
+@pytest.fixture(scope="session")
 def hf_reference():
     """transformers' own load of the same GGUF (dequantized to fp32) and its tokenizer."""
     import torch

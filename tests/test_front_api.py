@@ -147,3 +147,24 @@ def test_structured_outputs_pass_through_the_front(front):
         client.completions.create(model=whole.model, prompt="x", max_tokens=4,
                                   extra_body={"guided_regex": "a", "guided_choice": ["a"]})
     assert info.value.body["param"] == "guided_choice"
+
+
+def test_forced_tool_calls_through_the_front_whole_and_streamed(front):
+    """The front asks a worker for a stream and assembles the whole answer: the calls' deltas
+    become the same message.tool_calls a worker answers itself."""
+    client = openai.OpenAI(base_url=front.base_url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+    params = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+              "required": ["city"], "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": params}}]
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    model = client.models.list().data[0].id
+    whole = client.chat.completions.create(model=model, messages=ask, tools=tools, tool_choice="required",
+                                           parallel_tool_calls=False, max_tokens=80, temperature=0)
+    choice = whole.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert [c.function.name for c in choice.message.tool_calls] == ["get_weather"]
+    assert set(json.loads(choice.message.tool_calls[0].function.arguments)) == {"city"}
+    stream = client.chat.completions.create(model=model, messages=ask, tools=tools, tool_choice="required",
+                                            parallel_tool_calls=False, max_tokens=80, temperature=0, stream=True)
+    arguments = "".join(d.function.arguments or "" for c in stream if c.choices for d in c.choices[0].delta.tool_calls or [])
+    assert arguments == choice.message.tool_calls[0].function.arguments

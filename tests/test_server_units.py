@@ -246,7 +246,8 @@ def edge_client():
     stats = SimpleNamespace(num_preemptions=0, num_steps=0, total_scheduled_seqs=0, max_batch_size=0,
                             num_output_tokens=0)
     core = SimpleNamespace(
-        tokenizer=SimpleNamespace(token_bytes=lambda i: b"x", encode=lambda t: [1, 2], decode=lambda ids: "ab"),
+        tokenizer=SimpleNamespace(token_bytes=lambda i: b"x", encode=lambda t: [1, 2], decode=lambda ids: "ab",
+                                  chat_template=None),
         model_name="fake", max_model_len=128, model_config=SimpleNamespace(vocab_size=100),
         config=SimpleNamespace(scheduler=SimpleNamespace(max_num_seqs=4, max_num_batched_tokens=512, policy="fcfs")),
         clock=time.monotonic,

@@ -154,19 +154,10 @@ def test_random_schemas_give_outputs_that_validate(llm, schema, seed):
 # ---- the OpenAI server ---------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    from server_helpers import ServerProcess
-
-    proc = ServerProcess([], tmp_path_factory.mktemp("structured") / "server.log", exact=False)
-    yield proc
-    proc.kill()
-
-
-@pytest.fixture(scope="module")
-def client(server):
+def client(default_server):
     import openai
 
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai.OpenAI(base_url=default_server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 def test_response_format_and_guided_fields_through_the_openai_client(client):
@@ -193,7 +184,7 @@ def test_response_format_and_guided_fields_through_the_openai_client(client):
     jsonschema.validate(json.loads(schema_as_dict.choices[0].text), PERSON)
 
 
-def test_a_constraint_the_server_cannot_hold_is_a_400_naming_its_field(client, server):
+def test_a_constraint_the_server_cannot_hold_is_a_400_naming_its_field(client, default_server):
     import httpx
     import openai
 
@@ -218,7 +209,7 @@ def test_a_constraint_the_server_cannot_hold_is_a_400_naming_its_field(client, s
     ok = client.completions.create(model=MODEL, prompt="Turn", max_tokens=3, temperature=0,
                                    extra_body={"guided_choice": ["left", "right"]})
     assert ok.choices[0].text in ("left", "right")
-    metrics = httpx.get(server.base_url + "/metrics", timeout=30).text
+    metrics = httpx.get(default_server.base_url + "/metrics", timeout=30).text
     usage = [line for line in metrics.splitlines() if line.startswith("sloserve:kv_cache_usage_perc")]
     assert usage and all(float(line.split()[-1]) == 0 for line in usage), usage
 
@@ -269,6 +260,14 @@ def test_forced_tool_calls_parse_and_hold_their_parameter_schemas(llm):
             for call in parsed.calls:
                 assert call.name in names
                 jsonschema.validate(json.loads(call.arguments), weather if call.name == "get_weather" else clock)
+    for fmt in ("llama3_json", "mistral"):  # each family's format, read back by its own parser
+        spec = {"functions": functions, "parallel": True, "format": fmt}
+        out = llm.chat(ask, SamplingParams(max_tokens=240, temperature=0,
+                                           structured=StructuredOutput("tool_calls", json.dumps(spec))))[0]
+        parsed = make_tool_parser(fmt).parse(out.text)
+        assert out.finish_reason == "stop" and parsed.content is None and parsed.calls, (fmt, out.text)
+        for call in parsed.calls:
+            jsonschema.validate(json.loads(call.arguments), weather if call.name == "get_weather" else clock)
     with pytest.raises(StructuredOutputError, match="format must be one of"):
         llm.generate("x", SamplingParams(structured=StructuredOutput("tool_calls", json.dumps(
             {"functions": functions, "format": "nope"}))))

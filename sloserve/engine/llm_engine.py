@@ -264,9 +264,12 @@ class LLMEngine:
             raise ValueError("prompt is empty")
         return ids
 
-    def tokenize_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of a conversation rendered by the model's chat template."""
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt)
+    def tokenize_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                      tools: Optional[list[dict]] = None) -> list[int]:
+        """Token ids of a conversation rendered by the model's chat template (`tools` passed to a
+        template that renders them itself: server/tool_calls.py decides)."""
+        extra = {} if tools is None else {"tools": tools}
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt, **extra)
         self._refuse_far_past_context(text, "conversation")
         return self.tokenizer.encode(text, add_special_tokens=False)
 

@@ -22,6 +22,7 @@ import json
 import re
 import threading
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import torch
@@ -33,8 +34,25 @@ MAX_COMPILED = 256  # compiled constraints kept (least recently used dropped)
 # a model allowed any whitespace between tokens can spend its whole output on it (the embedded
 # model did, even with at most 16 characters per gap).
 JSON_SEPARATORS = (", ", ": ")
-# How a forced tool call is wrapped, per format (server/tool_parsers.py reads the same ones back).
-TOOL_CALL_FORMATS = {"hermes": ("<tool_call>\n", "\n</tool_call>")}
+
+
+@dataclass(frozen=True)
+class ToolCallFormat:
+    """How a model family writes its calls: `prefix`, the calls separated by `separator`, `suffix`;
+    each call a JSON object {"name": ..., args_key: {...}}. A forced answer is generated in it and
+    server/tool_parsers.py reads it back."""
+
+    prefix: str
+    separator: str
+    suffix: str
+    args_key: str = "arguments"
+
+
+TOOL_CALL_FORMATS = {
+    "hermes": ToolCallFormat("<tool_call>\n", "\n</tool_call>\n<tool_call>\n", "\n</tool_call>"),
+    "llama3_json": ToolCallFormat("", "; ", "", args_key="parameters"),
+    "mistral": ToolCallFormat("[TOOL_CALLS][", ", ", "]"),
+}
 MAX_PARALLEL_CALLS = 4  # calls one forced answer may hold when parallel calls are allowed
 _ENGINE_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # "[12:00:00] /project/cpp/file.cc:94: " before its message
 
@@ -109,8 +127,8 @@ class GrammarBackend:
         return self.compiler.compile_grammar(str(c.spec))
 
     def _tool_calls(self, spec: str) -> Any:
-        """One call (or, with `parallel`, up to MAX_PARALLEL_CALLS) to one of the functions, in the
-        format's own wrapping, each call's arguments held to the function's parameter schema."""
+        """One call (or, with `parallel`, up to MAX_PARALLEL_CALLS) to one of the functions, written
+        as the format writes calls, each call's arguments held to the function's parameter schema."""
         try:
             d = json.loads(spec)
             functions = [(f["name"], f.get("parameters") or {"type": "object"}) for f in d["functions"]]
@@ -120,22 +138,23 @@ class GrammarBackend:
         if fmt not in TOOL_CALL_FORMATS or not functions:
             raise StructuredOutputError(f"tool_calls format must be one of {', '.join(TOOL_CALL_FORMATS)}, with "
                                         "at least one function")
-        schema = {"anyOf": [{"type": "object", "properties": {"name": {"const": name}, "arguments": params},
-                             "required": ["name", "arguments"], "additionalProperties": False}
+        form = TOOL_CALL_FORMATS[fmt]
+        schema = {"anyOf": [{"type": "object", "properties": {"name": {"const": name}, form.args_key: params},
+                             "required": ["name", form.args_key], "additionalProperties": False}
                             for name, params in functions]}
         xgr = self._xgr
+
+        def literal(text: str) -> Any:
+            return xgr.Grammar.from_ebnf(f"root ::= {json.dumps(text)}")
+
         call = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, separators=JSON_SEPARATORS)
-        open_tag, close_tag = TOOL_CALL_FORMATS[fmt]
-        block = xgr.Grammar.concat(xgr.Grammar.from_ebnf(f"root ::= {json.dumps(open_tag)}"), call,
-                                   xgr.Grammar.from_ebnf(f"root ::= {json.dumps(close_tag)}"))
-        if not parallel:
-            return block
-        sep = xgr.Grammar.from_ebnf(f"root ::= {json.dumps(chr(10))}")  # calls one per line
-        chains, chain = [block], block
-        for _ in range(MAX_PARALLEL_CALLS - 1):
-            chain = xgr.Grammar.concat(chain, sep, block)
+        chains, chain = [call], call
+        for _ in range(MAX_PARALLEL_CALLS - 1 if parallel else 0):
+            chain = xgr.Grammar.concat(chain, literal(form.separator), call)
             chains.append(chain)
-        return xgr.Grammar.union(*chains)
+        calls = xgr.Grammar.union(*chains) if len(chains) > 1 else call
+        parts = ([literal(form.prefix)] if form.prefix else []) + [calls] + ([literal(form.suffix)] if form.suffix else [])
+        return xgr.Grammar.concat(*parts) if len(parts) > 1 else calls
 
     def matcher(self, constraint: StructuredOutput) -> "RequestMatcher":
         return RequestMatcher(self._xgr.GrammarMatcher(self.compile(constraint)))

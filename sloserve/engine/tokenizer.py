@@ -18,6 +18,7 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 import jinja2.sandbox
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
@@ -138,6 +139,7 @@ class Tokenizer:
     ) -> None:
         self._backend = backend
         self._chat_template = chat_template
+        self._template_variables: Optional[frozenset[str]] = None
         self._bos_token_id = bos_token_id
         self._eos_token_id = eos_token_id
         self._byte_level = byte_level
@@ -317,22 +319,39 @@ class Tokenizer:
         except jinja2.exceptions.TemplateError as exc:
             raise ValueError(f"chat template rejected the messages: {exc}") from exc
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    tools: Optional[list[dict]] = None) -> list[int]:
         """Token ids of a rendered conversation. The template writes BOS itself, so none is added."""
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+        extra = {} if tools is None else {"tools": tools}
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt, **extra), add_special_tokens=False)
+
+    def template_reads(self, variable: str) -> bool:
+        """Whether the chat template reads `variable` (e.g. `tools`: it renders a tool list itself)."""
+        if not self._chat_template:
+            return False
+        if self._template_variables is None:
+            try:
+                parsed = self._environment().parse(self._chat_template)
+            except jinja2.exceptions.TemplateSyntaxError:
+                return False
+            self._template_variables = frozenset(jinja2.meta.find_undeclared_variables(parsed))
+        return variable in self._template_variables
+
+    def _environment(self) -> jinja2.sandbox.ImmutableSandboxedEnvironment:
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+        )
+        env.filters["tojson"] = _tojson
+        env.globals["raise_exception"] = _raise_exception
+        env.globals["strftime_now"] = _strftime_now
+        return env
 
     def _template(self) -> jinja2.Template:
         if self._compiled_template is None:
             if not self._chat_template:
                 raise ValueError("this model has no chat template; send a plain completion prompt instead")
-            env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-                trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
-            )
-            env.filters["tojson"] = _tojson
-            env.globals["raise_exception"] = _raise_exception
-            env.globals["strftime_now"] = _strftime_now
             try:
-                self._compiled_template = env.from_string(self._chat_template)
+                self._compiled_template = self._environment().from_string(self._chat_template)
             except jinja2.exceptions.TemplateSyntaxError as exc:
                 raise ValueError(f"the model's chat template does not parse: {exc}") from exc
         return self._compiled_template

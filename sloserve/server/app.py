@@ -80,7 +80,8 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
     serving = OpenAIServing(engine, names, settings.registry, admission, metrics,
                             stall_timeout_s=settings.stall_timeout_s,
                             salter=CacheSalter(cache_secret(settings.cache_salt_secret)),
-                            tenants=TenantLimiter(settings.registry.limits_for))
+                            tenants=TenantLimiter(settings.registry.limits_for),
+                            tool_call_parser=settings.tool_call_parser)
     # Its thread ends with the engine (the sampler reads nothing once the engine is gone).
     sampler = TimelineSampler(timeline, lambda: [read_instance(0, core.scheduler, core.kv)],
                               alive=lambda: engine.is_alive).start()
@@ -150,8 +151,9 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         """The whole answer, serialized here: a million ids take FastAPI's encoder a second."""
         try:
             if body.messages is not None:
-                conversation = [m.plain(i) for i, m in enumerate(body.messages)]
-                ids = core.tokenizer.encode_chat(conversation, add_generation_prompt=body.add_generation_prompt)
+                tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+                messages, tools = serving.template_input([m.plain(i) for i, m in enumerate(body.messages)], tools)
+                ids = core.tokenizer.encode_chat(messages, body.add_generation_prompt, tools)
             else:
                 ids = core.tokenizer.encode(body.prompt or "")
         except ValueError as exc:

@@ -44,6 +44,7 @@ class _Whole:
     chat: bool
     head: dict = field(default_factory=dict)  # id, created, model, and any other top-level field the worker adds
     text: list[str] = field(default_factory=list)
+    calls: list[dict] = field(default_factory=list)  # chat: tool calls, assembled from their deltas
     logprobs: Optional[dict] = None  # completions: the four lists; chat: {"content": [...]}
     finish_reason: Optional[str] = None
     stop_reason: object = None
@@ -72,9 +73,12 @@ class _Whole:
             self._choice(choice)
 
     def _choice(self, choice: dict) -> None:
-        piece = (choice.get("delta") or {}).get("content") if self.chat else choice.get("text")
+        delta = choice.get("delta") or {}
+        piece = delta.get("content") if self.chat else choice.get("text")
         if piece:
             self.text.append(piece)
+        for call in (delta.get("tool_calls") or []) if self.chat else []:
+            self._call(call)
         lp = choice.get("logprobs")
         if isinstance(lp, dict):
             if self.logprobs is None:
@@ -85,6 +89,15 @@ class _Whole:
         if choice.get("finish_reason") is not None:
             self.finish_reason = choice["finish_reason"]
             self.stop_reason = choice.get("stop_reason")
+
+    def _call(self, delta: dict) -> None:
+        """A tool-call delta: the first of a call names it (index, id, name), later ones add arguments."""
+        function = delta.get("function") or {}
+        if delta.get("index") == len(self.calls):
+            self.calls.append({"id": delta.get("id"), "type": delta.get("type", "function"),
+                               "function": {"name": function.get("name"), "arguments": function.get("arguments", "")}})
+        elif isinstance(delta.get("index"), int) and 0 <= delta["index"] < len(self.calls):
+            self.calls[delta["index"]]["function"]["arguments"] += function.get("arguments", "")
 
     def answer(self) -> tuple[int, dict]:
         """(HTTP status, JSON body): the worker's non-streamed answer, or the error that ended it."""
@@ -99,7 +112,9 @@ class _Whole:
         common = dict(self.head, usage=usage)
         if self.chat:
             lp = ChatLogprobs.model_validate(self.logprobs) if self.logprobs is not None else None
-            choice = ChatChoice(index=0, message=ChatResponseMessage(content=text), logprobs=lp,
+            message = ChatResponseMessage(content=text or None, tool_calls=self.calls) if self.calls else \
+                ChatResponseMessage(content=text)
+            choice = ChatChoice(index=0, message=message, logprobs=lp,
                                 finish_reason=self.finish_reason, stop_reason=self.stop_reason)
             return 200, ChatCompletionResponse(choices=[choice], **common).model_dump()
         lp = CompletionLogprobs.model_validate(self.logprobs) if self.logprobs is not None else None

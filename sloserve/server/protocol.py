@@ -130,7 +130,8 @@ class SamplingFields(_Strict):
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true", "stream_options")
 
-    def _params(self, max_tokens: Optional[int], logprobs: Optional[int]) -> SamplingParams:
+    def _params(self, max_tokens: Optional[int], logprobs: Optional[int],
+                structured: Optional[StructuredOutput]) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         fields: dict[str, Any] = dict(
             max_tokens=max_tokens,
@@ -149,7 +150,7 @@ class SamplingFields(_Strict):
             logprobs=logprobs,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
-            structured=self.structured_output(),
+            structured=structured,
         )
         try:
             return SamplingParams(**fields)
@@ -253,7 +254,7 @@ class CompletionRequest(SamplingFields):
             raise bad_request("best_of other than n is not supported", "best_of", "unsupported_parameter")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise bad_request(f"logprobs must be in [0, 20], got {self.logprobs}", "logprobs")
-        return self._params(self.max_tokens, self.logprobs)
+        return self._params(self.max_tokens, self.logprobs, self.structured_output())
 
 
 class TextPart(_Strict):
@@ -261,16 +262,49 @@ class TextPart(_Strict):
     text: Optional[str] = None
 
 
+FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+class FunctionDef(_Strict):
+    name: str
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None
+    strict: Optional[bool] = None
+
+
+class ToolDef(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # JSON text of an object
+
+
+class ToolCallIn(_Strict):
+    """A call an earlier assistant turn made, as the client sends it back."""
+
+    id: Optional[str] = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[TextPart], None] = None
     name: Optional[str] = None
     tool_call_id: Optional[str] = None
+    tool_calls: Optional[list[ToolCallIn]] = None
 
-    def plain(self, index: int) -> dict[str, str]:
-        """The message as the chat template wants it: role and a text content."""
+    def plain(self, index: int) -> dict[str, Any]:
+        """The message as a chat template wants it: role and a text content; an assistant turn's
+        calls with their arguments decoded, a tool result's call id."""
         content = self.content
-        if content is None:
+        if self.tool_calls and self.role != "assistant":
+            raise bad_request(f"messages[{index}]: only an assistant message has tool_calls",
+                              f"messages.{index}.tool_calls")
+        if content is None and not self.tool_calls:
             raise bad_request(f"messages[{index}].content is required", f"messages.{index}.content")
         if isinstance(content, list):
             texts = []
@@ -281,7 +315,23 @@ class ChatMessage(_Strict):
                 texts.append(part.text)
             content = "".join(texts)
         role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": content}
+        message: dict[str, Any] = {"role": role, "content": content or ""}
+        if self.tool_calls:
+            calls = []
+            for j, call in enumerate(self.tool_calls):
+                try:
+                    arguments = json.loads(call.function.arguments)
+                except json.JSONDecodeError:
+                    arguments = None
+                if not isinstance(arguments, dict):
+                    raise bad_request(f"messages[{index}].tool_calls[{j}].function.arguments must be the JSON text "
+                                      "of an object", f"messages.{index}.tool_calls")
+                calls.append({"id": call.id, "type": "function",
+                              "function": {"name": call.function.name, "arguments": arguments}})
+            message["tool_calls"] = calls
+        if self.role == "tool" and self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -290,30 +340,77 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: Optional[int] = None
     logprobs: bool = False
     top_logprobs: Optional[int] = None
-    tools: Optional[list[dict[str, Any]]] = None
+    tools: Optional[list[ToolDef]] = None
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
     parallel_tool_calls: Optional[bool] = None
 
-    def conversation(self) -> list[dict[str, str]]:
+    def conversation(self) -> list[dict[str, Any]]:
         if not self.messages:
             raise bad_request("messages must be a non-empty list", "messages")
         return [m.plain(i) for i, m in enumerate(self.messages)]
 
-    def sampling_params(self) -> SamplingParams:
+    def tool_mode(self) -> str:
+        """How this call uses its tools: "none" (not offered: no tools, or tool_choice none), "auto"
+        (the model may call them), "required" (at least one call) or "named" (tool_choice names one);
+        400 for a tool list or choice that is not well formed."""
+        tools = self.tools or []
+        names = [t.function.name for t in tools]
+        for i, name in enumerate(names):
+            if not FUNCTION_NAME.fullmatch(name):
+                raise bad_request(f"tools[{i}].function.name must be 1-64 characters of [A-Za-z0-9_-], got {name!r}",
+                                  "tools")
+            if name in names[:i]:
+                raise bad_request(f"tools[{i}].function.name {name!r} is declared twice", "tools")
+        choice = self.tool_choice
+        if choice is None:
+            return "auto" if tools else "none"
+        if isinstance(choice, dict):
+            function = choice.get("function")
+            name = function.get("name") if isinstance(function, dict) else None
+            if choice.get("type") != "function" or not isinstance(name, str) or set(choice) - {"type", "function"}:
+                raise bad_request('tool_choice must be "none", "auto", "required" or {"type": "function", '
+                                  '"function": {"name": ...}}', "tool_choice")
+            if name not in names:
+                raise bad_request(f"tool_choice names {name!r}, which is not in tools", "tool_choice")
+            return "named"
+        if choice not in ("none", "auto", "required"):
+            raise bad_request(f'tool_choice must be "none", "auto", "required" or a named function, got {choice!r}',
+                              "tool_choice")
+        if choice != "none" and not tools:
+            raise bad_request(f"tool_choice {choice!r} needs tools", "tool_choice")
+        return choice
+
+    def forced_tool_calls(self, tool_format: str) -> Optional[StructuredOutput]:
+        """The constraint that makes the output the calls `tool_choice` forces, written in
+        `tool_format` (a model family's, engine/structured.py); None when nothing is forced."""
+        mode = self.tool_mode()
+        if mode not in ("required", "named"):
+            return None
+        tools = self.tools or []
+        if mode == "named":
+            name = self.tool_choice["function"]["name"]  # type: ignore[index]
+            tools = [t for t in tools if t.function.name == name]
+        functions = [{"name": t.function.name, "parameters": t.function.parameters or {"type": "object"}}
+                     for t in tools]
+        parallel = mode == "required" and self.parallel_tool_calls is not False
+        return StructuredOutput("tool_calls", json.dumps({"functions": functions, "parallel": parallel,
+                                                          "format": tool_format}), "tools")
+
+    def sampling_params(self, tool_format: str = "hermes") -> SamplingParams:
         self._check_common()
-        if self.tools:
-            raise bad_request("tools are not supported", "tools", "unsupported_parameter")
-        if self.tool_choice not in (None, "none"):
-            raise bad_request("tool_choice is not supported", "tool_choice", "unsupported_parameter")
         if self.top_logprobs is not None:
             if not self.logprobs:
                 raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
             if not 0 <= self.top_logprobs <= 20:
                 raise bad_request(f"top_logprobs must be in [0, 20], got {self.top_logprobs}", "top_logprobs")
+        structured, forced = self.structured_output(), self.forced_tool_calls(tool_format)
+        if structured is not None and forced is not None:
+            raise bad_request(f"one constraint per call: tool_choice {self.tool_choice!r} forces the output, and so "
+                              f"does {structured.source}", structured.source)
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         try:
-            return self._params(max_tokens, logprobs)
+            return self._params(max_tokens, logprobs, structured or forced)
         except APIError as err:
             if err.param == "max_tokens" and self.max_completion_tokens is not None:
                 err.param = "max_completion_tokens"
@@ -324,6 +421,7 @@ class TokenizeRequest(_Strict):
     model: Optional[str] = None
     prompt: Optional[str] = None
     messages: Optional[list[ChatMessage]] = None
+    tools: Optional[list[ToolDef]] = None  # rendered into the prompt as a chat call's would be
     add_generation_prompt: bool = True
 
 
@@ -440,6 +538,9 @@ class ChatLogprobs(_Out):
 
 
 class ChatResponseMessage(_Out):
+    """`tool_calls` (OpenAI's list of {id, type, function: {name, arguments}}) only when the
+    answer made calls: an extra field, absent otherwise, as OpenAI omits it."""
+
     role: str = "assistant"
     content: Optional[str] = None
 
@@ -462,6 +563,8 @@ class ChatCompletionResponse(_Out):
 
 
 class DeltaMessage(_Out):
+    """`tool_calls` deltas (index, then id, type and name, then argument fragments) as an extra field."""
+
     role: Optional[str] = None
     content: Optional[str] = None
 

@@ -53,6 +53,8 @@ from sloserve.server.protocol import (
 )
 from sloserve.server.qos import ANONYMOUS, CacheSalter, Principal, QoSRegistry, cache_secret
 from sloserve.server.tenants import TenantLimiter, client_request_id, scope_request_id
+from sloserve.server.tool_calls import ToolUse, calls_json, prompt_messages, resolve_parser
+from sloserve.server.tool_parsers import ToolCallStream
 from sloserve.workers.contract import KV_PUSH_HEADER, RELAY_COMMENT
 from sloserve.types import QoSClass, SamplingParams
 
@@ -103,12 +105,14 @@ class OpenAIServing:
         tokenizer_threads: int = 2,
         salter: Optional[CacheSalter] = None,
         tenants: Optional[TenantLimiter] = None,
+        tool_call_parser: str = "auto",
     ) -> None:
         """`stall_timeout_s`: a stream whose client takes longer than this to accept one write
         is ended and its engine requests aborted. `tokenizer_threads` bounds how many prompts
         are tokenized at once (beyond that they queue, off the event loop). `salter` gives each
         request its prefix-cache salt (a keyed hash of its cache namespace); `tenants` enforces
-        the per-tenant limits of the QoS config."""
+        the per-tenant limits of the QoS config. `tool_call_parser` reads tool calls out of chat
+        outputs (tool_calls.py; auto = the one the chat template's format calls for)."""
         if not stall_timeout_s > 0:
             raise ValueError(f"stall_timeout_s must be > 0, got {stall_timeout_s!r}")
         self.engine = engine
@@ -121,6 +125,7 @@ class OpenAIServing:
         self.tenants = tenants or TenantLimiter(registry.limits_for)
         self.tokenizer = engine.engine.tokenizer
         self.strings = TokenStrings(self.tokenizer)
+        self.tool_parser = resolve_parser(tool_call_parser, self.tokenizer.chat_template)
         self._tokenize_pool = ThreadPoolExecutor(max_workers=tokenizer_threads, thread_name_prefix="sloserve-tokenize")
         # A fleet worker's pipelined hand-off (worker_migration.Migrations.push_early): called
         # with (engine id, target URL, migration id) once a request that asked for one is queued.
@@ -156,25 +161,40 @@ class OpenAIServing:
     async def chat(self, body: ChatCompletionRequest, request: Request,
                    ctx: Optional[CallContext] = None) -> Response:
         ctx = ctx or self._context(body, request, "chatcmpl")
-        params = body.sampling_params()
-        conversation = body.conversation()
+        params = body.sampling_params(self.tool_parser.name)
+        tools = ToolUse.of(body, self.tool_parser)
+        messages, template_tools = self.template_input(body.conversation(),
+                                                      tools.template_tools(body) if tools is not None else None)
         self._counting_rejections(self.admission.check_room, body.num_choices)
-        ids = await self._off_loop(lambda: self._check_length(self.engine.engine.tokenize_chat(conversation)),
-                                  "messages")
+        ids = await self._off_loop(
+            lambda: self._check_length(self.engine.engine.tokenize_chat(messages, True, template_tools)), "messages")
         choices = self._choices(ctx, [ids], params, body.num_choices)
         streams = self._submit(ctx, choices)
         if body.stream:
-            fmt = _ChatStream(self.strings)
+            fmt = _ChatStream(self.strings, tools, len(choices))
+            if tools is not None and ctx.resume is not None:  # what the client was sent of the calls so far
+                fmt.tool_streams[0].resume_from(self.tokenizer.decode(ctx.resume.output_token_ids))
             return self._sse(self._events(ctx, choices, streams, body.include_usage, fmt), ctx, streams)
         finals = await self._collect(request, ctx, streams)
         out = []
         for c, final in zip(choices, finals):
             lp = chat_logprobs(final.logprobs or [], self.strings) if c.params.logprobs is not None else None
-            out.append(ChatChoice(index=c.index, message=ChatResponseMessage(content=final.text), logprobs=lp,
-                                  finish_reason=final.finish_reason, stop_reason=final.stop_reason))
+            message, finish = ChatResponseMessage(content=final.text), final.finish_reason
+            if tools is not None:
+                parsed = tools.parse(final.text)
+                message = ChatResponseMessage(content=parsed.content, **(
+                    {"tool_calls": calls_json(parsed.calls)} if parsed.calls else {}))
+                finish = tools.finish_reason(finish, len(parsed.calls))
+            out.append(ChatChoice(index=c.index, message=message, logprobs=lp, finish_reason=finish,
+                                  stop_reason=final.stop_reason))
         resp = ChatCompletionResponse(id=ctx.request_id, created=ctx.created, model=ctx.model, choices=out,
                                       usage=_usage(choices, finals))
         return _json(resp.model_dump(), ctx)
+
+    def template_input(self, conversation: list[dict], tools: Optional[list[dict]]
+                      ) -> tuple[list[dict], Optional[list[dict]]]:
+        """A chat call's turns (and tools) as its template renders them (tool_calls.prompt_messages)."""
+        return prompt_messages(conversation, tools, self.tokenizer.template_reads("tools"), self.tool_parser.format)
 
     async def resume(self, body: Union[CompletionRequest, ChatCompletionRequest], request: Request,
                      resume: ResumeState, response_id: str, created: int) -> Response:
@@ -204,10 +224,11 @@ class OpenAIServing:
             prompt = body.prompt
             ids = await self._off_loop(lambda: self._tokenize(prompt), "prompt")
         else:
-            conversation = [m.plain(i) for i, m in enumerate(body.messages)]
+            tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+            messages, tools = self.template_input([m.plain(i) for i, m in enumerate(body.messages)], tools)
             render = body.add_generation_prompt
             ids = await self._off_loop(
-                lambda: self._check_length(self.engine.engine.tokenize_chat(conversation, render)),
+                lambda: self._check_length(self.engine.engine.tokenize_chat(messages, render, tools)),
                 "messages")
         try:
             return self.engine.engine.check_context(ids, body.max_tokens)
@@ -490,10 +511,13 @@ class _CompletionStream:
 
 class _ChatStream:
     """Chunks of /v1/chat/completions: the role first (as OpenAI, in the first token's write), then content
-    deltas."""
+    deltas; with tools offered, content up to where a call could begin and then the calls' deltas
+    (tool_parsers.ToolCallStream)."""
 
-    def __init__(self, strings: TokenStrings) -> None:
+    def __init__(self, strings: TokenStrings, tools: Optional[ToolUse] = None, num_choices: int = 1) -> None:
         self.strings = strings
+        self.tools = tools
+        self.tool_streams: list[ToolCallStream] = [tools.stream() for _ in range(num_choices)] if tools else []
 
     def chunk(self, ctx: CallContext, choices: list) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=ctx.request_id, object="chat.completion.chunk", created=ctx.created,
@@ -507,8 +531,16 @@ class _ChatStream:
         return chat_logprobs(new, self.strings)
 
     def choice(self, c: Choice, out: RequestOutput, lp) -> ChatChunkChoice:
-        return ChatChunkChoice(index=c.index, delta=DeltaMessage(content=out.delta_text), logprobs=lp,
-                               finish_reason=out.finish_reason if out.finished else None,
+        finish = out.finish_reason if out.finished else None
+        if self.tools is None:
+            delta = DeltaMessage(content=out.delta_text)
+        else:
+            stream = self.tool_streams[c.index]
+            content, calls = stream.update(out.delta_text, out.finished)
+            delta = DeltaMessage(content=content, **({"tool_calls": calls} if calls else {}))
+            if out.finished:
+                finish = self.tools.finish_reason(finish, stream.num_calls)
+        return ChatChunkChoice(index=c.index, delta=delta, logprobs=lp, finish_reason=finish,
                                stop_reason=out.stop_reason if out.finished else None)
 
 

@@ -10,6 +10,7 @@ from sloserve.server.qos import QoSRegistry
 
 
 EVENT_LOOPS = ("auto", "asyncio", "uvloop")
+TOOL_PARSER_CHOICES = ("auto", "hermes", "llama3_json", "mistral")  # auto, then tool_parsers.TOOL_PARSERS
 
 
 @dataclass
@@ -42,6 +43,9 @@ class ServerSettings:
     timeline_interval_s: float = 1.0
     # The HTTP server's event loop (uvicorn's `loop`): "auto" takes uvloop where installed.
     event_loop: str = "auto"
+    # Reads tool calls out of chat outputs and names the format forced calls are generated in
+    # (tool_calls.py): hermes, llama3_json, mistral, or auto (the one the chat template's format calls for).
+    tool_call_parser: str = "auto"
 
     def connection_limits(self) -> ConnectionLimits:
         return ConnectionLimits(header_timeout_s=self.header_timeout_s, body_timeout_s=self.body_timeout_s,
@@ -61,6 +65,9 @@ class ServerSettings:
             raise ValueError(f"client stall timeout must be > 0, got {self.stall_timeout_s}")
         if not self.timeline_interval_s > 0:
             raise ValueError(f"dashboard interval must be > 0, got {self.timeline_interval_s}")
+        if self.tool_call_parser not in TOOL_PARSER_CHOICES:
+            raise ValueError(f"tool-call parser must be one of {', '.join(TOOL_PARSER_CHOICES)}, "
+                             f"got {self.tool_call_parser!r}")
         if self.event_loop not in EVENT_LOOPS:
             raise ValueError(f"event loop must be one of {', '.join(EVENT_LOOPS)}, got {self.event_loop!r}")
         if self.event_loop == "uvloop" and importlib.util.find_spec("uvloop") is None:
