@@ -31,6 +31,7 @@ from sloserve.server.protocol import (
     ModelList,
     TokenizeRequest,
 )
+from sloserve.server.responses import ResponsesRequest
 from sloserve.server.serving import OpenAIServing
 from sloserve.server.settings import ServerSettings
 from sloserve.server.qos import CacheSalter, cache_secret
@@ -137,6 +138,10 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await serving.chat(body, request)
+
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, request: Request) -> Response:
+        return await serving.responses(body, request)
 
     def take_slot(prefix: str) -> str:
         """An admission slot for the tokenizer endpoints, refusals counted like generation's."""

@@ -53,6 +53,7 @@ from sloserve.server.protocol import (
 )
 from sloserve.server.qos import ANONYMOUS, CacheSalter, Principal, QoSRegistry, cache_secret
 from sloserve.server.tenants import TenantLimiter, client_request_id, scope_request_id
+from sloserve.server.responses import ResponsesRequest, ResponseWriter, responses_param
 from sloserve.server.tool_calls import ToolUse, calls_json, prompt_messages, resolve_parser
 from sloserve.server.tool_parsers import ToolCallStream
 from sloserve.workers.contract import KV_PUSH_HEADER, RELAY_COMMENT
@@ -161,15 +162,7 @@ class OpenAIServing:
     async def chat(self, body: ChatCompletionRequest, request: Request,
                    ctx: Optional[CallContext] = None) -> Response:
         ctx = ctx or self._context(body, request, "chatcmpl")
-        params = body.sampling_params(self.tool_parser.name)
-        tools = ToolUse.of(body, self.tool_parser)
-        messages, template_tools = self.template_input(body.conversation(),
-                                                      tools.template_tools(body) if tools is not None else None)
-        self._counting_rejections(self.admission.check_room, body.num_choices)
-        ids = await self._off_loop(
-            lambda: self._check_length(self.engine.engine.tokenize_chat(messages, True, template_tools)), "messages")
-        choices = self._choices(ctx, [ids], params, body.num_choices)
-        streams = self._submit(ctx, choices)
+        tools, choices, streams = await self._start_chat(body, ctx)
         if body.stream:
             fmt = _ChatStream(self.strings, tools, len(choices))
             if tools is not None and ctx.resume is not None:  # what the client was sent of the calls so far
@@ -179,17 +172,66 @@ class OpenAIServing:
         out = []
         for c, final in zip(choices, finals):
             lp = chat_logprobs(final.logprobs or [], self.strings) if c.params.logprobs is not None else None
-            message, finish = ChatResponseMessage(content=final.text), final.finish_reason
-            if tools is not None:
-                parsed = tools.parse(final.text)
-                message = ChatResponseMessage(content=parsed.content, **(
-                    {"tool_calls": calls_json(parsed.calls)} if parsed.calls else {}))
-                finish = tools.finish_reason(finish, len(parsed.calls))
+            content, calls, finish = _answer(tools, final)
+            message = ChatResponseMessage(content=content, **({"tool_calls": calls} if calls else {}))
             out.append(ChatChoice(index=c.index, message=message, logprobs=lp, finish_reason=finish,
                                   stop_reason=final.stop_reason))
         resp = ChatCompletionResponse(id=ctx.request_id, created=ctx.created, model=ctx.model, choices=out,
                                       usage=_usage(choices, finals))
         return _json(resp.model_dump(), ctx)
+
+    async def responses(self, body: ResponsesRequest, request: Request) -> Response:
+        """POST /v1/responses: the chat call it is (responses.py), answered as a `response`."""
+        try:
+            chat = body.to_chat()
+            ctx = self._context(chat, request, "resp")
+            tools, choices, streams = await self._start_chat(chat, ctx)
+        except APIError as err:
+            err.param = responses_param(err.param)
+            raise
+        writer = ResponseWriter(ctx.request_id, ctx.model, body)
+        if body.stream:
+            return self._sse(self._response_events(ctx, writer, tools, choices, streams), ctx, streams)
+        final = (await self._collect(request, ctx, streams))[0]
+        content, calls, finish = _answer(tools, final)
+        return _json(writer.whole(content, calls, finish, _usage(choices, [final])), ctx)
+
+    async def _response_events(self, ctx: CallContext, writer: ResponseWriter, tools: Optional[ToolUse],
+                               choices: list[Choice], streams: list["TrackedStream"]) -> AsyncIterator[str]:
+        opening = writer.opening()  # sent with the first token, as a chat stream's role is
+        text = tools.stream() if tools is not None else None
+        try:
+            async with contextlib.aclosing(_merge(streams)) as merged:
+                async for _, out in merged:
+                    if text is not None:
+                        content, calls = text.update(out.delta_text, out.finished)
+                    else:
+                        content, calls = out.delta_text, []
+                    events = "".join(writer.deltas(content, calls))
+                    if out.finished:
+                        finish = out.finish_reason
+                        if tools is not None and text is not None:
+                            finish = tools.finish_reason(finish, text.num_calls)
+                        events += "".join(writer.closing(finish, _usage(choices, [out])))
+                    if events or opening:
+                        yield opening + events
+                        opening = ""
+        except EngineDeadError as exc:
+            logger.error("request %s failed in the engine: %s", ctx.request_id, exc)
+            yield opening + writer.failed("engine_error", f"the engine failed while serving request {ctx.request_id}")
+
+    async def _start_chat(self, body: ChatCompletionRequest, ctx: CallContext
+                          ) -> tuple[Optional[ToolUse], list[Choice], list["TrackedStream"]]:
+        """A chat call judged, its conversation rendered and tokenized, its choices submitted."""
+        params = body.sampling_params(self.tool_parser.name)
+        tools = ToolUse.of(body, self.tool_parser)
+        messages, template_tools = self.template_input(body.conversation(),
+                                                       tools.template_tools(body) if tools is not None else None)
+        self._counting_rejections(self.admission.check_room, body.num_choices)
+        ids = await self._off_loop(
+            lambda: self._check_length(self.engine.engine.tokenize_chat(messages, True, template_tools)), "messages")
+        choices = self._choices(ctx, [ids], params, body.num_choices)
+        return tools, choices, self._submit(ctx, choices)
 
     def template_input(self, conversation: list[dict], tools: Optional[list[dict]]
                       ) -> tuple[list[dict], Optional[list[dict]]]:
@@ -699,6 +741,14 @@ async def _wait_for_disconnect(request: Request) -> None:
         message = await request.receive()
         if message["type"] == "http.disconnect":
             return
+
+
+def _answer(tools: Optional[ToolUse], final: CompletedOutput) -> tuple[Optional[str], list[dict], Optional[str]]:
+    """A finished chat output as (content, tool calls, finish_reason)."""
+    if tools is None:
+        return final.text, [], final.finish_reason
+    parsed = tools.parse(final.text)
+    return parsed.content, calls_json(parsed.calls), tools.finish_reason(final.finish_reason, len(parsed.calls))
 
 
 def _usage(choices: list[Choice], finals: Sequence[Union[RequestOutput, CompletedOutput]]) -> Usage:
