@@ -168,3 +168,32 @@ def test_forced_tool_calls_through_the_front_whole_and_streamed(front):
                                             parallel_tool_calls=False, max_tokens=80, temperature=0, stream=True)
     arguments = "".join(d.function.arguments or "" for c in stream if c.choices for d in c.choices[0].delta.tool_calls or [])
     assert arguments == choice.message.tool_calls[0].function.arguments
+
+
+def test_the_responses_api_through_the_front_whole_and_streamed(front):
+    """The front forwards a Responses call as its chat call and answers it as a response: whole, and
+    as the typed events of the same answer."""
+    client = openai.OpenAI(base_url=front.base_url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+    params = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+              "required": ["city"], "additionalProperties": False}
+    tool = {"type": "function", "name": "get_weather", "parameters": params}
+    model = client.models.list().data[0].id
+    for kwargs in ({}, {"tools": [tool], "tool_choice": "required", "parallel_tool_calls": False}):
+        whole = client.responses.create(model=model, input="What is the weather in Paris?", max_output_tokens=40,
+                                        temperature=0, **kwargs)
+        events = list(client.responses.create(model=model, input="What is the weather in Paris?",
+                                              max_output_tokens=40, temperature=0, stream=True, **kwargs))
+        final = events[-1].response
+        assert events[0].type == "response.created" and events[-1].type in ("response.completed",
+                                                                            "response.incomplete")
+        strip = lambda r: [{k: v for k, v in item.model_dump().items() if k not in ("id", "call_id")}
+                           for item in r.output]  # noqa: E731
+        assert strip(final) == strip(whole) and final.usage.output_tokens == whole.usage.output_tokens
+        if kwargs:
+            assert [item.type for item in whole.output] == ["function_call"]
+            assert set(json.loads(whole.output[0].arguments)) == {"city"}
+        else:
+            assert whole.output_text
+    with pytest.raises(openai.BadRequestError) as info:  # judged at the front, named as the Responses field
+        client.responses.create(model=model, input="hi", max_output_tokens=-1)
+    assert info.value.body["param"] == "max_output_tokens"

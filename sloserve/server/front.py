@@ -64,6 +64,7 @@ from sloserve.server.front_autoscale import AutoscaleDriver
 from sloserve.server.front_handoff import HandoffDriver
 from sloserve.server.front_migration import MigrationDriver
 from sloserve.server.front_relay import RelaySession, Upstream
+from sloserve.server import front_responses
 from sloserve.server.front_fanout import MergedStream, Part, merge, split
 from sloserve.server.front_whole import answers_whole, as_stream, collect_whole
 from sloserve.server.front_stream import Interrupted, SSESplitter, Stop, carries_output
@@ -357,6 +358,10 @@ class Front:
         async def chat(request: HTTPRequest) -> Response:
             return await self.generate(request, "/v1/chat/completions", chat=True)
 
+        @app.post("/v1/responses")
+        async def responses(request: HTTPRequest) -> Response:
+            return await front_responses.answer(request, self.generate)
+
         add_dashboard_routes(app, self.timeline, "sloserve fleet")
         return app
 
@@ -423,8 +428,9 @@ class Front:
         return None, None
 
     # ---- generation ----------------------------------------------------------------------
-    async def generate(self, request: HTTPRequest, path: str, chat: bool) -> Response:
-        raw = await request.body()
+    async def generate(self, request: HTTPRequest, path: str, chat: bool, raw: Optional[bytes] = None) -> Response:
+        """A generation call (`raw`: its body, when not the request's own: front_responses.py)."""
+        raw = raw if raw is not None else await request.body()
         principal = getattr(request.state, "principal", None) or self.registry.authenticate(None)
         if principal is None:  # the edge checks keys first; this is a backstop
             return _error(401, "missing or invalid API key", "invalid_api_key")

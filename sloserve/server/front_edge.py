@@ -28,7 +28,7 @@ from sloserve.server.qos import QoSRegistry
 
 logger = logging.getLogger(__name__)
 
-PROXIED_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"})
+PROXIED_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize", "/detokenize"})
 ADMIN_ROUTES = frozenset({"/v1/instances", "/metrics", "/dashboard/data"})
 # Routes that change what the fleet does (drain an instance, move a request): an admin key
 # only, and refused outright when the front has no admin key configured.

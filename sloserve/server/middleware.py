@@ -28,8 +28,8 @@ UNLIMITED_BODY_PREFIX = "/internal/kv/"
 ADMIN_ROUTES = frozenset({"/metrics", "/dashboard/data"})  # what `--admin-key` restricts on a single instance
 # Behind the API's own keys too when there are no admin keys (the fleet's load and latencies).
 KEYED_ROUTES = frozenset({"/dashboard/data"})
-KNOWN_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics",
-                          "/tokenize", "/detokenize", "/version", "/dashboard", "/dashboard/data"})
+KNOWN_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models", "/health",
+                          "/metrics", "/tokenize", "/detokenize", "/version", "/dashboard", "/dashboard/data"})
 
 
 async def send_error(send: Send, err: APIError) -> None:

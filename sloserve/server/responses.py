@@ -67,6 +67,14 @@ class ResponsesRequest(_Strict):
 
     def to_chat(self) -> ChatCompletionRequest:
         """The chat call this Responses call is; 400s name the Responses field."""
+        try:
+            return ChatCompletionRequest.model_validate(self.chat_body())
+        except ValidationError as exc:
+            message, param = validation_message(exc.errors())
+            raise bad_request(message, responses_param(param)) from None
+
+    def chat_body(self) -> dict[str, Any]:
+        """The chat call's JSON body (what a fleet front forwards to a worker)."""
         if self.store:
             raise bad_request("responses are not stored here: send store false (or leave it out) and keep the "
                               "conversation on the client", "store", "unsupported_parameter")
@@ -86,11 +94,7 @@ class ResponsesRequest(_Strict):
             body["tool_choice"] = self._tool_choice()
         if self.text is not None:
             body["response_format"] = self._format()
-        try:
-            return ChatCompletionRequest.model_validate(body)
-        except ValidationError as exc:
-            message, param = validation_message(exc.errors())
-            raise bad_request(message, responses_param(param)) from None
+        return body
 
     def _messages(self) -> list[dict[str, Any]]:
         messages: list[dict[str, Any]] = []
