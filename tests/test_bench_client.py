@@ -141,3 +141,24 @@ def test_token_chunks_include_empty_text_but_not_the_chat_role_chunk():
     assert _is_token_chunk({"index": 0, "delta": {"content": ""}}, "chat")
     assert _is_token_chunk({"index": 0, "delta": {"reasoning_content": "hm"}}, "chat")
     assert not _is_token_chunk({"index": 0, "delta": {}, "finish_reason": "stop"}, "chat")
+    # a tool-call delta carries tokens, with a content field (sloserve) or without one (vLLM)
+    assert _is_token_chunk({"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": "{"}}]}},
+                           "chat")
+
+
+def test_structured_requests_ask_for_a_record_or_a_forced_call_and_never_ignore_eos():
+    import jsonschema
+
+    from sloserve.bench.structured import RECORD, TOOLS
+
+    hi = WorkloadRequest(0, 1, 64, prompt_text="hi")
+    json_body = request_body(hi, ClientConfig("http://h:1", endpoint="chat", structured="json"), None)
+    assert json_body["response_format"]["json_schema"]["schema"] == RECORD and "ignore_eos" not in json_body
+    tools_body = request_body(hi, ClientConfig("http://h:1", endpoint="chat", structured="tools"), None)
+    assert tools_body["tools"] == TOOLS and tools_body["tool_choice"] == "required" and "ignore_eos" not in tools_body
+    for tool in TOOLS:  # every tool's parameters are a valid schema
+        jsonschema.Draft202012Validator.check_schema(tool["function"]["parameters"])
+    with pytest.raises(ValueError, match="chat endpoint"):
+        ClientConfig("http://h:1", structured="json")
+    with pytest.raises(ValueError, match="structured must be one of"):
+        ClientConfig("http://h:1", endpoint="chat", structured="yaml")

@@ -12,6 +12,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Optional
 
+from sloserve.bench.structured import STRUCTURED_KINDS
+
 WORKLOAD_HELP = ("sharegpt, azure-code, azure-conv, mooncake-conv, mooncake-synthetic, servegen, synthetic, "
                  "or a file in one of those formats")
 
@@ -78,6 +80,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--extra-body", type=json.loads, default={}, metavar="JSON", help="fields merged into every body")
     g.add_argument("--no-ignore-eos", action="store_true",
                    help="let the model stop early (output lengths then differ from the workload's)")
+    g.add_argument("--structured", choices=STRUCTURED_KINDS,
+                   help="chat: every request asks for a JSON record under a schema (json) or forces a call to one of "
+                        "three tools (tools); outputs end when the constraint completes (no ignore_eos)")
     g.add_argument("--request-timeout", type=float, default=300.0, metavar="S", help="total time per request")
     g.add_argument("--drain-timeout", type=float, default=60.0, metavar="S",
                    help="with --duration: how long requests in flight may run past it")
@@ -140,7 +145,7 @@ def _plan(args: argparse.Namespace):
         tenant_keys={t.name: t.api_key for t in mix.tenants if t.api_key} if mix else {},
         send_qos_class=mix is not None and bool(mix.classes), max_concurrency=args.max_concurrency,
         request_timeout_s=args.request_timeout, drain_timeout_s=args.drain_timeout,
-        ignore_eos=not args.no_ignore_eos, extra_body=args.extra_body)
+        ignore_eos=not args.no_ignore_eos, extra_body=args.extra_body, structured=args.structured)
     rates = resolve_rates(args, spec)
     if args.warmup < 0:
         raise ValueError("--warmup must be >= 0")

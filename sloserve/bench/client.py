@@ -22,6 +22,7 @@ from typing import Any, Callable, Literal, Mapping, Optional, Sequence
 
 import httpx
 
+from sloserve.bench.structured import structured_fields
 from sloserve.records import RequestRecord, error_kind_for_status
 from sloserve.workload.types import DEFAULT_CLASS, WorkloadRequest
 
@@ -57,6 +58,7 @@ class ClientConfig:
     temperature: float = 0.0
     extra_body: Mapping[str, Any] = field(default_factory=dict)
     extra_headers: Mapping[str, str] = field(default_factory=dict)
+    structured: Optional[str] = None  # chat only: "json" or "tools" (bench/structured.py)
 
     def __post_init__(self) -> None:
         self.base_url = self.base_url.rstrip("/")
@@ -68,6 +70,10 @@ class ClientConfig:
             raise ValueError(f"endpoint must be completions or chat, got {self.endpoint!r}")
         if self.backend not in ("openai", "llamacpp"):
             raise ValueError(f"backend must be openai or llamacpp, got {self.backend!r}")
+        if self.structured is not None:
+            structured_fields(self.structured)  # a bad name fails here
+            if self.endpoint != "chat":
+                raise ValueError("structured requests need the chat endpoint")
 
     @property
     def api_root(self) -> str:
@@ -103,7 +109,9 @@ def request_body(req: WorkloadRequest, cfg: ClientConfig, model: Optional[str]) 
         body["messages"] = [{"role": "user", "content": req.prompt_text}]
     body.update(max_tokens=max_tokens, temperature=cfg.temperature, stream=True,
                 stream_options={"include_usage": True})
-    if cfg.ignore_eos:
+    if cfg.structured is not None:
+        body.update(structured_fields(cfg.structured))  # ends when the constraint completes: no ignore_eos
+    elif cfg.ignore_eos:
         body["ignore_eos"] = True
     if cfg.backend == "llamacpp":
         body["n_predict"] = max_tokens
@@ -125,10 +133,13 @@ def _is_token_chunk(choice: Mapping[str, Any], endpoint: Endpoint) -> bool:
     """Whether a streamed choice reports generated tokens. Its text may be empty (a special
     token, or bytes of a character not complete yet): the token exists, so it counts for TTFT
     and ITL, as in `vllm bench serve`. A chat stream's opening role chunk (role, empty content)
-    carries no token: servers may send it before the prefill has run."""
+    carries no token: servers may send it before the prefill has run. A tool-call delta carries
+    tokens, with or without a content field beside it."""
     if endpoint == "completions":
         return isinstance(choice.get("text"), str)
     delta = choice.get("delta") or {}
+    if delta.get("tool_calls"):
+        return True
     if "content" not in delta and "reasoning_content" not in delta:
         return False
     return not ("role" in delta and not delta.get("content") and not delta.get("reasoning_content"))
