@@ -174,6 +174,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         timeline_interval_s=args.dashboard_interval,
         event_loop=args.event_loop,
         tool_call_parser=args.tool_call_parser,
+        grammar_compile_timeout_s=args.grammar_compile_timeout,
     )
     settings.validate()
     low, high = parse_instance_range(args.instances)
@@ -248,6 +249,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tool-call-parser", choices=TOOL_PARSER_CHOICES, default="auto",
                    help="how chat outputs' tool calls are written and read: auto = the format the chat template "
                         "uses (hermes where it names none, as sloserve's own tool prompt asks)")
+    g.add_argument("--grammar-compile-timeout", type=float, default=10.0, metavar="S",
+                   help="a constraint (JSON schema, regex, grammar, forced tool calls) not compiled within S seconds "
+                        "is refused with 400 constraint_too_complex; compiles run off the event loop")
     g.add_argument("--client-stall-timeout", type=float, default=60.0, metavar="S",
                    help="end a stream (and abort its requests) whose client accepts no data for S seconds")
     g.add_argument("--no-shed-unattainable", action="store_true",

@@ -27,7 +27,8 @@ def front(tmp_path_factory):
     cfg = tmp / "qos.json"
     cfg.write_text(json.dumps(QOS_CONFIG))
     srv = ServerProcess(["--instances", "2", "--qos-config", str(cfg), "--max-body-bytes", str(MAX_BODY),
-                         "--no-shed-unattainable"], tmp / "front.log", startup_timeout=300)
+                         "--no-shed-unattainable", "--grammar-compile-timeout", "0.5"], tmp / "front.log",
+                        startup_timeout=300)
     try:
         wait_for(lambda: httpx.get(srv.base_url + "/health").json().get("healthy_instances") == 2, 240,
                  interval=0.5, what="both workers")
@@ -197,3 +198,20 @@ def test_the_responses_api_through_the_front_whole_and_streamed(front):
     with pytest.raises(openai.BadRequestError) as info:  # judged at the front, named as the Responses field
         client.responses.create(model=model, input="hi", max_output_tokens=-1)
     assert info.value.body["param"] == "max_output_tokens"
+
+
+def test_a_constraint_too_slow_to_compile_is_a_400_and_the_workers_serve_meanwhile(front, http):
+    """A schema whose compile outlasts the deadline (0.5 s here, handed on to the workers) is refused,
+    while /health and other calls go on; its compile finishes off the event loop and is then cached."""
+    client = openai.OpenAI(base_url=front.base_url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+    heavy = {"anyOf": [{"type": "object", "properties": {f"k{j}": {"type": "string", "maxLength": 50 + i}
+                                                         for j in range(20)}} for i in range(100)]}  # ~1 s on Zen4
+    fmt = {"type": "json_schema", "json_schema": {"name": "heavy", "schema": heavy}}
+    model = client.models.list().data[0].id
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=8,
+                                       response_format=fmt)
+    assert info.value.body["code"] == "constraint_too_complex" and info.value.body["param"] == "response_format"
+    quick = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+    assert quick.choices[0].finish_reason in ("stop", "length")
+    assert http.get("/health").status_code == 200

@@ -294,6 +294,10 @@ class LLMEngine:
         return ids
 
     @property
+    def grammar_built(self) -> bool:
+        return self._grammar is not None
+
+    @property
     def grammar(self) -> GrammarBackend:
         """The grammar engine of structured outputs, built with the first request that has one
         (importing it and reading the vocabulary cost about a second)."""

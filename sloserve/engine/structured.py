@@ -82,7 +82,11 @@ class GrammarBackend:
                                                        stop_token_ids=list(stop_token_ids))
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
         self._compiled: OrderedDict[StructuredOutput, Any] = OrderedDict()
-        self._lock = threading.Lock()  # the server compiles in its handlers, the engine in its loop
+        self._lock = threading.Lock()  # the server compiles on its grammar thread, the engine in make_request
+
+    def cached(self, constraint: StructuredOutput) -> bool:
+        with self._lock:
+            return constraint in self._compiled
 
     def compile(self, constraint: StructuredOutput) -> Any:
         """The compiled form of `constraint` (cached); StructuredOutputError when it does not compile."""

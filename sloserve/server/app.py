@@ -82,7 +82,8 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
                             stall_timeout_s=settings.stall_timeout_s,
                             salter=CacheSalter(cache_secret(settings.cache_salt_secret)),
                             tenants=TenantLimiter(settings.registry.limits_for),
-                            tool_call_parser=settings.tool_call_parser)
+                            tool_call_parser=settings.tool_call_parser,
+                            grammar_compile_timeout_s=settings.grammar_compile_timeout_s)
     # Its thread ends with the engine (the sampler reads nothing once the engine is gone).
     sampler = TimelineSampler(timeline, lambda: [read_instance(0, core.scheduler, core.kv)],
                               alive=lambda: engine.is_alive).start()

@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from sloserve.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestMigratedError, RequestStream
 from sloserve.engine.migration import ResumeState
 from sloserve.engine.llm_engine import ContextLengthError
+from sloserve.engine.structured import StructuredOutputError
 from sloserve.engine.outputs import CompletedOutput, OutputAccumulator, RequestOutput
 from sloserve.server.admission import Admission
 from sloserve.server.errors import STATUS_CLIENT_GONE, APIError, bad_request, error_body
@@ -57,7 +58,7 @@ from sloserve.server.responses import ResponsesRequest, ResponseWriter, response
 from sloserve.server.tool_calls import ToolUse, calls_json, prompt_messages, resolve_parser
 from sloserve.server.tool_parsers import ToolCallStream
 from sloserve.workers.contract import KV_PUSH_HEADER, RELAY_COMMENT
-from sloserve.types import QoSClass, SamplingParams
+from sloserve.types import QoSClass, SamplingParams, StructuredOutput
 
 logger = logging.getLogger(__name__)
 access_log = logging.getLogger("sloserve.access")
@@ -107,13 +108,16 @@ class OpenAIServing:
         salter: Optional[CacheSalter] = None,
         tenants: Optional[TenantLimiter] = None,
         tool_call_parser: str = "auto",
+        grammar_compile_timeout_s: float = 10.0,
     ) -> None:
         """`stall_timeout_s`: a stream whose client takes longer than this to accept one write
         is ended and its engine requests aborted. `tokenizer_threads` bounds how many prompts
         are tokenized at once (beyond that they queue, off the event loop). `salter` gives each
         request its prefix-cache salt (a keyed hash of its cache namespace); `tenants` enforces
         the per-tenant limits of the QoS config. `tool_call_parser` reads tool calls out of chat
-        outputs (tool_calls.py; auto = the one the chat template's format calls for)."""
+        outputs (tool_calls.py; auto = the one the chat template's format calls for). A call's
+        constraint compiles on a grammar thread of its own, off the event loop: one that has not
+        compiled within `grammar_compile_timeout_s` is a 400 (its compile goes on and is cached)."""
         if not stall_timeout_s > 0:
             raise ValueError(f"stall_timeout_s must be > 0, got {stall_timeout_s!r}")
         self.engine = engine
@@ -127,6 +131,8 @@ class OpenAIServing:
         self.tokenizer = engine.engine.tokenizer
         self.strings = TokenStrings(self.tokenizer)
         self.tool_parser = resolve_parser(tool_call_parser, self.tokenizer.chat_template)
+        self.grammar_compile_timeout_s = grammar_compile_timeout_s
+        self._grammar_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sloserve-grammar")
         self._tokenize_pool = ThreadPoolExecutor(max_workers=tokenizer_threads, thread_name_prefix="sloserve-tokenize")
         # A fleet worker's pipelined hand-off (worker_migration.Migrations.push_early): called
         # with (engine id, target URL, migration id) once a request that asked for one is queued.
@@ -139,6 +145,7 @@ class OpenAIServing:
         ctx = ctx or self._context(body, request, "cmpl")
         params = body.sampling_params()
         prompts = body.prompts()
+        await self._compile(params.structured)
         # Refuse under overload before spending CPU on tokenization.
         self._counting_rejections(self.admission.check_room, len(prompts) * body.num_choices)
         prompt_ids = await self._off_loop(lambda: [self._tokenize(p) for p in prompts], "prompt")
@@ -225,6 +232,7 @@ class OpenAIServing:
         """A chat call judged, its conversation rendered and tokenized, its choices submitted."""
         params = body.sampling_params(self.tool_parser.name)
         tools = ToolUse.of(body, self.tool_parser)
+        await self._compile(params.structured)
         messages, template_tools = self.template_input(body.conversation(),
                                                        tools.template_tools(body) if tools is not None else None)
         self._counting_rejections(self.admission.check_room, body.num_choices)
@@ -296,6 +304,27 @@ class OpenAIServing:
         push = request.headers.get(KV_PUSH_HEADER, "").split() if relay else []
         return CallContext(request_id, model, principal, qos, priority, relay=relay,
                            kv_push=(push[0], push[1]) if len(push) == 2 else None)
+
+    async def _compile(self, constraint: Optional[StructuredOutput]) -> None:
+        """Compile a call's constraint on the grammar thread (the engine then finds it cached):
+        xgrammar releases the GIL, so streams and /health go on meanwhile. 400 for one that does
+        not compile, or not within the deadline."""
+        if constraint is None:
+            return
+        loop = asyncio.get_running_loop()
+        engine = self.engine.engine
+        # the grammar engine itself (built with the first constraint: about a second) is not the call's to pay for
+        grammar = engine.grammar if engine.grammar_built else \
+            await loop.run_in_executor(self._grammar_pool, lambda: engine.grammar)
+        work = loop.run_in_executor(self._grammar_pool, lambda: grammar.compile(constraint))
+        try:
+            await asyncio.wait_for(work, self.grammar_compile_timeout_s)
+        except TimeoutError:
+            raise bad_request(f"the {constraint.source} constraint did not compile within "
+                              f"{self.grammar_compile_timeout_s:g} s; simplify it", constraint.source,
+                              "constraint_too_complex") from None
+        except StructuredOutputError as exc:
+            raise bad_request(str(exc), exc.param) from None
 
     async def _off_loop(self, work, param: str):
         """Run tokenizer work in the pool; its bad-input errors become a 400 on `param`."""

@@ -46,6 +46,9 @@ class ServerSettings:
     # Reads tool calls out of chat outputs and names the format forced calls are generated in
     # (tool_calls.py): hermes, llama3_json, mistral, or auto (the one the chat template's format calls for).
     tool_call_parser: str = "auto"
+    # A constraint (schema, regex, grammar, forced tool calls) compiles off the event loop; one that
+    # takes longer than this is refused with 400 constraint_too_complex.
+    grammar_compile_timeout_s: float = 10.0
 
     def connection_limits(self) -> ConnectionLimits:
         return ConnectionLimits(header_timeout_s=self.header_timeout_s, body_timeout_s=self.body_timeout_s,
@@ -65,6 +68,8 @@ class ServerSettings:
             raise ValueError(f"client stall timeout must be > 0, got {self.stall_timeout_s}")
         if not self.timeline_interval_s > 0:
             raise ValueError(f"dashboard interval must be > 0, got {self.timeline_interval_s}")
+        if not self.grammar_compile_timeout_s > 0:
+            raise ValueError(f"grammar compile timeout must be > 0, got {self.grammar_compile_timeout_s}")
         if self.tool_call_parser not in TOOL_PARSER_CHOICES:
             raise ValueError(f"tool-call parser must be one of {', '.join(TOOL_PARSER_CHOICES)}, "
                              f"got {self.tool_call_parser!r}")

@@ -131,7 +131,7 @@ def build_worker_app(engine_config: EngineConfig, settings, fleet_secret: Option
 
 # The ServerSettings a front hands on to its workers unchanged (the edge options, such as
 # timeouts and connection caps, belong to the front, which is what clients reach).
-WORKER_OPTIONS = ("stall_timeout_s", "shed_unattainable", "tool_call_parser")
+WORKER_OPTIONS = ("stall_timeout_s", "shed_unattainable", "tool_call_parser", "grammar_compile_timeout_s")
 
 
 def worker_options(settings) -> dict:
