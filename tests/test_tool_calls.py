@@ -213,10 +213,33 @@ def test_a_conversation_carries_calls_and_results_back_and_tool_choice_none_answ
             assert c.message.tool_calls is None and c.message.content
         else:
             check_calls(c.message.tool_calls or [], set(SCHEMAS))  # any call it makes names a declared tool
-    # /tokenize renders tools and turns as generation does; tool_choice none offers no tools
+    # /tokenize renders tools and turns as generation does; under tool_choice none the tools stay in the prompt
     import httpx
 
     base = str(client.base_url).removesuffix("/").removesuffix("/v1")
     with_tools = httpx.post(base + "/tokenize", json={"messages": turns, "tools": TOOLS}).json()["count"]
     without = httpx.post(base + "/tokenize", json={"messages": turns}).json()["count"]
-    assert prompt_tokens == {"auto": with_tools, "none": without} and with_tools > without + 50
+    assert prompt_tokens == {"auto": with_tools, "none": with_tools} and with_tools > without + 50
+
+
+@pytest.mark.slow
+def test_the_bench_client_runs_an_agents_round_trip_against_the_server(default_server):
+    """`sloserve bench --structured agent`: each workload request is a forced call and, once it is
+    answered, the conversation with the call and its result sent back for the answer in words."""
+    import asyncio
+
+    from sloserve.bench.client import BenchClient, ClientConfig
+    from sloserve.workload.types import WorkloadRequest
+
+    cfg = ClientConfig(default_server.base_url, endpoint="chat", structured="agent")
+    asks = ["Find documents about solar panels.", "What is the weather in Oslo this week?",
+            "Open a high-priority ticket: the login page is down."]
+    run = asyncio.run(BenchClient(cfg).run([WorkloadRequest(0.1 * i, 20, 60, prompt_text=a, request_id=f"s{i}")
+                                            for i, a in enumerate(asks)]))
+    assert len(run.records) == 6 and all(r.success for r in run.records), [r.error for r in run.records]
+    by_id = {r.request_id: r for r in run.records}
+    for i in range(3):
+        call, answer = by_id[f"s{i}"], by_id[f"s{i}/answer"]
+        assert call.finish_reason == "tool_calls" and answer.finish_reason in ("stop", "length")
+        assert answer.prompt_tokens > call.prompt_tokens + call.output_tokens  # the call and its result came back
+        assert answer.dispatch_s >= call.send_s + call.e2e_s  # sent once the call was answered

@@ -17,12 +17,12 @@ import json
 import logging
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Literal, Mapping, Optional, Sequence
 
 import httpx
 
-from sloserve.bench.structured import structured_fields
+from sloserve.bench.structured import answer_turn, structured_fields
 from sloserve.records import RequestRecord, error_kind_for_status
 from sloserve.workload.types import DEFAULT_CLASS, WorkloadRequest
 
@@ -145,6 +145,19 @@ def _is_token_chunk(choice: Mapping[str, Any], endpoint: Endpoint) -> bool:
     return not ("role" in delta and not delta.get("content") and not delta.get("reasoning_content"))
 
 
+def _assemble(answer: dict, delta: Mapping[str, Any]) -> None:
+    """Fold a chat delta into `answer`: content, and calls from their deltas (id and name, then arguments)."""
+    answer["content"] = answer.get("content", "") + (delta.get("content") or "")
+    calls = answer.setdefault("calls", [])
+    for d in delta.get("tool_calls") or []:
+        function = d.get("function") or {}
+        if d.get("index") == len(calls):
+            calls.append({"id": d.get("id"), "type": "function",
+                          "function": {"name": function.get("name"), "arguments": function.get("arguments") or ""}})
+        elif isinstance(d.get("index"), int) and 0 <= d["index"] < len(calls):
+            calls[d["index"]]["function"]["arguments"] += function.get("arguments") or ""
+
+
 def _error_message(body: bytes) -> str:
     text = body.decode("utf-8", errors="replace")
     try:
@@ -210,8 +223,8 @@ class BenchClient:
                 tasks.append(asyncio.create_task(self._one(http, sem, model, i, req, dispatch, stop_at, hard_stop)))
             results = await asyncio.gather(*tasks)
             duration = self._now()
-        records = [r for r in results if r is not None]
-        return RunResult(records, duration, num_unsent=len(results) - len(records), model=model)
+        records = [r for rs in results if rs is not None for r in rs]
+        return RunResult(records, duration, num_unsent=sum(rs is None for rs in results), model=model)
 
     async def _sleep_until(self, t: float) -> None:
         """Sleep until run time t; never returns early (asyncio may wake a hair before)."""
@@ -223,16 +236,34 @@ class BenchClient:
 
     async def _one(self, http: httpx.AsyncClient, sem: Optional[asyncio.Semaphore], model: Optional[str], index: int,
                    req: WorkloadRequest, dispatch_s: float, stop_at: float,
-                   hard_stop: float) -> Optional[RequestRecord]:
+                   hard_stop: float) -> Optional[list[RequestRecord]]:
         if sem is None:
-            return await self._send(http, model, index, req, dispatch_s, hard_stop)
+            return await self._session(http, model, index, req, dispatch_s, hard_stop)
         async with sem:
             if self._now() >= stop_at:
                 return None  # the run is over; this one was never sent
-            return await self._send(http, model, index, req, dispatch_s, hard_stop)
+            return await self._session(http, model, index, req, dispatch_s, hard_stop)
 
-    async def _send(self, http: httpx.AsyncClient, model: Optional[str], index: int, req: WorkloadRequest,
-                    dispatch_s: float, hard_stop: float) -> RequestRecord:
+    async def _session(self, http: httpx.AsyncClient, model: Optional[str], index: int, req: WorkloadRequest,
+                       dispatch_s: float, hard_stop: float) -> list[RequestRecord]:
+        """The calls one workload request makes: one, or an agent's two (bench/structured.py), the
+        second sent as soon as the first is answered."""
+        def first_body() -> dict:
+            return request_body(req, self.cfg, model)
+
+        if self.cfg.structured != "agent":
+            return [await self._send(http, index, req, first_body, dispatch_s, hard_stop)]
+        answer: dict = {}
+        first = await self._send(http, index, req, first_body, dispatch_s, hard_stop, answer)
+        if not first.success or not answer.get("calls"):
+            return [first]
+        second = await self._send(http, index, replace(req, request_id=f"{req.request_id}/answer"),
+                                  lambda: answer_turn(first_body(), answer["content"], answer["calls"]), self._now(),
+                                  hard_stop)
+        return [first, second]
+
+    async def _send(self, http: httpx.AsyncClient, index: int, req: WorkloadRequest, make_body: Callable[[], dict],
+                    dispatch_s: float, hard_stop: float, answer: Optional[dict] = None) -> RequestRecord:
         cfg = self.cfg
         rec = RequestRecord(index=index, request_id=req.request_id, tenant=req.tenant, qos_class=req.qos_class,
                             scheduled_s=req.arrival_s, dispatch_s=dispatch_s, prompt_len=req.prompt_len,
@@ -240,8 +271,9 @@ class BenchClient:
         rec.send_s = self._now()
         budget = min(cfg.request_timeout_s, hard_stop - rec.send_s)
         try:
-            body = request_body(req, cfg, model)
-            await asyncio.wait_for(self._stream(http, body, request_headers(req, cfg), rec), timeout=max(budget, 0))
+            body = make_body()
+            await asyncio.wait_for(self._stream(http, body, request_headers(req, cfg), rec, answer),
+                                   timeout=max(budget, 0))
         except asyncio.TimeoutError:
             cut_by_run = budget < cfg.request_timeout_s
             rec.error_kind = "cancelled" if cut_by_run else "timeout"
@@ -259,8 +291,10 @@ class BenchClient:
             self.on_record(rec)
         return rec
 
-    async def _stream(self, http: httpx.AsyncClient, body: dict, headers: dict, rec: RequestRecord) -> None:
-        """POST, then read server-sent events until [DONE] or the end of the body."""
+    async def _stream(self, http: httpx.AsyncClient, body: dict, headers: dict, rec: RequestRecord,
+                      answer: Optional[dict] = None) -> None:
+        """POST, then read server-sent events until [DONE] or the end of the body; with `answer`,
+        the chat answer's content and tool calls are assembled into it from the deltas."""
         endpoint = self.cfg.endpoint
         async with http.stream("POST", self.cfg.url, json=body, headers=headers) as resp:
             rec.http_status = resp.status_code
@@ -294,6 +328,8 @@ class BenchClient:
                 if choices:
                     choice = choices[0]
                     last_choice_at = now
+                    if answer is not None:
+                        _assemble(answer, choice.get("delta") or {})
                     if _is_token_chunk(choice, endpoint):
                         if rec.ttft_s is None:
                             rec.ttft_s = now - rec.send_s

@@ -32,6 +32,7 @@ from sloserve.server.protocol import (
     TokenizeRequest,
 )
 from sloserve.server.responses import ResponsesRequest
+from sloserve.server.tool_calls import tool_definitions
 from sloserve.server.serving import OpenAIServing
 from sloserve.server.settings import ServerSettings
 from sloserve.server.qos import CacheSalter, cache_secret
@@ -157,8 +158,8 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         """The whole answer, serialized here: a million ids take FastAPI's encoder a second."""
         try:
             if body.messages is not None:
-                tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
-                messages, tools = serving.template_input([m.plain(i) for i, m in enumerate(body.messages)], tools)
+                messages, tools = serving.template_input([m.plain(i) for i, m in enumerate(body.messages)],
+                                                         tool_definitions(body))
                 ids = core.tokenizer.encode_chat(messages, body.add_generation_prompt, tools)
             else:
                 ids = core.tokenizer.encode(body.prompt or "")

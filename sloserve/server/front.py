@@ -391,7 +391,7 @@ class Front:
         no worker could tokenize it now; routed without prefix hints."""
         if chat:
             payload = {"messages": body["messages"], "add_generation_prompt": True}
-            if body.get("tools") and body.get("tool_choice") != "none":  # rendered into the prompt as the worker will
+            if body.get("tools"):  # rendered into the prompt as the worker will
                 payload["tools"] = body["tools"]
         else:
             prompt = body["prompt"]

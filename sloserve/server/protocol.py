@@ -350,9 +350,9 @@ class ChatCompletionRequest(SamplingFields):
         return [m.plain(i) for i, m in enumerate(self.messages)]
 
     def tool_mode(self) -> str:
-        """How this call uses its tools: "none" (not offered: no tools, or tool_choice none), "auto"
-        (the model may call them), "required" (at least one call) or "named" (tool_choice names one);
-        400 for a tool list or choice that is not well formed."""
+        """How this call uses its tools: "none" (no tools, or tool_choice none: no call read out or
+        forced), "auto" (the model may call them), "required" (at least one call) or "named"
+        (tool_choice names one); 400 for a tool list or choice that is not well formed."""
         tools = self.tools or []
         names = [t.function.name for t in tools]
         for i, name in enumerate(names):

@@ -55,7 +55,7 @@ from sloserve.server.protocol import (
 from sloserve.server.qos import ANONYMOUS, CacheSalter, Principal, QoSRegistry, cache_secret
 from sloserve.server.tenants import TenantLimiter, client_request_id, scope_request_id
 from sloserve.server.responses import ResponsesRequest, ResponseWriter, responses_param
-from sloserve.server.tool_calls import ToolUse, calls_json, prompt_messages, resolve_parser
+from sloserve.server.tool_calls import ToolUse, calls_json, prompt_messages, resolve_parser, tool_definitions
 from sloserve.server.tool_parsers import ToolCallStream
 from sloserve.workers.contract import KV_PUSH_HEADER, RELAY_COMMENT
 from sloserve.types import QoSClass, SamplingParams, StructuredOutput
@@ -233,8 +233,7 @@ class OpenAIServing:
         params = body.sampling_params(self.tool_parser.name)
         tools = ToolUse.of(body, self.tool_parser)
         await self._compile(params.structured)
-        messages, template_tools = self.template_input(body.conversation(),
-                                                       tools.template_tools(body) if tools is not None else None)
+        messages, template_tools = self.template_input(body.conversation(), tool_definitions(body))
         self._counting_rejections(self.admission.check_room, body.num_choices)
         ids = await self._off_loop(
             lambda: self._check_length(self.engine.engine.tokenize_chat(messages, True, template_tools)), "messages")
@@ -274,7 +273,7 @@ class OpenAIServing:
             prompt = body.prompt
             ids = await self._off_loop(lambda: self._tokenize(prompt), "prompt")
         else:
-            tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+            tools = tool_definitions(body)
             messages, tools = self.template_input([m.plain(i) for i, m in enumerate(body.messages)], tools)
             render = body.add_generation_prompt
             ids = await self._off_loop(

@@ -9,7 +9,8 @@ turn listing the functions' JSON schemas and showing how to write a call in the 
 earlier calls written back into their assistant turns in that format, and tool results as user
 turns in <tool_response> tags.
 
-The answer. With tools offered (tool_choice not "none"), the server's parser (`--tool-call-parser`;
+The tools are in the prompt whatever tool_choice says (under "none" too: an agent's answer turn then
+starts with the same prompt as its calls, cached). The answer. With tool_choice not "none", the server's parser (`--tool-call-parser`;
 auto = the one the template's own format calls for) splits the output into content and calls;
 `required` and a named function are enforced by the grammar engine (protocol.py builds the
 constraint in the parser's format), so their calls always parse. `parallel_tool_calls: false`
@@ -79,6 +80,12 @@ def prompt_messages(conversation: list[dict[str, Any]], tools: Optional[list[dic
     return messages, None
 
 
+def tool_definitions(body: Any) -> Optional[list[dict[str, Any]]]:
+    """A call's tools as the prompt shows them: whatever its tool_choice, so the prompt of an agent's
+    next turn (tool_choice none for an answer in words) starts as its last one did, cached."""
+    return [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+
+
 def calls_json(calls: tuple[ToolCall, ...]) -> list[dict[str, Any]]:
     return [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
 
@@ -97,9 +104,6 @@ class ToolUse:
         if mode == "none":
             return None
         return cls(mode, body.parallel_tool_calls is not False and mode != "named", parser)
-
-    def template_tools(self, body: ChatCompletionRequest) -> list[dict[str, Any]]:
-        return [t.model_dump(exclude_none=True) for t in body.tools or []]
 
     def parse(self, text: str) -> ParsedOutput:
         """A finished output's content and calls (content stripped; None beside calls when empty)."""
