@@ -9,13 +9,15 @@ turn listing the functions' JSON schemas and showing how to write a call in the 
 earlier calls written back into their assistant turns in that format, and tool results as user
 turns in <tool_response> tags.
 
-The tools are in the prompt whatever tool_choice says (under "none" too: an agent's answer turn then
-starts with the same prompt as its calls, cached). The answer. With tool_choice not "none", the server's parser (`--tool-call-parser`;
-auto = the one the template's own format calls for) splits the output into content and calls;
-`required` and a named function are enforced by the grammar engine (protocol.py builds the
-constraint in the parser's format), so their calls always parse. `parallel_tool_calls: false`
-keeps the first call. finish_reason is "tool_calls" when an answer that ended by itself made
-calls, except under a named tool_choice, where OpenAI answers "stop".
+The tools are in the prompt whatever tool_choice says (under "none" too: an agent's answer turn
+then starts with the same prompt as its calls, cached).
+
+The answer. With tool_choice not "none", the server's parser (`--tool-call-parser`; auto = the one
+the template's own format calls for) splits the output into content and calls; `required` and a
+named function are enforced by the grammar engine (protocol.py builds the constraint in the
+parser's format), so their calls always parse. `parallel_tool_calls: false` keeps the first call.
+finish_reason is "tool_calls" when an answer that ended by itself made calls, except under a named
+tool_choice, where OpenAI answers "stop".
 """
 from __future__ import annotations
 
