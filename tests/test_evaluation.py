@@ -409,3 +409,18 @@ def test_quick_forecasting_run_both_splits(tmp_path):
     write_report(run, folder)
     md = (folder / "report.md").read_text()
     assert "#### forecasting" in md and "| gbm | " in md and "naive ÷ candidate" in md
+
+
+def test_the_checkpoints_code_digest_ignores_comments_and_docstrings_but_not_code(tmp_path):
+    from sloserve.evaluation.checkpoint import code_digest
+
+    src = tmp_path / "policy.py"
+
+    def digest(text: str) -> str:
+        src.write_text(text)
+        return code_digest([src])
+
+    base = digest('"""A policy."""\ndef f(x):\n    """Doubles."""\n    return 2 * x  # twice\n')
+    assert digest('"""A policy, reworded."""\ndef f(x):\n    # a new comment\n    return 2 * x\n') == base
+    assert digest('def f(x):\n    return 3 * x\n') != base
+    assert digest('def f(x):\n    """Doubles."""\n    return 2 * x\nLIMIT = 4\n') != base

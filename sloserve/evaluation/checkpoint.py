@@ -7,9 +7,13 @@ judges the cells with the restored metrics beside the new ones. "The same code" 
 sources that produce the decision's numbers (the simulator, the schedulers, the KV manager, the
 cluster policies, the fleet assembly, the workloads, and the evaluation modules that measure: the
 suite, the fleet, the metrics and the decision's own module): a job recorded before any of them
-changed is measured again. A line that cannot be read (a run killed mid-write) is skipped."""
+changed is measured again; the digest is of the code's syntax trees without docstrings, so a
+comment or a docstring edited is not a change. A line that cannot be read (a run killed mid-write)
+is skipped."""
 from __future__ import annotations
 
+import ast
+import hashlib
 import json
 import logging
 import sys
@@ -21,7 +25,6 @@ from typing import Any, Mapping
 from sloserve.evaluation.decisions import DECISIONS
 from sloserve.evaluation.suite import Cell
 from sloserve.records import jsonable
-from sloserve.user_cache import source_fingerprint
 
 logger = logging.getLogger(__name__)
 
@@ -35,9 +38,30 @@ _MEASURED_BY_FILES = ("simulation.py", "planning.py", "types.py", "config.py", "
 @lru_cache(maxsize=None)
 def code_fingerprint(decision: str) -> str:
     """A digest of the sources `decision`'s numbers depend on (see the module docstring)."""
-    files = [p for d in _MEASURED_BY for p in (_PACKAGE / d).rglob("*.py")]
+    return code_digest(measured_by(decision))
+
+
+def measured_by(decision: str, package: Path = _PACKAGE) -> list[Path]:
+    """The source files `decision`'s numbers depend on, under `package` (sloserve/ or a copy of it)."""
+    files = [p for d in _MEASURED_BY for p in (package / d).rglob("*.py")]
     own = Path(sys.modules[DECISIONS[decision].__module__].__file__ or "")
-    return source_fingerprint(files + [_PACKAGE / f for f in _MEASURED_BY_FILES] + [own])
+    return files + [package / f for f in _MEASURED_BY_FILES] + [package / own.relative_to(_PACKAGE)]
+
+
+def code_digest(paths: list[Path]) -> str:
+    """A digest of source files as code: their syntax trees without docstrings (comments never reach one)."""
+    h = hashlib.blake2b(digest_size=12)
+    for path in sorted(paths):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            body = getattr(node, "body", None)
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body and \
+                    isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) and \
+                    isinstance(body[0].value.value, str):
+                node.body = body[1:] or [ast.Pass()]
+        h.update(path.name.encode())
+        h.update(ast.dump(tree).encode())
+    return h.hexdigest()
 
 
 def job_key(decision: str, measure: Any, cell: Cell, seed: int) -> str:
