@@ -85,6 +85,37 @@ def test_openai_client_sees_one_uninterrupted_stream(fleet):
     assert usage is not None and usage.completion_tokens == plain.usage.completion_tokens
 
 
+def test_a_forced_tool_call_stream_moved_mid_call_reads_as_the_unmoved_answer(fleet):
+    """The instance a stream moves to rebuilds what the client was sent of the calls from the tokens:
+    the call is opened once, and its argument fragments add up to the unmoved answer's."""
+    base = fleet.base_url
+    client = OpenAI(base_url=base + "/v1", api_key="none")
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 40},
+                                         "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+        "required": ["city", "days"], "additionalProperties": False}}}]
+    ask = {"model": MODEL, "messages": [{"role": "user", "content": "Weather in Paris for three days?"}],
+           "tools": tools, "tool_choice": "required", "parallel_tool_calls": False, "max_tokens": 60, "temperature": 0}
+    whole = client.chat.completions.create(**ask).choices[0].message.tool_calls
+    opened, arguments, moved, chunks = [], "", [], 0
+    for chunk in client.chat.completions.create(**ask, stream=True, extra_headers={"X-Request-Id": "tool-move"}):
+        if not chunk.choices:
+            continue
+        chunks += 1
+        for d in chunk.choices[0].delta.tool_calls or []:
+            if d.id is not None:
+                opened.append((d.id, d.function.name))
+            arguments += d.function.arguments or ""
+        if chunks == 12 and not moved:  # inside the call's arguments
+            for target in (0, 1):
+                r = admin("POST", base + "/v1/migrations", json={"request_id": "tool-move", "target": target})
+                if r.status_code == 200:
+                    moved.append(r.json())
+                    break
+    assert moved and moved[0]["migrated"], moved
+    assert [name for _, name in opened] == ["get_weather"] and arguments == whole[0].function.arguments
+
+
 def test_a_killed_worker_loses_no_stream(fleet):
     base = fleet.base_url
     params = {"max_tokens": 48, "temperature": 0, "ignore_eos": True}
