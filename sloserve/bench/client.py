@@ -255,8 +255,8 @@ class BenchClient:
             return [await self._send(http, index, req, first_body, dispatch_s, hard_stop)]
         answer: dict = {}
         first = await self._send(http, index, req, first_body, dispatch_s, hard_stop, answer)
-        if not first.success or not answer.get("calls"):
-            return [first]
+        if not first.success or first.finish_reason != "tool_calls" or not answer.get("calls"):
+            return [first]  # a call cut by max_tokens has no complete arguments to answer
         second = await self._send(http, index, replace(req, request_id=f"{req.request_id}/answer"),
                                   lambda: answer_turn(first_body(), answer["content"], answer["calls"]), self._now(),
                                   hard_stop)
