@@ -8,9 +8,10 @@ request's decode against the same request unconstrained.
    p99 and max per token.
 2. End to end: the embedded model (default precision) generates the same 3-field JSON greedily,
    once constrained and once unconstrained (ignore_eos, same length), interleaved: the ratio of
-   their decode times.
+   their decode times, for a batch of 1 and of each `--batch` size (that many requests at once,
+   each with its own prompt: every row of the batch masked).
 
-    .venv/bin/python benchmarks/structured_outputs.py [--rounds 5]
+    .venv/bin/python benchmarks/structured_outputs.py [--rounds 5] [--batch 1,16,64]
 """
 from __future__ import annotations
 
@@ -88,15 +89,19 @@ def llguidance_times(tokenizer, constraint: StructuredOutput, ids: list[int], vo
     return times
 
 
-def decode_seconds(llm: LLM, params: SamplingParams) -> tuple[float, int]:
+def decode_seconds(llm: LLM, params: SamplingParams, batch: int = 1) -> tuple[float, int]:
+    """Seconds to generate `batch` requests at once (each its own prompt), and the tokens generated."""
+    chats = [[{"role": "user", "content": f"Describe person number {i} as JSON."}] for i in range(batch)]
     t0 = time.perf_counter()
-    out = llm.chat([{"role": "user", "content": "Describe a person as JSON."}], params)[0]
-    return time.perf_counter() - t0, len(out.token_ids)
+    outs = llm.chat(chats, params)
+    return time.perf_counter() - t0, sum(len(o.token_ids) for o in outs)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--batch", default="1", help="batch sizes of the end-to-end comparison, e.g. 1,16,64")
+    ap.add_argument("--skip-masks", action="store_true", help="only the end-to-end comparison")
     args = ap.parse_args()
     console = Console()
     llm = LLM()
@@ -117,7 +122,7 @@ def main() -> int:
     table = Table(title=f"token mask per step, us (median / p99 / max over {args.rounds} rounds; {cpu})")
     for col in ("constraint", "tokens", "xgrammar", "llguidance"):
         table.add_column(col)
-    for name, constraint, text in cases():
+    for name, constraint, text in ([] if args.skip_masks else cases()):
         ids = llm.tokenizer.encode(text, add_special_tokens=False)
         xg, lg = [], []
         for _ in range(args.rounds):  # interleaved
@@ -138,14 +143,18 @@ def main() -> int:
                                  structured=StructuredOutput("json", json.dumps(SMALL)))
     _, n = decode_seconds(llm, constrained)
     free = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
-    ratios = []
-    for _ in range(args.rounds):
-        a, _ = decode_seconds(llm, constrained)
-        b, _ = decode_seconds(llm, free)
-        ratios.append(a / b)
-    console.print(f"end to end ({n} tokens, default precision): constrained / unconstrained time "
-                  f"median {statistics.median(ratios):.3f} (range {min(ratios):.3f}-{max(ratios):.3f}, "
-                  f"{args.rounds} interleaved pairs)")
+    bounded = SamplingParams(max_tokens=n, temperature=0, structured=constrained.structured)
+    for batch in (int(b) for b in args.batch.split(",")):
+        ratios, made = [], []
+        for _ in range(args.rounds):  # per generated token: a constrained output may end before n
+            a, ka = decode_seconds(llm, bounded, batch)
+            b, kb = decode_seconds(llm, free, batch)
+            ratios.append((a / ka) / (b / kb))
+            made.append(ka / kb)
+        console.print(f"end to end, batch {batch} (up to {n} tokens each, default precision): constrained / "
+                      f"unconstrained time per generated token median {statistics.median(ratios):.3f} (range "
+                      f"{min(ratios):.3f}-{max(ratios):.3f}, {args.rounds} interleaved pairs; constrained outputs "
+                      f"{statistics.median(made):.2f}x the tokens)")
     return 0
 
 

@@ -271,3 +271,27 @@ def test_forced_tool_calls_parse_and_hold_their_parameter_schemas(llm):
     with pytest.raises(StructuredOutputError, match="format must be one of"):
         llm.generate("x", SamplingParams(structured=StructuredOutput("tool_calls", json.dumps(
             {"functions": functions, "format": "nope"}))))
+
+
+def test_the_native_mask_kernel_masks_as_xgramars_does():
+    """engine/kernels' apply_token_bitmask_ against xgrammar's own, on some rows of a batch, a
+    vocabulary that ends mid-word and rows whose words are all ones (skipped by the vector loop)."""
+    import torch
+    import xgrammar as xgr
+
+    from sloserve.engine.kernels import load_fused_ops
+
+    native = load_fused_ops()
+    if native is None or not hasattr(native, "apply_token_bitmask_"):
+        pytest.skip("no native kernels on this machine")
+    gen = torch.Generator().manual_seed(0)
+    for vocab in (49_152, 1_000):
+        logits = torch.randn(6, vocab + 7, generator=gen)
+        bitmask = torch.randint(-2**31, 2**31 - 1, (6, (vocab + 31) // 32), dtype=torch.int32, generator=gen)
+        bitmask[2] = -1  # every token allowed
+        rows = [0, 2, 3, 5]
+        ours, theirs = logits.clone(), logits.clone()
+        native.apply_token_bitmask_(ours, bitmask, torch.tensor(rows), vocab)
+        xgr.apply_token_bitmask_inplace(theirs, bitmask, vocab_size=vocab, indices=rows)
+        assert torch.equal(ours, theirs)
+        assert torch.equal(ours[1], logits[1]) and torch.equal(ours[2], logits[2])  # untouched and all-allowed rows

@@ -308,6 +308,8 @@ class LLMEngine:
                     text = self.tokenizer.id_to_token(eos) if eos is not None else None
                     self._grammar = GrammarBackend(hf_view(self.tokenizer.backend, text), self.model_config.vocab_size,
                                                    self.model_config.eos_token_ids)
+                    fused = getattr(self.runner.model, "fused", None)
+                    self._grammar.native = fused if hasattr(fused, "apply_token_bitmask_") else None
                     self.runner.grammar = self._grammar
         return self._grammar
 

@@ -83,6 +83,7 @@ class GrammarBackend:
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
         self._compiled: OrderedDict[StructuredOutput, Any] = OrderedDict()
         self._lock = threading.Lock()  # the server compiles on its grammar thread, the engine in make_request
+        self.native: Any = None  # the native kernels' module (engine/kernels), when the engine has them
 
     def cached(self, constraint: StructuredOutput) -> bool:
         with self._lock:
@@ -183,7 +184,14 @@ class GrammarBackend:
         return bitmask, rows
 
     def apply(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
-        """Mask `logits` in place: each row of `rows` keeps only what its bitmask row allows."""
+        """Mask `logits` in place: each row of `rows` keeps only what its bitmask row allows. On a
+        CPU with the native kernels, sloserve's own (AVX-512: 16 logits a mask half-word; xgrammar's
+        CPU kernel took 1.7 ms for 16 rows of the 49,152-token vocabulary, 10% of the step)."""
+        native = self.native
+        if native is not None and logits.device.type == "cpu" and logits.dtype == torch.float32 \
+                and logits.is_contiguous():
+            native.apply_token_bitmask_(logits, bitmask, torch.tensor(rows, dtype=torch.long), self.vocab_size)
+            return
         self._xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), vocab_size=self.vocab_size,
                                               indices=rows)
 

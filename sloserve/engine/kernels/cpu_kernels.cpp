@@ -23,6 +23,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("out"), pybind11::arg("kernel") = "auto", no_gil);
   m.def("write_kv_", &write_kv_, "store the new tokens' K and V into a layer's paged cache", no_gil);
   m.def("argmax_rows", &argmax_rows, "index of each row's largest value (first on ties)", no_gil);
+  m.def("apply_token_bitmask_", &apply_token_bitmask_, "structured outputs: -inf where a row's bitmask disallows",
+        pybind11::arg("logits"), pybind11::arg("bitmask"), pybind11::arg("rows"), pybind11::arg("vocab"), no_gil);
   m.def("int8_gemv_supported", &int8_gemv_supported, "whether this build has the W8A8 product (AVX2)");
   m.def("int8_kernel_isas", &int8_kernel_isas, "the ISAs of the int8 products this build has, fastest first");
   m.def("int8_gemv", &int8_gemv, "x W^T with int8 weights and per-32-block int8 activations", pybind11::arg("x"),

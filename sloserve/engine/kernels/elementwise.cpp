@@ -257,4 +257,48 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
   return out;
 }
 
+// Structured outputs: each listed row r of logits [R, V] keeps the tokens bitmask row r allows
+// (bit j of word w allows token 32 w + j) and the others become -inf. AVX-512: 16 lanes at a time
+// under the mask's half-words; otherwise a branch-free scalar loop.
+void apply_token_bitmask_(at::Tensor& logits, const at::Tensor& bitmask, const at::Tensor& rows, int64_t vocab) {
+  TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() && logits.scalar_type() == at::kFloat,
+              "apply_token_bitmask_: contiguous float32 logits [R, V] expected");
+  TORCH_CHECK(bitmask.dim() == 2 && bitmask.is_contiguous() && bitmask.scalar_type() == at::kInt,
+              "apply_token_bitmask_: contiguous int32 bitmask [B, W] expected");
+  TORCH_CHECK(rows.dim() == 1 && rows.is_contiguous() && rows.scalar_type() == at::kLong,
+              "apply_token_bitmask_: int64 row indices expected");
+  const int64_t n = std::min<int64_t>({vocab, logits.size(1), bitmask.size(1) * 32});
+  const int64_t words = bitmask.size(1), width = logits.size(1);
+  float* x = logits.data_ptr<float>();
+  const uint32_t* bits = reinterpret_cast<const uint32_t*>(bitmask.data_ptr<int32_t>());
+  const int64_t* idx = rows.data_ptr<int64_t>();
+  const int64_t count = rows.numel();
+  for (int64_t k = 0; k < count; ++k) {
+    TORCH_CHECK(idx[k] >= 0 && idx[k] < logits.size(0) && idx[k] < bitmask.size(0),
+                "apply_token_bitmask_: row index out of range");
+  }
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  at::parallel_for(0, count, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t k = begin; k < end; ++k) {
+      float* row = x + idx[k] * width;
+      const uint32_t* mask = bits + idx[k] * words;
+      int64_t i = 0;
+#ifdef __AVX512F__
+      const __m512 ninf = _mm512_set1_ps(neg_inf);
+      for (; i + 32 <= n; i += 32) {
+        const uint32_t w = mask[i / 32];
+        if (w == 0xFFFFFFFFu) continue;
+        _mm512_storeu_ps(row + i, _mm512_mask_blend_ps(static_cast<__mmask16>(w & 0xFFFF), ninf,
+                                                       _mm512_loadu_ps(row + i)));
+        _mm512_storeu_ps(row + i + 16, _mm512_mask_blend_ps(static_cast<__mmask16>(w >> 16), ninf,
+                                                            _mm512_loadu_ps(row + i + 16)));
+      }
+#endif
+      for (; i < n; ++i) {
+        if (!((mask[i / 32] >> (i % 32)) & 1u)) row[i] = neg_inf;
+      }
+    }
+  });
+}
+
 }  // namespace sloserve

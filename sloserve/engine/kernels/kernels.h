@@ -42,6 +42,7 @@ void rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t 
 void write_kv_(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots, const at::Tensor& k,
                const at::Tensor& v);
 at::Tensor argmax_rows(const at::Tensor& logits);
+void apply_token_bitmask_(at::Tensor& logits, const at::Tensor& bitmask, const at::Tensor& rows, int64_t vocab);
 
 // int8_gemv.cpp: products with int8 activations for few rows (W8A8: the LM head of a small decode
 // step; W4A8: the 4-bit layers); both need AVX2. `isa`: "auto" (the fastest this build has),
