@@ -285,8 +285,9 @@ def test_the_native_mask_kernel_masks_as_xgramars_does():
     if native is None or not hasattr(native, "apply_token_bitmask_"):
         pytest.skip("no native kernels on this machine")
     gen = torch.Generator().manual_seed(0)
-    for vocab in (49_152, 1_000):
-        logits = torch.randn(6, vocab + 7, generator=gen)
+    for vocab, dtype in ((49_152, torch.float32), (1_000, torch.float32), (49_152, torch.bfloat16),
+                         (1_000, torch.bfloat16)):
+        logits = torch.randn(6, vocab + 7, generator=gen).to(dtype)
         bitmask = torch.randint(-2**31, 2**31 - 1, (6, (vocab + 31) // 32), dtype=torch.int32, generator=gen)
         bitmask[2] = -1  # every token allowed
         rows = [0, 2, 3, 5]

@@ -188,7 +188,7 @@ class GrammarBackend:
         CPU with the native kernels, sloserve's own (AVX-512: 16 logits a mask half-word; xgrammar's
         CPU kernel took 1.7 ms for 16 rows of the 49,152-token vocabulary, 10% of the step)."""
         native = self.native
-        if native is not None and logits.device.type == "cpu" and logits.dtype == torch.float32 \
+        if native is not None and logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.bfloat16) \
                 and logits.is_contiguous():
             native.apply_token_bitmask_(logits, bitmask, torch.tensor(rows, dtype=torch.long), self.vocab_size)
             return

@@ -257,19 +257,52 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
   return out;
 }
 
-// Structured outputs: each listed row r of logits [R, V] keeps the tokens bitmask row r allows
-// (bit j of word w allows token 32 w + j) and the others become -inf. AVX-512: 16 lanes at a time
-// under the mask's half-words; otherwise a branch-free scalar loop.
+// Structured outputs: each listed row r of logits [R, V] (float32 or bf16) keeps the tokens
+// bitmask row r allows (bit j of word w allows token 32 w + j) and the others become -inf.
+// AVX-512: a word's 32 bits mask two 16-float vectors, or one 32-lane vector of bf16; a word of
+// all ones is skipped. Otherwise a scalar loop.
+namespace {
+template <typename scalar_t>
+void mask_row(scalar_t* row, const uint32_t* mask, int64_t n) {
+  int64_t i = 0;
+#ifdef __AVX512BW__
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (; i + 32 <= n; i += 32) {
+      const uint32_t w = mask[i / 32];
+      if (w == 0xFFFFFFFFu) continue;
+      _mm512_storeu_ps(row + i, _mm512_mask_blend_ps(static_cast<__mmask16>(w & 0xFFFF), ninf,
+                                                     _mm512_loadu_ps(row + i)));
+      _mm512_storeu_ps(row + i + 16, _mm512_mask_blend_ps(static_cast<__mmask16>(w >> 16), ninf,
+                                                          _mm512_loadu_ps(row + i + 16)));
+    }
+  } else {
+    const __m512i ninf = _mm512_set1_epi16(static_cast<int16_t>(0xFF80));  // bf16 -inf
+    for (; i + 32 <= n; i += 32) {
+      const uint32_t w = mask[i / 32];
+      if (w == 0xFFFFFFFFu) continue;
+      void* at = row + i;
+      _mm512_storeu_si512(at, _mm512_mask_blend_epi16(static_cast<__mmask32>(w), ninf, _mm512_loadu_si512(at)));
+    }
+  }
+#endif
+  const scalar_t ninf = static_cast<scalar_t>(-std::numeric_limits<float>::infinity());
+  for (; i < n; ++i) {
+    if (!((mask[i / 32] >> (i % 32)) & 1u)) row[i] = ninf;
+  }
+}
+}  // namespace
+
 void apply_token_bitmask_(at::Tensor& logits, const at::Tensor& bitmask, const at::Tensor& rows, int64_t vocab) {
-  TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() && logits.scalar_type() == at::kFloat,
-              "apply_token_bitmask_: contiguous float32 logits [R, V] expected");
+  TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() &&
+                  (logits.scalar_type() == at::kFloat || logits.scalar_type() == at::kBFloat16),
+              "apply_token_bitmask_: contiguous float32 or bf16 logits [R, V] expected");
   TORCH_CHECK(bitmask.dim() == 2 && bitmask.is_contiguous() && bitmask.scalar_type() == at::kInt,
               "apply_token_bitmask_: contiguous int32 bitmask [B, W] expected");
   TORCH_CHECK(rows.dim() == 1 && rows.is_contiguous() && rows.scalar_type() == at::kLong,
               "apply_token_bitmask_: int64 row indices expected");
   const int64_t n = std::min<int64_t>({vocab, logits.size(1), bitmask.size(1) * 32});
   const int64_t words = bitmask.size(1), width = logits.size(1);
-  float* x = logits.data_ptr<float>();
   const uint32_t* bits = reinterpret_cast<const uint32_t*>(bitmask.data_ptr<int32_t>());
   const int64_t* idx = rows.data_ptr<int64_t>();
   const int64_t count = rows.numel();
@@ -277,28 +310,19 @@ void apply_token_bitmask_(at::Tensor& logits, const at::Tensor& bitmask, const a
     TORCH_CHECK(idx[k] >= 0 && idx[k] < logits.size(0) && idx[k] < bitmask.size(0),
                 "apply_token_bitmask_: row index out of range");
   }
-  const float neg_inf = -std::numeric_limits<float>::infinity();
-  at::parallel_for(0, count, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t k = begin; k < end; ++k) {
-      float* row = x + idx[k] * width;
-      const uint32_t* mask = bits + idx[k] * words;
-      int64_t i = 0;
-#ifdef __AVX512F__
-      const __m512 ninf = _mm512_set1_ps(neg_inf);
-      for (; i + 32 <= n; i += 32) {
-        const uint32_t w = mask[i / 32];
-        if (w == 0xFFFFFFFFu) continue;
-        _mm512_storeu_ps(row + i, _mm512_mask_blend_ps(static_cast<__mmask16>(w & 0xFFFF), ninf,
-                                                       _mm512_loadu_ps(row + i)));
-        _mm512_storeu_ps(row + i + 16, _mm512_mask_blend_ps(static_cast<__mmask16>(w >> 16), ninf,
-                                                            _mm512_loadu_ps(row + i + 16)));
-      }
-#endif
-      for (; i < n; ++i) {
-        if (!((mask[i / 32] >> (i % 32)) & 1u)) row[i] = neg_inf;
-      }
-    }
-  });
+  AT_DISPATCH_SWITCH(logits.scalar_type(), "apply_token_bitmask_",
+      AT_DISPATCH_CASE(at::kFloat, [&] {
+        float* x = logits.data_ptr<float>();
+        at::parallel_for(0, count, 1, [&](int64_t b, int64_t e) {
+          for (int64_t k = b; k < e; ++k) mask_row(x + idx[k] * width, bits + idx[k] * words, n);
+        });
+      })
+      AT_DISPATCH_CASE(at::kBFloat16, [&] {
+        c10::BFloat16* x = logits.data_ptr<c10::BFloat16>();
+        at::parallel_for(0, count, 1, [&](int64_t b, int64_t e) {
+          for (int64_t k = b; k < e; ++k) mask_row(x + idx[k] * width, bits + idx[k] * words, n);
+        });
+      }));
 }
 
 }  // namespace sloserve
