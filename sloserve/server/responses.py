@@ -35,8 +35,7 @@ def responses_param(param: Optional[str]) -> Optional[str]:
     """The Responses field behind a chat parameter an error names."""
     if param is None:
         return None
-    head = param.split(".", 1)[0]
-    return _PARAMS.get(head, param) if head != "messages" else "input"
+    return _PARAMS.get(param.split(".", 1)[0], param)
 
 
 class ResponsesRequest(_Strict):

@@ -315,6 +315,8 @@ class OpenAIServing:
         # the grammar engine itself (built with the first constraint: about a second) is not the call's to pay for
         grammar = engine.grammar if engine.grammar_built else \
             await loop.run_in_executor(self._grammar_pool, lambda: engine.grammar)
+        if grammar.cached(constraint):  # never queued behind another call's compile
+            return
         work = loop.run_in_executor(self._grammar_pool, lambda: grammar.compile(constraint))
         try:
             await asyncio.wait_for(work, self.grammar_compile_timeout_s)
