@@ -26,7 +26,7 @@ from fuzz_helpers import TIMEOUT, Fuzzer, KnownIssue, ServerUnderTest
 pytestmark = pytest.mark.slow
 
 ROUTES = ["GET /health", "GET /version", "GET /metrics", "GET /v1/models", "POST /v1/completions",
-          "POST /v1/chat/completions", "POST /tokenize", "POST /detokenize"]
+          "POST /v1/chat/completions", "POST /v1/responses", "POST /tokenize", "POST /detokenize"]
 MAX_EXAMPLES = 80  # hypothesis draws per route and mode (positive, negative, raw)
 ENGINE_EXAMPLES = 60  # valid-prompt bodies per generation route
 TIMEOUT_S = 60.0
