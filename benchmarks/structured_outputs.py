@@ -9,7 +9,8 @@ request's decode against the same request unconstrained.
 2. End to end: the embedded model (default precision) generates the same 3-field JSON greedily,
    once constrained and once unconstrained (ignore_eos, same length), interleaved: the ratio of
    their decode times, for a batch of 1 and of each `--batch` size (that many requests at once,
-   each with its own prompt: every row of the batch masked).
+   each with its own prompt: every row of the batch masked), and the difference per generated
+   token: what one masked row adds to a step (what the simulator's MaskCost prices).
 
     .venv/bin/python benchmarks/structured_outputs.py [--rounds 5] [--batch 1,16,64]
 """
@@ -145,16 +146,19 @@ def main() -> int:
     free = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
     bounded = SamplingParams(max_tokens=n, temperature=0, structured=constrained.structured)
     for batch in (int(b) for b in args.batch.split(",")):
-        ratios, made = [], []
+        ratios, made, per_row = [], [], []
         for _ in range(args.rounds):  # per generated token: a constrained output may end before n
             a, ka = decode_seconds(llm, bounded, batch)
             b, kb = decode_seconds(llm, free, batch)
             ratios.append((a / ka) / (b / kb))
             made.append(ka / kb)
+            per_row.append(a / ka - b / kb)  # a token is a masked row of one step: its extra seconds
         console.print(f"end to end, batch {batch} (up to {n} tokens each, default precision): constrained / "
                       f"unconstrained time per generated token median {statistics.median(ratios):.3f} (range "
                       f"{min(ratios):.3f}-{max(ratios):.3f}, {args.rounds} interleaved pairs; constrained outputs "
-                      f"{statistics.median(made):.2f}x the tokens)")
+                      f"{statistics.median(made):.2f}x the tokens); what a masked row adds to a step (the "
+                      f"simulator's MaskCost.serial_s): median {1e6 * statistics.median(per_row):.0f} us (range "
+                      f"{1e6 * min(per_row):.0f}-{1e6 * max(per_row):.0f})")
     return 0
 
 

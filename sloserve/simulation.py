@@ -31,7 +31,7 @@ from sloserve.sim.pipeline import PipelineCostModel
 from sloserve.sim.power import get_power
 from sloserve.sim.prompts import SyntheticPrompt
 from sloserve.sim.simulator import SimResult, Simulator
-from sloserve.types import DEFAULT_QOS, QoSClass, Request, SamplingParams
+from sloserve.types import DEFAULT_QOS, QoSClass, Request, SamplingParams, StructuredOutput
 from sloserve.workload.types import WorkloadRequest
 
 if TYPE_CHECKING:
@@ -407,6 +407,11 @@ def move_costs(cfg: FleetConfig, model: ModelConfig) -> MoveCosts:
     return MoveCosts.uniform(model.kv_bytes_per_token(cfg.dtype_bytes), get_link(cfg.link) * tp)
 
 
+# What a simulated request under a token mask carries: the cost model prices the mask per row
+# (sim/cost.MaskCost); nothing compiles it.
+SIMULATED_MASK = StructuredOutput("json_object")
+
+
 def sim_requests(stream: Iterable[WorkloadRequest], classes: Optional[dict[str, QoSClass]] = None,
                  predictions: Optional["PredictionBook"] = None, token_gaps: bool = False) -> Iterator[Request]:
     """Workload requests as scheduler requests: ending at their recorded output length.
@@ -419,7 +424,10 @@ def sim_requests(stream: Iterable[WorkloadRequest], classes: Optional[dict[str, 
     for i, w in enumerate(stream):
         prompt = w.prompt_token_ids if w.prompt_token_ids is not None else SyntheticPrompt(
             max(1, w.prompt_len), i, w.hash_ids, w.hash_block_size or 512)
-        params = SamplingParams(max_tokens=max(1, w.output_len), ignore_eos=True, temperature=0.0)
+        # A simulated request ends at its recorded length (no EOS is ever sampled); a constrained
+        # one may not ignore EOS, which changes nothing here.
+        params = SamplingParams(max_tokens=max(1, w.output_len), ignore_eos=not w.structured, temperature=0.0,
+                                structured=SIMULATED_MASK if w.structured else None)
         request = Request(w.request_id or f"sim-{i}", prompt, params, arrival_time=w.arrival_s,
                           qos=classes.get(w.qos_class, DEFAULT_QOS), tenant=w.tenant,
                           token_gaps=[] if token_gaps else None)

@@ -151,7 +151,10 @@ def test_structured_requests_ask_for_a_record_or_a_forced_call_and_never_ignore_
 
     from sloserve.bench.structured import RECORD, TOOLS
 
-    hi = WorkloadRequest(0, 1, 64, prompt_text="hi")
+    hi = WorkloadRequest(0, 1, 64, prompt_text="hi", structured=True)
+    plain = WorkloadRequest(0, 1, 64, prompt_text="hi")  # outside --structured-share: sent as it is
+    assert "response_format" not in request_body(plain, ClientConfig("http://h:1", endpoint="chat", structured="json"),
+                                                 None)
     json_body = request_body(hi, ClientConfig("http://h:1", endpoint="chat", structured="json"), None)
     assert json_body["response_format"]["json_schema"]["schema"] == RECORD and "ignore_eos" not in json_body
     tools_body = request_body(hi, ClientConfig("http://h:1", endpoint="chat", structured="tools"), None)

@@ -234,8 +234,8 @@ def test_the_bench_client_runs_an_agents_round_trip_against_the_server(default_s
     cfg = ClientConfig(default_server.base_url, endpoint="chat", structured="agent")
     asks = ["Find documents about solar panels.", "What is the weather in Oslo this week?",
             "Open a high-priority ticket: the login page is down."]
-    run = asyncio.run(BenchClient(cfg).run([WorkloadRequest(0.1 * i, 20, 60, prompt_text=a, request_id=f"s{i}")
-                                            for i, a in enumerate(asks)]))
+    run = asyncio.run(BenchClient(cfg).run([WorkloadRequest(0.1 * i, 20, 60, prompt_text=a, request_id=f"s{i}",
+                                                            structured=True) for i, a in enumerate(asks)]))
     assert len(run.records) == 6 and all(r.success for r in run.records), [r.error for r in run.records]
     by_id = {r.request_id: r for r in run.records}
     for i in range(3):

@@ -58,6 +58,10 @@ def add_workload_args(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     w.add_argument("--servegen-model", default="m-large",
                    help="servegen: m-large, m-mid, m-small, mm-image or deepseek-r1")
     w.add_argument("--classes", metavar="FILE", help="QoS classes / tenants with shares and targets (YAML or JSON)")
+    w.add_argument("--structured-share", type=float, default=None, metavar="F",
+                   help="fraction of requests under a structured output's token mask, drawn by seed: the simulator "
+                        "prices their masks, `bench --structured` sends its constraint with them (default: every "
+                        "request with --structured, none in a simulation)")
     w.add_argument("--prompt-format", choices=["text", "tokens"], default="text",
                    help="send prompts as text (any server) or token ids (exact lengths; completions only)")
     w.add_argument("--tokenizer", help="tokenizer.json, GGUF or HF dir of the served model (default: embedded model)")
@@ -113,8 +117,16 @@ def workload_spec_from_args(args: argparse.Namespace):
         name=args.workload, seed=args.seed, replay=args.replay, rate=None, arrival_process=args.arrival_process,
         cv=args.cv, time_scale=args.time_scale, start_s=args.start, num_requests=num, duration_s=args.duration,
         max_prompt_len=args.max_prompt_len, max_output_len=args.max_output_len, input_len=args.input_len,
-        output_len=args.output_len, servegen_model=args.servegen_model, mix=mix)
+        output_len=args.output_len, servegen_model=args.servegen_model, mix=mix,
+        structured_share=structured_share(args))
     return spec
+
+
+def structured_share(args: argparse.Namespace) -> float:
+    """--structured-share, defaulting to every request when `bench --structured` asks for constraints."""
+    if args.structured_share is not None:
+        return args.structured_share
+    return 1.0 if getattr(args, "structured", None) else 0.0
 
 
 def resolve_rates(args: argparse.Namespace, spec) -> list[Optional[float]]:

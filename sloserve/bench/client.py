@@ -109,7 +109,7 @@ def request_body(req: WorkloadRequest, cfg: ClientConfig, model: Optional[str]) 
         body["messages"] = [{"role": "user", "content": req.prompt_text}]
     body.update(max_tokens=max_tokens, temperature=cfg.temperature, stream=True,
                 stream_options={"include_usage": True})
-    if cfg.structured is not None:
+    if cfg.structured is not None and req.structured:
         body.update(structured_fields(cfg.structured))  # ends when the constraint completes: no ignore_eos
     elif cfg.ignore_eos:
         body["ignore_eos"] = True
@@ -251,7 +251,7 @@ class BenchClient:
         def first_body() -> dict:
             return request_body(req, self.cfg, model)
 
-        if self.cfg.structured != "agent":
+        if self.cfg.structured != "agent" or not req.structured:
             return [await self._send(http, index, req, first_body, dispatch_s, hard_stop)]
         answer: dict = {}
         first = await self._send(http, index, req, first_body, dispatch_s, hard_stop, answer)

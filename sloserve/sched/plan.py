@@ -96,6 +96,7 @@ class DecodeRunPlan:
     steps: int
     num_decodes: int
     context: int  # computed tokens of the running requests, summed, before the first step
+    masked: int = 0  # of the decodes, those under a structured output's token mask
 
 
 @dataclass

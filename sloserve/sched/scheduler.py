@@ -717,7 +717,7 @@ class Scheduler:
             if any(w.effective_priority < lowest for w in self.waiting):
                 return None  # a higher class waiting might take a lower one's seat at any step
         k = max_steps
-        context = 0
+        context = masked = 0
         for r in running:
             num_output = len(r.output_token_ids)
             computed = r.num_computed_tokens
@@ -725,6 +725,7 @@ class Scheduler:
                 return None
             k = min(k, r.max_output_tokens - num_output)
             context += computed
+            masked += r.sampling_params.structured is not None
         if k < 2:
             return None
         # A request holds the blocks of its computed tokens, so k more tokens need at most
@@ -743,7 +744,7 @@ class Scheduler:
                     mid = (lo + hi + 1) // 2
                     lo, hi = (mid, hi) if blocks_needed(mid) <= free else (lo, mid - 1)
                 k = lo
-        return DecodeRunPlan(k, len(running), context) if k >= 2 else None
+        return DecodeRunPlan(k, len(running), context, masked) if k >= 2 else None
 
     def advance_decodes(self, num_steps: int, first_end: float, end_time: float, token: int,
                         ends: Optional[Sequence[float]] = None, first: int = 0) -> list[Request]:

@@ -86,6 +86,32 @@ class CostModel(ABC):
         time, such as an expert placement under drifting popularity, catches up here)."""
 
 
+@dataclass(frozen=True)
+class MaskCost:
+    """What structured outputs add to a step: per sampled row under a token mask, the serial part
+    (the matcher's advance, applying the mask to the logits, the sampler's masked path) and the
+    mask's computation, which runs on host threads while the step computes and shows only when it
+    outlasts the step. Defaults: the CPU engine's measured costs (BENCHMARKS.md, "Structured
+    outputs"; `benchmarks/structured_outputs.py` prints both): 34-50 us a masked row at batch 16,
+    26 us at 64, on a 2-vCPU Zen4 EPYC, and xgrammar's mask at 1-3 us a row (median). An upper
+    bound for a GPU host, whose cores are not the ones computing the step."""
+
+    serial_s: float = 40e-6
+    fill_s: float = 3e-6
+    fill_threads: int = 1
+
+    def __post_init__(self) -> None:
+        if self.serial_s < 0 or self.fill_s < 0 or self.fill_threads < 1:
+            raise ValueError(f"mask cost needs serial_s, fill_s >= 0 and fill_threads >= 1, got {self}")
+
+    def extra(self, masked: int, compute_s: float) -> float:
+        """Seconds `masked` rows add to a step that computes for `compute_s`."""
+        if not masked:
+            return 0.0
+        fill = self.fill_s * masked / self.fill_threads
+        return self.serial_s * masked + (fill - compute_s if fill > compute_s else 0.0)
+
+
 class StepWork(NamedTuple):
     """A step's seconds at the full SM clock, by what a lower clock does to them: the compute
     part of a roofline phase stretches, its memory part does not (HBM has its own clock), nor

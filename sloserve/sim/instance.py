@@ -19,7 +19,7 @@ from sloserve.sched.live_state import LiveInstanceState, Moment
 from sloserve.sched.scheduler import Scheduler
 from sloserve.sched.state import InstanceState
 from sloserve.sim.clocking import ClockControl
-from sloserve.sim.cost import CostModel
+from sloserve.sim.cost import CostModel, MaskCost
 from sloserve.types import Request
 
 logger = logging.getLogger(__name__)
@@ -77,9 +77,10 @@ class SimInstance:
                  scheduler_config: SchedulerConfig, cache_config: Optional[CacheConfig] = None,
                  trace: bool = False, fast_forward: bool = True, max_run_steps: int = 64,
                  num_host_blocks: int = 0, tiers: Optional[KVTiers] = None,
-                 clock: Optional[ClockControl] = None):
+                 clock: Optional[ClockControl] = None, masks: MaskCost = MaskCost()):
         """`clock`: price each step at the SM clock a clock policy picks, and book its energy
-        (None: every step at the top clock, no energy books)."""
+        (None: every step at the top clock, no energy books); `masks`: what a structured
+        output's token mask adds to each step its rows are in."""
         cache = cache_config or CacheConfig()
         self.instance_id = instance_id
         self.cost_model = cost_model
@@ -97,13 +98,25 @@ class SimInstance:
         self.busy_time = 0.0
         self.clock = clock
         self.traces: Optional[list[StepTrace]] = [] if trace else None
+        self.masks = masks
+        self._masked_seen = False  # a structured request came here: steps count their masked rows
 
     @property
     def is_busy(self) -> bool:
         return self.current is not None or self.run is not None
 
     def add_request(self, request: Request) -> None:
+        self._note(request)
         self.scheduler.add_request(request)
+
+    def adopt(self, request: Request, blocks: list[int], now: float) -> None:
+        """A migrated request arrives with its KV (sim/migration.py)."""
+        self._note(request)
+        self.scheduler.adopt(request, blocks, now)
+
+    def _note(self, request: Request) -> None:
+        if request.sampling_params.structured is not None:
+            self._masked_seen = True
 
     def start_step(self, now: float) -> Optional[float]:
         """Plan the next step; returns when it ends, or None when there is nothing to run."""
@@ -121,6 +134,9 @@ class SimInstance:
             return None
         duration = self.cost_model.plan_time(plan) if self.clock is None else \
             self.clock.step(plan, self.scheduler.waiting)
+        if self._masked_seen:
+            masked = sum(s.num_sampled for s in plan.scheduled if s.request.sampling_params.structured is not None)
+            duration += self.masks.extra(masked, duration)
         self.current = plan
         self.busy_until = now + duration
         self.busy_time += duration
@@ -135,6 +151,8 @@ class SimInstance:
         else:
             durations, joules, clock = self.clock.decode_run(now, run.num_decodes, run.context, run.steps,
                                                              self.scheduler.running, self.scheduler.waiting)
+        if run.masked:
+            durations = [d + self.masks.extra(run.masked, d) for d in durations]
         ends, t = [], now
         for duration in durations:
             t += duration

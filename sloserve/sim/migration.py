@@ -287,7 +287,7 @@ class SimMigrator:
         request, target = transfer.request, transfer.target
         rid = request.request_id
         target.catch_up(now)
-        target.scheduler.adopt(request, transfer.blocks, now)
+        target.adopt(request, transfer.blocks, now)
         self._touch(target)
         del self.transfers[rid]
         sent = self._bytes.pop(rid)

@@ -20,6 +20,7 @@ import sloserve.workload.traces as traces
 from sloserve.workload.arrivals import make_process
 from sloserve.workload.mix import Mix, assign_mix
 from sloserve.workload.transforms import (clip_lengths, cut, scale_to_rate, spread_ties, time_scale, time_window,
+                                          with_structured_share,
                                           with_arrivals)
 from sloserve.workload.types import WorkloadRequest
 
@@ -55,6 +56,7 @@ class WorkloadSpec:
     servegen_model: str = "m-large"
     spread_ties: Optional[bool] = None  # None: on for the quantized Mooncake conversation trace
     mix: Optional[Mix] = None
+    structured_share: float = 0.0  # requests under a token mask (WorkloadRequest.structured)
 
     def validate(self) -> None:
         if self.name not in NAMES and not Path(self.name).is_file():
@@ -63,6 +65,8 @@ class WorkloadSpec:
             raise ValueError("give either a rate or replay, not both")
         if self.arrival_process not in ARRIVAL_PROCESSES:
             raise ValueError(f"arrival process must be one of {ARRIVAL_PROCESSES}, got {self.arrival_process!r}")
+        if not 0.0 <= self.structured_share <= 1.0:
+            raise ValueError(f"structured share must be in [0, 1], got {self.structured_share}")
         if self.rate is not None and not self.rate > 0:
             raise ValueError(f"rate must be > 0 (or inf), got {self.rate}")
         if self.num_requests is not None and self.num_requests < 1:
@@ -172,4 +176,6 @@ def build_stream(spec: WorkloadSpec) -> list[WorkloadRequest]:
     reqs = cut(stream, spec.num_requests, spec.duration_s)
     if spec.mix is not None:
         reqs = list(assign_mix(reqs, spec.mix, spec.seed))
+    if spec.structured_share:
+        reqs = list(with_structured_share(reqs, spec.structured_share, spec.seed))
     return list(clip_lengths(reqs, spec.max_prompt_len, spec.max_output_len))

@@ -95,6 +95,17 @@ def spread_ties(requests: Sequence[WorkloadRequest]) -> list[WorkloadRequest]:
     return out
 
 
+def with_structured_share(requests: Iterable[WorkloadRequest], share: float,
+                          seed: int = 0) -> Iterator[WorkloadRequest]:
+    """Mark `share` of the requests, drawn reproducibly from `seed` by position, as under a
+    structured output's token mask (every rate of a sweep marks the same requests)."""
+    if not 0.0 <= share <= 1.0:
+        raise ValueError(f"structured share must be in [0, 1], got {share}")
+    rng = random.Random(f"{seed}:structured")
+    for r in requests:
+        yield replace(r, structured=True) if rng.random() < share else r
+
+
 def clip_lengths(requests: Iterable[WorkloadRequest], max_prompt_len: Optional[int] = None,
                  max_output_len: Optional[int] = None, min_output_len: int = 1) -> Iterator[WorkloadRequest]:
     """Clip lengths to what a server can take (e.g. a small model's context window).

@@ -35,6 +35,7 @@ class WorkloadRequest:
     hash_block_size: Optional[int] = None
     request_id: str = ""
     source: str = ""
+    structured: bool = False  # its output is under a structured output's token mask (a JSON schema)
 
     def __post_init__(self) -> None:
         if self.prompt_len < 0 or self.output_len < 0:
@@ -52,7 +53,7 @@ class WorkloadRequest:
         d = asdict(self)
         if self.hash_ids is not None:
             d["hash_ids"] = list(self.hash_ids)
-        return {k: v for k, v in d.items() if v is not None and v != ""}
+        return {k: v for k, v in d.items() if v is not None and v != "" and v is not False}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "WorkloadRequest":
