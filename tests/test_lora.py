@@ -208,9 +208,197 @@ def test_registry_keeps_the_last_used_resident_and_refuses_duplicates(tmp_path):
     assert registry.resident() == ["c", "a"]
     registry.acquire("a")
     registry.unload("a")
-    assert registry.names() == ["b", "c"] and registry.users("a") == 1
+    assert registry.names() == ("b", "c") and registry.users("a") == 1
     with pytest.raises(LoraError, match="unloaded, still finishing"):
         registry.load("a", path)
     registry.release("a")
     assert "a" not in registry.resident()
     registry.load("a", path)
+
+
+# ---------------------------------------------------------------- over HTTP, with the official client
+
+ADMIN = "sk-admin-test"
+QOS = """
+api_keys:
+  sk-alice: {tenant: alice, adapters: [all-r8]}
+  sk-bob: {tenant: bob, adapters: []}
+  sk-ops: {tenant: ops}
+"""
+
+
+@pytest.fixture(scope="module")
+def lora_server(adapters, tmp_path_factory):
+    from server_helpers import ServerProcess
+
+    directory = tmp_path_factory.mktemp("lora-server")
+    (directory / "qos.yaml").write_text(QOS)
+    proc = ServerProcess(["--lora", f"all-r8={adapters['all-r8'][0]}", "--admin-key", ADMIN,
+                          "--qos-config", str(directory / "qos.yaml")], directory / "server.log")
+    yield proc
+    proc.kill()
+
+
+def client(server, key: str):
+    import openai
+
+    return openai.OpenAI(base_url=server.v1, api_key=key, max_retries=0)
+
+
+@pytest.mark.slow
+def test_server_serves_adapters_by_model_name(lora_server, lora_llm):
+    """The adapter named as `model` gives what the offline engine gives with it, streamed or not;
+    /v1/models lists it under its base; a key may use only the adapters its config names."""
+    alice, bob = client(lora_server, "sk-alice"), client(lora_server, "sk-bob")
+    ids = [m.id for m in alice.models.list().data]
+    assert ids[-1] == "all-r8" and len(ids) == 2
+    assert [m.id for m in bob.models.list().data] == ids[:1]
+    card = [m for m in alice.models.list().data if m.id == "all-r8"][0]
+    assert card.model_extra["parent"] == ids[0]
+
+    mine = lora_llm.generate(PROMPTS, GREEDY, lora="all-r8")
+    theirs = lora_llm.generate(PROMPTS, GREEDY)
+    prompt, want = next((p, m.token_ids) for p, m, b in zip(PROMPTS, mine, theirs) if m.token_ids != b.token_ids)
+    text = lora_llm.tokenizer.decode(want)
+    out = alice.completions.create(model="all-r8", prompt=prompt, max_tokens=8, temperature=0,
+                                   extra_body={"ignore_eos": True})
+    assert out.model == "all-r8" and out.choices[0].text == text
+    streamed = "".join(c.choices[0].text for c in alice.completions.create(
+        model="all-r8", prompt=prompt, max_tokens=8, temperature=0, stream=True, extra_body={"ignore_eos": True})
+        if c.choices)
+    assert streamed == text
+    base = alice.completions.create(model=ids[0], prompt=prompt, max_tokens=8, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    assert base.choices[0].text != text
+
+    import openai
+    with pytest.raises(openai.NotFoundError) as info:
+        bob.completions.create(model="all-r8", prompt=prompt, max_tokens=2)
+    assert info.value.body["code"] == "model_not_found"
+    assert "all-r8" not in info.value.body["message"].split("available:")[1]
+
+
+@pytest.mark.slow
+def test_adapters_load_and_unload_under_load_lose_nothing(lora_server, adapters):
+    """Streams on an adapter go on while it is unloaded and another is loaded; every stream ends
+    with its full output; afterwards the unloaded name is 404 and the new one serves."""
+    import concurrent.futures
+
+    import httpx
+    import openai
+
+    ops = client(lora_server, "sk-ops")
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    url = lora_server.base_url
+    assert httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "qv-r4", "lora_path": "/x"}).status_code == 401
+    assert httpx.post(f"{url}/v1/load_lora_adapter", headers={"Authorization": "Bearer sk-ops"},
+                      json={"lora_name": "qv-r4", "lora_path": adapters["qv-r4"][0]}).status_code == 403
+    bad = httpx.post(f"{url}/v1/load_lora_adapter", headers=admin, json={"lora_name": "qv-r4", "lora_path": "/nowhere"})
+    assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_lora_adapter"
+    loaded = httpx.post(f"{url}/v1/load_lora_adapter", headers=admin,
+                        json={"lora_name": "qv-r4", "lora_path": adapters["qv-r4"][0]})
+    assert loaded.status_code == 200 and loaded.json()["rank"] == 4
+    again = httpx.post(f"{url}/v1/load_lora_adapter", headers=admin,
+                       json={"lora_name": "qv-r4", "lora_path": adapters["qv-r4"][0]})
+    assert again.status_code == 400 and "already loaded" in again.json()["error"]["message"]
+
+    def stream(i: int) -> tuple[int, str]:
+        chunks = list(ops.completions.create(model="qv-r4", prompt=PROMPTS[i % 4], max_tokens=24, temperature=0,
+                                             stream=True, extra_body={"ignore_eos": True},
+                                             stream_options={"include_usage": True}))
+        return chunks[-1].usage.completion_tokens, [c for c in chunks if c.choices][-1].choices[0].finish_reason
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(stream, i) for i in range(4)]
+        import time
+        time.sleep(1.0)  # the streams are under way
+        unloaded = httpx.post(f"{url}/v1/unload_lora_adapter", headers=admin, json={"lora_name": "qv-r4"})
+        assert unloaded.status_code == 200
+        mlp = httpx.post(f"{url}/v1/load_lora_adapter", headers=admin,
+                         json={"lora_name": "mlp-r16", "lora_path": adapters["mlp-r16"][0]})
+        assert mlp.status_code == 200
+        results = [f.result(timeout=300) for f in futures]
+    assert results == [(24, "length")] * 4
+    with pytest.raises(openai.NotFoundError):
+        ops.completions.create(model="qv-r4", prompt=PROMPTS[0], max_tokens=2)
+    gone = httpx.post(f"{url}/v1/unload_lora_adapter", headers=admin, json={"lora_name": "qv-r4"})
+    assert gone.status_code == 404
+    assert ops.completions.create(model="mlp-r16", prompt=PROMPTS[0], max_tokens=2).usage.completion_tokens >= 1
+    assert "mlp-r16" in [m.id for m in ops.models.list().data]
+    health = httpx.get(f"{url}/metrics", headers=admin).text
+    assert "sloserve" in health
+
+
+@pytest.mark.slow
+def test_fleet_front_fans_adapters_out_to_every_worker(adapters, lora_llm, tmp_path):
+    """`serve --instances 2`: an adapter given at start and one loaded at the front both serve
+    from either worker (the same greedy text as the offline engine); a load no worker can take
+    is the workers' 400; unloading at the front makes the name 404 everywhere."""
+    import httpx
+    import openai
+
+    from server_helpers import ServerProcess
+
+    proc = ServerProcess(["--instances", "2", "--router", "round-robin", "--lora",
+                          f"all-r8={adapters['all-r8'][0]}", "--admin-key", ADMIN], tmp_path / "front.log")
+    try:
+        api = client(proc, "none")
+        admin = {"Authorization": f"Bearer {ADMIN}"}
+        url = proc.base_url
+        assert httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/x"}).status_code == 401
+        bad = httpx.post(f"{url}/v1/load_lora_adapter", headers=admin, json={"lora_name": "x", "lora_path": "/nowhere"})
+        assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_lora_adapter"
+        loaded = httpx.post(f"{url}/v1/load_lora_adapter", headers=admin,
+                            json={"lora_name": "qv-r4", "lora_path": adapters["qv-r4"][0]})
+        assert loaded.status_code == 200 and loaded.json()["instances"] == 2
+        assert {"all-r8", "qv-r4"} <= {m.id for m in api.models.list().data}
+        for name in ("all-r8", "qv-r4"):
+            want = lora_llm.tokenizer.decode(lora_llm.generate([PROMPTS[1]], GREEDY, lora=name)[0].token_ids)
+            for _ in range(2):  # round-robin: once on each worker
+                out = api.completions.create(model=name, prompt=PROMPTS[1], max_tokens=8, temperature=0,
+                                             extra_body={"ignore_eos": True})
+                assert out.choices[0].text == want, name
+        gone = httpx.post(f"{url}/v1/unload_lora_adapter", headers=admin, json={"lora_name": "qv-r4"})
+        assert gone.status_code == 200 and gone.json()["instances"] == 2
+        for _ in range(2):
+            with pytest.raises(openai.NotFoundError):
+                api.completions.create(model="qv-r4", prompt=PROMPTS[1], max_tokens=2)
+        assert httpx.post(f"{url}/v1/unload_lora_adapter", headers=admin,
+                          json={"lora_name": "qv-r4"}).status_code == 404
+    finally:
+        proc.kill()
+
+
+def test_stacked_deltas_equal_one_adapter_at_a_time(tmp_path):
+    """A step mixing adapters computes them stacked (one GEMM pair, rows masked to their own
+    adapter's columns): the same deltas as adapter by adapter, rows of the base model untouched,
+    a resident adapter the step does not use changing nothing."""
+    from sloserve.engine.lora import LoraBatch, LoraStack
+
+    cfg = small_config()
+    g = torch.Generator().manual_seed(0)
+    adapters = []
+    for i, (r, modules) in enumerate([(2, ["q_proj", "v_proj"]), (4, ["q_proj", "o_proj", "down_proj"]),
+                                      (3, ["gate_proj", "up_proj", "down_proj"])]):
+        shapes = {"q_proj": (16, 16), "k_proj": (8, 16), "v_proj": (8, 16), "o_proj": (16, 16),
+                  "gate_proj": (24, 16), "up_proj": (24, 16), "down_proj": (16, 24)}
+        tensors = {}
+        for layer in range(2):
+            for m in modules:
+                out_f, in_f = shapes[m]
+                tensors[key(layer, m, "A")] = torch.randn(r, in_f, generator=g)
+                tensors[key(layer, m, "B")] = torch.randn(out_f, r, generator=g)
+        adapters.append(load_peft_adapter(f"a{i}", write_adapter(tmp_path / f"a{i}", {"r": r}, tensors), cfg))
+    rows = [torch.tensor([0, 3, 4]), torch.tensor([1, 5])]  # a0 and a1 in the step; rows 2 and 6: the base model
+    groups = [(adapters[0], rows[0]), (adapters[1], rows[1])]
+    stacked = LoraBatch(groups, LoraStack.of(adapters))  # a2 resident, not in the step
+    plain = LoraBatch(groups)
+    widths = {"qkv": (16, 32), "o": (16, 16), "gate_up": (16, 48), "down": (24, 16)}
+    for layer in range(2):
+        for part, (in_f, out_f) in widths.items():
+            x, base = torch.randn(7, in_f, generator=g), torch.randn(7, out_f, generator=g)
+            one, two = base.clone(), base.clone()
+            stacked.add(layer, part, x, one)
+            plain.add(layer, part, x, two)
+            torch.testing.assert_close(one, two)
+            torch.testing.assert_close(one[[2, 6]], base[[2, 6]])

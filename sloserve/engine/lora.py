@@ -189,13 +189,55 @@ def _scaling(cfg: dict, module_path: str, rank: int) -> float:
 
 
 @dataclass
+class LoraStack:
+    """Every resident adapter's matrices side by side, per layer and fused projection: A's stacked
+    [sum R, in], B's side by side [out, sum R], and each adapter's columns. A step that mixes
+    adapters computes all its deltas in two products per projection, each row masked to its own
+    adapter's columns: one pair of GEMMs instead of a gather, two thin products and a scatter
+    per adapter (16 adapters over 32 rows, one qkv projection of the embedded model in bf16 on
+    2 Zen4 cores: 274 against 893 us). A resident adapter the step does not use costs compute,
+    never a wrong row (its columns are masked out)."""
+
+    names: tuple[str, ...]
+    parts: list[dict[str, tuple[torch.Tensor, torch.Tensor, tuple[tuple[str, int, int], ...]]]]
+
+    @classmethod
+    def of(cls, adapters: list[LoraAdapter]) -> "LoraStack":
+        num_layers = len(adapters[0].layers) if adapters else 0
+        parts: list[dict] = []
+        for layer in range(num_layers):
+            mine: dict = {}
+            for part in ("qkv", "o", "gate_up", "down"):
+                having = [(a.name, *a.layers[layer][part]) for a in adapters if part in a.layers[layer]]
+                if not having:
+                    continue
+                cols, c = [], 0
+                for name, a, _ in having:
+                    cols.append((name, c, c + a.shape[0]))
+                    c += a.shape[0]
+                mine[part] = (torch.cat([a for _, a, _ in having]).contiguous(),
+                              torch.cat([b for _, _, b in having], dim=1).contiguous(), tuple(cols))
+            parts.append(mine)
+        return cls(tuple(a.name for a in adapters), parts)
+
+
+@dataclass
 class LoraBatch:
-    """The adapters of one forward pass and the flat-batch rows each applies to (None: every row)."""
+    """The adapters of one forward pass and the flat-batch rows each applies to (None: every
+    row); with `stack` (two adapters or more in the step) their deltas are computed stacked."""
 
     groups: list[tuple[LoraAdapter, Optional[torch.Tensor]]]
+    stack: Optional[LoraStack] = None
+    _masks: dict = field(default_factory=dict, repr=False)  # column layout -> [rows, sum R] 0/1 mask
 
     def add(self, layer: int, part: str, x: torch.Tensor, out: torch.Tensor) -> None:
         """out[rows] += B (A x[rows]) for each adapter that touches this layer's `part`."""
+        if self.stack is not None:
+            entry = self.stack.parts[layer].get(part)
+            if entry is not None:
+                a_all, b_all, cols = entry
+                out.add_(((x @ a_all.t()) * self._mask(cols, x)) @ b_all.t())
+            return
         for adapter, rows in self.groups:
             ab = adapter.layers[layer].get(part)
             if ab is None:
@@ -205,6 +247,23 @@ class LoraBatch:
                 out.add_((x @ a.t()) @ b.t())
             else:
                 out.index_add_(0, rows, (x.index_select(0, rows) @ a.t()) @ b.t())
+
+    def _mask(self, cols: tuple[tuple[str, int, int], ...], x: torch.Tensor) -> torch.Tensor:
+        """1 where a row's adapter owns the column (one mask per column layout and step)."""
+        mask = self._masks.get(cols)
+        if mask is None:
+            mask = torch.zeros(x.shape[0], cols[-1][2] if cols else 0, dtype=x.dtype, device=x.device)
+            where = {name: (c0, c1) for name, c0, c1 in cols}
+            for adapter, rows in self.groups:
+                span = where.get(adapter.name)
+                if span is None:
+                    continue
+                if rows is None:
+                    mask[:, span[0]:span[1]] = 1
+                else:
+                    mask[rows, span[0]:span[1]] = 1
+            self._masks[cols] = mask
+        return mask
 
 
 @dataclass
@@ -225,6 +284,10 @@ class LoraRegistry:
     max_rank: int = 64
     _held: dict[str, _Held] = field(default_factory=dict)
     _resident: "OrderedDict[str, LoraAdapter]" = field(default_factory=OrderedDict)
+    # What names() returns, replaced whole on each change: another thread (a server's event loop)
+    # reads it while the engine thread loads and unloads.
+    _served: tuple[str, ...] = ()
+    _stack: Optional[LoraStack] = None  # of the resident adapters, built when a step mixes them
 
     def __post_init__(self) -> None:
         if self.max_loras < 1:
@@ -247,6 +310,7 @@ class LoraRegistry:
         """Serve an adapter `read` returned."""
         self._check_free(adapter.name)
         self._held[adapter.name] = _Held(adapter)
+        self._served = (*self._served, adapter.name)
         return adapter
 
     def _check_free(self, name: str) -> None:
@@ -260,11 +324,12 @@ class LoraRegistry:
         if held is None or held.unloaded:
             raise LoraError(f"adapter {name!r} is not loaded")
         held.unloaded = True
+        self._served = tuple(n for n in self._served if n != name)
         self._drop_if_idle(name)
 
-    def names(self) -> list[str]:
-        """The adapters new requests may use, in load order."""
-        return [n for n, h in self._held.items() if not h.unloaded]
+    def names(self) -> tuple[str, ...]:
+        """The adapters new requests may use, in load order (safe to read from any thread)."""
+        return self._served
 
     def get(self, name: str) -> LoraAdapter:
         held = self._held.get(name)
@@ -273,8 +338,8 @@ class LoraRegistry:
         return held.adapter
 
     def __contains__(self, name: object) -> bool:
-        held = self._held.get(name)  # type: ignore[arg-type]
-        return held is not None and not held.unloaded
+        """Whether new requests may use `name` (safe from any thread)."""
+        return name in self._served
 
     def acquire(self, name: str) -> None:
         """A request starts using `name` (which must be served)."""
@@ -305,6 +370,7 @@ class LoraRegistry:
             found = self._resident.get(name)
             if found is None:
                 found = self._resident[name] = self._held[name].adapter.to(self.device, self.dtype)
+                self._stack = None
             self._resident.move_to_end(name)
             out.append(found)
         keep = set(names)
@@ -313,13 +379,21 @@ class LoraRegistry:
                 break
             if name not in keep:
                 del self._resident[name]
+                self._stack = None
         return out
+
+    def stack(self) -> LoraStack:
+        """The resident adapters stacked (rebuilt only when the resident set changes)."""
+        if self._stack is None:
+            self._stack = LoraStack.of(list(self._resident.values()))
+        return self._stack
 
     def _drop_if_idle(self, name: str) -> None:
         held = self._held[name]
         if held.unloaded and held.users == 0:
             del self._held[name]
-            self._resident.pop(name, None)
+            if self._resident.pop(name, None) is not None:
+                self._stack = None
 
 
 def parse_lora_option(text: str) -> tuple[str, str]:
@@ -330,5 +404,5 @@ def parse_lora_option(text: str) -> tuple[str, str]:
     return check_name(name.strip()), path.strip()
 
 
-__all__ = ["LoraAdapter", "LoraBatch", "LoraError", "LoraRegistry", "check_name", "load_peft_adapter",
+__all__ = ["LoraAdapter", "LoraBatch", "LoraError", "LoraRegistry", "LoraStack", "check_name", "load_peft_adapter",
            "parse_lora_option", "part_shapes"]

@@ -295,4 +295,5 @@ class ModelRunner:
         adapters = self.loras.for_step(list(rows))
         return LoraBatch([(adapter, None if len(r) == num_tokens else torch.tensor(r, dtype=torch.long,
                                                                                  device=self.device))
-                          for adapter, r in zip(adapters, rows.values())])
+                          for adapter, r in zip(adapters, rows.values())],
+                         self.loras.stack() if len(adapters) > 1 else None)
