@@ -50,6 +50,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-kernel", default="auto", choices=ATTENTION_KERNELS,
                    help="native path of bf16 attention (auto: the fastest this CPU has: amx, then avx512_bf16)")
     g.add_argument("--step-trace", metavar="FILE", help="write one JSON line per engine step (timings and load)")
+    g.add_argument("--lora", action="append", default=[], metavar="NAME=PATH",
+                   help="serve a PEFT LoRA adapter directory as model NAME (repeatable); requests name it as their "
+                        "model; more load at run time (POST /v1/load_lora_adapter, with --admin-key)")
+    g.add_argument("--max-loras", type=int, default=4,
+                   help="adapters kept in the compute device's form, least recently used out first")
+    g.add_argument("--max-lora-rank", type=int, default=64, help="the largest rank an adapter may have")
 
 
 def add_kv_tier_args(g) -> None:
@@ -74,6 +80,21 @@ def add_kv_tier_args(g) -> None:
                         "most recently used first (newest), or none (off)")
 
 
+def lora_modules(values: list[str]) -> list[tuple[str, str]]:
+    """`--lora NAME=PATH` values as (name, absolute path); a repeated name is an error."""
+    import os
+
+    from sloserve.engine.lora import parse_lora_option
+
+    out: dict[str, str] = {}
+    for value in values:
+        name, path = parse_lora_option(value)
+        if name in out:
+            raise ValueError(f"--lora {name!r} is given twice")
+        out[name] = os.path.abspath(path)
+    return list(out.items())
+
+
 def engine_config_from_args(args: argparse.Namespace):
     from sloserve.config import CacheConfig, EngineConfig, SchedulerConfig
 
@@ -84,6 +105,7 @@ def engine_config_from_args(args: argparse.Namespace):
         max_model_len=args.max_model_len, seed=args.seed, native_kernels=not args.no_native_kernels,
         head_w8a8=not args.no_head_w8a8, layers_a8=not args.no_layers_a8,
         attention_kernel=args.attention_kernel, step_trace=args.step_trace,
+        lora_modules=tuple(lora_modules(args.lora)), max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
         cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks, kv_cache_gib=args.kv_cache_gib,
                           enable_prefix_caching=not args.no_prefix_caching, swap_space_gib=args.swap_space,
                           kv_dtype=args.kv_dtype, host_tier_gib=args.kv_host_gib, disk_tier_dir=args.kv_disk_dir,

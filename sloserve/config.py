@@ -212,6 +212,10 @@ class EngineConfig:
     # "avx512_bf16", "portable"), for comparisons; other cache dtypes always take the portable path.
     attention_kernel: str = "auto"
     step_trace: Optional[str] = None  # write one JSON line per engine step to this file (engine/step_trace.py)
+    # LoRA adapters served from the start, as (name, PEFT directory) pairs (engine/lora.py); more load at run time.
+    lora_modules: tuple[tuple[str, str], ...] = ()
+    max_loras: int = 4  # adapters kept in the compute device's form (least recently used out first)
+    max_lora_rank: int = 64  # the largest rank an adapter may have
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 

@@ -205,6 +205,9 @@ class Request:
     # None = the tenant (the simulator's default); the server passes a keyed hash of the
     # request's cache namespace (tenant, API key or shared), so the salt reveals nothing.
     cache_salt: Optional[str] = None
+    # The LoRA adapter the request runs with (engine/lora.py); None = the base model. The same
+    # tokens give other KV under another adapter, so the adapter's name salts the cache too.
+    lora: Optional[str] = None
     priority: Optional[int] = None  # overrides qos.priority when set
     predicted_output_len: Optional[int] = None
     # What the scheduler expects at arrival (policies that price prefills ask for it): prompt
@@ -233,6 +236,8 @@ class Request:
         self.num_prompt_tokens = len(self.prompt_token_ids)
         if self.cache_salt is None:
             self.cache_salt = self.tenant
+        if self.lora is not None and not self.cache_salt.endswith(suffix := f"\x1flora:{self.lora}"):
+            self.cache_salt += suffix
         if self.max_output_tokens is None:
             self.max_output_tokens = self.sampling_params.max_tokens
 

@@ -26,7 +26,9 @@ from fuzz_helpers import TIMEOUT, Fuzzer, KnownIssue, ServerUnderTest
 pytestmark = pytest.mark.slow
 
 ROUTES = ["GET /health", "GET /version", "GET /metrics", "GET /v1/models", "POST /v1/completions",
-          "POST /v1/chat/completions", "POST /v1/responses", "POST /tokenize", "POST /detokenize"]
+          "POST /v1/chat/completions", "POST /v1/responses", "POST /tokenize", "POST /detokenize",
+          "POST /v1/load_lora_adapter", "POST /v1/unload_lora_adapter"]
+ADMIN_KEY = "sk-fuzz-admin"  # every body goes with it: the admin routes are fuzzed past their key check
 MAX_EXAMPLES = 80  # hypothesis draws per route and mode (positive, negative, raw)
 ENGINE_EXAMPLES = 60  # valid-prompt bodies per generation route
 TIMEOUT_S = 60.0
@@ -40,15 +42,20 @@ KNOWN_ISSUES: list[KnownIssue] = []
 
 @pytest.fixture(scope="module")
 def server():
-    srv = ServerUnderTest.start(max_model_len=96, num_threads=1, max_num_seqs=16)
+    from sloserve.server.settings import ServerSettings
+
+    srv = ServerUnderTest.start(max_model_len=96, num_threads=1, max_num_seqs=16,
+                                settings=ServerSettings(admin_keys=[ADMIN_KEY]))
     yield srv
     srv.stop()
 
 
 @pytest.fixture(scope="module")
 def fuzzer(server):
-    return Fuzzer(server.base_url, timeout_s=TIMEOUT_S, known_issues=KNOWN_ISSUES,
-                  vocab_size=server.engine.engine.model_config.vocab_size)
+    fuzzer = Fuzzer(server.base_url, timeout_s=TIMEOUT_S, known_issues=KNOWN_ISSUES,
+                    vocab_size=server.engine.engine.model_config.vocab_size)
+    fuzzer.session.headers["Authorization"] = f"Bearer {ADMIN_KEY}"
+    return fuzzer
 
 
 @pytest.fixture(scope="module")

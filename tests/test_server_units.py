@@ -239,6 +239,16 @@ def test_finished_request_slo_rules():
 # ------------------------------------------------------------------ the HTTP edge, with a stand-in engine
 
 
+class _NoAdapters:
+    """The fake engine's LoRA registry: it serves none (what the server reads: `in` and names())."""
+
+    def __contains__(self, name: object) -> bool:
+        return False
+
+    def names(self) -> tuple[str, ...]:
+        return ()
+
+
 @pytest.fixture
 def edge_client():
     from sloserve.server.app import build_app
@@ -255,6 +265,7 @@ def edge_client():
         kv=SimpleNamespace(usage=0.0, stats=SimpleNamespace(queries=0, hits=0), num_blocks=16, num_free_blocks=16,
                            tiers=SimpleNamespace(local=lambda: []), host=SimpleNamespace(num_blocks=0),
                            num_free_host_blocks=0),
+        loras=_NoAdapters(),
     )
     engine = SimpleNamespace(engine=core, abort=lambda rid: None, is_alive=True)
     settings = ServerSettings(registry=QoSRegistry().with_keys(["sk-1"]), max_body_bytes=1000)

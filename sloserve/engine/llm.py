@@ -38,12 +38,16 @@ class LLM:
         num_speculative_tokens: int = 4,
         native_kernels: bool = True,
         attention_kernel: str = "auto",
+        lora_modules: Optional[dict[str, str]] = None,
+        max_loras: int = 4,
         config: Optional[EngineConfig] = None,
     ):
+        """`lora_modules`: adapter name -> PEFT directory (engine/lora.py); `generate(..., lora=NAME)` uses one."""
         if config is None:
             config = EngineConfig(
                 model=model, dtype=dtype, device=device, quantization=quantization, seed=seed, max_model_len=max_model_len,
                 num_threads=num_threads, native_kernels=native_kernels, attention_kernel=attention_kernel,
+                lora_modules=tuple((lora_modules or {}).items()), max_loras=max_loras,
                 cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, kv_cache_gib=kv_cache_gib,
                                   enable_prefix_caching=enable_prefix_caching),
                 scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
@@ -62,18 +66,17 @@ class LLM:
         prompts: Union[Prompt, Sequence[Prompt]],
         params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
         progress: bool = False,
+        lora: Union[None, str, Sequence[Optional[str]]] = None,
     ) -> list[CompletedOutput]:
         """One finished output per prompt, in order. Every prompt is validated before any runs.
+        `lora`: the adapter every prompt runs with, or one per prompt (None: the base model).
 
         A request the engine failed alone ends with `finish_reason` "abort" and its `error` set."""
         prompt_list = _as_prompt_list(prompts)
-        if params is None or isinstance(params, SamplingParams):
-            param_list = [params or SamplingParams()] * len(prompt_list)
-        else:
-            param_list = list(params)
-            if len(param_list) != len(prompt_list):
-                raise ValueError(f"{len(prompt_list)} prompts but {len(param_list)} SamplingParams")
-        requests = [self.engine.make_request(p, sp) for p, sp in zip(prompt_list, param_list)]
+        param_list = _per_prompt(params, len(prompt_list), "SamplingParams", SamplingParams) or \
+            [SamplingParams()] * len(prompt_list)
+        lora_list = _per_prompt(lora, len(prompt_list), "adapters", str) or [None] * len(prompt_list)
+        requests = [self.engine.make_request(p, sp, lora=a) for p, sp, a in zip(prompt_list, param_list, lora_list)]
         return self._run(requests, progress)
 
     def chat(
@@ -112,6 +115,16 @@ class LLM:
             if bar:
                 bar[0].stop()
         return [f.completed() for f in folds]
+
+
+def _per_prompt(value, n: int, what: str, single: type) -> Optional[list]:
+    """One value for every prompt, or a sequence of n; None stays None."""
+    if value is None or isinstance(value, single):
+        return None if value is None else [value] * n
+    values = list(value)
+    if len(values) != n:
+        raise ValueError(f"{n} prompts but {len(values)} {what}")
+    return values
 
 
 def _as_prompt_list(prompts) -> list[Prompt]:

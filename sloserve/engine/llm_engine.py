@@ -29,6 +29,7 @@ from sloserve.engine.kv_tiers import DiskKVTier, FlushReport, TierMovers, kv_fin
 from sloserve.engine.runner import KVTransferError, ModelRunner, TierLoadFailed
 from sloserve.engine.step_trace import StepRecord, StepTraceWriter
 from sloserve.engine.stop_strings import StopMatcher
+from sloserve.engine.lora import LoraError, LoraRegistry
 from sloserve.engine.structured import GrammarBackend, hf_view
 from sloserve.engine.swap import HostKVPool, measure_link_bandwidth
 from sloserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -202,6 +203,10 @@ class LLMEngine:
                                    swap_cost=self.swap_cost, tier_cost=self.tier_cost)
         self.runner = ModelRunner(self.model, self.kv_cache, eos, seed=config.seed, host_pool=self.host_pool,
                                   tier_movers=self.tier_movers)
+        self.loras = LoraRegistry(self.model_config, self.dtype, self.device, config.max_loras, config.max_lora_rank)
+        for name, path in config.lora_modules:
+            self.loras.load(name, path)
+        self.runner.loras = self.loras
         self._grammar: Optional[GrammarBackend] = None
         self._grammar_lock = threading.Lock()
         self._tracked: dict[str, _Tracked] = {}
@@ -323,9 +328,12 @@ class LLMEngine:
         priority: Optional[int] = None,
         arrival_time: Optional[float] = None,
         cache_salt: Optional[str] = None,
+        lora: Optional[str] = None,
     ) -> Request:
         """Validate and build a Request without touching engine state (safe from any thread).
-        `cache_salt` partitions the prefix cache (None: by tenant)."""
+        `cache_salt` partitions the prefix cache (None: by tenant); `lora` names a loaded adapter."""
+        if lora is not None and lora not in self.loras:
+            raise LoraError(f"adapter {lora!r} is not loaded")
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError("params must be a SamplingParams")
@@ -341,6 +349,7 @@ class LLMEngine:
             qos=qos,
             tenant=tenant,
             cache_salt=cache_salt,
+            lora=lora,
             priority=priority,
         )
 
@@ -349,6 +358,8 @@ class LLMEngine:
         `resume`, the request continues one begun elsewhere (a migration or a failover)."""
         if request.request_id in self._tracked:
             raise ValueError(f"duplicate request id {request.request_id!r}")
+        if request.lora is not None and request.lora not in self.loras:  # unloaded since make_request
+            raise LoraError(f"adapter {request.lora!r} is not loaded")
         params = request.sampling_params
         # Built once here, so each step costs O(new characters) whatever the number of stop strings.
         matcher = StopMatcher(params.stop) if params.stop else None
@@ -373,6 +384,8 @@ class LLMEngine:
             tracked.sent_text_len = min(resume.sent_text_len, len(detok.text))
             tracked.sent_token_len = len(request.output_token_ids)
         self._tracked[request.request_id] = tracked
+        if request.lora is not None:
+            self.loras.acquire(request.lora)
 
     def _admit_resumed(self, request: Request, resume: ResumeState) -> None:
         now = self.clock()
@@ -458,8 +471,7 @@ class LLMEngine:
         request = self.scheduler.drop_suspended(request_id, self.clock())
         if request is None:
             return False
-        self._tracked.pop(request_id, None)
-        self.runner.release(request_id)
+        self._forget(request)
         return True
 
     def reserve_for_migration(self, hashes: list[int], num_tokens: int,
@@ -738,6 +750,12 @@ class LLMEngine:
         tracked.sent_text_len = len(text)
         tracked.sent_token_len = len(tokens)
         if request.is_finished:
-            del self._tracked[request.request_id]
-            self.runner.release(request.request_id)
+            self._forget(request)
         return out
+
+    def _forget(self, request: Request) -> None:
+        """A request ended here (finished, aborted or migrated away): drop its state."""
+        self._tracked.pop(request.request_id, None)
+        self.runner.release(request.request_id)
+        if request.lora is not None:
+            self.loras.release(request.lora)

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from sloserve.config import ModelConfig
+from sloserve.engine.lora import LoraBatch
 from sloserve.engine.quant import (DenseLinear, GroupAffine4, Int4Linear, Int8Linear, Linear, RowDispatchLinear,
                                    as_dtype, can_prepack, int8_activation_kernels, int8_linear,
                                    takes_int8_activations)
@@ -43,6 +44,7 @@ class ForwardBatch:
     sample_indices: torch.Tensor  # [S] long: flat token indices whose logits are wanted
     # [P, W] long: every prefill span's block table (the native prefill kernel reads K/V from the cache)
     prefill_tables: Optional[torch.Tensor] = None
+    lora: Optional[LoraBatch] = None  # the adapters of this step's requests and their rows (engine/lora.py)
 
 
 _SCALE_BYTES = 4  # an int8 slot's float32 scale, stored in the slot's own bytes
@@ -314,10 +316,10 @@ class LlamaModel:
 
     def _stack_takes(self, batch: ForwardBatch, kv_cache: KVCache) -> bool:
         """Whether this step runs as one native call: decodes only, few enough rows for the 4-bit
-        kernels, a cache attention reads as is (what the Python loop would do natively too)."""
+        kernels, no adapter, a cache attention reads as is (what the Python loop would do natively too)."""
         T = batch.input_ids.shape[0]
         return self.decode_stack is not None and batch.num_decodes == T and T <= self._stack_rows \
-            and kv_cache.native and not kv_cache.quantized and kv_cache.data.device.type == "cpu"
+            and batch.lora is None and kv_cache.native and not kv_cache.quantized and kv_cache.data.device.type == "cpu"
 
     def _bind_stack(self, kv_cache: KVCache) -> None:
         """Point the native stack at `kv_cache`'s tensors (once per cache: it keeps them)."""
@@ -440,6 +442,7 @@ class LlamaModel:
         if fused is None:
             cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # broadcast over heads
         delta: Optional[torch.Tensor] = None  # the previous layer's MLP output, not yet added to h
+        lora = batch.lora
         layers = self.layers
         if self._stack_takes(batch, kv_cache):  # the same kernels in the same order, in one call
             self._bind_stack(kv_cache)
@@ -454,6 +457,8 @@ class LlamaModel:
             else:
                 x = fused.add_rms_norm(h, delta, layer["in_norm"], cfg.rms_norm_eps)
             qkv = layer["qkv"](x)
+            if lora is not None:
+                lora.add(li, "qkv", x, qkv)
             # Q and K heads sit side by side in the fused output: one RoPE call rotates both.
             if fused is None:
                 qk = self._rope(qkv[:, :self.q_size + self.kv_size].view(T, nh + nkv, hd), cos, sin)
@@ -492,15 +497,28 @@ class LlamaModel:
                     attn_mask=mask, is_causal=causal, scale=self.scale, enable_gqa=True,
                 )
                 attn[s:s + n] = out.squeeze(0).transpose(0, 1)
+            flat = attn.view(T, self.q_size)
+            o = layer["o"](flat)
+            if lora is not None:
+                lora.add(li, "o", flat, o)
             if fused is None:
-                h = h + layer["o"](attn.view(T, self.q_size))
+                h = h + o
                 x = self._rms_norm(h, layer["post_norm"])
-                gate, up = layer["gate_up"](x).chunk(2, dim=-1)
-                h = h + layer["down"](F.silu(gate) * up)
             else:
-                x = fused.add_rms_norm(h, layer["o"](attn.view(T, self.q_size)), layer["post_norm"],
-                                       cfg.rms_norm_eps)
-                delta = layer["down"](fused.silu_and_mul(layer["gate_up"](x)))
+                x = fused.add_rms_norm(h, o, layer["post_norm"], cfg.rms_norm_eps)
+            gate_up = layer["gate_up"](x)
+            if lora is not None:
+                lora.add(li, "gate_up", x, gate_up)
+            if fused is None:
+                gate, up = gate_up.chunk(2, dim=-1)
+                act = F.silu(gate) * up
+            else:
+                act = fused.silu_and_mul(gate_up)
+            delta = layer["down"](act)
+            if lora is not None:
+                lora.add(li, "down", act, delta)
+            if fused is None:
+                h, delta = h + delta, None
         if delta is not None:
             h = h + delta
         h = self._rms_norm(h[batch.sample_indices], self.norm)

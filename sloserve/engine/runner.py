@@ -10,6 +10,7 @@ import torch
 from sloserve.engine.model import ForwardBatch, KVCache, LlamaModel, PrefillSpan
 from sloserve.engine.sampler import Sampler, SamplingRow
 from sloserve.engine.kv_tiers import TierMoveReport, TierMovers
+from sloserve.engine.lora import LoraBatch, LoraRegistry
 from sloserve.engine.structured import GrammarBackend, RequestMatcher
 from sloserve.engine.swap import HostKVPool
 from sloserve.sched.plan import ScheduledRequest, StepPlan, StepResult
@@ -68,6 +69,7 @@ class ModelRunner:
         self.grammar: Optional[GrammarBackend] = None  # set by the engine with its first structured request
         self._matchers: dict[str, RequestMatcher] = {}
         self._mask_pool: Optional[ThreadPoolExecutor] = None  # fills masks during the forward pass
+        self.loras: Optional[LoraRegistry] = None  # the engine's adapters; None when it serves none
 
     def execute(self, plan: StepPlan) -> StepResult:
         """Run the plan's KV operations, then its forward pass and sampling.
@@ -212,6 +214,7 @@ class ModelRunner:
         bs = self.block_size
 
         decode_blocks = decode_mask = ctx = None
+        lora_rows: dict[str, list[int]] = {}  # adapter -> its requests' rows in the flat batch
         if decodes:
             # One row per computed position: a plain decode has one, a verify 1 + its drafts.
             contexts: list[int] = []
@@ -229,6 +232,8 @@ class ModelRunner:
                 ids.extend(d.draft_token_ids)
                 if d.samples:
                     sample_indices.extend(range(row, row + rows))
+                if d.request.lora is not None:
+                    lora_rows.setdefault(d.request.lora, []).extend(range(row, row + rows))
                 row += rows
             decode_blocks = tables
             if self.model.reads_decode_mask(self.kv_cache):  # the native kernel masks by context length
@@ -248,6 +253,8 @@ class ModelRunner:
             start, end = p.start, p.start + p.num_new_tokens
             token_start = len(ids)
             ids.extend(p.request.token_slice(start, end))
+            if p.request.lora is not None:
+                lora_rows.setdefault(p.request.lora, []).extend(range(token_start, len(ids)))
             positions.append(torch.arange(start, end))
             slots.append(self._slots(p.block_table, start, end))
             blocks = None
@@ -276,4 +283,17 @@ class ModelRunner:
             prefills=spans,
             sample_indices=torch.tensor(sample_indices, dtype=torch.long, device=dev),
             prefill_tables=prefill_tables,
+            lora=self._lora_batch(lora_rows, len(ids)),
         )
+
+    def _lora_batch(self, rows: dict[str, list[int]], num_tokens: int) -> Optional[LoraBatch]:
+        """The step's adapters and their rows (None: no request of the step uses one)."""
+        if not rows:
+            return None
+        if self.loras is None:
+            raise RuntimeError("a request with an adapter reached an engine that serves none")
+        adapters = self.loras.for_step(list(rows))
+        return LoraBatch([(adapter, None if len(r) == num_tokens else torch.tensor(r, dtype=torch.long,
+                                                                                 device=self.device))
+                          for adapter, r in zip(adapters, rows.values())],
+                         self.loras.stack() if len(adapters) > 1 else None)

@@ -17,6 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 import sloserve
 from sloserve.engine.async_engine import AsyncLLMEngine
+from sloserve.engine.lora import LoraError
 from sloserve.server.admission import Admission
 from sloserve.server.connections import BodyTimeout
 from sloserve.server.dashboard import TimelineSampler, add_dashboard_routes
@@ -27,15 +28,17 @@ from sloserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    LoadLoraAdapterRequest,
     ModelCard,
     ModelList,
     TokenizeRequest,
+    UnloadLoraAdapterRequest,
 )
 from sloserve.server.responses import ResponsesRequest
 from sloserve.server.tool_calls import tool_definitions
 from sloserve.server.serving import OpenAIServing
 from sloserve.server.settings import ServerSettings
-from sloserve.server.qos import CacheSalter, cache_secret
+from sloserve.server.qos import ANONYMOUS, CacheSalter, cache_secret
 from sloserve.server.shedding import Shedder
 from sloserve.server.tenants import TenantLimiter
 from sloserve.timeline import FleetTimeline, read_instance
@@ -128,10 +131,39 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
-    async def models() -> dict:
+    async def models(request: Request) -> dict:
+        principal = getattr(request.state, "principal", ANONYMOUS)
         cards = [ModelCard(id=name, root=core.model_name, max_model_len=core.max_model_len)
-                 for name in serving.served_models]
+                 if name in serving.served_models else
+                 ModelCard(id=name, root=name, parent=serving.served_models[0], max_model_len=core.max_model_len)
+                 for name in serving.model_ids(principal)]
         return ModelList(data=cards).model_dump()
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(body: LoadLoraAdapterRequest) -> Response:
+        """Read the adapter off the event loop and the engine thread, then serve it (admin only)."""
+        if body.lora_name in serving.served_models:
+            raise bad_request(f"lora_name {body.lora_name!r} is the base model's name", "lora_name")
+        try:
+            adapter = await asyncio.to_thread(core.loras.read, body.lora_name, body.lora_path)
+            await state.engine.call(lambda engine: engine.loras.add(adapter))
+        except LoraError as exc:
+            raise bad_request(str(exc), "lora_path" if "adapter name" not in str(exc) else "lora_name",
+                              "invalid_lora_adapter") from None
+        logger.info("LoRA adapter %r loaded from %s (rank %d, %s)", adapter.name, adapter.path, adapter.rank,
+                    ", ".join(adapter.target_modules))
+        return JSONResponse({"object": "lora_adapter", "id": adapter.name, "rank": adapter.rank,
+                             "target_modules": list(adapter.target_modules), "status": "loaded"})
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(body: UnloadLoraAdapterRequest) -> Response:
+        """Stop serving an adapter; its requests in flight finish with it (admin only)."""
+        try:
+            await state.engine.call(lambda engine: engine.loras.unload(body.lora_name))
+        except LoraError as exc:
+            raise APIError(404, str(exc), param="lora_name", code="model_not_found") from None
+        logger.info("LoRA adapter %r unloaded", body.lora_name)
+        return JSONResponse({"object": "lora_adapter", "id": body.lora_name, "status": "unloaded"})
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -176,8 +208,8 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     # Both cost CPU in proportion to the body: they hold an admission slot (a flood gets 429
     # like generation) and run in a worker thread, so /health and streams never wait on them.
     @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest) -> Response:
-        serving.check_model(body.model)
+    async def tokenize(body: TokenizeRequest, request: Request) -> Response:
+        serving.check_model(body.model, getattr(request.state, "principal", ANONYMOUS))
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("give exactly one of prompt or messages", "prompt")
         slot = take_slot("tokenize")
@@ -188,8 +220,8 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         return Response(content, media_type="application/json")
 
     @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest) -> dict:
-        serving.check_model(body.model)
+    async def detokenize(body: DetokenizeRequest, request: Request) -> dict:
+        serving.check_model(body.model, getattr(request.state, "principal", ANONYMOUS))
         slot = take_slot("detokenize")
         try:
             text = await asyncio.to_thread(decode, body.tokens)

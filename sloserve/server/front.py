@@ -61,6 +61,7 @@ from sloserve.server.errors import (
 from sloserve.workers.fleet import DEAD, HEALTHY, STARTING, UNRESPONSIVE, FrontConfig, Instance, WorkerFleet
 from sloserve.server.front_edge import FrontEdge, FrontGate, Ticket
 from sloserve.server.front_autoscale import AutoscaleDriver
+from sloserve.server.front_adapters import AdapterFanout
 from sloserve.server.front_handoff import HandoffDriver
 from sloserve.server.front_migration import MigrationDriver
 from sloserve.server.front_relay import RelaySession, Upstream
@@ -193,9 +194,11 @@ class _RelayResponse(StreamingResponse):
 
 
 class Front:
-    def __init__(self, fleet: WorkerFleet, registry: Optional[QoSRegistry] = None, salter: Optional[CacheSalter] = None):
+    def __init__(self, fleet: WorkerFleet, registry: Optional[QoSRegistry] = None, salter: Optional[CacheSalter] = None,
+                 lora_modules: tuple[tuple[str, str], ...] = ()):
         """`salter` must use the secret the workers got, so the prefix keys the router computes
-        for a request are the ones the workers publish for the same tenant's prefix."""
+        for a request are the ones the workers publish for the same tenant's prefix;
+        `lora_modules`: the adapters the workers start with (front_adapters.py)."""
         self.fleet = fleet
         self.registry = registry or QoSRegistry()
         self.salter = salter or CacheSalter(cache_secret())
@@ -204,6 +207,7 @@ class Front:
         self.sessions: set[RelaySession] = set()  # the streams being relayed now
         self.migration = MigrationDriver(fleet, self.sessions, fleet.controller, cfg.migration_interval_s)
         self.handoff = HandoffDriver(fleet, self.migration, cfg.pd_transfer)
+        self.adapters = AdapterFanout(fleet, lora_modules)
         self.autoscale: Optional[AutoscaleDriver] = None
         if cfg.autoscale:
             capacity = dict(zip(("prefill", "decode"), cfg.pd_capacity)) if cfg.pd_min else cfg.capacity_rps
@@ -342,6 +346,14 @@ class Front:
         async def models(request: HTTPRequest) -> Response:
             return await self._forward_simple(request, "GET", "/v1/models")
 
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(request: HTTPRequest) -> Response:
+            return await self.adapters.load(await request.body())
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(request: HTTPRequest) -> Response:
+            return await self.adapters.unload(await request.body())
+
         @app.post("/tokenize")
         async def tokenize(request: HTTPRequest) -> Response:
             return await self._forward_simple(request, "POST", "/tokenize")
@@ -458,7 +470,7 @@ class Front:
             rid = request.headers.get("x-request-id") or f"front-{uuid.uuid4().hex[:16]}"
             routed = Request(rid, ids or [0], SamplingParams(max_tokens=None, temperature=0.0),
                              arrival_time=self.fleet.clock(), tenant=principal.tenant,
-                             cache_salt=self.salter.salt(principal))
+                             cache_salt=self.salter.salt(principal), lora=self.adapters.named(body))
             routed.qos, routed.priority = qos
             if self.fleet.predictions is not None:
                 self.fleet.predictions.annotate(routed, _prompt_text(body, chat))
@@ -490,7 +502,8 @@ class Front:
         async def run(part: Part) -> Optional[Response]:
             routed = Request(part.request_id, ids_of[part.prompt_index] or [0],
                              SamplingParams(max_tokens=None, temperature=0.0), arrival_time=self.fleet.clock(),
-                             tenant=principal.tenant, cache_salt=self.salter.salt(principal))
+                             tenant=principal.tenant, cache_salt=self.salter.salt(principal),
+                             lora=self.adapters.named(part.body))
             routed.qos, routed.priority = qos
             if self.fleet.predictions is not None:
                 self.fleet.predictions.annotate(routed, _prompt_text(part.body, chat))

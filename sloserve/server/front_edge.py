@@ -32,7 +32,7 @@ PROXIED_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/resp
 ADMIN_ROUTES = frozenset({"/v1/instances", "/metrics", "/dashboard/data"})
 # Routes that change what the fleet does (drain an instance, move a request): an admin key
 # only, and refused outright when the front has no admin key configured.
-ADMIN_ACTION_PREFIXES = ("/v1/instances/", "/v1/migrations")
+ADMIN_ACTION_PREFIXES = ("/v1/instances/", "/v1/migrations", "/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 API_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
 
 

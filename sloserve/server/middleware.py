@@ -26,10 +26,13 @@ API_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/internal/resume/")
 # worker's InternalGuard checked the fleet secret before this middleware runs).
 UNLIMITED_BODY_PREFIX = "/internal/kv/"
 ADMIN_ROUTES = frozenset({"/metrics", "/dashboard/data"})  # what `--admin-key` restricts on a single instance
+# Routes that change what the server serves: an admin key only, refused outright without `--admin-key`.
+ADMIN_ACTIONS = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
 # Behind the API's own keys too when there are no admin keys (the fleet's load and latencies).
 KEYED_ROUTES = frozenset({"/dashboard/data"})
 KNOWN_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models", "/health",
-                          "/metrics", "/tokenize", "/detokenize", "/version", "/dashboard", "/dashboard/data"})
+                          "/metrics", "/tokenize", "/detokenize", "/version", "/dashboard", "/dashboard/data",
+                          *ADMIN_ACTIONS})
 
 
 async def send_error(send: Send, err: APIError) -> None:
@@ -108,6 +111,12 @@ class EdgeMiddleware:
 
     def _refuse(self, scope: Scope) -> Optional[APIError]:
         headers = Headers(scope=scope)
+        if scope.get("path", "") in ADMIN_ACTIONS:
+            if scope.get("state", {}).get("fleet"):  # a fleet's front, fanning out what its admin asked
+                return None
+            if not self.admin_keys:
+                return APIError(403, "this route needs the server to run with --admin-key", code="forbidden")
+            return admin_refusal(bearer_token(headers), self.admin_keys)
         if self.admin_keys and scope.get("path", "") in ADMIN_ROUTES:
             return admin_refusal(bearer_token(headers), self.admin_keys)
         length = headers.get("content-length")

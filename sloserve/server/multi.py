@@ -261,7 +261,14 @@ def run_multi(engine_config: EngineConfig, settings, *, instances: int, router: 
         retry_after_s=settings.retry_after_s, admin_keys=tuple(admin_keys),
         timeline_interval_s=settings.timeline_interval_s)
     fleet = build_worker_fleet(spawn, instances, config, fleet_secret=fleet_secret)
-    front = Front(fleet, settings.registry, CacheSalter(cache_secret(salt_secret)))
+    front = Front(fleet, settings.registry, CacheSalter(cache_secret(salt_secret)), engine_config.lora_modules)
+
+    def adapters_changed(modules: tuple[tuple[str, str], ...]) -> None:
+        """Workers started from now on (autoscaling, restarts) load the adapters loaded at run time."""
+        for slot, spec in enumerate(specs):
+            specs[slot] = dataclasses.replace(spec, engine=dataclasses.replace(spec.engine, lora_modules=modules))
+
+    front.adapters.on_change = adapters_changed
     uv_config = uvicorn_config(front.build_app(), host=host, port=port, limits=settings.connection_limits(),
                                loop=settings.event_loop)
     logger.info("starting %d %s workers (%d threads each%s); serving once one is healthy", instances, backend,

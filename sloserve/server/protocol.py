@@ -437,6 +437,19 @@ class DetokenizeRequest(_Strict):
     tokens: list[int]
 
 
+class LoadLoraAdapterRequest(_Strict):
+    """POST /v1/load_lora_adapter, as vLLM names it: serve the PEFT directory at `lora_path`
+    (a path on the server) as model `lora_name`."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoraAdapterRequest(_Strict):
+    lora_name: str
+    lora_int_id: Optional[int] = None  # vLLM's clients send it; names are what identify adapters here
+
+
 GenerationRequest = Union[CompletionRequest, ChatCompletionRequest]
 
 
@@ -601,6 +614,7 @@ class ModelCard(_Out):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "sloserve"
     root: Optional[str] = None
+    parent: Optional[str] = None  # an adapter's base model
     max_model_len: Optional[int] = None
 
 

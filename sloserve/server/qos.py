@@ -13,7 +13,8 @@ chosen by the file's suffix; YAML also reads JSON):
       standard:    {ttft_ms: 2000, tbt_ms: 250, priority: 1}
       batch:       {ttft_s: 60, tbt_s: 1, priority: 2, weight: 0.5}
     api_keys:
-      sk-alice: {tenant: alice, default_class: interactive, classes: [standard, batch], min_priority: 0}
+      sk-alice: {tenant: alice, default_class: interactive, classes: [standard, batch], min_priority: 0,
+                 adapters: [alice-sql]}
       sk-bob: bob            # shorthand: the tenant name
       sk-ops: {tenant: ops, classes: "*", max_concurrent_requests: 4}
     anonymous: {classes: "*"}   # callers when no keys are configured (this is the default)
@@ -28,6 +29,9 @@ What a key may request:
   number at least the default class's), so a key can always downgrade but never upgrade.
 - priority: any int32 at least its class's priority (lowering urgency is always allowed);
   with `min_priority: N`, any int32 at least N instead.
+- adapters: the LoRA adapters it may name as `model` (`adapters: [names]`); without the field,
+  every adapter the server serves. One it may not use is "not found" to it, and `/v1/models`
+  lists only the ones it may.
 - `anonymous` (used only when no keys are configured) takes the same fields; each one it
   leaves out is unrestricted (every class, any int32 priority, tenant ""): with no keys there
   is no tenant to protect from another, and single-tenant deployments work unconfigured. Restrict it on a server open to untrusted callers.
@@ -68,7 +72,7 @@ CACHE_ISOLATION_MODES = ("tenant", "key", "shared")
 
 _CLASS_KEYS = {"ttft_ms", "tbt_ms", "ttft_s", "tbt_s", "priority", "weight"}
 _LIMIT_KEYS = {"max_concurrent_requests", "max_tokens_per_minute"}
-_KEY_KEYS = {"tenant", "default_class", "classes", "min_priority"} | _LIMIT_KEYS
+_KEY_KEYS = {"tenant", "default_class", "classes", "min_priority", "adapters"} | _LIMIT_KEYS
 _TOP_KEYS = {"default_class", "classes", "api_keys", "anonymous", "limits", "tenants", "cache_isolation"}
 
 
@@ -114,6 +118,10 @@ class Principal:
     classes: Optional[frozenset[str]] = None
     min_priority: Optional[int] = None
     cache_namespace: Optional[str] = None
+    adapters: Optional[frozenset[str]] = None  # the LoRA adapters it may use (None: every one)
+
+    def may_use_adapter(self, name: str) -> bool:
+        return self.adapters is None or name in self.adapters
 
 
 # What callers are when no keys are configured: every class, any priority (see the docstring).
@@ -367,8 +375,12 @@ def _parse_principal(spec: Mapping, where: str, fallback_tenant: str, tenant_lim
     if _LIMIT_KEYS & set(spec):
         _add_limits(tenant_limits, tenant, _parse_limits(spec, where), where)
     default_class = spec.get("default_class")
+    adapters = spec.get("adapters")
+    if adapters is not None and not (isinstance(adapters, list) and all(isinstance(a, str) for a in adapters)):
+        raise ValueError(f"{where}: adapters must be a list of adapter names")
     return Principal(tenant=tenant, default_class=None if default_class is None else str(default_class),
-                     classes=classes, min_priority=min_priority)
+                     classes=classes, min_priority=min_priority,
+                     adapters=None if adapters is None else frozenset(adapters))
 
 
 def _parse_limits(spec: Mapping, where: str) -> TenantLimits:

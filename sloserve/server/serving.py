@@ -82,6 +82,7 @@ class CallContext:
     relay: bool = False  # a fleet front relays this stream: annotate each event for a resume elsewhere
     resume: Optional[ResumeState] = None  # the call continues one begun on another instance
     kv_push: Optional[tuple[str, str]] = None  # (target worker URL, migration id): a pipelined P/D hand-off
+    lora: Optional[str] = None  # the LoRA adapter named as its model (None: the base model)
 
 
 @dataclass
@@ -284,25 +285,35 @@ class OpenAIServing:
         except ContextLengthError as exc:
             raise bad_request(str(exc), "max_tokens", "context_length_exceeded") from None
 
-    def check_model(self, name: Optional[str]) -> str:
+    def check_model(self, name: Optional[str], principal: Optional[Principal] = None) -> tuple[str, Optional[str]]:
+        """(the model id to answer with, the LoRA adapter it names or None) for a call's `model`:
+        a served name of the base model, or an adapter `principal` may use (None: a fleet's own
+        front asking, which checked its caller). 404 otherwise, listing what the caller may name."""
         if name is None or name in self.served_models:
-            return self.served_models[0] if name is None else name
-        raise APIError(404, f"model {name!r} does not exist; available: {self.served_models}", param="model",
-                       code="model_not_found")
+            return (self.served_models[0] if name is None else name), None
+        if name in self.engine.engine.loras and (principal is None or principal.may_use_adapter(name)):
+            return name, name
+        raise APIError(404, f"model {name!r} does not exist; available: {self.model_ids(principal)}",
+                       param="model", code="model_not_found")
+
+    def model_ids(self, principal: Optional[Principal] = None) -> list[str]:
+        """The base model's served names, then the adapters `principal` may use."""
+        adapters = [a for a in self.engine.engine.loras.names() if principal is None or principal.may_use_adapter(a)]
+        return [*self.served_models, *adapters]
 
     def _context(self, body: SamplingFields, request: Request, prefix: str) -> CallContext:
-        model = self.check_model(body.model)
+        principal: Principal = getattr(request.state, "principal", ANONYMOUS)
+        relay = getattr(request.state, "fleet", False)
+        model, lora = self.check_model(body.model, principal)  # a fleet's workers know its keys too
         request_id = header_request_id(request.headers.get("x-request-id")) or f"{prefix}-{uuid.uuid4().hex}"
         request.state.request_id = request_id
-        principal: Principal = getattr(request.state, "principal", ANONYMOUS)
         class_name = body.qos_class if body.qos_class is not None else request.headers.get("x-qos-class")
         priority = body.priority if body.priority is not None else header_priority(request.headers.get("x-priority"))
         # The classes and priorities a key may use come from the QoS config: 403 beyond them.
         qos, priority = self.registry.authorize(class_name, principal, priority)
-        relay = getattr(request.state, "fleet", False)
         push = request.headers.get(KV_PUSH_HEADER, "").split() if relay else []
         return CallContext(request_id, model, principal, qos, priority, relay=relay,
-                           kv_push=(push[0], push[1]) if len(push) == 2 else None)
+                           kv_push=(push[0], push[1]) if len(push) == 2 else None, lora=lora)
 
     async def _compile(self, constraint: Optional[StructuredOutput]) -> None:
         """Compile a call's constraint on the grammar thread (the engine then finds it cached):
@@ -390,7 +401,7 @@ class OpenAIServing:
             for c in choices:
                 streams.append(self.engine.add_request(c.prompt_ids, c.params, request_id=c.engine_id, qos=ctx.qos,
                                                        tenant=tenant, priority=ctx.priority, cache_salt=salt,
-                                                       resume=ctx.resume))
+                                                       resume=ctx.resume, lora=ctx.lora))
         except (ValueError, EngineDeadError) as exc:
             for stream in streams:
                 stream.abort()

@@ -28,4 +28,5 @@ def config_from_json(text: str) -> EngineConfig:
     d = json.loads(text)
     cache = CacheConfig(**d.pop("cache"))
     sched = SchedulerConfig(**d.pop("scheduler"))
-    return EngineConfig(**d, cache=cache, scheduler=sched)
+    loras = tuple((name, path) for name, path in d.pop("lora_modules", ()))
+    return EngineConfig(**d, cache=cache, scheduler=sched, lora_modules=loras)
