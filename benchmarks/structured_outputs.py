@@ -6,13 +6,13 @@ request's decode against the same request unconstrained.
    xgrammar (what engine/structured.py uses) and by llguidance when it is installed
    (`pip install llguidance`: the candidate it was chosen against). Interleaved rounds; median,
    p99 and max per token.
-2. End to end: the embedded model (default precision) generates the same 3-field JSON greedily,
+2. End to end: the embedded model (default precision, or `--dtype`/`--quantization`) generates the same 3-field JSON greedily,
    once constrained and once unconstrained (ignore_eos, same length), interleaved: the ratio of
    their decode times, for a batch of 1 and of each `--batch` size (that many requests at once,
    each with its own prompt: every row of the batch masked), and the difference per generated
    token: what one masked row adds to a step (what the simulator's MaskCost prices).
 
-    .venv/bin/python benchmarks/structured_outputs.py [--rounds 5] [--batch 1,16,64]
+    .venv/bin/python benchmarks/structured_outputs.py [--rounds 5] [--batch 1,16,64] [--dtype bfloat16 --quantization none]
 """
 from __future__ import annotations
 
@@ -103,9 +103,11 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--batch", default="1", help="batch sizes of the end-to-end comparison, e.g. 1,16,64")
     ap.add_argument("--skip-masks", action="store_true", help="only the end-to-end comparison")
+    ap.add_argument("--dtype", default="auto", help="bfloat16 with --quantization none: vLLM's precision")
+    ap.add_argument("--quantization", default="auto")
     args = ap.parse_args()
     console = Console()
-    llm = LLM()
+    llm = LLM(dtype=args.dtype, quantization=args.quantization)
     vocab = llm.engine.model_config.vocab_size
     try:
         import llguidance.hf
@@ -153,7 +155,7 @@ def main() -> int:
             ratios.append((a / ka) / (b / kb))
             made.append(ka / kb)
             per_row.append(a / ka - b / kb)  # a token is a masked row of one step: its extra seconds
-        console.print(f"end to end, batch {batch} (up to {n} tokens each, default precision): constrained / "
+        console.print(f"end to end, batch {batch} (up to {n} tokens each, {llm.engine.precision}): constrained / "
                       f"unconstrained time per generated token median {statistics.median(ratios):.3f} (range "
                       f"{min(ratios):.3f}-{max(ratios):.3f}, {args.rounds} interleaved pairs; constrained outputs "
                       f"{statistics.median(made):.2f}x the tokens); what a masked row adds to a step (the "
