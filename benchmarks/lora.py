@@ -10,6 +10,7 @@ not depend on what they mean. Reported: output tokens per second, median and ran
 row's ratio to the base model's in the same round.
 
     .venv/bin/python benchmarks/lora.py [--batch 32] [--tokens 64] [--rank 16] [--rounds 3]
+    .venv/bin/python benchmarks/lora.py --dtype bfloat16 --quantization none --export DIR   # for vLLM's peer
 """
 from __future__ import annotations
 
@@ -72,17 +73,27 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--quantization", default="auto")
+    ap.add_argument("--export", type=Path, metavar="DIR",
+                    help="keep the adapters and the prompts in DIR (run.json) for the vLLM peer "
+                         "(benchmarks/peers/vllm_lora.py) and measure nothing")
     args = ap.parse_args()
     console = Console()
     with tempfile.TemporaryDirectory() as tmp:
+        if args.export is not None:
+            tmp = str(args.export)
         probe = LLM(dtype=args.dtype, quantization=args.quantization, max_num_seqs=args.batch)
         config = probe.engine.model_config
         adapters = {f"a{i}": write_adapter(Path(tmp) / f"a{i}", config, args.rank, seed=i) for i in range(16)}
         del probe
-        llm = LLM(dtype=args.dtype, quantization=args.quantization, max_num_seqs=args.batch,
-                  max_num_batched_tokens=max(512, 32 * args.batch), lora_modules=adapters, max_loras=16)
         g = torch.Generator().manual_seed(0)
         prompts = [torch.randint(1000, 20000, (32,), generator=g).tolist() for _ in range(args.batch)]
+        if args.export is not None:
+            (args.export / "run.json").write_text(json.dumps({"prompts": prompts, "adapters": adapters,
+                                                             "tokens": args.tokens, "rank": args.rank}))
+            console.print(f"wrote {args.export / 'run.json'} and 16 adapters")
+            return 0
+        llm = LLM(dtype=args.dtype, quantization=args.quantization, max_num_seqs=args.batch,
+                  max_num_batched_tokens=max(512, 32 * args.batch), lora_modules=adapters, max_loras=16)
         params = SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True)
         names = list(adapters)
         layouts = {"base model": [None] * args.batch, "1 adapter": ["a0"] * args.batch,
