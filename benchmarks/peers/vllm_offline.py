@@ -39,15 +39,20 @@ WARMUP_PROMPT = list(range(1000, 1008))  # same warm-up as the other systems get
 WARMUP_TOKENS = 2
 
 
-def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_engine_args(p: argparse.ArgumentParser, dtype: str = "float32") -> None:
+    """What every vLLM peer script takes: the model, its precision, and vLLM's CPU environment."""
     p.add_argument("--model", type=Path, required=True, help="Hugging Face-format model directory")
-    p.add_argument("--prompts-file", type=Path, required=True, help='JSON {"prompts": [[token ids], ...]}')
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default=dtype)
     p.add_argument("--num-threads", type=int, default=None, help="default: all usable cores")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--kv-cache-gib", type=int, default=2)
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_engine_args(p)
+    p.add_argument("--prompts-file", type=Path, required=True, help='JSON {"prompts": [[token ids], ...]}')
+    p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--result-file", type=Path, default=None)
     return p.parse_args()
 

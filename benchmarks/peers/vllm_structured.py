@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from vllm_offline import ensure_env  # noqa: E402
+from vllm_offline import add_engine_args, ensure_env  # noqa: E402
 
 SMALL = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
                                           "tags": {"type": "array", "items": {"type": "string"}}},
@@ -32,14 +32,10 @@ SMALL = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"t
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", type=Path, required=True, help="Hugging Face-format model directory")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
+    add_engine_args(p, dtype="bfloat16")
     p.add_argument("--batch", default="1,16")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--max-tokens", type=int, default=200)
-    p.add_argument("--num-threads", type=int, default=None)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--kv-cache-gib", type=int, default=2)
     return p.parse_args()
 
 
