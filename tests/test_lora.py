@@ -325,8 +325,8 @@ def test_adapters_load_and_unload_under_load_lose_nothing(lora_server, adapters)
     assert gone.status_code == 404
     assert ops.completions.create(model="mlp-r16", prompt=PROMPTS[0], max_tokens=2).usage.completion_tokens >= 1
     assert "mlp-r16" in [m.id for m in ops.models.list().data]
-    health = httpx.get(f"{url}/metrics", headers=admin).text
-    assert "sloserve" in health
+    metrics = httpx.get(f"{url}/metrics", headers=admin).text
+    assert 'sloserve:request_success_total{finished_reason="length",model_name="qv-r4"} 4.0' in metrics
 
 
 @pytest.mark.slow

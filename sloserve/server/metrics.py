@@ -77,6 +77,7 @@ class FinishedRequest:
     e2e: Optional[float]
     queue_time: Optional[float]
     itls: list[float] = field(default_factory=list)
+    lora: Optional[str] = None  # the adapter it ran with: its metrics carry the adapter's name as model_name
 
     @property
     def tpot(self) -> Optional[float]:
@@ -219,7 +220,7 @@ class ServerMetrics:
         r.register(_EngineCollector(gauges, model_name, self))
 
     def observe_finished(self, rec: FinishedRequest) -> None:
-        name = self.model_name
+        name = rec.lora or self.model_name
         self.prompt_tokens.labels(name).inc(rec.num_prompt_tokens)
         self.generation_tokens.labels(name).inc(rec.num_output_tokens)
         self.request_success.labels(name, rec.finish_reason).inc()

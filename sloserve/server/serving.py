@@ -441,6 +441,7 @@ class OpenAIServing:
             e2e=e2e,
             queue_time=(m.first_scheduled_time - m.arrival_time) if m and m.first_scheduled_time else None,
             itls=itls,
+            lora=ctx.lora,
         )
         try:
             self.metrics.observe_finished(rec)
