@@ -44,6 +44,10 @@ class LoraError(ValueError):
     """An adapter that cannot be loaded or applied; the message names what and why."""
 
 
+class LoraExists(LoraError):
+    """The name is already served (or still finishing requests after an unload)."""
+
+
 def part_shapes(config: ModelConfig) -> dict[str, list[tuple[int, int]]]:
     """Each fused projection's parts as (out_features, in_features), in the order they are fused."""
     q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
@@ -315,7 +319,7 @@ class LoraRegistry:
 
     def _check_free(self, name: str) -> None:
         if name in self._held:
-            raise LoraError(f"adapter {name!r} is already loaded" + (
+            raise LoraExists(f"adapter {name!r} is already loaded" + (
                 " (unloaded, still finishing requests)" if self._held[name].unloaded else ""))
 
     def unload(self, name: str) -> None:
@@ -404,5 +408,5 @@ def parse_lora_option(text: str) -> tuple[str, str]:
     return check_name(name.strip()), path.strip()
 
 
-__all__ = ["LoraAdapter", "LoraBatch", "LoraError", "LoraRegistry", "LoraStack", "check_name", "load_peft_adapter",
+__all__ = ["LoraAdapter", "LoraBatch", "LoraError", "LoraExists", "LoraRegistry", "LoraStack", "check_name", "load_peft_adapter",
            "parse_lora_option", "part_shapes"]

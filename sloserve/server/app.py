@@ -17,7 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 import sloserve
 from sloserve.engine.async_engine import AsyncLLMEngine
-from sloserve.engine.lora import LoraError
+from sloserve.engine.lora import LoraError, LoraExists
 from sloserve.server.admission import Admission
 from sloserve.server.connections import BodyTimeout
 from sloserve.server.dashboard import TimelineSampler, add_dashboard_routes
@@ -147,6 +147,8 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         try:
             adapter = await asyncio.to_thread(core.loras.read, body.lora_name, body.lora_path)
             await state.engine.call(lambda engine: engine.loras.add(adapter))
+        except LoraExists as exc:
+            raise bad_request(str(exc), "lora_name", "lora_adapter_exists") from None
         except LoraError as exc:
             raise bad_request(str(exc), "lora_path" if "adapter name" not in str(exc) else "lora_name",
                               "invalid_lora_adapter") from None

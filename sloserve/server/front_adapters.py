@@ -1,17 +1,21 @@
 """LoRA adapters loaded and unloaded at run time across a fleet: the front's side.
 
-`POST /v1/load_lora_adapter` at the front loads the adapter on every healthy worker (their own
-route, authenticated by the fleet secret) and succeeds only if every one took it: a worker that
-refuses it (a bad directory, a rank over its limit) gets the others' loads undone, and its
-answer is the front's. The adapters loaded this way are kept in the fleet's worker specs too
-(`on_change`), so a worker started later (autoscaling, a restart after a crash) starts with them.
-Unloading goes to every healthy worker; each finishes the requests already using the adapter.
+`POST /v1/load_lora_adapter` at the front puts the adapter in the fleet's worker specs first
+(`on_change`: a worker started from now on, by autoscaling or after a crash, starts with it), then
+loads it on every healthy worker and every starting one once it answers (their own route,
+authenticated by the fleet secret; a worker that already has it counts as loaded). It succeeds
+only if every one took it: a worker that refuses it (a bad directory, a rank over its limit) gets
+the others' loads and the spec change undone, and its answer is the front's. A worker spawned
+before the load may answer requests for the adapter with 404 in the moment between its first
+health poll and its load. Unloading goes to every healthy worker; each finishes the requests
+already using the adapter.
 """
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
+import time
 from typing import Callable, Optional
 
 import httpx
@@ -20,6 +24,7 @@ from fastapi.responses import JSONResponse, Response
 from sloserve.engine.lora import LoraError, check_name
 from sloserve.server.errors import error_body
 from sloserve.workers.contract import FLEET_SECRET_HEADER
+from sloserve.workers.fleet import HEALTHY, STARTING
 
 logger = logging.getLogger(__name__)
 
@@ -41,25 +46,32 @@ class AdapterFanout:
             return err
         name = body["lora_name"]
         async with self._lock:
+            if name in self.loaded:
+                return _error(400, f"adapter {name!r} is already loaded", "lora_adapter_exists", "lora_name")
+            self.loaded[name] = body["lora_path"]
+            self._changed()  # workers spawned from now on start with it
             done, failure, answer = [], None, {}
-            for inst in self.fleet.healthy():
+            for inst in [i for i in self.fleet.instances if i.status in (HEALTHY, STARTING)]:
+                if not await self._answering(inst):
+                    continue  # it did not come up: its replacement starts from the spec
                 resp = await self._post(inst, LOAD_PATH, body)
                 if resp is None:
-                    continue  # unreachable: it restarts from the spec, which will hold the adapter
-                if resp.status_code != 200:
+                    continue  # unreachable: it restarts from the spec, which holds the adapter
+                if resp.status_code != 200 and not _exists(resp):
                     failure = resp
                     break
                 done.append(inst)
-                answer = resp.json()
-            if failure is None and not done:
-                return _error(503, "no healthy instance to load the adapter on", "no_instance")
-            if failure is not None:
+                if resp.status_code == 200:
+                    answer = resp.json()
+            if failure is not None or not done:
+                del self.loaded[name]
+                self._changed()
                 for inst in done:  # all or nothing
                     await self._post(inst, UNLOAD_PATH, {"lora_name": name})
+                if failure is None:
+                    return _error(503, "no healthy instance to load the adapter on", "no_instance")
                 return Response(failure.content, status_code=failure.status_code,
                                 media_type=failure.headers.get("content-type"))
-            self.loaded[name] = body["lora_path"]
-            self._changed()
         logger.info("LoRA adapter %r loaded on %d workers", name, len(done))
         answer["instances"] = len(done)
         return JSONResponse(answer)
@@ -87,6 +99,13 @@ class AdapterFanout:
         model = body.get("model")
         return model if isinstance(model, str) and model in self.loaded else None
 
+    async def _answering(self, inst) -> bool:
+        """Wait for a starting worker's first answer (its start time-out bounds the wait)."""
+        handle, deadline = inst.handle, time.monotonic() + self.fleet.config.start_timeout_s
+        while inst.status == STARTING and inst.handle is handle and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        return inst.status == HEALTHY and inst.handle is handle
+
     def _changed(self) -> None:
         if self.on_change is not None:
             self.on_change(tuple(self.loaded.items()))
@@ -98,6 +117,14 @@ class AdapterFanout:
         except (httpx.TransportError, OSError) as e:
             self.fleet.suspect(inst, inst.handle, e)
             return None
+
+
+def _exists(resp: httpx.Response) -> bool:
+    """A worker's answer that it serves the adapter already (it started after the spec changed)."""
+    try:
+        return resp.status_code == 400 and resp.json()["error"]["code"] == "lora_adapter_exists"
+    except (ValueError, KeyError, TypeError):
+        return False
 
 
 def _body(raw: bytes, fields: tuple[str, ...]) -> tuple[dict, Optional[Response]]:
