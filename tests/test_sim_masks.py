@@ -11,8 +11,6 @@ from sloserve.cluster.controller import FleetController
 from sloserve.cluster.migration import MoveCosts
 from sloserve.cluster.routers import make_router
 from sloserve.config import SchedulerConfig
-from sloserve.sched.costs import StepLoad
-from sloserve.sched.plan import ScheduledRequest, StepPlan
 from sloserve.sim.catalog import get_model
 from sloserve.sim.cost import MaskCost, RooflineCostModel
 from sloserve.sim.hardware import get_hardware, get_link
@@ -31,16 +29,6 @@ def test_mask_cost_is_serial_per_row_plus_what_the_fill_outlasts():
     assert cost.extra(16, 50e-6) == pytest.approx(16 * 40e-6 + 80e-6 - 50e-6)  # it outlasts a 50 us step
     with pytest.raises(ValueError):
         MaskCost(fill_threads=0)
-
-
-def test_step_load_counts_masked_rows():
-    masked = Request("a", [1, 2, 3], SamplingParams(max_tokens=4, structured=SIMULATED_MASK))
-    plain = Request("b", [1, 2, 3], SamplingParams(max_tokens=4))
-    plan = StepPlan(0, 0.0, [ScheduledRequest(masked, 3, 1, [0], True),
-                             ScheduledRequest(plain, 3, 1, [1], True)])
-    load = StepLoad.of_plan(plan)
-    assert load.masked == 1 and load.num_sampled == 2
-    assert (load + load).masked == 2
 
 
 def requests(n: int, share: float, seed: int = 0) -> list[Request]:

@@ -32,7 +32,6 @@ class StepLoad:
     # Blocks saved to the (host, disk, store) tiers: written behind the step's compute (a copy
     # stream, background writers), so they cost time only when they outlast it.
     saves: tuple[int, int, int] = (0, 0, 0)
-    masked: int = 0  # sampled rows under a structured output's token mask (the engine fills and applies it)
 
     @staticmethod
     def prefill(num_tokens: int, start: int = 0, samples: bool = True) -> "StepLoad":
@@ -53,19 +52,16 @@ class StepLoad:
                         self.prefill_attention + other.prefill_attention,
                         self.prefill_context + other.prefill_context, self.swap_blocks + other.swap_blocks,
                         self.disk_blocks + other.disk_blocks, self.store_blocks + other.store_blocks,
-                        tuple(a + b for a, b in zip(self.saves, other.saves)),  # type: ignore[arg-type]
-                        self.masked + other.masked)
+                        tuple(a + b for a, b in zip(self.saves, other.saves)))  # type: ignore[arg-type]
 
     @staticmethod
     def of_plan(plan: StepPlan) -> "StepLoad":
-        tokens = sampled = decodes = dctx = pctx = masked = 0
+        tokens = sampled = decodes = dctx = pctx = 0
         pattn = 0.0
         for s in plan.scheduled:
             n = s.num_new_tokens
             tokens += n
             sampled += s.num_sampled
-            if s.request.sampling_params.structured is not None:
-                masked += s.num_sampled
             if n == 1:
                 decodes += 1
                 dctx += s.start + 1
@@ -77,8 +73,7 @@ class StepLoad:
                 pctx += s.start + n
         tier = plan.tier_ops
         if not tier:
-            return StepLoad(tokens, sampled, decodes, dctx, pattn, pctx, len(plan.swap_out) + len(plan.swap_in),
-                            masked=masked)
+            return StepLoad(tokens, sampled, decodes, dctx, pattn, pctx, len(plan.swap_out) + len(plan.swap_in))
         loads = {HOST: 0, DISK: 0, STORE: 0}
         saves = {HOST: 0, DISK: 0, STORE: 0}
         for op in tier.loads:
@@ -89,7 +84,7 @@ class StepLoad:
             saves[op.tier] += 1
         saves[DISK] += len(tier.spills)  # host evictions written back to the disk, behind the step
         return StepLoad(tokens, sampled, decodes, dctx, pattn, pctx, len(plan.swap_out) + len(plan.swap_in) + loads[HOST],
-                        loads[DISK], loads[STORE], (saves[HOST], saves[DISK], saves[STORE]), masked)
+                        loads[DISK], loads[STORE], (saves[HOST], saves[DISK], saves[STORE]))
 
 
 @runtime_checkable
