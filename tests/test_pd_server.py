@@ -40,12 +40,15 @@ def test_a_handed_off_stream_matches_colocated_output(fleet, params):
     assert [d["role"] for d in info["data"]] == ["prefill", "decode", "decode"]
     prompt = "Write a short story about a lighthouse keeper who finds a message in a bottle."
     expected = colocated(base, prompt, params)
-    before = handoffs(base)
+    before, resumed_before = handoffs(base), instances(base)["counters"]["resumed_midstream"]
     text, _ = stream(base, prompt, params)
     assert text == expected
-    after = handoffs(base)
+    after, resumed = handoffs(base), instances(base)["counters"]["resumed_midstream"] - resumed_before
     assert after["completed"] == before["completed"] + 1 and after["bytes"] > before["bytes"]
-    assert after["transfer"] == "blocking" and after["decoded_on_prefill"] == 0
+    # A stream whose decode instance stalls under load resumes elsewhere (the text above is still exact); one that
+    # resumed on the prefill instance may finish there. Without a resume, nothing decodes on the prefill instance.
+    on_prefill = after["decoded_on_prefill"] - before["decoded_on_prefill"]
+    assert after["transfer"] == "blocking" and on_prefill <= resumed, (resumed, fleet.log()[-6000:])
     wait_for(lambda: pools_free(base), 30, interval=0.3, what="every KV pool free")
     metrics = admin("GET", base + "/metrics").text
     for name in ("sloserve:pd_handoffs_completed_total", "sloserve:pd_handoff_bytes_total",
