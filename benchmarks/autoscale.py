@@ -111,7 +111,7 @@ def main() -> int:
     console = Console()
     slo = SLO.parse(args.slo)
     base = FleetConfig(instances=args.peak, hardware=args.hardware, model=args.model, tp=args.tp,
-                       router="least-requests", migration="drain",
+                       router="least-requests", migration="drain", migration_interval_s=0.1, decode_router="least-kv",
                        scheduler=SchedulerConfig(max_num_batched_tokens=args.budget, max_num_seqs=256))
     lengths = load_file(shared_path(args.lengths), source=args.lengths)
     context = get_model(args.model).max_position_embeddings

@@ -89,7 +89,7 @@ def run(reqs: list[WorkloadRequest], setting: Setting, router: str, migration: s
         classes: Optional[dict[str, QoSClass]] = None, policy: str = "fcfs") -> dict:
     fleet = FleetConfig(instances=instances, hardware=setting.hardware, model=setting.model, router=router,
                         scheduler=SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=256, policy=policy),
-                        predictor="default", migration=migration, link=setting.link)
+                        predictor="default", migration=migration, link=setting.link, migration_interval_s=0.1)
     predictions = make_predictions(fleet)
     sim = build_fleet(fleet, predictions)
     t0 = time.perf_counter()

@@ -47,7 +47,7 @@ RESULTS, FIGURES = HERE / "results", HERE / "figures"
 SLO_TIGHT = SLO(ttft_s=1.0, tpot_s=0.05)
 LOADS = (0.8, 1.0, 1.2)
 POLICIES = (("never", 0), ("prefill-pressure", 1024), ("prefill-pressure", 4096), ("always", 0))
-FLEET = {"hardware": "h100-80g", "model": "llama-3.1-8b", "link": "infiniband-ndr"}
+FLEET = {"hardware": "h100-80g", "model": "llama-3.1-8b", "link": "infiniband-ndr", "decode_router": "least-kv"}
 ROUTERS = ("least-requests", "round-robin")
 
 

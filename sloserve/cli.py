@@ -166,7 +166,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     import os
 
-    from sloserve.config import PoolSettings, parse_instance_range, parse_pd, parse_pd_capacity
+    from sloserve.config import PoolSettings
     from sloserve.server.launcher import run_server
     from sloserve.server.qos import QoSRegistry, load_qos_config
     from sloserve.server.settings import ServerSettings
@@ -199,14 +199,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         grammar_compile_timeout_s=args.grammar_compile_timeout,
     )
     settings.validate()
-    low, high = parse_instance_range(args.instances)
-    if args.autoscale and ":" not in str(args.instances) and args.pd is None:
-        low = 1  # --instances N --autoscale P: between 1 and N (a --pd fleet's pools take --pd-min)
-    if args.pd is not None and high == 1:
-        low = high = sum(parse_pd(args.pd))  # --pd 1:2 alone means 3 instances
-    pd_flags = args.pd or args.decode_router or args.pd_prefill or args.pd_decode \
-        or args.mixed_handoff != "never"  # run_multi checks them
-    if high > 1 or low != high or args.backend != "process" or pd_flags or args.autoscale:
+    spec = args.fleet_spec
+    if spec.instances > 1 or spec.fewest != spec.instances or args.backend != "process" or spec.pd \
+            or spec.decode_router or spec.mixed_handoff != "never" or spec.autoscale \
+            or spec.prefill_pool != PoolSettings() or spec.decode_pool != PoolSettings():  # run_multi checks them
         from sloserve.server.multi import run_multi
 
         history = None
@@ -214,28 +210,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
             from sloserve.cluster.forecast_cli import load_series
 
             history = load_series(args.scaling_history, "requests", 600.0)
-        return run_multi(engine_config_from_args(args), settings, instances=high, router=args.router,
-                         backend=args.backend, host=args.host, port=args.port, qos_config=args.qos_config,
-                         api_keys=keys, ray_address=args.ray_address, admin_keys=settings.admin_keys,
-                         max_in_flight=args.front_max_in_flight, hang_timeout_s=args.hang_timeout,
-                         migration=args.migration, migration_interval_s=args.migration_interval,
-                         predictor=None if args.predictor == "none" else args.predictor, pd=args.pd,
-                         pd_transfer=args.pd_transfer, decode_router=args.decode_router,
-                         mixed_handoff=args.mixed_handoff, mixed_handoff_tokens=args.mixed_handoff_tokens,
-                         prefill_pool=PoolSettings.parse(args.pd_prefill), decode_pool=PoolSettings.parse(args.pd_decode),
-                         min_instances=low if low != high else None, autoscale=args.autoscale,
-                         capacity_rps=args.capacity, scaling_interval_s=args.scaling_interval,
-                         scale_down_delay_s=args.scale_down_delay, target_utilization=args.target_utilization,
-                         stable_window_s=args.stable_window,
-                         cold_start_s=args.cold_start, forecaster=args.forecaster, scaling_history=history,
-                         pd_min=args.pd_min, pd_capacity=parse_pd_capacity(args.pd_capacity),
-                         forecast_level=args.forecast_level)
+        return run_multi(engine_config_from_args(args), settings, spec, backend=args.backend, host=args.host,
+                         port=args.port, qos_config=args.qos_config, api_keys=keys, ray_address=args.ray_address,
+                         admin_keys=settings.admin_keys, max_in_flight=args.front_max_in_flight,
+                         hang_timeout_s=args.hang_timeout, cold_start_s=args.cold_start, scaling_history=history)
     return run_server(engine_config_from_args(args), settings, host=args.host, port=args.port)
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
-    from sloserve.cluster.mixed_handoff import DEFAULT_QUEUED_TOKENS, MIXED_HANDOFFS
-    from sloserve.server.front_handoff import TRANSFERS
+    from sloserve.cluster.spec_cli import add_fleet_spec_args
     from sloserve.server.settings import EVENT_LOOPS, TOOL_PARSER_CHOICES
 
     g = p.add_argument_group("server")
@@ -281,10 +264,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dashboard-interval", type=float, default=1.0, metavar="S",
                    help="how often /dashboard's fleet timeline samples the instances (default 1 s; the last hour is kept)")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    m = p.add_argument_group("multi-instance")
-    m.add_argument("--instances", default="1", metavar="N|MIN:MAX",
-                   help="engine workers behind one router (threads split evenly); MIN:MAX with --autoscale")
-    m.add_argument("--router", default="least-requests", help="routing policy across instances (see docs/fleet.md)")
+    m = p.add_argument_group("multi-instance (the real fleet's own settings)")
     m.add_argument("--backend", default="process", choices=["process", "ray"], help="workers as local processes or Ray actors")
     m.add_argument("--front-max-in-flight", type=int, default=None, metavar="N",
                    help="requests the front proxies at once; more get 429 (default: the workers' combined capacity)")
@@ -292,53 +272,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="a live worker that answers no health poll for S seconds is killed and replaced "
                         "(one that misses 3 polls only leaves routing until it answers)")
     m.add_argument("--ray-address", help="join this Ray cluster (e.g. auto, ray://head:10001) instead of starting one")
-    m.add_argument("--predictor", default="default", metavar="default|FILE|none",
-                   help="the front's output-length predictor (routing, migration): the packaged default, a "
-                        "`sloserve train-predictor` file, or none")
-    m.add_argument("--migration", default="none", metavar="POLICIES",
-                   help="live migration of running requests between instances: none, or a comma list of balance, "
-                        "defrag, priority, drain (drain via POST /v1/instances/{id}/drain always works)")
-    m.add_argument("--migration-interval", type=float, default=0.5, metavar="S",
-                   help="how often the fleet controller looks for requests to move")
-    m.add_argument("--pd", metavar="P:D", help="prefill/decode disaggregation: P prefill and D decode instances; each "
-                   "stream moves to a decode instance after its first token (implies --instances P+D)")
-    m.add_argument("--pd-transfer", default="blocking", choices=TRANSFERS,
-                   help="hand-off copy: blocking (pause, copy all KV, go on), live (pre-copy while the prefill "
-                        "instance keeps decoding, then a short pause) or pipelined (the decode instance is picked "
-                        "at arrival and gets each KV block as the prefill computes it; a mixed hand-off, decided "
-                        "at the first token, copies as blocking)")
-    m.add_argument("--decode-router", metavar="POLICY", help="routing policy that picks the decode instance of a "
-                   "hand-off (default: --router)")
-    m.add_argument("--mixed-handoff", default="never", choices=sorted(MIXED_HANDOFFS),
-                   help="without --pd: a stream prefilled on one instance decodes on another (picked by "
-                        "--decode-router) when this policy says it pays (Llumnix-style); same copy as --pd-transfer")
-    m.add_argument("--mixed-handoff-tokens", type=int, default=DEFAULT_QUEUED_TOKENS, metavar="TOKENS",
-                   help="prefill-pressure: hand off when the source has this many prompt tokens queued")
-    m.add_argument("--pd-prefill", default="", metavar="SPEC",
-                   help="prefill pool scheduler settings, e.g. budget=2048,seqs=8,chunk=1024 (default: the fleet's)")
-    m.add_argument("--pd-decode", default="", metavar="SPEC", help="decode pool scheduler settings, as --pd-prefill")
-    a = p.add_argument_group("autoscaling (multi-instance)")
-    a.add_argument("--autoscale", metavar="POLICY", help="start and stop workers between MIN and MAX of --instances: "
-                   "static, reactive, predictive or hybrid")
-    a.add_argument("--capacity", type=float, metavar="RPS", help="requests/s one worker sustains within your SLOs")
-    a.add_argument("--pd-min", metavar="P:D", help="with --pd: the fewest prefill and decode workers (default 1:1; "
-                   "--pd is the most); each pool is scaled on its own")
-    a.add_argument("--pd-capacity", metavar="P_RPS:D_RPS",
-                   help="with --pd: requests/s one prefill and one decode worker sustain within your SLOs")
-    a.add_argument("--scaling-interval", type=float, default=10.0, metavar="S", help="seconds between decisions")
-    a.add_argument("--scale-down-delay", type=float, default=60.0, metavar="S",
-                   help="a lower target must hold this long before a worker drains")
-    a.add_argument("--target-utilization", type=float, default=0.8, help="share of a worker's capacity planned for")
-    a.add_argument("--stable-window", type=float, default=60.0, metavar="S",
-                   help="reactive/hybrid: demand is averaged over S seconds (a panic holds scale-down that long)")
-    a.add_argument("--cold-start", type=float, default=30.0, metavar="S",
-                   help="worker start time assumed until one of this fleet's workers has been timed")
-    a.add_argument("--forecaster", default="seasonal-naive", help="predictive/hybrid: the demand forecaster")
-    a.add_argument("--forecast-level", type=float, default=0.9,
-                   help="predictive/hybrid: plan for the top of this forecast band (0-1; lower: fewer workers, "
-                        "more risk)")
-    a.add_argument("--scaling-history", metavar="SERIES",
-                   help="past demand for the forecaster: servegen:MODEL or a trace (as `sloserve forecast --series`)")
+    m.add_argument("--cold-start", type=float, default=30.0, metavar="S",
+                   help="autoscaling: worker start time assumed until one of this fleet's workers has been timed")
+    add_fleet_spec_args(p)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -405,6 +341,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
+        from sloserve.cluster.spec_cli import resolve_fleet_args
+
+        resolve_fleet_args(args)
         return args.func(args)
     except (ValueError, FileNotFoundError) as e:
         print(f"sloserve: error: {e}", file=sys.stderr)

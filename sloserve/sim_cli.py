@@ -67,45 +67,23 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def add_fleet_args(p: argparse.ArgumentParser) -> None:
-    from sloserve.cluster.migration import MIGRATION_POLICIES
+    """The fleet controller's options (cluster/spec_cli.py, shared with `serve`), then what a
+    simulated fleet adds: hardware, model, links, instance scheduling, tiers, energy, ..."""
+    from sloserve.cluster.spec_cli import add_fleet_spec_args
     from sloserve.config import PREEMPTION_VICTIMS
-    from sloserve.cluster.routers import ROUTERS
-    from sloserve.cluster.mixed_handoff import DEFAULT_QUEUED_TOKENS, MIXED_HANDOFFS
     from sloserve.sched.policies import POLICIES
     from sloserve.sim.catalog import MODELS
     from sloserve.sim.hardware import DEFAULT_LINK, HARDWARE, LINKS
 
-    f = p.add_argument_group("fleet")
-    f.add_argument("--instances", default="1", metavar="N|MIN:MAX",
-                   help="instances; MIN:MAX with --autoscale (MIN may be 0: scale to zero)")
+    add_fleet_spec_args(p)
+    f = p.add_argument_group("simulated fleet")
     f.add_argument("--hardware", default="h100-80g", help=f"one of {sorted(HARDWARE)}")
     f.add_argument("--model", default="llama-3.1-8b", help=f"one of {sorted(MODELS)}")
     f.add_argument("--tp", type=int, default=1, help="tensor-parallel degree per instance")
-    f.add_argument("--router", default="round-robin", help=f"one of {sorted(ROUTERS)}")
-    f.add_argument("--predictor", default="auto", metavar="none|default|FILE",
-                   help="output-length predictor giving requests a predicted length: the packaged `default`, a "
-                        "`sloserve train-predictor` file, or none (auto: default for predicted-load, else none)")
     f.add_argument("--no-online-predictor", action="store_true", help="do not learn from completed requests")
     f.add_argument("--router-seed", type=int, default=0, help="seed of randomized routers (power-of-two)")
     f.add_argument("--router-epsilon", type=float, default=0.25, help="prefix-affinity load bound: (1+e) x mean")
-    f.add_argument("--migration", default="none", metavar="POLICY[,POLICY...]",
-                   help=f"live migration of running requests: one or more of {sorted(MIGRATION_POLICIES)}")
     f.add_argument("--link", default=DEFAULT_LINK, help=f"link KV migrates over between instances: one of {sorted(LINKS)}")
-    f.add_argument("--migration-interval", type=float, default=0.1, metavar="S",
-                   help="seconds of simulated time between migration plans")
-    f.add_argument("--pd", metavar="P:D", help="prefill/decode disaggregation: P prefill and D decode instances "
-                   "(replaces --instances); each request's KV crosses --link after its first token")
-    f.add_argument("--pd-transfer", default="pipelined", choices=["pipelined", "blocking"],
-                   help="send the KV layer by layer during the prefill, or all of it after")
-    f.add_argument("--pd-prefill", default="", metavar="SPEC",
-                   help="prefill pool settings: tp=N,budget=TOKENS,seqs=N,chunk=TOKENS (any subset)")
-    f.add_argument("--pd-decode", default="", metavar="SPEC", help="decode pool settings, as --pd-prefill")
-    f.add_argument("--decode-router", default="least-kv", help=f"picks the decode instance: one of {sorted(ROUTERS)}")
-    f.add_argument("--mixed-handoff", default="never", choices=sorted(MIXED_HANDOFFS),
-                   help="a request prefilled on a mixed instance decodes on another when this policy says it pays "
-                        "(Llumnix-style; the KV crosses --link, --pd-transfer, target by --decode-router)")
-    f.add_argument("--mixed-handoff-tokens", type=int, default=DEFAULT_QUEUED_TOKENS, metavar="TOKENS",
-                   help="prefill-pressure: hand off when the source has this many prompt tokens queued")
     f.add_argument("--scheduler", default="fcfs", help=f"instance scheduling policy: one of {sorted(POLICIES)}")
     f.add_argument("--profile", help="price steps with a `sloserve profile` file instead of the roofline model")
     f.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -161,45 +139,25 @@ def add_fleet_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--stage-threshold", type=float, default=0.05,
                    help="dynamic: re-split when the slowest stage is this much slower than the best split's")
     g.add_argument("--stage-link", default="nvlink-h100", help=f"link between stages: one of {sorted(LINKS)}")
-    a = p.add_argument_group("autoscaling")
-    from sloserve.cluster.autoscale import AUTOSCALERS
-    from sloserve.cluster.forecast import FORECASTERS
-
-    a.add_argument("--autoscale", metavar="POLICY", help=f"decide how many instances run: one of {sorted(AUTOSCALERS)}")
+    a = p.add_argument_group("autoscaling (simulated instances)")
     a.add_argument("--cold-start", type=float, default=120.0, metavar="S", help="start to ready, weights from storage")
     a.add_argument("--warm-start", type=float, metavar="S",
                    help="start to ready when the weights are still in host memory (with --keep-alive)")
     a.add_argument("--keep-alive", type=float, default=0.0, metavar="S",
                    help="how long a stopped instance's weights stay in host memory (a warm pool)")
-    a.add_argument("--scaling-interval", type=float, default=60.0, metavar="S", help="seconds between decisions")
-    a.add_argument("--scale-down-delay", type=float, default=300.0, metavar="S",
-                   help="a lower target must hold this long before instances drain")
-    a.add_argument("--target-utilization", type=float, default=0.8, help="share of an instance's capacity planned for")
-    a.add_argument("--capacity", type=float, metavar="RPS",
-                   help="requests/s one instance sustains within the SLO (default: measured on the workload at --slo)")
-    a.add_argument("--pd-min", metavar="P:D",
-                   help="with --pd and --autoscale: the fewest prefill and decode instances (default 1:1; --pd is "
-                        "the most); each pool is scaled on its own")
-    a.add_argument("--pd-capacity", metavar="P_RPS:D_RPS",
-                   help="with --pd and --autoscale: req/s one prefill and one decode instance sustain (default: "
-                        "measured on the workload at --slo, TTFT for prefill, TPOT for decode)")
-    a.add_argument("--forecaster", default="seasonal-naive", help=f"predictive/hybrid: one of {sorted(FORECASTERS)}")
-    a.add_argument("--forecast-level", type=float, default=0.9,
-                   help="predictive/hybrid: plan for the top of this forecast band (0-1)")
-    a.add_argument("--scaling-history", metavar="SERIES",
-                   help="demand before the run that trains the forecaster: servegen:MODEL or a trace (as "
-                        "`sloserve forecast --series`)")
 
 
 def fleet_config_from_args(args: argparse.Namespace):
-    from sloserve.config import PREEMPTION_VICTIMS, CacheConfig, SchedulerConfig, parse_pd_capacity
+    from sloserve.config import PREEMPTION_VICTIMS, CacheConfig, SchedulerConfig
     from sloserve.sim.hardware import DEFAULT_LINK
-    from sloserve.simulation import FleetConfig, PoolSettings
-    from sloserve.cluster.mixed_handoff import DEFAULT_QUEUED_TOKENS
+    from sloserve.simulation import FleetConfig
 
-    low, high = parse_instances(args.instances, getattr(args, "autoscale", None))
-    return FleetConfig(
-        instances=high, min_instances=low, hardware=args.hardware, model=args.model, tp=args.tp, router=args.router,
+    from sloserve.cluster.spec_cli import spec_from_args
+
+    spec = getattr(args, "fleet_spec", None) or spec_from_args(args)
+    spec.validate()
+    return FleetConfig.from_spec(
+        spec, hardware=args.hardware, model=args.model, tp=args.tp,
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                                   policy=args.scheduler, preemption_mode=args.preemption_mode,
                                   preemption_victim=getattr(args, "preemption_victim", PREEMPTION_VICTIMS[0])),
@@ -209,22 +167,10 @@ def fleet_config_from_args(args: argparse.Namespace):
                           tier_write_back=not getattr(args, "kv_write_through", False)),
         kv_store_gib=getattr(args, "kv_store_gib", 0.0), kv_store_link=getattr(args, "kv_store_link", DEFAULT_LINK),
         profile=args.profile, num_blocks=args.num_blocks, fast_forward=not args.no_fast_forward,
-        predictor=(("default" if args.router == "predicted-load" else None) if args.predictor == "auto"
-                   else args.predictor),
         online_predictor=not args.no_online_predictor, router_seed=args.router_seed,
-        router_epsilon=args.router_epsilon, migration=args.migration, link=args.link,
-        migration_interval_s=args.migration_interval, pd=args.pd, pd_transfer=args.pd_transfer,
-        decode_router=args.decode_router, mixed_handoff=getattr(args, "mixed_handoff", "never"),
-        mixed_handoff_tokens=getattr(args, "mixed_handoff_tokens", DEFAULT_QUEUED_TOKENS),
-        prefill_pool=PoolSettings.parse(args.pd_prefill),
-        decode_pool=PoolSettings.parse(args.pd_decode), autoscale=getattr(args, "autoscale", None),
+        router_epsilon=args.router_epsilon, link=args.link,
         cold_start_s=getattr(args, "cold_start", 120.0), warm_start_s=getattr(args, "warm_start", None),
-        keep_alive_s=getattr(args, "keep_alive", 0.0), scaling_interval_s=getattr(args, "scaling_interval", 60.0),
-        scale_down_delay_s=getattr(args, "scale_down_delay", 300.0),
-        target_utilization=getattr(args, "target_utilization", 0.8), capacity_rps=getattr(args, "capacity", None),
-        forecaster=getattr(args, "forecaster", "seasonal-naive"), forecast_level=getattr(args, "forecast_level", 0.9),
-        pd_min=getattr(args, "pd_min", None),
-        pd_capacity=parse_pd_capacity(getattr(args, "pd_capacity", None)),
+        keep_alive_s=getattr(args, "keep_alive", 0.0),
         clock_policy=getattr(args, "clock_policy", None), experts=getattr(args, "experts", None),
         expert_skew=getattr(args, "expert_skew", 0.6), expert_drift_s=getattr(args, "expert_drift", 1800.0),
         expert_interval_s=getattr(args, "expert_interval", 600.0),
@@ -232,18 +178,6 @@ def fleet_config_from_args(args: argparse.Namespace):
         pp=getattr(args, "pp", 1), stages=getattr(args, "stages", "even"),
         stage_window_s=getattr(args, "stage_window", 30.0), stage_threshold=getattr(args, "stage_threshold", 0.05),
         stage_link=getattr(args, "stage_link", "nvlink-h100"))
-
-
-def parse_instances(text: str, autoscale) -> tuple[int, int]:
-    """`--instances N` or `MIN:MAX` -> (min, max); a range needs --autoscale, and N with it means 1:N."""
-    from sloserve.config import parse_instance_range
-
-    low, high = parse_instance_range(text)
-    if low != high and not autoscale:
-        raise ValueError("--instances MIN:MAX needs --autoscale POLICY")
-    if autoscale and ":" not in str(text):
-        low = 1  # --instances N --autoscale P: between 1 and N
-    return low, high
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:

@@ -15,6 +15,7 @@ from sloserve.cluster.controller import FleetController
 from sloserve.cluster.migration import MoveCosts, make_migration_policy, parse_migration
 from sloserve.cluster.mixed_handoff import DEFAULT_QUEUED_TOKENS, make_mixed_handoff
 from sloserve.cluster.routers import RouterOptions, make_router
+from sloserve.cluster.spec import FleetSpec
 from sloserve.config import CacheConfig, ModelConfig, PoolSettings, SchedulerConfig, parse_pd, pd_pool_bounds, pd_roles  # noqa: F401 (parse_pd: re-exported)
 from sloserve.kv.tiers import DISK, STORE, KVTiers
 from sloserve.cluster.experts import make_expert_placer
@@ -38,6 +39,8 @@ if TYPE_CHECKING:
     from sloserve.cluster.predict import PredictionBook
     from sloserve.sim.fluid import FluidFleet, ResponseCurve
 
+_SPEC = FleetSpec()  # the controller's defaults, shared with the real fleet (cluster/spec.py)
+
 
 @dataclass
 class FleetConfig:
@@ -45,7 +48,7 @@ class FleetConfig:
     hardware: str = "h100-80g"
     model: str = "llama-3.1-8b"
     tp: int = 1
-    router: str = "round-robin"
+    router: str = _SPEC.router
     scheduler: SchedulerConfig = field(default_factory=lambda: SchedulerConfig(max_num_batched_tokens=2048,
                                                                                max_num_seqs=256))
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -65,19 +68,19 @@ class FleetConfig:
     # the link KV crosses between instances (sim/hardware.py LINKS; default InfiniBand NDR: instances
     # on different hosts, one 400 Gb/s NIC per GPU; pass e.g. nvlink-h100 for instances in one NVLink
     # domain), and how often the controller plans moves (simulated seconds).
-    migration: str = "none"
+    migration: str = _SPEC.migration
     link: str = DEFAULT_LINK
-    migration_interval_s: float = 0.1
+    migration_interval_s: float = _SPEC.migration_interval_s
     # Prefill/decode disaggregation: "P:D" instance counts (overrides `instances`), or None for a
     # colocated fleet. The KV of each prefilled request crosses `link` to the decode instance that
-    # `decode_router` picks, sent `pd_transfer` = "pipelined" (layer by layer during the prefill)
-    # or "blocking" (after it).
+    # `decode_router` picks (None: `router`), sent `pd_transfer` = "pipelined" (layer by layer during
+    # the prefill) or "blocking" (after it).
     pd: Optional[str] = None
-    pd_transfer: str = "pipelined"
-    decode_router: str = "least-kv"
+    pd_transfer: str = _SPEC.pd_transfer
+    decode_router: Optional[str] = _SPEC.decode_router
     # Llumnix-style hand-off from mixed instances (cluster/mixed_handoff): a request prefilled on
     # one may decode on another (`decode_router` picks it) when the policy says it pays.
-    mixed_handoff: str = "never"
+    mixed_handoff: str = _SPEC.mixed_handoff
     mixed_handoff_tokens: int = DEFAULT_QUEUED_TOKENS  # prefill-pressure's queued prompt tokens
     prefill_pool: PoolSettings = field(default_factory=PoolSettings)  # per-pool overrides (P/D only)
     decode_pool: PoolSettings = field(default_factory=PoolSettings)
@@ -94,15 +97,16 @@ class FleetConfig:
     pd_min: Optional[str] = None
     pd_initial: Optional[str] = None  # "P:D" ready at time 0 (default: pd_min)
     pd_capacity: Optional[tuple[float, float]] = None
-    scaling_interval_s: float = 60.0
+    scaling_interval_s: float = _SPEC.scaling_interval_s
+    stable_window_s: float = _SPEC.stable_window_s
     cold_start_s: float = 120.0
     warm_start_s: Optional[float] = None
     keep_alive_s: float = 0.0
     demand_step_s: float = 60.0
-    scale_down_delay_s: float = 300.0
-    target_utilization: float = 0.8
-    forecaster: str = "seasonal-naive"
-    forecast_level: float = 0.9  # predictive/hybrid plan for the top of this band (lower: fewer instances, more risk)
+    scale_down_delay_s: float = _SPEC.scale_down_delay_s
+    target_utilization: float = _SPEC.target_utilization
+    forecaster: str = _SPEC.forecaster
+    forecast_level: float = _SPEC.forecast_level  # predictive/hybrid plan for the top of this band
     scaling_history: Optional[object] = None  # a workload.series.Series of demand before the run (predictive)
     scaling_future: Optional[object] = None  # a Series of the run's own demand from its start (the oracle only)
     # The fleet's shared KV store (kv/tiers.py, sim/kv_store.py): its size (0: none) and the link
@@ -134,7 +138,30 @@ class FleetConfig:
     stage_threshold: float = 0.05
     stage_link: str = "nvlink-h100"
 
+    @classmethod
+    def from_spec(cls, spec: FleetSpec, **backend) -> "FleetConfig":
+        """The simulated fleet `spec` describes; `backend`: this config's own fields (hardware,
+        model, link, scheduler, cold_start_s, ...)."""
+        return cls(instances=spec.instances, min_instances=spec.fewest, router=spec.router,
+                   decode_router=spec.decode_router, predictor=spec.resolved_predictor, migration=spec.migration,
+                   migration_interval_s=spec.migration_interval_s, pd=spec.pd, pd_transfer=spec.pd_transfer,
+                   prefill_pool=spec.prefill_pool, decode_pool=spec.decode_pool, mixed_handoff=spec.mixed_handoff,
+                   mixed_handoff_tokens=spec.handoff_tokens, autoscale=spec.autoscale, capacity_rps=spec.capacity_rps,
+                   pd_min=spec.pd_min, pd_capacity=spec.pd_capacity, scaling_interval_s=spec.scaling_interval_s,
+                   scale_down_delay_s=spec.scale_down_delay_s, target_utilization=spec.target_utilization,
+                   stable_window_s=spec.stable_window_s, forecaster=spec.forecaster,
+                   forecast_level=spec.forecast_level, **backend)
+
+    @property
+    def spec(self) -> FleetSpec:
+        """The controller's side of this fleet, as cluster/spec.py describes it."""
+        return FleetSpec.of(self, self.instances, self.min_instances if self.autoscale else None,
+                            self.predictor or "none")
+
     def validate(self) -> None:
+        if self.pd_transfer == "live":
+            raise ValueError("--pd-transfer live is the real fleet's (pre-copy while the prefill instance decodes); "
+                             "the simulator sends pipelined or blocking")
         if self.pd is not None:
             self.instances = sum(parse_pd(self.pd))
         if self.instances < 1:
@@ -197,19 +224,10 @@ def scaling_parts(cfg: FleetConfig):
     ({}, None: a fixed fleet). A P/D fleet gets a planner, and an autoscaler, per pool."""
     if cfg.autoscale is None:
         return {}, None
-    from sloserve.cluster.autoscale import ScalingOptions
-    from sloserve.cluster.autoscale.planner import pool_planners
+    from sloserve.cluster.autoscale.planner import pool_planners, scaling_options
     from sloserve.sim.scaling import ScalingSpec
 
-    history = cfg.scaling_history
-    options = ScalingOptions(target_utilization=cfg.target_utilization, forecaster=cfg.forecaster,
-                             level=cfg.forecast_level,
-                             history=None if history is None else history.values,  # type: ignore[attr-defined]
-                             history_step_s=None if history is None else history.step_s,  # type: ignore[attr-defined]
-                             history_start_s=0.0 if history is None else history.start_s,  # type: ignore[attr-defined]
-                             future=None if cfg.scaling_future is None else cfg.scaling_future.values,  # type: ignore[attr-defined]
-                             future_step_s=None if cfg.scaling_future is None else cfg.scaling_future.step_s,  # type: ignore[attr-defined]
-                             extra={"interval_s": cfg.scaling_interval_s})
+    options = scaling_options(cfg)
     if cfg.pd is not None:
         (p_low, d_low), (p_high, d_high) = pd_pool_bounds(cfg.pd, cfg.pd_min)
         planners = pool_planners(cfg.autoscale, options, {"prefill": (p_low, p_high), "decode": (d_low, d_high)},
@@ -338,7 +356,7 @@ def build_fleet(cfg: FleetConfig, predictions: Optional["PredictionBook"] = None
     options = RouterOptions(seed=cfg.router_seed, epsilon=cfg.router_epsilon,
                             predictions=predictions.lookup if predictions is not None else None)
     handoff = make_mixed_handoff(cfg.mixed_handoff, cfg.mixed_handoff_tokens)
-    decode_router = make_router(cfg.decode_router, options) \
+    decode_router = make_router(cfg.decode_router or cfg.router, options) \
         if cfg.pd is not None or handoff.hands_off_anything else None
     planners, scaling = scaling_parts(cfg)
     controller = FleetController(make_router(cfg.router, options), make_migration_policy(cfg.migration),

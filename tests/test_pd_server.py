@@ -29,7 +29,7 @@ SEEDED = {"max_tokens": 32, "temperature": 0.9, "seed": 77, "ignore_eos": True}
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
-    with running_fleet(["--pd", "1:2"], tmp_path_factory, 3) as server:
+    with running_fleet(["--pd", "1:2", "--pd-transfer", "blocking"], tmp_path_factory, 3) as server:
         yield server
 
 

@@ -154,6 +154,7 @@ def test_simulate_cli_runs_and_reports_migration(tmp_path):
     res = subprocess.run(
         [sys.executable, "-m", "sloserve.cli", "simulate", "--workload", "azure-conv", "--replay", "--duration", "40",
          "--instances", "3", "--hardware", "a10-24g", "--model", "llama-2-7b", "--migration", "balance,defrag",
+         "--router", "round-robin", "--migration-interval", "0.1",  # round-robin leaves imbalance to move
          "--link", "roce-100g", "--out", str(out), "--no-progress"], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
     config = json.loads((out / "results.json").read_text())["runs"][0]["config"]

@@ -40,7 +40,8 @@ def main() -> None:
     reqs = first(args.requests)
     at = sustained(first, len(reqs), args.sustain, 20000) if args.sustain > 0 else None
     slo = SLO(ttft_s=0.25, tpot_s=0.1)
-    base = FleetConfig(instances=GPUS, hardware="a100-80g", model="llama-2-13b")
+    base = FleetConfig(instances=GPUS, hardware="a100-80g", model="llama-2-13b", router="round-robin",
+                       decode_router="least-kv")
     rows = plan(reqs, base, slo, GPUS, [c for c in layouts(GPUS) if c.pd is not None], iters=3, requests_at=at)
     best = rows[0]
     whole = replace(base, scheduler=SchedulerConfig(max_num_batched_tokens=4096, max_num_seqs=256,

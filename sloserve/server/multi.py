@@ -15,13 +15,16 @@ import dataclasses
 import logging
 import os
 import secrets
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import uvicorn
 
-from sloserve.config import CacheConfig, EngineConfig, PoolSettings, parse_pd, pd_pool_bounds, pd_roles
-from sloserve.server.front_handoff import TRANSFERS
+from sloserve.cluster.spec import FleetSpec
+from sloserve.config import CacheConfig, EngineConfig, PoolSettings, parse_pd
 from sloserve.server.connections import DrainingServer
+
+if TYPE_CHECKING:
+    from sloserve.workers.fleet import FrontConfig
 
 logger = logging.getLogger(__name__)
 
@@ -103,22 +106,36 @@ def scale_planners(config, num_instances: int) -> dict:
     """The controller's scale planner for `config`, by pool (none: a fixed fleet)."""
     if not config.autoscale:
         return {}
-    from sloserve.cluster.autoscale import ScalingOptions
-    from sloserve.cluster.autoscale.planner import pool_planners
+    from sloserve.cluster.autoscale.planner import pool_planners, scaling_options
 
-    history = config.scaling_history
-    options = ScalingOptions(target_utilization=config.target_utilization, forecaster=config.forecaster,
-                             level=config.forecast_level, history=None if history is None else history.values,
-                             history_step_s=None if history is None else history.step_s,
-                             history_start_s=0.0 if history is None else history.start_s,
-                             extra={"interval_s": config.scaling_interval_s,
-                                    "stable_window_s": config.stable_window_s})
+    options = scaling_options(config)
     if config.pd_min:  # each pool between its fewest and its slots
         bounds = {role: (low, sum(r == role for r in config.roles))
                   for role, low in zip(("prefill", "decode"), config.pd_min)}
     else:
         bounds = {"mixed": (config.min_instances, num_instances)}
     return pool_planners(config.autoscale, options, bounds, config.scale_down_delay_s)
+
+
+def front_config(spec: FleetSpec, **front) -> "FrontConfig":
+    """The real fleet's FrontConfig for `spec`; `front`: its own fields (the edge, health polls)."""
+    from sloserve.workers.fleet import FrontConfig
+
+    autoscaled = spec.autoscale is not None
+    return FrontConfig(
+        router=spec.router, predictor=spec.resolved_predictor, migration=spec.migration,
+        migration_interval_s=spec.migration_interval_s, roles=spec.roles if spec.pd else (),
+        pd_transfer=spec.pd_transfer, decode_router=spec.decode_router, mixed_handoff=spec.mixed_handoff,
+        mixed_handoff_tokens=spec.handoff_tokens, autoscale=spec.autoscale, min_instances=spec.fewest,
+        # MIN 0 still starts one worker: it proves the model loads and times the cold start
+        # before the fleet may scale to zero.
+        initial_instances=max(1, spec.fewest) if autoscaled else None,
+        capacity_rps=spec.capacity_rps or 0.0, scaling_interval_s=spec.scaling_interval_s,
+        scale_down_delay_s=spec.scale_down_delay_s, target_utilization=spec.target_utilization,
+        stable_window_s=spec.stable_window_s,
+        pd_min=parse_pd(spec.pd_min or "1:1") if spec.pd and autoscaled else (),
+        pd_capacity=tuple(spec.pd_capacity) if spec.pd and autoscaled and spec.pd_capacity else (),
+        forecaster=spec.forecaster, forecast_level=spec.forecast_level, **front)
 
 
 def worker_cache(cache: CacheConfig, index: int) -> CacheConfig:
@@ -134,145 +151,80 @@ def front_capacity(engine_config: EngineConfig, max_queue: int, instances: int) 
     return instances * (engine_config.scheduler.max_num_seqs + max_queue)
 
 
-def run_multi(engine_config: EngineConfig, settings, *, instances: int, router: str, backend: str = "process",
+def run_multi(engine_config: EngineConfig, settings, spec: FleetSpec, *, backend: str = "process",
               host: str = "127.0.0.1", port: int = 8000, qos_config: Optional[str] = None,
-              api_keys: Sequence[str] = (), ray_address: Optional[str] = None,
-              predictor: Optional[str] = "default", log_level: str = "warning",
+              api_keys: Sequence[str] = (), ray_address: Optional[str] = None, log_level: str = "warning",
               admin_keys: Sequence[str] = (), max_in_flight: Optional[int] = None,
-              hang_timeout_s: float = 60.0, migration: str = "none", migration_interval_s: float = 0.5,
-              pd: Optional[str] = None, pd_transfer: str = "blocking", decode_router: Optional[str] = None,
-              mixed_handoff: str = "never", mixed_handoff_tokens: Optional[int] = None,
-              prefill_pool: PoolSettings = PoolSettings(), decode_pool: PoolSettings = PoolSettings(),
-              min_instances: Optional[int] = None, autoscale: Optional[str] = None, capacity_rps: Optional[float] = None,
-              scaling_interval_s: float = 10.0, scale_down_delay_s: float = 60.0, target_utilization: float = 0.8,
-              stable_window_s: float = 60.0,
-              cold_start_s: float = 30.0, forecaster: str = "seasonal-naive", scaling_history=None,
-              pd_min: Optional[str] = None, pd_capacity: Optional[tuple[float, float]] = None,
-              forecast_level: float = 0.9) -> int:
-    """`settings` (ServerSettings) gives the edge: max_body_bytes, body and header timeouts,
-    connection cap, retry_after_s, grace_period_s; max_queue applies to each worker.
-    `pd` ("P:D") splits the instances into P prefill and D decode instances (front_handoff.py),
-    each pool with its scheduler settings changed by `prefill_pool` / `decode_pool`. With
-    `autoscale`, `instances` is the most workers that may run and `min_instances` the fewest
-    (front_autoscale.py); `capacity_rps` is what one worker sustains within the SLOs. A `pd`
-    fleet scales each pool apart: `pd` is then the most of each, `pd_min` ("P:D", default 1:1)
-    the fewest, `pd_capacity` the req/s one prefill and one decode worker sustain."""
-    from sloserve.cluster.mixed_handoff import make_mixed_handoff
-    from sloserve.cluster.routers import ROUTERS
+              hang_timeout_s: float = 60.0, cold_start_s: float = 30.0, scaling_history=None) -> int:
+    """The fleet `spec` describes (cluster/spec.py: routing, migration, P/D, autoscaling), on
+    worker processes or Ray actors. `settings` (ServerSettings) gives the edge: max_body_bytes,
+    body and header timeouts, connection cap, retry_after_s, grace_period_s; max_queue applies to
+    each worker. `cold_start_s`: the start time autoscaling assumes until a worker was timed;
+    `scaling_history`: the demand (workload.series.Series) that trains a forecaster."""
     from sloserve.server.connections import uvicorn_config
-    from sloserve.server.front import Front, FrontConfig
+    from sloserve.server.front import Front
     from sloserve.workers.handles import WorkerSpec
     from sloserve.server.qos import CACHE_SECRET_ENV, CacheSalter, cache_secret
     from sloserve.server.worker import worker_options
 
-    if instances < 1:
-        raise ValueError("--instances must be >= 1")
+    spec.validate()
+    instances = spec.instances
     if engine_config.step_trace:
         raise ValueError("--step-trace needs a single instance (each worker would write the same file)")
-    for name in (router, decode_router):
-        if name is not None and name not in ROUTERS:
-            raise ValueError(f"unknown router {name!r}; choose from {sorted(ROUTERS)}")
-    roles = pd_roles(pd, instances)  # a bad --pd fails here
-    if len(roles) != instances:
-        raise ValueError(f"--pd {pd} makes {len(roles)} instances but --instances is {instances}")
-    make_mixed_handoff(mixed_handoff, mixed_handoff_tokens)  # an unknown policy or a bad threshold fails here
-    if pd is not None and mixed_handoff != "never":
-        raise ValueError("--mixed-handoff hands off between mixed instances; a --pd fleet has none")
-    if pd is None and mixed_handoff == "never" and decode_router:
-        raise ValueError("--decode-router needs --pd P:D or --mixed-handoff")
-    if pd is None and (prefill_pool != PoolSettings() or decode_pool != PoolSettings()):
-        raise ValueError("--pd-prefill and --pd-decode need --pd P:D")
-    if pd_transfer not in TRANSFERS:
-        raise ValueError(f"unknown --pd-transfer {pd_transfer!r}; use one of {', '.join(TRANSFERS)}")
-    if prefill_pool.tp or decode_pool.tp:
+    if spec.prefill_pool.tp or spec.decode_pool.tp:
         raise ValueError("a real worker runs on one device: pool setting tp is for `sloserve simulate` only")
-    if autoscale is not None:
-        from sloserve.cluster.autoscale import AUTOSCALERS
-
-        if autoscale not in AUTOSCALERS:
-            raise ValueError(f"unknown autoscaler {autoscale!r}; choose from {sorted(AUTOSCALERS)}")
-        if pd is not None:
-            if min_instances is not None:
-                raise ValueError("a --pd fleet takes its pools' bounds from --pd (the most) and --pd-min (the fewest), "
-                                 "not --instances MIN:MAX")
-            pd_pool_bounds(pd, pd_min)
-            if pd_capacity is None or not all(c > 0 for c in pd_capacity):
+    if spec.autoscale is not None:
+        if spec.pd is not None:
+            if spec.pd_capacity is None:
                 raise ValueError("autoscaling a --pd fleet needs --pd-capacity P_RPS:D_RPS: the requests/s one "
                                  "prefill and one decode worker sustain within your SLOs")
-        elif capacity_rps is None or not capacity_rps > 0:
+        elif spec.capacity_rps is None:
             raise ValueError("--autoscale needs --capacity RPS: the requests/s one worker sustains within your SLOs")
-        if min_instances is not None and not 0 <= min_instances <= instances:
-            raise ValueError(f"--instances MIN:MAX needs 0 <= MIN <= MAX, got {min_instances}:{instances}")
-        if autoscale in ("predictive", "hybrid") and scaling_history is None:
-            raise ValueError(f"--autoscale {autoscale} needs --scaling-history (the demand that trains its forecaster)")
-        if not 0 < forecast_level < 1:
-            raise ValueError(f"--forecast-level must be in (0, 1), got {forecast_level:g}")
-        if not scaling_interval_s > 0 or scale_down_delay_s < 0 or not 0 < target_utilization <= 1 \
-                or not stable_window_s > 0:
-            raise ValueError("need --scaling-interval > 0, --scale-down-delay >= 0, 0 < --target-utilization <= 1 "
-                             "and --stable-window > 0")
-    elif min_instances not in (None, instances):
-        raise ValueError("--instances MIN:MAX needs --autoscale POLICY")
-    elif pd_min is not None or pd_capacity is not None:
-        raise ValueError("--pd-min and --pd-capacity need --pd and --autoscale")
+        if spec.autoscale in ("predictive", "hybrid") and scaling_history is None:
+            raise ValueError(f"--autoscale {spec.autoscale} needs --scaling-history (the demand that trains its "
+                             "forecaster)")
     if max_in_flight is not None and max_in_flight < 1:
         raise ValueError(f"max in flight must be >= 1, got {max_in_flight}")
     if not hang_timeout_s > 0:
         raise ValueError(f"hang timeout must be > 0 s, got {hang_timeout_s}")
-    if not migration_interval_s > 0:
-        raise ValueError(f"migration interval must be > 0 s, got {migration_interval_s}")
-    from sloserve.cluster.migration import make_migration_policy
-
-    make_migration_policy(migration)  # an unknown name fails here, before any worker starts
     settings.validate()
+    roles = spec.roles
     total = engine_config.num_threads or cores()
     per_worker = max(1, total // instances)
     fleet_secret = secrets.token_urlsafe(32)  # per run: authenticates the front on the workers' /internal/*
     # One cache-salt secret for the front and all its workers (else each draws its own, and the
     # router's prefix keys would never match what the workers publish).
     salt_secret = settings.cache_salt_secret or os.environ.get(CACHE_SECRET_ENV) or secrets.token_urlsafe(32)
-    pools = {"prefill": prefill_pool, "decode": decode_pool, "mixed": PoolSettings()}
-    specs = [WorkerSpec(dataclasses.replace(engine_config, num_threads=per_worker,
+    pools = {"prefill": spec.prefill_pool, "decode": spec.decode_pool, "mixed": PoolSettings()}
+    worker_specs = [WorkerSpec(dataclasses.replace(engine_config, num_threads=per_worker,
                                             scheduler=pools[role].apply(engine_config.scheduler),
                                             cache=worker_cache(engine_config.cache, index)),
-                        qos_config, list(api_keys), list(settings.served_model_names), settings.max_queue, log_level,
-                        fleet_secret, cache_secret=salt_secret, options=worker_options(settings))
-             for index, role in enumerate(roles)]
-    for spec in specs:
-        spec.engine.scheduler.validate()
-    spawn = make_spawner(specs, backend, per_worker, ray_address)
-    config = FrontConfig(
-        router=router, predictor=predictor, hang_timeout_s=hang_timeout_s, migration=migration,
-        migration_interval_s=migration_interval_s, roles=tuple(roles) if pd else (), pd_transfer=pd_transfer,
-        decode_router=decode_router, mixed_handoff=mixed_handoff, mixed_handoff_tokens=mixed_handoff_tokens,
-        autoscale=autoscale,
-        min_instances=instances if min_instances is None else min_instances,
-        # MIN 0 still starts one worker: it proves the model loads and times the cold start
-        # before the fleet may scale to zero.
-        initial_instances=None if autoscale is None else max(1, instances if min_instances is None else min_instances),
-        capacity_rps=capacity_rps or 0.0, scaling_interval_s=scaling_interval_s,
-        scale_down_delay_s=scale_down_delay_s, target_utilization=target_utilization, cold_start_guess_s=cold_start_s,
-        stable_window_s=stable_window_s,
-        pd_min=parse_pd(pd_min or "1:1") if pd and autoscale else (),
-        pd_capacity=tuple(pd_capacity) if pd and autoscale and pd_capacity else (),
-        forecaster=forecaster, forecast_level=forecast_level, scaling_history=scaling_history,
-        max_in_flight=max_in_flight or front_capacity(engine_config, settings.max_queue, instances),
-        max_body_bytes=settings.max_body_bytes, body_timeout_s=settings.body_timeout_s,
-        retry_after_s=settings.retry_after_s, admin_keys=tuple(admin_keys),
-        timeline_interval_s=settings.timeline_interval_s)
+                               qos_config, list(api_keys), list(settings.served_model_names), settings.max_queue,
+                               log_level, fleet_secret, cache_secret=salt_secret, options=worker_options(settings))
+                    for index, role in enumerate(roles)]
+    for worker in worker_specs:
+        worker.engine.scheduler.validate()
+    spawn = make_spawner(worker_specs, backend, per_worker, ray_address)
+    config = front_config(spec, hang_timeout_s=hang_timeout_s, cold_start_guess_s=cold_start_s,
+                          scaling_history=scaling_history,
+                          max_in_flight=max_in_flight or front_capacity(engine_config, settings.max_queue, instances),
+                          max_body_bytes=settings.max_body_bytes, body_timeout_s=settings.body_timeout_s,
+                          retry_after_s=settings.retry_after_s, admin_keys=tuple(admin_keys),
+                          timeline_interval_s=settings.timeline_interval_s)
     fleet = build_worker_fleet(spawn, instances, config, fleet_secret=fleet_secret)
     front = Front(fleet, settings.registry, CacheSalter(cache_secret(salt_secret)), engine_config.lora_modules)
 
     def adapters_changed(modules: tuple[tuple[str, str], ...]) -> None:
         """Workers started from now on (autoscaling, restarts) load the adapters loaded at run time."""
-        for slot, spec in enumerate(specs):
-            specs[slot] = dataclasses.replace(spec, engine=dataclasses.replace(spec.engine, lora_modules=modules))
+        for slot, worker in enumerate(worker_specs):
+            worker_specs[slot] = dataclasses.replace(worker, engine=dataclasses.replace(worker.engine,
+                                                                                       lora_modules=modules))
 
     front.adapters.on_change = adapters_changed
     uv_config = uvicorn_config(front.build_app(), host=host, port=port, limits=settings.connection_limits(),
                                loop=settings.event_loop)
     logger.info("starting %d %s workers (%d threads each%s); serving once one is healthy", instances, backend,
-                per_worker, f"; {pd} prefill:decode, {pd_transfer} hand-off" if pd else "")
+                per_worker, f"; {spec.pd} prefill:decode, {spec.pd_transfer} hand-off" if spec.pd else "")
     with asyncio.Runner(loop_factory=uv_config.get_loop_factory()) as runner:  # uvloop, as one instance runs
         runner.run(serve_front(fleet, front, uv_config, settings.grace_period_s, config.start_timeout_s))
     return 0

@@ -29,6 +29,7 @@ from typing import Any, Callable, Optional
 
 import httpx
 
+from sloserve.cluster.spec import FleetSpec
 from sloserve.fleet_view import ROLES
 from sloserve.timeline import (DEAD as SHOWN_DEAD, DRAINING as SHOWN_DRAINING, FAILURE, INSTANCE_READY,
                                READING_FIELDS, READY as SHOWN_READY, START, STOP, InstanceReading)
@@ -43,9 +44,15 @@ STARTING, HEALTHY, UNRESPONSIVE, DEAD = "starting", "healthy", "unresponsive", "
 STOPPED = "stopped"  # an autoscaled slot with no worker: nothing is polled, routed or replaced
 
 
+_SPEC = FleetSpec()  # the controller's defaults, shared with the simulated fleet
+
+
 @dataclass
 class FrontConfig:
-    router: str = "least-requests"
+    """The real fleet's settings: the controller's (cluster/spec.FleetSpec, whose defaults these
+    are; server/multi.front_config builds one from a spec), then the front's own."""
+
+    router: str = _SPEC.router
     poll_interval_s: float = 0.25
     fail_after: int = 3  # polls in a row without an answer before a live worker leaves routing
     poll_timeout_s: float = 2.0
@@ -54,30 +61,30 @@ class FrontConfig:
     max_attempts: int = 3  # instances one request may be tried on before it fails
     replace_dead: bool = True
     max_backoff_s: float = 30.0  # a slot whose workers keep dying while starting waits 1, 2, 4, ... s up to this
-    predictor: Optional[str] = "default"  # output-length predictor for the router; None = off
-    migration: str = "none"  # migration policies, comma-separated (cluster/migration); drain always works
-    migration_interval_s: float = 0.5  # how often the controller looks for moves
+    predictor: Optional[str] = _SPEC.resolved_predictor  # output-length predictor for the router; None = off
+    migration: str = _SPEC.migration  # migration policies, comma-separated (cluster/migration); drain always works
+    migration_interval_s: float = _SPEC.migration_interval_s  # how often the controller looks for moves
     roles: tuple[str, ...] = ()  # each slot's role (fleet_view.ROLES); empty: all `mixed`
-    pd_transfer: str = "blocking"  # how a prefill instance hands KV to a decode one: blocking | live | pipelined
-    decode_router: Optional[str] = None  # picks the decode instance of a hand-off (default: `router`)
-    mixed_handoff: str = "never"  # when a mixed instance hands a stream it prefilled to another (cluster/mixed_handoff)
-    mixed_handoff_tokens: Optional[int] = None  # prefill-pressure's queued prompt tokens (None: its default)
+    pd_transfer: str = _SPEC.pd_transfer  # how a prefill instance hands KV to a decode one: blocking | live | pipelined
+    decode_router: Optional[str] = _SPEC.decode_router  # picks the decode instance of a hand-off (None: `router`)
+    mixed_handoff: str = _SPEC.mixed_handoff  # when a mixed instance hands a stream it prefilled to another
+    mixed_handoff_tokens: int = _SPEC.handoff_tokens  # prefill-pressure's queued prompt tokens
     initial_instances: Optional[int] = None  # autoscaling: slots started at first (the rest stay stopped)
     # Autoscaling (server/front_autoscale.py): a policy name (cluster/autoscale), or None for a fixed fleet
-    autoscale: Optional[str] = None
+    autoscale: Optional[str] = _SPEC.autoscale
     min_instances: int = 1
     capacity_rps: float = 0.0  # requests/s one worker sustains within the SLOs
     # A disaggregated fleet scales its pools apart: the fewest (prefill, decode) workers, which
     # run at first, and the req/s one prefill and one decode worker sustain. Empty: one pool.
     pd_min: tuple[int, ...] = ()
     pd_capacity: tuple[float, ...] = ()
-    scaling_interval_s: float = 10.0
-    scale_down_delay_s: float = 60.0
-    target_utilization: float = 0.8
-    stable_window_s: float = 60.0  # reactive/hybrid: the demand averaging window
+    scaling_interval_s: float = _SPEC.scaling_interval_s
+    scale_down_delay_s: float = _SPEC.scale_down_delay_s
+    target_utilization: float = _SPEC.target_utilization
+    stable_window_s: float = _SPEC.stable_window_s  # reactive/hybrid: the demand averaging window
     cold_start_guess_s: float = 30.0  # until a worker of this fleet has started and been timed
-    forecaster: str = "seasonal-naive"
-    forecast_level: float = 0.9  # predictive/hybrid plan for the top of this band of the forecast
+    forecaster: str = _SPEC.forecaster
+    forecast_level: float = _SPEC.forecast_level  # predictive/hybrid plan for the top of this band of the forecast
     scaling_history: Optional[Any] = None  # workload.series.Series of past demand (predictive, hybrid)
     seed: int = 0
     # The front's edge (front_edge.py)

@@ -29,7 +29,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from sloserve.evaluation.decisions.base import Decision
-from sloserve.evaluation.fleet import scheduler
+from sloserve.evaluation.fleet import MIGRATION_INTERVAL_S, scheduler
 from sloserve.evaluation.result import CellResult, FlatRecord
 from sloserve.evaluation.suite import Cell, MeasureSpec
 from sloserve.evaluation.verdict import Verdict, noise_of, paired_log_ratio
@@ -179,7 +179,8 @@ def prepare(setting: ScalingSetting, measure: ScalingMeasure) -> Day:
 
     slo = slo_for(setting.lengths, setting.slo)
     base = FleetConfig(instances=setting.peak, hardware=setting.hardware, model=setting.model, tp=setting.tp,
-                       router="least-requests", migration="drain", scheduler=scheduler())
+                       router="least-requests", migration="drain", scheduler=scheduler(),
+                       migration_interval_s=MIGRATION_INTERVAL_S)
     shapes = request_shapes(setting.lengths, get_model(setting.model).max_position_embeddings)
     probe = poisson_requests(np.ones(60), 60.0, shapes, 1)  # shaped like the runs' arrivals, not the trace's
     capacity = instance_capacity(probe, base, slo, sample=len(probe))
