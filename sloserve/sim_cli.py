@@ -18,7 +18,8 @@ def add_simulate_parser(sub: argparse._SubParsersAction) -> None:
     r = p.add_argument_group("results")
     r.add_argument("--slo", help="targets in ms, e.g. ttft=500,tpot=50,e2e=10000")
     r.add_argument("--out", default="sim-out", metavar="DIR",
-                   help="results.json, report.md, PNGs and report.html (the fleet over time) go here")
+                   help="results.json, report.md, PNGs, report.html (the fleet over time) and fleet.yaml (the "
+                        "controller's settings, for `sloserve serve --fleet`) go here")
     r.add_argument("--timeline-interval", type=float, default=None, metavar="S",
                    help="simulated seconds between two frames of report.html (default: about 600 frames per run)")
     r.add_argument("--token-gaps", action="store_true",
@@ -266,6 +267,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             label = f"sim {fleet.instances}x {fleet.model} on {fleet.hardware} · {run_spec.name} · {desc}"
             results.append(BenchResult(label, summary, records, rate, config, timeline=timeline.to_dict()))
     paths = write_outputs(results, Path(args.out))
+    paths.append(write_fleet_file(fleet.spec, Path(args.out)))
     if fleet.autoscale is not None:
         paths.append(plot_scaling(results, Path(args.out) / "scaling.png"))
     out = Console()
@@ -359,6 +361,17 @@ def energy_report(energy: dict, records) -> dict:
     tokens = sum(r.output_tokens or 0 for r in done)
     return {**energy, "joules_per_request": energy["total_j"] / max(1, len(done)),
             "joules_per_output_token": energy["total_j"] / max(1, tokens)}
+
+
+def write_fleet_file(spec, out_dir: Path) -> Path:
+    """The simulated fleet's controller settings as `--fleet` reads them, so `sloserve serve
+    --fleet DIR/fleet.yaml` runs what was simulated (the capacity measured here included)."""
+    import yaml
+
+    path = out_dir / "fleet.yaml"
+    path.write_text("# sloserve simulate's fleet: `sloserve serve --fleet fleet.yaml` runs the same controller\n"
+                    + yaml.safe_dump(spec.as_dict(), sort_keys=False))
+    return path
 
 
 def timeline_interval(asked, stream) -> float:

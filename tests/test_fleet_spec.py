@@ -130,3 +130,15 @@ def test_a_fleet_file_with_an_unknown_setting_is_refused(tmp_path):
     path.write_text("routr: least-kv\n")
     with pytest.raises(ValueError, match="unknown setting 'routr'"):
         resolved("serve", ["--fleet", str(path)])
+
+
+def test_a_simulated_fleet_is_written_as_a_file_serve_reads(tmp_path):
+    from sloserve.cli import main
+
+    out = tmp_path / "sim"
+    assert main(["simulate", "--workload", "sharegpt", "--num-requests", "30", "--rate", "5", "--instances", "3",
+                 "--router", "predicted-load", "--migration", "balance", "--out", str(out), "--no-progress"]) == 0
+    written = FleetSpec.load(out / "fleet.yaml")
+    assert (written.instances, written.router, written.migration, written.predictor) == \
+        (3, "predicted-load", "balance", "default")
+    assert resolved("serve", ["--fleet", str(out / "fleet.yaml")]) == written
