@@ -240,32 +240,34 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                 "instances": fleet.instances, "hardware": fleet.hardware, "model": fleet.model, "tp": fleet.tp,
                 "router": fleet.router, "predictor": fleet.predictor, "scheduler": fleet.scheduler.policy,
                 "profile": fleet.profile, "migration": fleet.migration, "link": fleet.link,
-                "migrations": result.migration, "pd": fleet.pd, "pd_transfer": fleet.pd_transfer,
-                "mixed_handoff": fleet.mixed_handoff, "prefill_pool": vars(fleet.prefill_pool), "decode_pool": vars(fleet.decode_pool),
-                "handoffs": result.handoffs, "autoscale": fleet.autoscale,
+                "pd": fleet.pd, "pd_transfer": fleet.pd_transfer,
+                "mixed_handoff": fleet.mixed_handoff, "prefill_pool": vars(fleet.prefill_pool),
+                "decode_pool": vars(fleet.decode_pool), "autoscale": fleet.autoscale,
                 "min_instances": fleet.min_instances if fleet.autoscale else None,
                 "capacity_rps": fleet.capacity_rps, "cold_start_s": fleet.cold_start_s if fleet.autoscale else None,
                 "pd_min": fleet.pd_min or ("1:1" if fleet.pd and fleet.autoscale else None),
-                "pd_capacity": fleet.pd_capacity,
-                "scaling": result.scaling,
-                "clock_policy": fleet.clock_policy, "energy": energy_report(result.energy, records),
-                "experts": fleet.experts, "expert_books": result.experts,
+                "pd_capacity": fleet.pd_capacity, "clock_policy": fleet.clock_policy, "experts": fleet.experts,
+                "pp": fleet.pp, "stages": fleet.stages if fleet.pp > 1 else None,
+                "kv_tiers": {"host_gib": fleet.cache.host_tier_gib, "disk_gib": fleet.cache.disk_tier_gib,
+                             "store_gib": fleet.kv_store_gib},
+            }
+            outcome = {
+                "num_requests": len(stream), "completed": result.num_finished, "rejected": len(stream) - result.num_finished,
+                "migrations": result.migration, "handoffs": result.handoffs, "scaling": result.scaling,
+                "energy": energy_report(result.energy, records), "expert_books": result.experts,
                 "expert_weights_gb": [i.cost_model.weight_bytes() / 1e9 for i in sim.instances] if fleet.experts else None,
-                "pp": fleet.pp, "stages": fleet.stages if fleet.pp > 1 else None, "stage_books": result.stages,
-                "kv_blocks": [i.kv.pool.num_blocks for i in sim.instances],
+                "stage_books": result.stages, "kv_blocks": [i.kv.pool.num_blocks for i in sim.instances],
                 "preemptions": sum(i.scheduler.stats.num_preemptions for i in sim.instances),
                 "prefix_hit_rate": (sum(i.kv.stats.hits for i in sim.instances)
                                     / max(1, sum(i.kv.stats.queries for i in sim.instances))),
-                "kv_tiers": {"host_gib": fleet.cache.host_tier_gib, "disk_gib": fleet.cache.disk_tier_gib,
-                             "store_gib": fleet.kv_store_gib,
-                             "loads": sum(i.scheduler.stats.num_tier_loads for i in sim.instances),
-                             "prefetches": sum(i.scheduler.stats.num_tier_prefetches for i in sim.instances)},
-                "num_requests": len(stream), "completed": result.num_finished, "rejected": len(stream) - result.num_finished,
+                "tier_loads": {"loads": sum(i.scheduler.stats.num_tier_loads for i in sim.instances),
+                               "prefetches": sum(i.scheduler.stats.num_tier_prefetches for i in sim.instances)},
                 "sim_end_s": result.end_time, "wall_s": wall, "events": result.num_events,
                 "speedup_vs_real_time": result.end_time / wall if wall > 0 else None,
             }
             label = f"sim {fleet.instances}x {fleet.model} on {fleet.hardware} · {run_spec.name} · {desc}"
-            results.append(BenchResult(label, summary, records, rate, config, timeline=timeline.to_dict()))
+            results.append(BenchResult(label, summary, records, rate, config, timeline=timeline.to_dict(),
+                                       outcome=outcome))
     paths = write_outputs(results, Path(args.out))
     paths.append(write_fleet_file(fleet.spec, Path(args.out)))
     if fleet.autoscale is not None:
@@ -275,7 +277,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         out.print(Markdown(sweep_markdown(results)))
     for r in results:
         out.print(Markdown(run_markdown(r)))
-        c = r.config
+        c = {**r.config, **r.outcome}
         out.print(f"completed {c['completed']}/{c['num_requests']} requests; simulated {c['sim_end_s']:.1f} s "
                   f"in {c['wall_s']:.1f} s of wall time ({c['speedup_vs_real_time'] or 0:.0f}x real time); "
                   f"{c['preemptions']} preemptions")
@@ -344,7 +346,7 @@ def simulate_fluid(args: argparse.Namespace) -> int:
     prepare_autoscaling(fleet, args, spec, slo)
     fleet.validate()
     record, label, summary = run_fluid(args, fleet, spec, run, slo, console)
-    figure = plot_scaling([SimpleNamespace(label=label, config={"scaling": record["scaling"]})],
+    figure = plot_scaling([SimpleNamespace(label=label, outcome={"scaling": record["scaling"]})],
                           Path(args.out) / "scaling.png")
     out = Console()
     out.print(label)
@@ -436,13 +438,13 @@ def plot_scaling(results, path: Path) -> Path:
 
     fig, axes = plt.subplots(len(results), 1, figsize=(11, 3 * len(results)), squeeze=False, layout="constrained")
     for ax, r in zip(axes[:, 0], results):
-        rows = r.config["scaling"]["timeline"]
+        rows = r.outcome["scaling"]["timeline"]
         t = [row[0] / 3600 for row in rows]
         ax.step(t, [row[1] for row in rows], where="post", label="ready")
         ax.step(t, [row[1] + row[2] for row in rows], where="post", linestyle="--", label="ready + starting")
         ax.step(t, [row[5] for row in rows], where="post", linestyle=":", label="target")
         for pool in ("prefill", "decode"):  # a disaggregated fleet: each pool's ready instances too
-            mine = [row for row in r.config["scaling"].get("pool_timeline", []) if row[1] == pool]
+            mine = [row for row in r.outcome["scaling"].get("pool_timeline", []) if row[1] == pool]
             if mine:
                 ax.step([row[0] / 3600 for row in mine], [row[2] for row in mine], where="post", alpha=0.7,
                         label=f"{pool} ready")

@@ -174,9 +174,9 @@ def test_simulate_command_autoscales_and_reports(tmp_path, capsys):
     assert main(["simulate", "--workload", "azure-code", "--replay", "--duration", "600", "--instances", "1:6",
                  "--autoscale", "reactive", "--capacity", "0.5", "--cold-start", "30", "--scaling-interval", "20",
                  "--out", str(out), "--no-progress"]) == 0
-    run = json.loads((out / "results.json").read_text())["runs"][0]["config"]
-    assert run["autoscale"] == "reactive" and run["scaling"]["cold_starts"] >= 1
-    assert run["scaling"]["instance_hours"] > 0 and (out / "scaling.png").is_file()
+    run = json.loads((out / "results.json").read_text())["runs"][0]
+    assert run["config"]["autoscale"] == "reactive" and run["outcome"]["scaling"]["cold_starts"] >= 1
+    assert run["outcome"]["scaling"]["instance_hours"] > 0 and (out / "scaling.png").is_file()
     assert "instance-hours" in capsys.readouterr().out
     fixed = tmp_path / "fixed"
     assert main(["simulate", "--workload", "azure-code", "--replay", "--duration", "600", "--instances", "6",
@@ -329,9 +329,9 @@ def test_simulate_command_autoscales_each_pool(tmp_path, capsys):
     assert main(["simulate", "--workload", "azure-code", "--replay", "--duration", "600", "--pd", "3:3",
                  "--pd-min", "1:1", "--autoscale", "reactive", "--pd-capacity", "0.5:4", "--cold-start", "30",
                  "--scaling-interval", "20", "--out", str(out), "--no-progress"]) == 0
-    run = json.loads((out / "results.json").read_text())["runs"][0]["config"]
-    assert run["pd_capacity"] == [0.5, 4.0] and run["pd_min"] == "1:1"
-    assert set(run["scaling"]["pool_instance_hours"]) == {"prefill", "decode"}
+    run = json.loads((out / "results.json").read_text())["runs"][0]
+    assert run["config"]["pd_capacity"] == [0.5, 4.0] and run["config"]["pd_min"] == "1:1"
+    assert set(run["outcome"]["scaling"]["pool_instance_hours"]) == {"prefill", "decode"}
     assert "prefill 1-3 at 0.50 req/s each" in capsys.readouterr().out.replace("\n", " ")
     assert main(["simulate", "--workload", "azure-code", "--replay", "--duration", "60", "--instances", "1:4",
                  "--autoscale", "reactive", "--capacity", "1", "--pd-min", "1:1"]) == 2

@@ -119,3 +119,28 @@ def test_unreachable_server_fails_in_warm_up(char_tokenizer, tmp_path, capsys):
     assert rc == 1
     assert "warm-up request failed (connection)" in capsys.readouterr().err
     assert not (tmp_path / "results.json").exists()
+
+
+def test_a_version_1_result_file_is_read_with_its_outcomes_apart(tmp_path):
+    """results.json version 1 wrote a simulation's outcomes under `config`; it still loads, with
+    them in `outcome`, as version 2 writes them."""
+    import json
+
+    from sloserve.bench.result import FORMAT_VERSION, load_results
+    from sloserve.cli import main
+
+    assert main(["simulate", "--workload", "sharegpt", "--num-requests", "20", "--rate", "5", "--instances", "2",
+                 "--kv-host-gib", "1", "--out", str(tmp_path / "sim"), "--no-progress"]) == 0
+    doc = json.loads((tmp_path / "sim" / "results.json").read_text())
+    assert doc["version"] == FORMAT_VERSION == 2
+    (new,) = load_results(tmp_path / "sim" / "results.json")
+    assert new.outcome["completed"] == 20 and "completed" not in new.config and new.config["router"]
+    old_run = dict(doc["runs"][0])  # the same run as version 1 wrote it: outcomes inside config
+    outcome = old_run.pop("outcome")
+    tier_loads = outcome.pop("tier_loads")
+    old_run["config"] = {**old_run["config"], **outcome,
+                         "kv_tiers": {**old_run["config"]["kv_tiers"], **tier_loads}}
+    path = tmp_path / "v1.json"
+    path.write_text(json.dumps({"format": "sloserve-bench", "version": 1, "runs": [old_run]}))
+    (old,) = load_results(path)
+    assert old.config == new.config and old.outcome == new.outcome

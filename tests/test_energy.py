@@ -195,7 +195,7 @@ def test_simulate_reports_energy_and_bench_compare_shows_it(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "energy (slo-slack clock)" in out and "J per request" in out
     results = {name: json.loads((tmp_path / name / "results.json").read_text()) for name in ("max", "slack")}
-    energy = {name: r["runs"][0]["config"]["energy"] for name, r in results.items()}
+    energy = {name: r["runs"][0]["outcome"]["energy"] for name, r in results.items()}
     assert energy["slack"]["joules_per_request"] < energy["max"]["joules_per_request"]
     assert main(["bench", "compare", str(tmp_path / "max" / "results.json"),
                  str(tmp_path / "slack" / "results.json")]) == 0

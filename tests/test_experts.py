@@ -147,9 +147,9 @@ def test_simulate_places_experts_and_refuses_what_it_cannot_price(tmp_path, caps
             "--model", "mixtral-8x7b", "--tp", "8"]
     assert main(base + ["--experts", "rebalance", "--expert-interval", "10", "--out", str(tmp_path)]) == 0
     assert "experts (rebalance): mean straggler" in capsys.readouterr().out
-    config = json.loads((tmp_path / "results.json").read_text())["runs"][0]["config"]
-    assert config["experts"] == "rebalance" and config["expert_books"][0]["replacements"] >= 2
-    assert config["expert_weights_gb"][0] > 0
+    run = json.loads((tmp_path / "results.json").read_text())["runs"][0]
+    assert run["config"]["experts"] == "rebalance" and run["outcome"]["expert_books"][0]["replacements"] >= 2
+    assert run["outcome"]["expert_weights_gb"][0] > 0
     assert main(base[:-4] + ["--experts", "static"]) == 2
     assert "has none" in capsys.readouterr().err
     assert main(base + ["--experts", "static", "--clock-policy", "max"]) == 2

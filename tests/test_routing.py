@@ -206,7 +206,7 @@ def test_every_router_runs_in_sloserve_simulate(name, tmp_path):
                "--no-progress", "--slo", "ttft=2000"])
     assert rc == 0
     run = json.loads((out / "results.json").read_text())["runs"][0]
-    assert run["config"]["router"] == name and run["config"]["completed"] == 60
+    assert run["config"]["router"] == name and run["outcome"]["completed"] == 60
     assert run["config"]["predictor"] == ("default" if name == "predicted-load" else None)
 
 

@@ -190,7 +190,7 @@ def test_simulate_cli_writes_the_bench_report(tmp_path):
     assert res.returncode == 0, res.stderr
     data = json.loads((out / "results.json").read_text())
     run = data["runs"][0]
-    assert run["config"]["simulated"] and run["config"]["completed"] == len(run["records"]) > 10
+    assert run["config"]["simulated"] and run["outcome"]["completed"] == len(run["records"]) > 10
     assert all(r["ttft_s"] <= r["e2e_s"] for r in run["records"] if r["http_status"] == 200)
     assert (out / "latency_cdf.png").stat().st_size > 1000 and "TTFT" in (out / "report.md").read_text()
     bad = subprocess.run([sys.executable, "-m", "sloserve.cli", "simulate", "--hardware", "tpu-v9", "--num-requests",

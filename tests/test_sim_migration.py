@@ -157,9 +157,9 @@ def test_simulate_cli_runs_and_reports_migration(tmp_path):
          "--router", "round-robin", "--migration-interval", "0.1",  # round-robin leaves imbalance to move
          "--link", "roce-100g", "--out", str(out), "--no-progress"], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
-    config = json.loads((out / "results.json").read_text())["runs"][0]["config"]
-    assert config["migration"] == "balance,defrag" and config["link"] == "roce-100g"
-    m = config["migrations"]
+    run = json.loads((out / "results.json").read_text())["runs"][0]
+    assert run["config"]["migration"] == "balance,defrag" and run["config"]["link"] == "roce-100g"
+    m = run["outcome"]["migrations"]
     assert m["started"] == m["completed"] + m["aborted"] and m["completed"] > 0
     assert "migration (balance,defrag over roce-100g)" in " ".join(res.stdout.split())
     bad = subprocess.run([sys.executable, "-m", "sloserve.cli", "simulate", "--link", "carrier-pigeon",

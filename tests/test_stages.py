@@ -141,7 +141,7 @@ def test_simulate_command_reports_the_stages_and_refuses_bad_settings(tmp_path, 
                  "--out", str(out), "--no-progress"]) == 0
     assert "pipeline (4 stages, dynamic)" in capsys.readouterr().out
     doc = json.loads((out / "results.json").read_text())
-    books = doc["runs"][0]["config"]["stage_books"] if "runs" in doc else doc["config"]["stage_books"]
+    books = doc["runs"][0]["outcome"]["stage_books"] if "runs" in doc else doc["config"]["stage_books"]
     assert books and books[0]["partitions"][0][1] == [8, 8, 8, 8]
     for bad, message in ((["--pp", "0"], "--pp must be >= 1"), (["--pp", "4", "--stages", "nope"], "unknown stage"),
                          (["--pp", "40"], "between 1 and"), (["--pp", "2", "--stage-link", "carrier-pigeon"],

@@ -150,6 +150,6 @@ def test_simulate_writes_report_html_with_the_timeline(tmp_path):
     data = json.loads(page[start:page.index("</script>", start)])
     assert data["source"] == "simulated" and data["interval_s"] == 5.0
     assert len(data["frames"]) >= 12 and {len(f["instances"]) for f in data["frames"]} == {2}
-    completed = json.loads((out / "results.json").read_text())["runs"][0]["config"]["completed"]
+    completed = json.loads((out / "results.json").read_text())["runs"][0]["outcome"]["completed"]
     assert data["totals"]["default"]["finished"] == completed
     assert not math.isnan(sum(f["instances"][0]["tokens_per_s"] for f in data["frames"]))

@@ -45,11 +45,11 @@ ROWS = (
 
 # Rows read from a run's config rather than its summary: shown when any run has them (autoscaled
 # simulations carry `scaling`: what the fleet cost to serve the run).
-CONFIG_ROWS = (
+OUTCOME_ROWS = (
     ("instance-hours", lambda c: (c.get("scaling") or {}).get("instance_hours"), False),
     ("cold starts", lambda c: (c.get("scaling") or {}).get("cold_starts"), False),
     ("prefix hit rate", lambda c: c.get("prefix_hit_rate"), True),
-    ("KV tier loads", lambda c: (c.get("kv_tiers") or {}).get("loads"), True),
+    ("KV tier loads", lambda c: (c.get("tier_loads") or {}).get("loads"), True),
     ("energy (J/request)", lambda c: (c.get("energy") or {}).get("joules_per_request"), False),
     ("energy (J/output token)", lambda c: (c.get("energy") or {}).get("joules_per_output_token"), False),
 )
@@ -86,8 +86,8 @@ def compare_rows(runs: Sequence[BenchResult]) -> list[list[str]]:
             if i > 0:
                 cells.append(_ratio(v, values[0]))
         out.append(cells)
-    for name, get, higher in CONFIG_ROWS:
-        values = [get(r.config or {}) for r in runs]
+    for name, get, higher in OUTCOME_ROWS:
+        values = [get(r.outcome or {}) for r in runs]
         if all(v is None for v in values):
             continue
         cells = [name + (" ↑" if higher else " ↓")]
