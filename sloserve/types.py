@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import enum
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Optional
 
 
@@ -32,6 +32,63 @@ class FinishReason(str, enum.Enum):
 
 
 @dataclass(frozen=True)
+class SLO:
+    """Latency targets in seconds; None = not part of this SLO. The one SLO type: a QoS class's
+    targets (`QoSClass.slo`), the bench's and simulator's goodput, the server's attainment
+    metrics. A request meets it if it succeeded and meets every target given (TPOT, the mean time
+    between output tokens, is not checked for requests with fewer than two tokens)."""
+
+    ttft_s: Optional[float] = None
+    tpot_s: Optional[float] = None
+    e2e_s: Optional[float] = None
+
+    @property
+    def empty(self) -> bool:
+        return self.ttft_s is None and self.tpot_s is None and self.e2e_s is None
+
+    def met_by(self, ttft_s: Optional[float], tpot_s: Optional[float], e2e_s: Optional[float] = None) -> bool:
+        """Whether a request that succeeded with these latencies meets every target given."""
+        if self.ttft_s is not None and (ttft_s is None or ttft_s > self.ttft_s):
+            return False
+        if self.tpot_s is not None and tpot_s is not None and tpot_s > self.tpot_s:
+            return False
+        if self.e2e_s is not None and (e2e_s is None or e2e_s > self.e2e_s):
+            return False
+        return True
+
+    def met(self, r) -> bool:
+        """Whether request record `r` (success, ttft_s, tpot_s, e2e_s) met this SLO."""
+        return bool(r.success) and self.met_by(r.ttft_s, r.tpot_s, r.e2e_s)
+
+    def over(self, base: "SLO") -> "SLO":
+        """This SLO's targets, falling back to `base` where this one gives none."""
+        return SLO(*(getattr(self, f.name) if getattr(self, f.name) is not None else getattr(base, f.name)
+                     for f in fields(self)))
+
+    @classmethod
+    def parse(cls, text: str) -> "SLO":
+        """`ttft=500,tpot=50,e2e=10000` in milliseconds (as `vllm bench serve --goodput`)."""
+        values: dict[str, float] = {}
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            key, sep, raw = part.partition("=")
+            key = {"e2el": "e2e"}.get(key.strip().lower(), key.strip().lower())
+            if not sep or key not in ("ttft", "tpot", "e2e"):
+                raise ValueError(f"bad SLO {part!r}: use ttft=MS, tpot=MS and/or e2e=MS")
+            try:
+                ms = float(raw)
+            except ValueError:
+                raise ValueError(f"bad SLO value {raw!r} for {key}: a number of milliseconds") from None
+            if not ms > 0:
+                raise ValueError(f"SLO {key} must be > 0 ms, got {raw}")
+            values[f"{key}_s"] = ms / 1000.0
+        return cls(**values)
+
+
+def _finite(x: float) -> Optional[float]:
+    return x if math.isfinite(x) else None
+
+
+@dataclass(frozen=True)
 class QoSClass:
     """A service class. Deadlines derive from a request's arrival time."""
 
@@ -40,6 +97,11 @@ class QoSClass:
     tbt_target_s: float = math.inf
     priority: int = 0  # lower value = served first (as in vLLM's priority policy)
     weight: float = 1.0
+
+    @property
+    def slo(self) -> SLO:
+        """This class's targets as an SLO (TBT checked as TPOT, the mean gap, as vLLM's goodput)."""
+        return SLO(_finite(self.ttft_target_s), _finite(self.tbt_target_s))
 
 
 DEFAULT_QOS = QoSClass()

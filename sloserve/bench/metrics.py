@@ -11,10 +11,11 @@ simulator can summarize a million records without extra dependencies.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 from sloserve.records import ERROR_KINDS, RequestRecord, jsonable, percentile
+from sloserve.types import SLO  # noqa: F401 (re-exported: the bench's SLO is the one SLO type)
 
 PERCENTILES = (50.0, 90.0, 99.0)
 METRICS = ("ttft", "tpot", "itl", "e2e", "normalized_e2e")
@@ -56,55 +57,6 @@ def _pname(q: float) -> str:
 
 def _num(v: Any) -> Any:
     return math.nan if v is None else v
-
-
-@dataclass(frozen=True)
-class SLO:
-    """Targets in seconds; None = not part of this SLO. A request meets it if it succeeded and
-    meets every target given (TPOT is not checked for requests with fewer than two tokens)."""
-
-    ttft_s: Optional[float] = None
-    tpot_s: Optional[float] = None
-    e2e_s: Optional[float] = None
-
-    @property
-    def empty(self) -> bool:
-        return self.ttft_s is None and self.tpot_s is None and self.e2e_s is None
-
-    def met(self, r: RequestRecord) -> bool:
-        if not r.success:
-            return False
-        if self.ttft_s is not None and (r.ttft_s is None or r.ttft_s > self.ttft_s):
-            return False
-        tpot = r.tpot_s
-        if self.tpot_s is not None and tpot is not None and tpot > self.tpot_s:
-            return False
-        if self.e2e_s is not None and r.e2e_s > self.e2e_s:  # type: ignore[operator]
-            return False
-        return True
-
-    def over(self, base: "SLO") -> "SLO":
-        """This SLO's targets, falling back to `base` where this one gives none."""
-        return SLO(*(getattr(self, f.name) if getattr(self, f.name) is not None else getattr(base, f.name)
-                     for f in fields(self)))
-
-    @classmethod
-    def parse(cls, text: str) -> "SLO":
-        """`ttft=500,tpot=50,e2e=10000` in milliseconds (as `vllm bench serve --goodput`)."""
-        values: dict[str, float] = {}
-        for part in filter(None, (p.strip() for p in text.split(","))):
-            key, sep, raw = part.partition("=")
-            key = {"e2el": "e2e"}.get(key.strip().lower(), key.strip().lower())
-            if not sep or key not in ("ttft", "tpot", "e2e"):
-                raise ValueError(f"bad SLO {part!r}: use ttft=MS, tpot=MS and/or e2e=MS")
-            try:
-                ms = float(raw)
-            except ValueError:
-                raise ValueError(f"bad SLO value {raw!r} for {key}: a number of milliseconds") from None
-            if not ms > 0:
-                raise ValueError(f"SLO {key} must be > 0 ms, got {raw}")
-            values[f"{key}_s"] = ms / 1000.0
-        return cls(**values)
 
 
 @dataclass(frozen=True)

@@ -57,10 +57,7 @@ def class_slos(mix: Optional[Mix]) -> dict[str, SLO]:
     if mix is None:
         return {}
 
-    def finite(x: float) -> Optional[float]:
-        return x if math.isfinite(x) else None
-
-    return {c.name: SLO(finite(c.qos.ttft_target_s), finite(c.qos.tbt_target_s), finite(c.e2e_target_s))
+    return {c.name: replace(c.qos.slo, e2e_s=c.e2e_target_s if math.isfinite(c.e2e_target_s) else None)
             for c in mix.classes}
 
 

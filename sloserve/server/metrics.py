@@ -88,11 +88,8 @@ class FinishedRequest:
 
     @property
     def meets_slo(self) -> bool:
-        """TTFT within the class target and mean TBT within the TBT target."""
-        if self.ttft is None or self.ttft > self.qos.ttft_target_s:
-            return False
-        tpot = self.tpot
-        return tpot is None or tpot <= self.qos.tbt_target_s
+        """TTFT within the class target and mean TBT within the TBT target (QoSClass.slo)."""
+        return self.ttft is not None and self.qos.slo.met_by(self.ttft, self.tpot)
 
 
 @dataclass(frozen=True)

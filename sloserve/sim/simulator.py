@@ -35,14 +35,16 @@ READY = -2  # an instance's cold start ends: arrivals at that moment may already
 
 
 @dataclass
-class FinishedRequest:
+class FinishedOn:
+    """A request the simulated fleet finished, and the instance it finished on."""
+
     request: Request
     instance_id: int
 
 
 @dataclass
 class SimResult:
-    finished: list[FinishedRequest]  # empty when the run reported requests through `on_done`
+    finished: list[FinishedOn]  # empty when the run reported requests through `on_done`
     rejected: list[tuple[Request, str]]  # requests no instance could accept, with the reason
     end_time: float
     num_events: int
@@ -179,7 +181,7 @@ class Simulator:
         SLOs); sampling only reads, so the run's decisions are the same with or without it.
         """
         arrivals: Iterator[Request] = iter(requests)
-        finished: list[FinishedRequest] = []
+        finished: list[FinishedOn] = []
         rejected: list[tuple[Request, str]] = []
         num_finished = 0
         events = 0
@@ -256,7 +258,7 @@ class Simulator:
                     if on_done is not None:
                         on_done(request, None)
                     else:
-                        finished.append(FinishedRequest(request, instance.instance_id))
+                        finished.append(FinishedOn(request, instance.instance_id))
                 if self.migrator is not None:
                     self.migrator.at_step_boundary(instance, time)
                     if self.roles[instance.instance_id] == "prefill":
