@@ -12,7 +12,7 @@ import itertools
 import logging
 from dataclasses import dataclass, field
 from collections.abc import Sequence
-from typing import Callable, Iterable, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 from sloserve.fleet_view import HANDOFF, READY as SLOT_READY, ROLES, STARTING, FleetDecisions, MoveCosts
 from sloserve.sched.live_state import Moment
@@ -40,6 +40,25 @@ class FinishedOn:
 
     request: Request
     instance_id: int
+
+
+@dataclass
+class _Run:
+    """What one `Simulator.run` carries between its events: the arrivals still to pull and what
+    finished or was rejected (handed to `on_done` when given, else kept for the result)."""
+
+    arrivals: Iterator[Request]
+    on_done: Optional[Callable[[Request, Optional[str]], None]]
+    finished: list[FinishedOn] = field(default_factory=list)
+    rejected: list[tuple[Request, str]] = field(default_factory=list)
+    num_finished: int = 0
+    last_arrival: float = -float("inf")
+
+    def reject(self, request: Request, error: str) -> None:
+        if self.on_done is not None:
+            self.on_done(request, error)
+        else:
+            self.rejected.append((request, error))
 
 
 @dataclass
@@ -180,14 +199,9 @@ class Simulator:
         time and its events recorded (requests' latencies are the caller's to add: it knows the
         SLOs); sampling only reads, so the run's decisions are the same with or without it.
         """
-        arrivals: Iterator[Request] = iter(requests)
-        finished: list[FinishedOn] = []
-        rejected: list[tuple[Request, str]] = []
-        num_finished = 0
-        events = 0
-        last_arrival = -float("inf")
-        last_work = self.now
-        pending = next(arrivals, None)
+        run = _Run(iter(requests), on_done)
+        self._run = run
+        pending = next(run.arrivals, None)
         self._more_arrivals = pending is not None
         if pending is not None:
             self._push(pending.arrival_time, ARRIVAL, pending)
@@ -198,78 +212,25 @@ class Simulator:
             if self.migrator is not None:
                 self.migrator.on_moved = self._moved
             self._push(self.now, SAMPLE, int(self.now // timeline.interval_s))
+        handlers: dict[int, Callable[[Any], None]] = {
+            DRAIN: self._on_drain, ARRIVAL: self._on_arrival, TICK: self._tick, SCALE: self._scale,
+            SAMPLE: self._sample, READY: self._on_ready, MIGRATE: self._on_migrate, WAKE: self._on_wake,
+            STEP_END: self._on_step_end}
+        bookkeeping = (TICK, SCALE, SAMPLE)  # a final tick that finds nothing to do does not extend the run
+        events = 0
+        last_work = self.now
         while self._heap:
             time, kind, _, payload = heapq.heappop(self._heap)
             if until is not None and time > until:
                 break
             self.now = time
             events += 1
-            if kind not in (TICK, SCALE, SAMPLE):
-                last_work = time  # a final tick that finds nothing to do does not extend the run
-            if kind == DRAIN:
-                self.draining.add(payload)  # type: ignore[arg-type]
-                self._event(tl.DRAIN, payload, "operator")  # type: ignore[arg-type]
-                if self._ticks and self._next_tick is None:
-                    self._schedule_tick(int(self.now // self.migration_interval_s) + 1)
-            elif kind == ARRIVAL:
-                request = payload
-                if request.arrival_time < last_arrival:
-                    raise ValueError(f"requests are not in arrival order at {request.request_id!r}")
-                last_arrival = request.arrival_time
-                error = self._arrive(request)
-                if error is not None:
-                    if on_done is not None:
-                        on_done(request, error)
-                    else:
-                        rejected.append((request, error))
-                pending = next(arrivals, None)
-                self._more_arrivals = pending is not None
-                if pending is not None:
-                    self._push(pending.arrival_time, ARRIVAL, pending)
-                if self._ticks and self._next_tick is None:
-                    self._schedule_tick(int(self.now // self.migration_interval_s) + 1)
-            elif kind == TICK:
-                self._tick(payload)  # type: ignore[arg-type]
-            elif kind == SCALE:
-                self._scale(payload)  # type: ignore[arg-type]
-            elif kind == SAMPLE:
-                self._sample(payload)  # type: ignore[arg-type]
-            elif kind == READY:
-                for request in self._ready(payload):  # type: ignore[arg-type]
-                    error = self._arrive(request, observed=True)
-                    if error is not None:
-                        if on_done is not None:
-                            on_done(request, error)
-                        else:
-                            rejected.append((request, error))
-            elif kind == MIGRATE:
-                self.migrator.advance(payload, self.now)  # type: ignore[union-attr, arg-type]
-            elif kind == WAKE:
-                instance = payload
-                self._waking.discard(instance.instance_id)
-                if not instance.is_busy:
-                    self._start(instance)
-            else:
-                instance, end = payload
-                if instance.busy_until != end:
-                    continue  # a decode run cut short by an arrival: its old end no longer stands
-                for request in instance.finish_step(time):
-                    num_finished += 1
-                    if on_done is not None:
-                        on_done(request, None)
-                    else:
-                        finished.append(FinishedOn(request, instance.instance_id))
-                if self.migrator is not None:
-                    self.migrator.at_step_boundary(instance, time)
-                    if self.roles[instance.instance_id] == "prefill":
-                        self._hand_off(instance)
-                    elif self._mixed_handoff and self.roles[instance.instance_id] == "mixed":
-                        self._hand_off_mixed(instance)
-                self._start(instance)
-                if self.scaling is not None and instance.instance_id in self.draining:
-                    self._stop_if_empty(instance)
+            if kind not in bookkeeping:
+                last_work = time
+            handlers[kind](payload)
             if on_progress is not None and events % 1024 == 0:
-                on_progress(self.now, num_finished)
+                on_progress(self.now, run.num_finished)
+        finished, rejected, num_finished = run.finished, run.rejected, run.num_finished
         if on_progress is not None:
             on_progress(self.now, num_finished)
         for request in self._held:  # the run ended (`until`) before any instance was ready for them
@@ -286,6 +247,63 @@ class Simulator:
                                            if getattr(i.cost_model, "prices_experts", False)],
                          [i.cost_model.books.as_dict() for i in self.instances  # type: ignore[attr-defined]
                           if getattr(i.cost_model, "prices_stages", False)])
+
+    # ---- one method per event kind (run's dispatch table) ------------------------------
+    def _on_drain(self, instance_id: int) -> None:
+        self.draining.add(instance_id)
+        self._event(tl.DRAIN, instance_id, "operator")
+        if self._ticks and self._next_tick is None:
+            self._schedule_tick(int(self.now // self.migration_interval_s) + 1)
+
+    def _on_arrival(self, request: Request) -> None:
+        run = self._run
+        if request.arrival_time < run.last_arrival:
+            raise ValueError(f"requests are not in arrival order at {request.request_id!r}")
+        run.last_arrival = request.arrival_time
+        error = self._arrive(request)
+        if error is not None:
+            run.reject(request, error)
+        pending = next(run.arrivals, None)
+        self._more_arrivals = pending is not None
+        if pending is not None:
+            self._push(pending.arrival_time, ARRIVAL, pending)
+        if self._ticks and self._next_tick is None:
+            self._schedule_tick(int(self.now // self.migration_interval_s) + 1)
+
+    def _on_ready(self, slot: int) -> None:
+        for request in self._ready(slot):
+            error = self._arrive(request, observed=True)
+            if error is not None:
+                self._run.reject(request, error)
+
+    def _on_migrate(self, payload) -> None:
+        self.migrator.advance(payload, self.now)  # type: ignore[union-attr]
+
+    def _on_wake(self, instance: SimInstance) -> None:
+        self._waking.discard(instance.instance_id)
+        if not instance.is_busy:
+            self._start(instance)
+
+    def _on_step_end(self, payload: tuple[SimInstance, float]) -> None:
+        instance, end = payload
+        if instance.busy_until != end:
+            return  # a decode run cut short by an arrival: its old end no longer stands
+        run = self._run
+        for request in instance.finish_step(end):
+            run.num_finished += 1
+            if run.on_done is not None:
+                run.on_done(request, None)
+            else:
+                run.finished.append(FinishedOn(request, instance.instance_id))
+        if self.migrator is not None:
+            self.migrator.at_step_boundary(instance, end)
+            if self.roles[instance.instance_id] == "prefill":
+                self._hand_off(instance)
+            elif self._mixed_handoff and self.roles[instance.instance_id] == "mixed":
+                self._hand_off_mixed(instance)
+        self._start(instance)
+        if self.scaling is not None and instance.instance_id in self.draining:
+            self._stop_if_empty(instance)
 
     def _arrive(self, request: Request, observed: bool = False) -> Optional[str]:
         """Route and queue an arrival; returns why it was rejected, if it was. Under autoscaling,
