@@ -20,24 +20,27 @@ from __future__ import annotations
 import bisect
 import heapq
 import logging
-import math
-from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from dataclasses import dataclass
+from typing import Optional
 
 from sloserve.config import SchedulerConfig
 from sloserve.kv.manager import CopyOp, KVCacheManager
-from sloserve.kv.tiers import DISK, STORE, TIERS, TierHit
+from sloserve.kv.tiers import TIERS, TierHit
 from sloserve.sched.chunking import prefill_token_cap, tbt_slack
-from sloserve.sched.costs import StepCostEstimator, StepLoad, SwapCostEstimator, TierCostEstimator, prefill_time
+from sloserve.sched.costs import StepCostEstimator, StepLoad, SwapCostEstimator, TierCostEstimator
 from sloserve.sched.drafts import make_proposer
 from sloserve.sched.live_state import LiveInstanceState, Moment
-from sloserve.sched.plan import DecodeRunPlan, ScheduledRequest, StepPlan, StepResult
+from sloserve.sched.decode_runs import DecodeRuns
+from sloserve.sched.handover import Handover
+from sloserve.sched.plan import ScheduledRequest, StepPlan, StepResult
 from sloserve.sched.policies import SchedulingPolicy, make_policy
-from sloserve.sched.preemption import SWAP, PreemptionChoice, choose_preemption
-from sloserve.sched.rotation import pick_victim, slo_slack
+from sloserve.sched.preemption import PreemptionChoice
+from sloserve.sched.preempting import Preempting
 from sloserve.sched.tier_loads import choose_tier_prefix, load_seconds
 from sloserve.sched.speculation import Speculator
 from sloserve.sched.state import InstanceState
+from sloserve.sched.step_build import StepBuild
+from sloserve.sched.tier_loading import TierLoading
 from sloserve.types import FinishReason, Request, RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -66,47 +69,11 @@ class SchedulerStats:
         return self.total_scheduled_seqs / self.num_steps if self.num_steps else 0.0
 
 
-@dataclass
-class _StepBuild:
-    """What one schedule() call has decided so far."""
+class Scheduler(DecodeRuns, Handover, TierLoading, Preempting):
+    """The batching core is here (admission, the step's plan, updates, finishes); what a step does
+    around it lives in one mixin per concern: decode runs (decode_runs.py), hand-over between
+    instances (handover.py), lower-tier KV loads (tier_loading.py), preemption (preempting.py)."""
 
-    now: float
-    budget: int
-    prefill_left: float = math.inf  # dynamic chunking: prefill tokens this step may still take
-    load_left: float = math.inf  # seconds of lower-tier KV loads this step may still carry
-    prefill_ids: set[str] = field(default_factory=set)  # planned requests counted against prefill_left
-    planned: dict[str, ScheduledRequest] = field(default_factory=dict)
-    copies: dict[str, list[CopyOp]] = field(default_factory=dict)
-    preempted: list[str] = field(default_factory=list)
-    swap_out: list[tuple[int, int]] = field(default_factory=list)
-    swap_in: list[tuple[int, int]] = field(default_factory=list)
-
-    def take(self, item: ScheduledRequest, ops: list[CopyOp], is_prefill: bool) -> None:
-        """Plan `item` with its copy-on-write ops, charging the budget (and the prefill cap)."""
-        rid = item.request.request_id
-        self.planned[rid] = item
-        if ops:  # rare (copy-on-write of a shared tail): only requests with copies have an entry
-            self.copies[rid] = ops
-        self.budget -= item.num_new_tokens
-        if is_prefill:
-            self.prefill_left -= item.num_new_tokens
-            self.prefill_ids.add(rid)
-
-    def give_back(self, request_id: str) -> None:
-        """Undo `take` for a request preempted later in the same step."""
-        self.copies.pop(request_id, None)
-        item = self.planned.pop(request_id, None)
-        if item is not None:
-            self.budget += item.num_new_tokens
-            if request_id in self.prefill_ids:
-                self.prefill_left += item.num_new_tokens
-
-
-# Waiting requests whose prefixes are staged into host memory ahead of admission, per step.
-PREFETCH_AHEAD = 4
-
-
-class Scheduler:
     def __init__(
         self,
         config: SchedulerConfig,
@@ -251,73 +218,6 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
-    # ---- migration -----------------------------------------------------------------
-    def suspend(self, request_id: str) -> Optional[Request]:
-        """Take a running request out of scheduling with its blocks (the stop-and-copy of a
-        migration: its KV must not change while the last blocks are copied). None if the
-        request is unknown, not running, or has a prefill chunk left (it only moves between
-        steps, with all its tokens but the last computed)."""
-        request = self.requests.get(request_id)
-        if request is None or request.status is not RequestStatus.RUNNING:
-            return None
-        if request.num_tokens - request.num_computed_tokens != 1:
-            return None
-        self.running.remove(request)
-        request.status = RequestStatus.MIGRATING
-        self.suspended[request_id] = request
-        return request
-
-    def unsuspend(self, request_id: str, now: float) -> None:
-        """A migration failed: the suspended request goes on here, KV intact."""
-        request = self.suspended.pop(request_id, None)
-        if request is None:
-            return
-        request.status = RequestStatus.RUNNING
-        self._insert_sorted(self.running, request, now)
-
-    def drop_suspended(self, request_id: str, now: float) -> Optional[Request]:
-        """A migration completed: the request now lives elsewhere; free its blocks here."""
-        request = self.suspended.pop(request_id, None)
-        if request is None:
-            return None
-        self.kv.free(request)
-        del self.requests[request_id]
-        del self._seq[request_id]
-        if self.speculator is not None:
-            self.speculator.forget(request_id)
-        self.stats.num_migrated_out += 1
-        if self._tracker is not None:
-            self._tracker.on_departure(request)
-        return request
-
-    def has_seat(self, incoming: int = 0) -> bool:
-        """Whether one more request can join the running batch, with `incoming` adoptions already
-        promised seats (their KV in flight). A migration or hand-off needs a seat as well as KV
-        room: `max_num_seqs` sizes the step's batch (activations, logits, graph buckets), and a
-        target that adopted past it would run larger batches than it was sized for."""
-        return len(self.running) + incoming < self.config.max_num_seqs
-
-    def adopt(self, request: Request, block_ids: list[int], now: float) -> None:
-        """Take over a request that arrives with its KV in held blocks (`kv.reserve` or
-        `kv.pin_cached`, in table order): its `num_computed_tokens` tokens are computed, so it
-        runs from its next token, ahead of nothing it would not have overtaken by arrival.
-        The caller made sure of its seat (`has_seat`) when it reserved the blocks."""
-        rid = request.request_id
-        if rid in self.requests:
-            raise ValueError(f"duplicate request id {rid!r}")
-        if request.num_tokens - request.num_computed_tokens != 1:
-            raise ValueError("only a request with every token but its last computed can be adopted")
-        request.max_output_tokens = self._output_room(request)
-        self.kv.adopt(request, block_ids)
-        request.status = RequestStatus.RUNNING
-        self.requests[rid] = request
-        self._seq[rid] = self._next_seq
-        self._next_seq += 1
-        if self._tracker is not None:
-            self._tracker.on_arrival(request)
-        self._insert_sorted(self.running, request, now)
-        self.stats.num_migrated_in += 1
-
     @property
     def num_running(self) -> int:
         return len(self.running)
@@ -326,25 +226,12 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.waiting)
 
-    def _pace_tier_writes(self, now: float) -> None:
-        """Disk and store writes run behind the steps: no faster than their links (as measured
-        so far) carry them."""
-        tiers, cost = self.kv.tiers, self.tier_cost
-        assert cost is not None
-        rates = {}
-        for tier in (DISK, STORE):
-            per_block = cost.tier_time(tier, 1)
-            if 0 < per_block < math.inf:
-                rates[tier] = 1.0 / per_block
-        tiers.write_rates = rates
-        tiers.pace_writes(now)
-
     # ---- planning -----------------------------------------------------------------
     def schedule(self, now: float) -> StepPlan:
         self.kv.release_host_blocks()  # the previous step has run: its swap-ins were read
         if self.tier_cost is not None and self.kv.tiers.enabled:
             self._pace_tier_writes(now)
-        step = _StepBuild(now, self.config.max_num_batched_tokens)
+        step = StepBuild(now, self.config.max_num_batched_tokens)
         if not self.policy.static:
             self._resort(now)
 
@@ -401,64 +288,7 @@ class Scheduler:
             tier_ops=self.kv.take_tier_ops(),
         )
 
-    def _load_budget(self, step: _StepBuild) -> float:
-        """Seconds of tier loads this step may carry: loads run before the step's compute, so
-        they delay every decode in it. Up to the decodes' TBT slack when they have targets, else
-        about the step's own compute time (a step at most doubles)."""
-        decodes = [item.request for item in step.planned.values()]
-        slack = tbt_slack(decodes, step.now)
-        if math.isfinite(slack):
-            return max(0.0, slack)
-        if self.estimator is None:
-            return math.inf
-        planned = list(step.planned.values())
-        n = len(planned)
-        return self.estimator.estimate(StepLoad(n, n, n, sum(s.context_len for s in planned)))
-
-    def _affordable(self, hits: list[TierHit], step: _StepBuild) -> int:
-        """How many leading hits fit the step's load budget (at least one: loading always moves)."""
-        if math.isinf(step.load_left) or self.tier_cost is None:
-            return len(hits)
-        spent, k = 0.0, 0
-        for hit in hits:
-            spent += self.tier_cost.tier_time(hit.tier, 1)
-            if k > 0 and spent > step.load_left:
-                break
-            k += 1
-        return k
-
-    def _load(self, request: Request, first_block: int, hits: list[TierHit], step: _StepBuild) -> None:
-        self.kv.load_from_tiers(request, first_block, hits)
-        self.stats.num_tier_loads += len(hits)
-        if math.isfinite(step.load_left):
-            step.load_left -= load_seconds(hits, self.tier_cost)
-
-    def _continue_loading(self, request: Request, step: _StepBuild) -> None:
-        """A request admitted with more prefix to load than one step could carry: load the next
-        part (each block from wherever it is now: it may have left its tier, and then the rest is
-        recomputed). It computes once its prefix is in."""
-        first_block, rest = self._loading[request.request_id]
-        fresh = self.kv.tiers.find([h.key for h in rest]) if rest else []
-        k = self._affordable(fresh, step) if fresh else 0
-        request.num_computed_tokens += k * self.kv.block_size
-        if k:
-            self._load(request, first_block, fresh[:k], step)
-        if k < len(fresh):
-            self._loading[request.request_id] = (first_block + k, fresh[k:])
-        else:
-            del self._loading[request.request_id]
-
-    def _prefetch_waiting(self) -> None:
-        """Stage the prefixes of the next few waiting requests from disk or the store into host
-        memory while they wait (each request once), so their admission loads over the fast link."""
-        for request in self.waiting[:PREFETCH_AHEAD]:
-            rid = request.request_id
-            if rid in self._prefetched or request.status is RequestStatus.SWAPPED:
-                continue
-            self._prefetched.add(rid)
-            self.stats.num_tier_prefetches += self.kv.prefetch_from_tiers(request)
-
-    def _plan_prefills_interleaved(self, prefills: list[Request], step: _StepBuild) -> None:
+    def _plan_prefills_interleaved(self, prefills: list[Request], step: StepBuild) -> None:
         seqs, now = self._seq, step.now
 
         def key(r: Request):
@@ -493,7 +323,7 @@ class Scheduler:
                 return request
         return None
 
-    def _plan_drafts(self, decodes: list[Request], step: _StepBuild) -> None:
+    def _plan_drafts(self, decodes: list[Request], step: StepBuild) -> None:
         """Speculation: give the decodes of a pure-decode step draft tokens from the budget it
         has left, when the speculator says they pay (sched/speculation.py). Drafts never
         preempt: a request whose extra slots do not fit decodes plainly."""
@@ -521,7 +351,7 @@ class Scheduler:
         if verified:
             self.speculator.stats.num_verify_steps += 1  # type: ignore[union-attr]
 
-    def _plan_running(self, request: Request, step: _StepBuild) -> None:
+    def _plan_running(self, request: Request, step: StepBuild) -> None:
         """Plan the next chunk (or decode token) of a running request, preempting the
         lowest-ranked running requests while its blocks do not fit."""
         pending = request.num_tokens - request.num_computed_tokens
@@ -544,7 +374,7 @@ class Scheduler:
                 return
         step.take(self._scheduled(request, n, samples=n == pending), ops, is_prefill=pending > 1)
 
-    def _admit(self, request: Request, step: _StepBuild) -> bool:
+    def _admit(self, request: Request, step: StepBuild) -> bool:
         """Admit a waiting (or swapped-out) request with its first chunk. When it finds no seat
         or no blocks, a policy that allows it preempts lower-ranked running requests for it.
         False when it cannot run in this step."""
@@ -560,7 +390,7 @@ class Scheduler:
                 return False
             self._preempt(victim, step)
 
-    def _try_admit(self, request: Request, step: _StepBuild) -> Optional[bool]:
+    def _try_admit(self, request: Request, step: StepBuild) -> Optional[bool]:
         """True if admitted; False if it cannot run this step whatever is preempted (budget,
         no chunking); None if only blocks are missing."""
         swapped = request.status is RequestStatus.SWAPPED
@@ -611,7 +441,7 @@ class Scheduler:
                       is_prefill=remaining > 1)
         return True
 
-    def _prefill_cap(self, step: _StepBuild, prefills: list[Request]) -> int:
+    def _prefill_cap(self, step: StepBuild, prefills: list[Request]) -> int:
         """Prefill tokens this step may carry so the decodes planned so far keep their TBT."""
         head = prefills[0] if prefills else (self.waiting[0] if self.waiting else None)
         if head is None:
@@ -671,19 +501,6 @@ class Scheduler:
                 self._finish(request, reason, now)
         return produced
 
-    @staticmethod
-    def _run_gaps(gaps: list[float], last: Optional[float], num_steps: int, first_end: float, end_time: float,
-                  ends: Optional[Sequence[float]], first: int) -> None:
-        """The token gaps a decode run gives one request: from its last token to the run's first
-        step's end, then one per step (the steps' own durations, or their mean without `ends`)."""
-        if last is not None:
-            gaps.append(first_end - last)
-        if num_steps > 1:
-            if ends is not None:
-                gaps.extend(ends[k] - ends[k - 1] for k in range(first + 1, first + num_steps))
-            else:
-                gaps.extend([(end_time - first_end) / (num_steps - 1)] * (num_steps - 1))
-
     def _report_service(self, plan: StepPlan, result: StepResult) -> None:
         """Tell the policy what each request of a finished step received, before the step is
         applied (so before any of them departs). Requests gone while it ran are skipped."""
@@ -694,106 +511,6 @@ class Scheduler:
                 prompt = min(item.start + item.num_new_tokens, request.num_prompt_tokens) - item.start
                 outputs = 1 + len(result.more_token_ids.get(request.request_id, ())) if item.samples else 0
                 on_service(request, max(0, prompt), outputs)
-
-    # ---- steady-state decode runs (simulation) ----------------------------------------
-    def plan_decode_run(self, max_steps: int) -> Optional[DecodeRunPlan]:
-        """Up to `max_steps` upcoming steps that are certain to be the same pure-decode step of
-        the same running set: nothing can be admitted, nobody finishes before the last of them,
-        and the free blocks cover every block the run will need. None when the next step
-        needs the full scheduler (or a run would be a single step).
-
-        Valid only when sampled tokens cannot stop a request early (no EOS or stop token
-        ids), which holds in simulation, where requests end at their recorded lengths.
-        """
-        running = self.running
-        if not running or max_steps < 2 or self.eos_token_ids or self.speculator is not None:
-            return None
-        if len(running) > self.config.max_num_batched_tokens:
-            return None
-        if self.waiting and len(running) < self.config.max_num_seqs:
-            return None  # a waiting request might be admitted at any step
-        if self.waiting and self.policy.preempts_for_admission:
-            lowest = max(r.effective_priority for r in running)
-            if any(w.effective_priority < lowest for w in self.waiting):
-                return None  # a higher class waiting might take a lower one's seat at any step
-        k = max_steps
-        context = masked = 0
-        for r in running:
-            num_output = len(r.output_token_ids)
-            computed = r.num_computed_tokens
-            if r.num_prompt_tokens + num_output - computed != 1 or r.sampling_params.stop_token_ids:
-                return None
-            k = min(k, r.max_output_tokens - num_output)
-            context += computed
-            masked += r.sampling_params.structured is not None
-        if k < 2:
-            return None
-        # A request holds the blocks of its computed tokens, so k more tokens need at most
-        # ceil(k / bs) new blocks each; count exactly only when the pool might fall short.
-        bs, free = self.kv.block_size, self.kv.num_free_blocks
-        if len(running) * -(-k // bs) > free:
-            num_blocks_of = self.kv.num_blocks_of
-            tables = [(r.num_computed_tokens, num_blocks_of(r.request_id)) for r in running]
-
-            def blocks_needed(steps: int) -> int:
-                return sum(max(0, -(-(c + steps) // bs) - have) for c, have in tables)
-
-            if blocks_needed(k) > free:
-                lo, hi = 0, k  # largest run whose blocks fit
-                while lo < hi:
-                    mid = (lo + hi + 1) // 2
-                    lo, hi = (mid, hi) if blocks_needed(mid) <= free else (lo, mid - 1)
-                k = lo
-        return DecodeRunPlan(k, len(running), context, masked) if k >= 2 else None
-
-    def advance_decodes(self, num_steps: int, first_end: float, end_time: float, token: int,
-                        ends: Optional[Sequence[float]] = None, first: int = 0) -> list[Request]:
-        """Apply `num_steps` pure-decode steps at once (after plan_decode_run said they are
-        certain); every request gets `token` per step. `first_end` is when the first of them ended:
-        a request whose last prompt token was still pending gets its first token there. `ends`
-        (from index `first`): when each step ended, for requests that keep their token gaps.
-        Returns the requests that finished."""
-        if num_steps <= 0:
-            return []
-        finished = []
-        kv, bs = self.kv, self.kv.block_size
-        allocate_slots = kv.allocate_slots
-        tokens = [token] * num_steps
-        if self._tracker is not None:
-            for request in self.running:  # (before any of them finishes and departs)
-                # A request whose last prompt token was pending computes it in the run's first step.
-                self._tracker.on_service(request, int(request.num_computed_tokens < request.num_prompt_tokens),
-                                         num_steps)
-        for request in list(self.running):
-            before = request.num_computed_tokens
-            if allocate_slots(request, num_steps) is None:
-                raise RuntimeError("decode run outgrew the KV pool; plan_decode_run was not respected")
-            request.num_computed_tokens = after = before + num_steps
-            request.output_token_ids.extend(tokens)
-            if after // bs > before // bs:  # a block filled up: register it
-                kv.cache_blocks(request)
-            gaps = request.token_gaps
-            if gaps is not None:
-                self._run_gaps(gaps, request.last_token_time, num_steps, first_end, end_time, ends, first)
-            if request.first_token_time is None:
-                request.first_token_time = first_end
-            request.last_token_time = end_time
-            if len(request.output_token_ids) >= request.max_output_tokens:
-                self._finish(request, FinishReason.LENGTH, end_time)
-                finished.append(request)
-        n = len(self.running) + len(finished)
-        self._step_id += num_steps
-        self.stats.num_steps += num_steps
-        self.stats.total_scheduled_seqs += n * num_steps
-        self.stats.num_output_tokens += n * num_steps
-        self.stats.max_batch_size = max(self.stats.max_batch_size, n)
-        return finished
-
-    def reserve_decode_step(self) -> None:
-        """Allocate what the next decode step will (as schedule() would at its start), so a
-        snapshot taken while that step runs counts the same blocks either way."""
-        for request in self.running:
-            self.kv.allocate_slots(request, 1)
 
     # ---- snapshot for the cluster layer ------------------------------------------------
     def snapshot(self, now: float) -> InstanceState:
@@ -810,50 +527,6 @@ class Scheduler:
         """`samples`: the step computes the request's last pending token, so it samples one."""
         return ScheduledRequest(request, request.num_computed_tokens, n, self.kv.block_table(request.request_id),
                                 samples)
-
-    def _pick_victim(self, now: float) -> Request:
-        return pick_victim(self.running, self.config.preemption_victim, now, self._restore_s)
-
-    def _restore_s(self, request: Request) -> float:
-        """Least time to bring a preempted request back: its KV swapped out and in, or recomputed."""
-        if self.config.preemption_mode != "recompute" and self.swap_cost is not None:
-            return 2.0 * self.swap_cost.swap_time(self.kv.blocks_to_swap(request))
-        return prefill_time(self.estimator, 0, request.num_computed_tokens, self._chunk_cap())
-
-    def _preempt(self, victim: Request, step: _StepBuild) -> None:
-        """Take a running request off the device: swap its KV to the host tier or drop it for
-        recompute, as the preemption mode and the costs decide. Gives back the budget it had
-        taken in this step."""
-        rid = victim.request_id
-        self._loading.pop(rid, None)
-        rotating = self.config.preemption_victim == "slack"
-        slack = slo_slack(victim, step.now) - self._restore_s(victim) if rotating else 0.0
-        self.running.remove(victim)
-        choice = choose_preemption(
-            self.config.preemption_mode, victim.num_computed_tokens, self.kv.blocks_to_swap(victim),
-            self.kv.num_free_host_blocks, self.estimator, self.swap_cost, self._chunk_cap())
-        pairs = None
-        if choice.how == SWAP and not step.copies.get(rid):  # a pending copy-on-write: its block is not written yet
-            pairs = self.kv.swap_out(victim)
-        if pairs is not None:
-            step.swap_out.extend(pairs)
-            victim.status = RequestStatus.SWAPPED
-            self.stats.num_swaps_out += 1
-        else:
-            self.kv.free(victim)
-            victim.num_computed_tokens = 0
-            victim.status = RequestStatus.PREEMPTED
-            self.stats.num_recomputes += 1
-        self.last_preemption = choice
-        if rotating:  # it yields until half its slack is spent
-            victim.resume_after = step.now + slack / 2 if 0 < slack < math.inf else step.now
-        victim.num_preemptions += 1
-        self.stats.num_preemptions += 1
-        logger.debug("preempted %s by %s (%d tokens computed)", rid, "swap" if pairs else "recompute",
-                     victim.num_tokens)
-        self._enqueue_waiting(victim, step.now)
-        step.preempted.append(rid)
-        step.give_back(rid)
 
     def _stop_reason(self, request: Request, token: int) -> Optional[FinishReason]:
         params = request.sampling_params
