@@ -203,7 +203,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if spec.instances > 1 or spec.fewest != spec.instances or args.backend != "process" or spec.pd \
             or spec.decode_router or spec.mixed_handoff != "never" or spec.autoscale \
             or spec.prefill_pool != PoolSettings() or spec.decode_pool != PoolSettings():  # run_multi checks them
-        from sloserve.server.multi import run_multi
+        from sloserve.front.multi import run_multi
 
         history = None
         if args.scaling_history:

@@ -220,8 +220,8 @@ async def serving_front(workers, num: int, config, keys=(), run_loops: bool = Fa
     autoscaling, the dashboard's sampler). Everything is stopped on the way out."""
     import uvicorn
 
-    from sloserve.server.front import Front
-    from sloserve.server.multi import build_worker_fleet
+    from sloserve.front.app import Front
+    from sloserve.front.multi import build_worker_fleet
     from sloserve.server.qos import QoSRegistry
     from sloserve.workers.handles import free_port
 

@@ -356,7 +356,7 @@ def test_the_forecast_band_planned_for_is_a_setting():
     top_wide, top_narrow = (p.forecast_peak(sig)[0] for p in policies)
     assert top_narrow < top_wide
     # the real server's front builds its planners from the same setting (`sloserve serve --forecast-level`)
-    from sloserve.server.multi import scale_planners
+    from sloserve.front.multi import scale_planners
     from sloserve.workers.fleet import FrontConfig
 
     served = scale_planners(FrontConfig(predictor=None, autoscale="predictive", forecast_level=0.5,

@@ -198,7 +198,7 @@ class FrontThread:
 
     async def _main(self, num: int, admin_key: str) -> None:
         from multi_helpers import FakeWorker, serving_front
-        from sloserve.server.front import FrontConfig
+        from sloserve.front.app import FrontConfig
 
         cfg = FrontConfig(router="round-robin", poll_interval_s=0.1, predictor=None, admin_keys=(admin_key,),
                           timeline_interval_s=0.5)

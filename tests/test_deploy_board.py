@@ -143,7 +143,7 @@ def scrape_front() -> str:
     """/metrics of an in-process front (1 prefill + 1 decode stand-in worker, reactive
     autoscaling that never acts in this test's lifetime) after one routed request."""
     from multi_helpers import FakeWorker, serving_front
-    from sloserve.server.front import FrontConfig
+    from sloserve.front.app import FrontConfig
 
     async def main() -> str:
         cfg = FrontConfig(router="round-robin", poll_interval_s=0.1, predictor=None, roles=("prefill", "decode"),

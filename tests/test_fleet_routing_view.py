@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fleet_helpers import StandInHandle
 from sloserve.sched.state import InstanceState
-from sloserve.server.multi import build_worker_fleet
+from sloserve.front.multi import build_worker_fleet
 from sloserve.types import Request, SamplingParams
 from sloserve.workers.fleet import HEALTHY, FrontConfig
 

@@ -12,7 +12,7 @@ from sloserve.cli import build_parser
 from sloserve.cluster.spec import FleetSpec
 from sloserve.cluster.spec_cli import resolve_fleet_args
 from sloserve.config import PoolSettings
-from sloserve.server.multi import front_config
+from sloserve.front.multi import front_config
 from sloserve.simulation import FleetConfig
 from sloserve.workers.fleet import FrontConfig
 

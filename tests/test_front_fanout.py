@@ -1,12 +1,12 @@
 """Splitting a non-streamed call with several choices into one-choice calls, and putting the
-answer back together (front_fanout.py). End to end on a `--pd` fleet of real workers, where
+answer back together (front/fanout.py). End to end on a `--pd` fleet of real workers, where
 every part is handed off: test_pd_server.py."""
 from __future__ import annotations
 
 import asyncio
 import json
 
-from sloserve.server.front_fanout import MergedStream, merge, split
+from sloserve.front.fanout import MergedStream, merge, split
 from sloserve.server.protocol import choice_seed
 
 

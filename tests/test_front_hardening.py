@@ -19,8 +19,8 @@ import pytest
 import uvicorn
 
 from multi_helpers import FAKE_SECRET, RETRY_AFTER, FakeWorker, serving_front, sse_events
-from sloserve.server.front import DEAD, HEALTHY, UNRESPONSIVE, Front, FrontConfig
-from sloserve.server.multi import build_worker_fleet
+from sloserve.front.app import DEAD, HEALTHY, UNRESPONSIVE, Front, FrontConfig
+from sloserve.front.multi import build_worker_fleet
 from sloserve.workers.handles import free_port
 
 KEY = "sk-good"
@@ -245,7 +245,7 @@ def test_killing_a_worker_does_not_block_the_event_loop():
 
 def test_the_front_serves_with_one_worker_up_and_drains_on_a_signal():
     from sloserve.server.connections import DrainingServer
-    from sloserve.server.multi import serve_front
+    from sloserve.front.multi import serve_front
 
     servers: list = []
 
@@ -425,7 +425,7 @@ def test_a_request_queued_on_a_worker_that_freezes_moves_to_another():
                 r = await asyncio.wait_for(waiting, 8)  # the freeze would last as long as the test
                 assert r.status_code == 200 and r.json()["pid"] == other
                 assert time.monotonic() - t0 < 8
-                # relayed as a stream (front_whole.py): a stalled stream; its answer starts again elsewhere
+                # relayed as a stream (front/whole.py): a stalled stream; its answer starts again elsewhere
                 assert fleet.counters["moved_stalled"] == 1 and frozen.handle.is_running()
             finally:
                 os.kill(pid, signal.SIGCONT)

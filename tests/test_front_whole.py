@@ -1,4 +1,4 @@
-"""Assembling a non-streamed answer from a relayed stream (front_whole.py): what the front sends
+"""Assembling a non-streamed answer from a relayed stream (front/whole.py): what the front sends
 when it asked a worker for a stream on the client's behalf. End to end (real workers, the
 openai client, hand-offs, a killed worker) in test_pd_server.py and test_migration_server.py."""
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 
-from sloserve.server.front_whole import answers_whole, as_stream, collect_whole
+from sloserve.front.whole import answers_whole, as_stream, collect_whole
 
 
 def sse(*objs) -> list[bytes]:

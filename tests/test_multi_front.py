@@ -12,8 +12,8 @@ from typing import Optional
 import httpx
 
 from multi_helpers import FakeWorker, serving_front, sse_events
-from sloserve.server.front import DEAD, HEALTHY, FrontConfig
-from sloserve.server.multi import build_worker_fleet
+from sloserve.front.app import DEAD, HEALTHY, FrontConfig
+from sloserve.front.multi import build_worker_fleet
 
 
 @contextlib.asynccontextmanager

@@ -8,8 +8,8 @@ import pytest
 from fleet_helpers import StandInHandle
 from sloserve.cli import main
 from sloserve.config import PoolSettings, SchedulerConfig, pd_roles
-from sloserve.server.front_handoff import HandoffLatency
-from sloserve.server.multi import build_worker_fleet
+from sloserve.front.handoff import HandoffLatency
+from sloserve.front.multi import build_worker_fleet
 from sloserve.types import Request, SamplingParams
 from sloserve.workers.fleet import HEALTHY, FrontConfig
 
@@ -100,7 +100,7 @@ def test_cli_refuses_bad_splits_before_starting_anything(args, message, capsys):
 def test_an_autoscaled_pd_fleet_scales_each_pool_on_its_own_capacity():
     """`serve --pd 2:2 --pd-min 1:1 --autoscale reactive --pd-capacity 1:100`: one worker of each
     pool starts; 5 req/s needs a second prefill worker (1 req/s each) but not a second decode one."""
-    from sloserve.server.front_autoscale import AutoscaleDriver
+    from sloserve.front.autoscale import AutoscaleDriver
     from sloserve.workers.fleet import STARTING, STOPPED
 
     now = [0.0]

@@ -34,7 +34,7 @@ _SEED_SPAN = 2**64  # seeds are 64-bit
 def choice_seed(seed: Optional[int], j: int) -> Optional[int]:
     """The seed of a prompt's j-th sample: n samples must differ even with a seed, so the j-th
     uses seed + j, wrapped into the signed 64-bit range (the same generator seed mod 2**64).
-    The worker seeds its choices this way, and the front's split calls (front_fanout.py) too."""
+    The worker seeds its choices this way, and the front's split calls (front/fanout.py) too."""
     if seed is None or j == 0:
         return seed
     return (seed + j + _SEED_SPAN // 2) % _SEED_SPAN - _SEED_SPAN // 2

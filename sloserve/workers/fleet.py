@@ -70,7 +70,7 @@ class FrontConfig:
     mixed_handoff: str = _SPEC.mixed_handoff  # when a mixed instance hands a stream it prefilled to another
     mixed_handoff_tokens: int = _SPEC.handoff_tokens  # prefill-pressure's queued prompt tokens
     initial_instances: Optional[int] = None  # autoscaling: slots started at first (the rest stay stopped)
-    # Autoscaling (server/front_autoscale.py): a policy name (cluster/autoscale), or None for a fixed fleet
+    # Autoscaling (front/autoscale.py): a policy name (cluster/autoscale), or None for a fixed fleet
     autoscale: Optional[str] = _SPEC.autoscale
     min_instances: int = 1
     capacity_rps: float = 0.0  # requests/s one worker sustains within the SLOs
@@ -87,7 +87,7 @@ class FrontConfig:
     forecast_level: float = _SPEC.forecast_level  # predictive/hybrid plan for the top of this band of the forecast
     scaling_history: Optional[Any] = None  # workload.series.Series of past demand (predictive, hybrid)
     seed: int = 0
-    # The front's edge (front_edge.py)
+    # The front's edge (front/edge.py)
     max_in_flight: Optional[int] = None  # requests proxied at once; beyond: 429 at the front. None = no bound
     max_body_bytes: int = 4 * 2**20
     body_timeout_s: float = 30.0

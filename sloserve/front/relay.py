@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, AsyncIterator, Optional, Protocol
 
 import httpx
 
-from sloserve.server.front_stream import Interrupted, SSESplitter, Stop, carries_output
+from sloserve.front.stream import Interrupted, SSESplitter, Stop, carries_output
 from sloserve.workers.contract import FLEET_SECRET_HEADER, KV_PUSH_HEADER, RELAY_COMMENT
 
 if TYPE_CHECKING:

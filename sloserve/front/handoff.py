@@ -39,11 +39,11 @@ import uuid
 from typing import TYPE_CHECKING, Optional
 
 from sloserve.fleet_view import HANDOFF, Move
-from sloserve.server.front_relay import EarlyTarget
+from sloserve.front.relay import EarlyTarget
 
 if TYPE_CHECKING:
-    from sloserve.server.front_migration import MigrationDriver
-    from sloserve.server.front_relay import RelaySession
+    from sloserve.front.migration import MigrationDriver
+    from sloserve.front.relay import RelaySession
     from sloserve.types import Request
     from sloserve.workers.fleet import Instance, WorkerFleet
 

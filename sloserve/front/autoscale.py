@@ -22,7 +22,7 @@ import time
 from typing import TYPE_CHECKING, Callable, Optional
 
 from sloserve.fleet_view import DRAINING, READY, STARTING, STOPPED, InstanceSlot, ScalingSignals
-from sloserve.server.front_migration import every
+from sloserve.front.migration import every
 from sloserve.timeline import DRAIN, SCALE, UNDRAIN
 from sloserve.workers.fleet import HEALTHY, STARTING as FLEET_STARTING, STOPPED as FLEET_STOPPED
 
@@ -84,7 +84,7 @@ class AutoscaleDriver:
         """Hold a request while no worker takes arrivals (the fleet scaled to zero, or all its
         arrival workers draining or starting): the policy sees it as queued and is asked at once,
         not at its next interval. True once `ready()`; False after `timeout_s`. `stop` (the
-        request's front_stream.Stop) ends the wait when the client leaves."""
+        request's front.stream.Stop) ends the wait when the client leaves."""
         deadline = self.clock() + timeout_s
         self.held += 1
         try:

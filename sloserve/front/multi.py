@@ -162,7 +162,7 @@ def run_multi(engine_config: EngineConfig, settings, spec: FleetSpec, *, backend
     each worker. `cold_start_s`: the start time autoscaling assumes until a worker was timed;
     `scaling_history`: the demand (workload.series.Series) that trains a forecaster."""
     from sloserve.server.connections import uvicorn_config
-    from sloserve.server.front import Front
+    from sloserve.front.app import Front
     from sloserve.workers.handles import WorkerSpec
     from sloserve.server.qos import CACHE_SECRET_ENV, CacheSalter, cache_secret
     from sloserve.server.worker import worker_options

@@ -7,7 +7,7 @@ failing mid-generation would lose the work done, and a `--pd` fleet would decode
 prefill instance. So the front asks the worker for a stream (with the usage chunk) and
 assembles the answer the worker would have sent: the same JSON, field for field, built with the
 same response models. A call with several choices (n > 1, several prompts)
-is split into one-choice calls first (front_fanout.py).
+is split into one-choice calls first (front/fanout.py).
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import json
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Optional
 
-from sloserve.server.front_stream import SSESplitter, event_data
+from sloserve.front.stream import SSESplitter, event_data
 from sloserve.server.protocol import (
     ChatChoice,
     ChatCompletionResponse,

@@ -2,7 +2,7 @@
 
 Every `interval_s` the driver shows the controller one `InstanceView` per worker (its last
 polled state, and the relayed streams running there that could move) and carries out the
-moves it returns, each as a live migration of one relay session (front_relay.py). Operators
+moves it returns, each as a live migration of one relay session (front/relay.py). Operators
 reach the same path through the admin API: move one request, or drain an instance (it
 leaves routing and the `drain` policy empties it, whatever `--migration` says).
 """
@@ -15,13 +15,13 @@ from typing import TYPE_CHECKING, Callable, Optional
 
 from sloserve.cluster.migration.base import InstanceView, MovableRequest, Move, MoveCosts
 from sloserve.fleet_view import HANDOFF
-from sloserve.server.front_relay import MigrationOutcome
+from sloserve.front.relay import MigrationOutcome
 from sloserve.timeline import MIGRATION
 
 if TYPE_CHECKING:
     from sloserve.cluster.controller import FleetController
     from sloserve.workers.fleet import Instance, WorkerFleet
-    from sloserve.server.front_relay import RelaySession
+    from sloserve.front.relay import RelaySession
 
 logger = logging.getLogger(__name__)
 

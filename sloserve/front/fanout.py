@@ -1,7 +1,7 @@
 """A call with several choices (n > 1, several prompts), split into one-choice calls.
 
 Only a one-choice call can move between instances: the front relays it as a stream and knows
-from the relay annotations which tokens its client has (front_relay.py, front_whole.py). Sent to one
+from the relay annotations which tokens its client has (front/relay.py, front/whole.py). Sent to one
 worker whole, a call with several choices would decode on the prefill instance of a `--pd` fleet,
 could not be migrated, and would be lost with a worker failing mid-generation. So the front splits
 such a call into one call per choice, each routed, handed off, resumed and migrated like any
@@ -30,7 +30,7 @@ import uuid
 from dataclasses import dataclass
 from typing import AsyncIterator, Optional, Union
 
-from sloserve.server.front_stream import SSESplitter, event_data
+from sloserve.front.stream import SSESplitter, event_data
 from sloserve.server.protocol import MAX_CHOICES, MAX_REQUEST_ID, REQUEST_ID, choice_seed
 
 logger = logging.getLogger(__name__)

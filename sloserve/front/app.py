@@ -1,5 +1,5 @@
 """The front of a multi-instance server: the API in front of N workers (fleet.py has their
-health, and the fleet controller that routes and plans migrations; front_edge.py the auth,
+health, and the fleet controller that routes and plans migrations; front/edge.py the auth,
 body limit, admission and draining).
 
 Each generation request is tokenized (by a worker's `/tokenize`, so the ids are the served
@@ -9,19 +9,19 @@ latest `InstanceState`s, and proxied. The worker's status, body and `Retry-After
 when every worker was full the client gets the last one's 429 with its Retry-After.
 
 Streams and failures. A stream has *started* once the front forwarded an event that carries
-generated output (`front_stream.carries_output`: for completions any chunk with choices, for
+generated output (`front.stream.carries_output`: for completions any chunk with choices, for
 chat any chunk other than the opening role chunk, and [DONE], usage or error events). Until
 then the front buffers what the worker sent, so the client has received nothing and the
 request is retried on another instance if its worker fails. From then on a `RelaySession`
-(front_relay.py) relays it: a started single-choice stream whose worker fails resumes on
+(front/relay.py) relays it: a started single-choice stream whose worker fails resumes on
 another instance from the tokens already sent, and the fleet controller's migrations move it
-live (front_migration.py); a stream nothing can resume ends with an SSE event
+live (front/migration.py); a stream nothing can resume ends with an SSE event
 `{"error": {"code": "instance_failed"}}` and `data: [DONE]`. A non-streamed single-choice call
 is relayed the same way, as a stream the front reads to its end and answers whole
-(front_whole.py), so it fails over, migrates and is handed off like a stream. A call with
+(front/whole.py), so it fails over, migrates and is handed off like a stream. A call with
 several choices (n > 1, several prompts; streamed or not) is split into one-choice calls, each
 relayed that way, and its answer (or merged stream) assembled as the worker would have sent it
-(front_fanout.py).
+(front/fanout.py).
 
 Nothing outlives its client: while the front waits on a worker (connecting, the buffered
 start of a stream, a non-streamed answer) it also watches for the client's disconnect, and
@@ -59,16 +59,16 @@ from sloserve.server.errors import (
     install_error_handlers,
 )
 from sloserve.workers.fleet import DEAD, HEALTHY, STARTING, UNRESPONSIVE, FrontConfig, Instance, WorkerFleet
-from sloserve.server.front_edge import FrontEdge, FrontGate, Ticket
-from sloserve.server.front_autoscale import AutoscaleDriver
-from sloserve.server.front_adapters import AdapterFanout
-from sloserve.server.front_handoff import HandoffDriver
-from sloserve.server.front_migration import MigrationDriver
-from sloserve.server.front_relay import RelaySession, Upstream
-from sloserve.server import front_responses
-from sloserve.server.front_fanout import MergedStream, Part, merge, split
-from sloserve.server.front_whole import answers_whole, as_stream, collect_whole
-from sloserve.server.front_stream import Interrupted, SSESplitter, Stop, carries_output
+from sloserve.front.edge import FrontEdge, FrontGate, Ticket
+from sloserve.front.autoscale import AutoscaleDriver
+from sloserve.front.adapters import AdapterFanout
+from sloserve.front.handoff import HandoffDriver
+from sloserve.front.migration import MigrationDriver
+from sloserve.front.relay import RelaySession, Upstream
+from sloserve.front import responses as front_responses
+from sloserve.front.fanout import MergedStream, Part, merge, split
+from sloserve.front.whole import answers_whole, as_stream, collect_whole
+from sloserve.front.stream import Interrupted, SSESplitter, Stop, carries_output
 from sloserve.server.protocol import GenerationRequest, check_call, header_priority
 from sloserve.server.qos import CacheSalter, QoSRegistry, cache_secret
 from sloserve.workers.contract import FLEET_SECRET_HEADER
@@ -141,7 +141,7 @@ def _judge(raw: bytes, chat: bool, headers) -> tuple[dict, GenerationRequest, Sa
 
 def resumable(body: dict, chat: bool) -> bool:
     """Whether another instance can continue this call's stream: one choice of one prompt
-    (calls with several choices are split first, front_fanout.py; what reaches here with
+    (calls with several choices are split first, front/fanout.py; what reaches here with
     several is a body the worker refuses)."""
     return body.get("stream") is True and single_choice(body, chat)
 
@@ -188,7 +188,7 @@ class _RelayResponse(StreamingResponse):
 
     async def close(self) -> None:
         """End the relay and release its upstream (also for a stream never sent: a split call's
-        parts when another part failed, front_fanout.py)."""
+        parts when another part failed, front/fanout.py)."""
         await self.relay.aclose()  # type: ignore[attr-defined]
         await self._release()
 
@@ -198,7 +198,7 @@ class Front:
                  lora_modules: tuple[tuple[str, str], ...] = ()):
         """`salter` must use the secret the workers got, so the prefix keys the router computes
         for a request are the ones the workers publish for the same tenant's prefix;
-        `lora_modules`: the adapters the workers start with (front_adapters.py)."""
+        `lora_modules`: the adapters the workers start with (front/adapters.py)."""
         self.fleet = fleet
         self.registry = registry or QoSRegistry()
         self.salter = salter or CacheSalter(cache_secret())
@@ -441,7 +441,7 @@ class Front:
 
     # ---- generation ----------------------------------------------------------------------
     async def generate(self, request: HTTPRequest, path: str, chat: bool, raw: Optional[bytes] = None) -> Response:
-        """A generation call (`raw`: its body, when not the request's own: front_responses.py)."""
+        """A generation call (`raw`: its body, when not the request's own: front/responses.py)."""
         raw = raw if raw is not None else await request.body()
         principal = getattr(request.state, "principal", None) or self.registry.authenticate(None)
         if principal is None:  # the edge checks keys first; this is a backstop
@@ -486,7 +486,7 @@ class Front:
     async def _split_call(self, call_id: str, parts: list[Part], path: str, chat: bool, qos: tuple,
                           max_tokens: Optional[int], principal, headers: dict, stop: Stop,
                           ticket: Optional[Ticket]) -> Response:
-        """A call with several choices, run as one-choice calls together (front_fanout.py); the
+        """A call with several choices, run as one-choice calls together (front/fanout.py); the
         first part that fails ends the others and its error is the answer."""
         firsts = [part for part in parts if part.sample == 0]
         tokenized = await stop.run(asyncio.gather(*(self._prompt_ids(p.body, chat, headers, max_tokens)
@@ -664,7 +664,7 @@ class Front:
     async def _answer_whole(events: AsyncIterator[bytes], chat: bool, session: Optional[RelaySession] = None,
                             stop: Optional[Stop] = None) -> tuple[int, dict]:
         """A non-streamed call's answer (status, JSON), read from its relayed stream
-        (front_whole.py); the client's disconnect (Interrupted, from `stop`) ends the stream
+        (front/whole.py); the client's disconnect (Interrupted, from `stop`) ends the stream
         and frees its request."""
         try:
             work = collect_whole(events, chat)

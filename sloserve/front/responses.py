@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
 from sloserve.server.errors import APIError, bad_request, validation_message
-from sloserve.server.front_stream import SSESplitter, event_data
+from sloserve.front.stream import SSESplitter, event_data
 from sloserve.server.protocol import Usage
 from sloserve.server.responses import ResponsesRequest, ResponseWriter, responses_param
 

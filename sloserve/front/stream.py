@@ -93,7 +93,7 @@ class Stop:
 
     def joined(self, abort: asyncio.Event) -> "Stop":
         """A stop that also fires on `abort` (one part of a split call ended the others,
-        front_fanout.py); closing it leaves this one's signals alone."""
+        front/fanout.py); closing it leaves this one's signals alone."""
         child = Stop()
         extra = _waiter(abort)
         child._gone, child._signals, child._owned = self._gone, [*self._signals, extra], [extra]
