@@ -395,8 +395,6 @@ def prepare_autoscaling(fleet, args: argparse.Namespace, spec, slo) -> None:
     from sloserve.planning import instance_capacity, pool_capacity
     from sloserve.workload.build import build_stream
 
-    if args.pd_min and not fleet.pd:
-        raise ValueError("--pd-min needs --pd (the most instances of each pool)")
     measured = fleet.pd_capacity is None if fleet.pd else fleet.capacity_rps is None
     if measured and slo.empty:
         given = "--pd-capacity P_RPS:D_RPS" if fleet.pd else "--capacity RPS"
