@@ -295,3 +295,11 @@ def test_controller_hides_blocked_requests_from_the_policy_and_routes_through_it
     assert pairs(ctl.plan_migrations(0.2, views, COSTS)) == [("second", 0, 1)]
     assert ctl.route(None, [st(running=3), st(running=1)]) == 1  # type: ignore[arg-type]
     assert FleetController(make_router("round-robin")).plan_migrations(0.0, views, COSTS) == []
+
+
+def test_the_precopy_rule_stops_under_a_block_or_at_the_round_limit():
+    from sloserve.cluster.migration.precopy import PrecopyRule
+    rule = PrecopyRule(max_rounds=3)
+    assert rule.another_round(1, 17, 16)  # more than a block computed since: copy again
+    assert not rule.another_round(1, 16, 16)  # a block or less: suspend and copy the rest
+    assert rule.another_round(2, 500, 16) and not rule.another_round(3, 500, 16)  # bounded rounds

@@ -6,8 +6,8 @@ Source (`POST /internal/migrate`), Llumnix-style live pre-copy:
 1. the target reserves blocks for the request's KV (or refuses: nothing changed), reusing the
    leading blocks its prefix cache already holds (same keys, so same tenant salt): not sent;
 2. rounds: the full blocks computed so far are pinned and copied while the request keeps
-   decoding; each round copies what the previous one did not, until a round has at most one
-   block left to send (or `MAX_ROUNDS`);
+   decoding; each round copies what the previous one did not, for as long as
+   `cluster/migration/precopy.PRECOPY` (the simulator's rule too) asks for another;
 3. stop-and-copy: the request is suspended (keeps its blocks, not scheduled), the rest of its
    blocks (the partial last one too) are copied, and its `ResumeState` goes back to the front.
 The request stays suspended here until the front commits (the target produced a token: free
@@ -42,6 +42,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from sloserve.cluster.migration.precopy import PRECOPY
 from sloserve.engine.migration import KVLayout, ResumeState, read_blocks, write_blocks
 from sloserve.server.errors import APIError, bad_request
 from sloserve.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -49,7 +50,6 @@ from sloserve.workers.contract import FLEET_SECRET_HEADER
 
 logger = logging.getLogger(__name__)
 
-MAX_ROUNDS = 4  # pre-copy rounds before the stop-and-copy
 HOLD_S = 30.0  # a reservation or a suspended request nobody claims is let go after this
 MAX_PUT_BYTES = 64 * 2**20  # KV bytes per request to the target: bounds memory on both sides
 PREFILL_POLL_S = 0.005  # a pipelined send looks for newly computed blocks this often (and between steps)
@@ -268,21 +268,22 @@ class Migrations:
                 if pinned is None:
                     raise APIError(409, f"request {request_id} is not running here", code="not_movable")
                 ids, hashes = pinned
+                block = self.layout.block_size
                 try:
                     if not reserved:  # the target makes room (or refuses) and says what it caches
                         skip = min(await self._reserve_remote(target, mid, request_id, hashes), len(ids))
                         reserved = True
                         ids, sent = ids[skip:], skip
-                    if precopy:
+                    # Full blocks only: the partial last block always goes with the stop-and-copy.
+                    another = precopy and (rounds == 0 or PRECOPY.another_round(rounds, len(ids) * block, block))
+                    if another:
                         sent_bytes += await self._push(target, mid, sent, ids)
                 finally:
                     await self.engine.call(lambda e: e.kv.unpin(pinned[0]))
-                if not precopy:
-                    break
+                if not another:
+                    break  # the rest is the stop-and-copy's
                 sent += len(ids)
                 rounds += 1
-                if rounds >= MAX_ROUNDS or (len(ids) <= 1 and rounds > 1):
-                    break  # converged: the rest is the stop-and-copy's
             stop_started = self.clock()
             suspended = await self.engine.call(lambda e: e.suspend(request_id))
             if suspended is None:

@@ -5,7 +5,7 @@ does (Llumnix-style), with the real schedulers and KV managers on both ends:
 
 1. start: the target reserves blocks for the request's KV as it is now (no room: abort);
 2. pre-copy: the KV is sent while the request keeps decoding on the source; each round then
-   sends what the source computed meanwhile, until that is under a block;
+   sends what the source computed meanwhile, until `cluster/migration/precopy.PrecopyRule` says stop;
 3. stop-and-copy: at the source's next step boundary the request is suspended (it keeps its
    blocks, nothing writes them) and its size is final: the target tops up its reservation (no
    room: abort, and the request goes on at the source), the last tokens' KV is sent, and the
@@ -25,6 +25,7 @@ from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
+from sloserve.cluster.migration.precopy import PrecopyRule
 from sloserve.fleet_view import HANDOFF, FleetDecisions, InstanceView, MovableRequest, Move, MoveCosts
 from sloserve.sched.live_state import LiveInstanceState
 from sloserve.sim.instance import SimInstance
@@ -104,7 +105,7 @@ class SimMigrator:
     def __init__(self, controller: FleetDecisions, instances: Sequence[SimInstance],
                  states: Sequence[LiveInstanceState], costs: MoveCosts,
                  schedule: Callable[[float, Transfer], None], touch: Callable[[SimInstance], None],
-                 handoff_s: float = 0.005, max_precopy_rounds: int = 4):
+                 handoff_s: float = 0.005, precopy: PrecopyRule = PrecopyRule()):
         self.controller = controller
         self.instances = list(instances)
         self.states = list(states)
@@ -113,7 +114,7 @@ class SimMigrator:
         self._schedule = schedule
         self._touch = touch
         self.handoff_s = handoff_s
-        self.max_precopy_rounds = max_precopy_rounds
+        self.precopy = precopy
         self.transfers: dict[str, Transfer] = {}
         self._at_boundary: dict[int, list[Transfer]] = {}  # instance id -> transfers waiting for its step to end
         self._bytes: dict[str, int] = {}  # bytes sent so far per transfer
@@ -220,7 +221,7 @@ class SimMigrator:
             self._abort(transfer, now)
             return
         delta = transfer.request.num_computed_tokens - transfer.copied
-        if delta > source.kv.block_size and transfer.rounds < self.max_precopy_rounds:
+        if self.precopy.another_round(transfer.rounds, delta, source.kv.block_size):
             transfer.rounds += 1
             self._send(transfer, delta)
             self._schedule(now + self._copy_time(transfer, delta), transfer)
