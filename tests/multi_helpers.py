@@ -26,7 +26,8 @@ import signal
 from fastapi import FastAPI, Request  # module level: FastAPI resolves the handlers' annotations here
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from sloserve.workers.contract import RELAY_COMMENT
+from sloserve.sched.state import InstanceState
+from sloserve.workers.contract import RELAY_COMMENT, WorkerState
 
 ROOT = Path(__file__).resolve().parents[1]
 FAKE_SECRET = "fake-fleet-secret"  # what test fronts (build_worker_fleet(fleet_secret=...)) and fake workers share
@@ -68,11 +69,10 @@ def build_fake_worker(tokens: int, delay: float, capacity: int = 1000, die_on_ch
             return JSONResponse({"error": {"message": "no", "type": "authentication_error", "param": None,
                                            "code": "invalid_fleet_secret"}}, status_code=401)
         n = active["running"]
-        return {"aborted": active["aborted"], "state": {"num_running": n, "num_waiting": 0, "queued_prefill_tokens": 0, "kv_blocks_used": n,
-                          "kv_blocks_free": 100 - n, "kv_blocks_total": 100,
-                          "predicted_remaining_decode_tokens": 10 * n, "prefix_cache_hit_rate": 0.0,
-                          "min_ttft_slack_s": None, "block_size": 16, "kv_blocks_waiting": 0},
-                "prefix_keys": [], "num_cached_blocks": 0, "pid": os.getpid()}
+        state = InstanceState(num_running=n, num_waiting=0, queued_prefill_tokens=0, kv_blocks_used=n,
+                              kv_blocks_free=100 - n, kv_blocks_total=100, predicted_remaining_decode_tokens=10 * n,
+                              prefix_cache_hit_rate=0.0, min_ttft_slack_s=float("inf"))
+        return {**WorkerState(state).to_json(), "aborted": active["aborted"], "pid": os.getpid()}
 
     def words(body: dict) -> list[int]:
         text = body.get("prompt") or " ".join(m.get("content", "") for m in body.get("messages") or [])

@@ -5,15 +5,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 from typing import Optional
 
 import httpx
+import pytest
 
 from multi_helpers import FakeWorker, serving_front, sse_events
 from sloserve.front.app import DEAD, HEALTHY, FrontConfig
 from sloserve.front.multi import build_worker_fleet
+from sloserve.workers.contract import WorkerState
 
 
 @contextlib.asynccontextmanager
@@ -148,7 +151,6 @@ def test_worker_config_and_state_payload_round_trip():
     from sloserve.kv.hashing import hash_full_blocks
     from sloserve.kv.manager import KVCacheManager
     from sloserve.sched.scheduler import Scheduler
-    from sloserve.sched.state import InstanceState
     from sloserve.server.worker import state_payload
     from sloserve.workers.contract import config_from_json, config_to_json
     from sloserve.types import Request, SamplingParams
@@ -164,11 +166,26 @@ def test_worker_config_and_state_payload_round_trip():
     from sloserve.sched.plan import StepResult
 
     sched.update(plan, StepResult({"a": 7}), 0.1)
-    payload = state_payload(SimpleNamespace(scheduler=sched, kv=kv, clock=lambda: 0.2))
-    state = InstanceState(**{**payload["state"], "min_ttft_slack_s": float("inf")})
+    payload = json.loads(json.dumps(state_payload(SimpleNamespace(scheduler=sched, kv=kv, clock=lambda: 0.2))))
+    published = WorkerState.from_json(payload)
+    state = published.state
     assert state.num_running == 1 and state.kv_blocks_total == 64 and state.block_size == 16
-    keys = {int(k, 16) for k in payload["prefix_keys"]}
-    assert keys == set(hash_full_blocks(prompt, 16))  # the 3 full prompt blocks, as the router hashes them
+    assert state.min_ttft_slack_s == float("inf")  # nothing waits: sent as null, read back as infinity
+    assert published.prefix_keys == set(hash_full_blocks(prompt, 16))  # the 3 full prompt blocks, as the router hashes them
+    assert published.reading["running"] == 1
+
+
+def test_a_worker_message_of_another_contract_version_is_refused_with_both_versions_named():
+    from sloserve.workers.contract import CONTRACT_VERSION, ContractError, MigrationSnapshot
+
+    snapshot = MigrationSnapshot({"output_token_ids": [5, 6]}, 2, rounds=3, bytes=4096, copy_s=0.5, stop_copy_s=0.01)
+    assert MigrationSnapshot.from_json(json.loads(json.dumps(snapshot.to_json()))) == snapshot
+    assert "resume" not in snapshot.timings() and snapshot.timings()["rounds"] == 3
+    for message in (WorkerState, MigrationSnapshot):
+        with pytest.raises(ContractError, match=f"version 99.*{CONTRACT_VERSION}"):
+            message.from_json({"version": 99})
+    with pytest.raises(ContractError, match="malformed"):
+        WorkerState.from_json({"version": CONTRACT_VERSION, "state": {"num_running": 1}})
 
 
 def test_a_slot_whose_workers_die_while_starting_backs_off():

@@ -28,7 +28,8 @@ from typing import TYPE_CHECKING, AsyncIterator, Optional, Protocol
 import httpx
 
 from sloserve.front.stream import Interrupted, SSESplitter, Stop, carries_output
-from sloserve.workers.contract import FLEET_SECRET_HEADER, KV_PUSH_HEADER, RELAY_COMMENT
+from sloserve.workers.contract import (FLEET_SECRET_HEADER, KV_PUSH_HEADER, RELAY_COMMENT, ContractError,
+                                       MigrationSnapshot)
 
 if TYPE_CHECKING:
     from sloserve.workers.fleet import Instance, WorkerFleet
@@ -100,7 +101,7 @@ class MigrationOutcome:
 class _Switch:
     target: "Instance"
     migration_id: str
-    snapshot: dict
+    snapshot: MigrationSnapshot
     snapshot_at: float
     done: asyncio.Future
 
@@ -298,9 +299,9 @@ class RelaySession:
             self.chars = note["c"]
 
     # ---- resuming elsewhere ---------------------------------------------------------------
-    def _resume_state(self, snapshot: Optional[dict] = None) -> dict:
+    def _resume_state(self, snapshot: Optional[MigrationSnapshot] = None) -> dict:
         if snapshot is not None:
-            return dict(snapshot["resume"], sent_text_len=self.chars)
+            return dict(snapshot.resume, sent_text_len=self.chars)
         now = self.fleet.clock()
         return {"output_token_ids": self.tokens, "sent_text_len": self.chars,
                 "age_s": max(0.0, now - self.routed.arrival_time),
@@ -393,7 +394,12 @@ class RelaySession:
                 return MigrationOutcome(False, f"source unreachable: {type(e).__name__}")
             if resp.status_code != 200:
                 return MigrationOutcome(False, _reason(resp))
-            snapshot = resp.json()
+            try:
+                snapshot = MigrationSnapshot.from_json(resp.json())
+            except (ContractError, ValueError) as e:
+                await self._tell(source, "abort")
+                await self._release_target(target, mid)
+                return MigrationOutcome(False, f"unreadable snapshot: {e}")
             if self._released:  # the client left during the copy
                 await self._tell(source, "abort")
                 await self._release_target(target, mid)
@@ -412,7 +418,7 @@ class RelaySession:
         assert switch is not None
         source = self.upstream
         snapshot = switch.snapshot
-        want = int(snapshot["num_output_tokens"])
+        want = snapshot.num_output_tokens
         outcome = MigrationOutcome(False, "stream ended")
         try:
             try:
@@ -436,10 +442,9 @@ class RelaySession:
             await self._drop_upstream()
             self.upstream, head = opened
             self.num_instances += 1
-            downtime = float(snapshot.get("stop_copy_s", 0.0)) + (self.fleet.clock() - switch.snapshot_at)
-            outcome = MigrationOutcome(True, "", int(snapshot.get("bytes", 0)), downtime,
-                                       int(snapshot.get("rounds", 0)), float(snapshot.get("copy_s", 0.0)),
-                                       int(snapshot.get("early_bytes", 0)))
+            downtime = snapshot.stop_copy_s + (self.fleet.clock() - switch.snapshot_at)
+            outcome = MigrationOutcome(True, "", snapshot.bytes, downtime, snapshot.rounds, snapshot.copy_s,
+                                       snapshot.early_bytes)
             out = self._filter(head)
             if out:
                 yield out

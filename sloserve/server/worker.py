@@ -15,11 +15,9 @@ A worker without a secret serves no internal route at all.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import hmac
 import json
 import logging
-import math
 import os
 from typing import Any, Optional
 
@@ -37,6 +35,7 @@ from sloserve.workers.contract import (
     FLEET_SECRET_ENV,
     FLEET_SECRET_HEADER,
     INTERNAL_PREFIX,
+    WorkerState,
     config_from_json,
 )
 
@@ -46,8 +45,8 @@ MAX_PUBLISHED_KEYS = 8192  # most recently cached blocks; enough to find every l
 
 
 def state_payload(core: Any, max_keys: int = MAX_PUBLISHED_KEYS) -> dict:
-    """The scheduler's snapshot and the newest cached block keys (device, then host and disk
-    tiers), as JSON.
+    """The worker's `WorkerState` as JSON: the scheduler's snapshot and the newest cached block
+    keys (device, then host and disk tiers).
 
     The engine thread owns these structures; reading them from the HTTP thread can race with
     a step that changes them, so a read that trips over a concurrent change is retried (the
@@ -61,12 +60,8 @@ def state_payload(core: Any, max_keys: int = MAX_PUBLISHED_KEYS) -> dict:
         except RuntimeError:  # "changed size during iteration"
             if attempt == 4:
                 raise
-    fields = {f.name: getattr(state, f.name) for f in dataclasses.fields(state) if f.name != "prefix_index"}
-    if math.isinf(fields.get("min_ttft_slack_s", 0.0)):
-        fields["min_ttft_slack_s"] = None
     counters = {name: getattr(reading, name) for name in READING_FIELDS}
-    return {"state": fields, "prefix_keys": [format(k, "x") for k in keys], "num_cached_blocks": len(keys),
-            "reading": counters}
+    return WorkerState(state, frozenset(keys), counters).to_json()
 
 
 class InternalGuard:

@@ -46,7 +46,7 @@ from sloserve.cluster.migration.precopy import PRECOPY
 from sloserve.engine.migration import KVLayout, ResumeState, read_blocks, write_blocks
 from sloserve.server.errors import APIError, bad_request
 from sloserve.server.protocol import ChatCompletionRequest, CompletionRequest
-from sloserve.workers.contract import FLEET_SECRET_HEADER
+from sloserve.workers.contract import FLEET_SECRET_HEADER, MigrationSnapshot
 
 logger = logging.getLogger(__name__)
 
@@ -302,10 +302,11 @@ class Migrations:
             raise
         now = self.clock()
         self.stats.bytes_sent += sent_bytes - (early.bytes if early is not None else 0)
-        self.stats.last = {"rounds": rounds, "bytes": sent_bytes, "copy_s": now - started,
-                           "stop_copy_s": now - stop_started, "stop_copy_blocks": len(all_ids) - sent,
-                           "early_bytes": early.overlapped_bytes if early is not None else 0}
-        return {"resume": state.to_json(), "num_output_tokens": len(state.output_token_ids), **self.stats.last}
+        snapshot = MigrationSnapshot(state.to_json(), len(state.output_token_ids), rounds, sent_bytes, now - started,
+                                     now - stop_started, len(all_ids) - sent,
+                                     early.overlapped_bytes if early is not None else 0)
+        self.stats.last = snapshot.timings()
+        return snapshot.to_json()
 
     async def _reserve_remote(self, target: str, mid: str, request_id: str, hashes: list[int]) -> int:
         """Ask the target to hold blocks for the request's KV; how many leading blocks it has."""

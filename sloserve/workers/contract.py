@@ -1,12 +1,18 @@
 """What a front and its workers agree on: how a worker is started and configured, how the
-front authenticates itself to the worker's internal routes, and how the worker annotates the
-streams it sends its front."""
+front authenticates itself to the worker's internal routes, how the worker annotates the
+streams it sends its front, and the two messages they exchange as data: `WorkerState` (each
+health poll) and `MigrationSnapshot` (a live migration's stop-and-copy). Both carry
+`CONTRACT_VERSION`; a front refuses a message of another version."""
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
 
 from sloserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from sloserve.sched.state import InstanceState
 
 WORKER_MODULE = "sloserve.server.worker"  # the worker program: `python -m` it, or import it in a Ray actor
 API_KEYS_ENV = "SLOSERVE_WORKER_API_KEYS"  # newline-separated keys the front hands its workers
@@ -30,3 +36,82 @@ def config_from_json(text: str) -> EngineConfig:
     sched = SchedulerConfig(**d.pop("scheduler"))
     loras = tuple((name, path) for name, path in d.pop("lora_modules", ()))
     return EngineConfig(**d, cache=cache, scheduler=sched, lora_modules=loras)
+
+
+CONTRACT_VERSION = 1  # of the messages below: change it with any change to their fields
+
+
+class ContractError(ValueError):
+    """A worker's message this front cannot read (another contract version, or malformed)."""
+
+
+def _check_version(payload: Any, what: str) -> dict:
+    if not isinstance(payload, dict):
+        raise ContractError(f"{what}: expected a JSON object, got {type(payload).__name__}")
+    version = payload.get("version")
+    if version != CONTRACT_VERSION:
+        raise ContractError(f"{what}: the worker speaks contract version {version!r}, this front "
+                            f"{CONTRACT_VERSION} (run the front and its workers from one sloserve)")
+    return payload
+
+
+@dataclass(frozen=True)
+class WorkerState:
+    """What a worker's `GET /internal/state` tells its front: the scheduler's load snapshot (its
+    router's view), the newest cached block keys (for prefix-aware routing) and the counters
+    the front's dashboard draws."""
+
+    state: InstanceState  # without its live prefix index: `prefix_keys` stands for it
+    prefix_keys: frozenset[int] = frozenset()
+    reading: dict[str, float] = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        fields = {f.name: getattr(self.state, f.name) for f in dataclasses.fields(self.state)
+                  if f.name != "prefix_index"}
+        if math.isinf(fields["min_ttft_slack_s"]):
+            fields["min_ttft_slack_s"] = None  # JSON has no infinity
+        return {"version": CONTRACT_VERSION, "state": fields,
+                "prefix_keys": [format(k, "x") for k in self.prefix_keys], "reading": dict(self.reading)}
+
+    @classmethod
+    def from_json(cls, payload: Any) -> "WorkerState":
+        payload = _check_version(payload, "worker state")
+        try:
+            fields = dict(payload["state"])
+            if fields.get("min_ttft_slack_s") is None:
+                fields["min_ttft_slack_s"] = float("inf")
+            return cls(InstanceState(**fields), frozenset(int(k, 16) for k in payload.get("prefix_keys", ())),
+                       dict(payload.get("reading") or {}))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ContractError(f"worker state: malformed ({type(e).__name__}: {e})") from e
+
+
+@dataclass(frozen=True)
+class MigrationSnapshot:
+    """A source worker's answer to `POST /internal/migrate`: the suspended request's resume
+    state (the target adopts it with the KV already sent) and what the copy took."""
+
+    resume: dict  # engine.migration.ResumeState as JSON
+    num_output_tokens: int  # tokens the request had produced when it was suspended
+    rounds: int = 0  # pre-copy rounds before the stop-and-copy
+    bytes: int = 0  # KV bytes sent, pre-copy and stop-and-copy
+    copy_s: float = 0.0  # the whole copy, pre-copy rounds included
+    stop_copy_s: float = 0.0  # the stop-and-copy alone: the request was suspended this long here
+    stop_copy_blocks: int = 0
+    early_bytes: int = 0  # of `bytes`, those a pipelined hand-off sent while the prompt was computed
+
+    def to_json(self) -> dict:
+        return {"version": CONTRACT_VERSION, **dataclasses.asdict(self)}
+
+    def timings(self) -> dict:
+        """Everything but the resume state: what the worker reports of its latest move."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if k != "resume"}
+
+    @classmethod
+    def from_json(cls, payload: Any) -> "MigrationSnapshot":
+        payload = _check_version(payload, "migration snapshot")
+        names = {f.name for f in dataclasses.fields(cls)}
+        try:
+            return cls(**{k: v for k, v in payload.items() if k in names})
+        except TypeError as e:
+            raise ContractError(f"migration snapshot: malformed ({e})") from e

@@ -34,7 +34,7 @@ from sloserve.fleet_view import ROLES
 from sloserve.timeline import (DEAD as SHOWN_DEAD, DRAINING as SHOWN_DRAINING, FAILURE, INSTANCE_READY,
                                READING_FIELDS, READY as SHOWN_READY, START, STOP, InstanceReading)
 from sloserve.sched.state import InstanceState, KeySetIndex
-from sloserve.workers.contract import FLEET_SECRET_HEADER
+from sloserve.workers.contract import FLEET_SECRET_HEADER, WorkerState
 from sloserve.workers.handles import NoWorker, WorkerHandle
 from sloserve.types import Request
 
@@ -280,13 +280,8 @@ class WorkerFleet:
         try:
             resp = await self._health.get(url + "/internal/state")
             resp.raise_for_status()
-            payload = resp.json()
-            fields = dict(payload["state"])
-            if fields.get("min_ttft_slack_s") is None:
-                fields["min_ttft_slack_s"] = float("inf")
-            state = InstanceState(**fields)
-            keys = frozenset(int(k, 16) for k in payload.get("prefix_keys", ()))
-            reading = payload.get("reading") or {}
+            published = WorkerState.from_json(resp.json())
+            state, keys, reading = published.state, published.prefix_keys, published.reading
         except Exception as e:  # noqa: BLE001 - any failure to answer counts the same
             if handle is inst.handle:
                 self._missed(inst, e)
