@@ -118,6 +118,34 @@ def fleet(**kw) -> FleetConfig:
 
 
 @pytest.mark.slow
+def test_the_demand_meter_reads_the_rate_of_each_ended_window_empty_ones_included():
+    from sloserve.cluster.autoscale.demand import DemandMeter
+
+    meter = DemandMeter(10.0)
+    for t in (0.5, 3.0, 9.9, 25.0):
+        meter.observe(t)
+    meter.observe(31.0, count=5)
+    assert meter.rates(9.0) == ()  # the first window has not ended
+    assert meter.rates(40.0) == (0.3, 0.0, 0.1, 0.5)
+    assert meter.rates(60.0) == (0.3, 0.0, 0.1, 0.5, 0.0, 0.0)  # nobody since: zero, not missing
+
+
+def test_a_plan_is_carried_out_in_one_order_on_the_simulated_fleet():
+    from sloserve.cluster.autoscale.base import ScalingDecision
+    from sloserve.fleet_view import ScalingPlan
+    from sloserve.sim.scaling import ScalingSpec, SimScaling
+
+    scaling = SimScaling(ScalingSpec(capacity_rps=1.0, initial=3, cold_start_s=100.0, warm_start_s=5.0,
+                                     keep_alive_s=60.0), ["mixed"] * 6)
+    scaling.apply(ScalingPlan(ScalingDecision(1, "down"), 1, drain=(1, 2)), 0.0)
+    scaling.stop_if_empty(2, 10.0, empty=True)  # slot 2 stopped at t=10: its weights stay warm until t=70
+    started = scaling.apply(ScalingPlan(ScalingDecision(4, "up"), 4, start=2, undrain=(1,)), 20.0)
+    assert scaling.status[:3] == [READY, READY, STARTING]  # taken back first, then the warmest slot started
+    assert started == [(2, 25.0), (3, 120.0)]  # warm start (weights in host memory), then a cold one
+    books = scaling.close(200.0)
+    assert (books.warm_starts, books.cold_starts, books.drained) == (1, 1, 2)
+
+
 def test_a_simulated_burst_adds_instances_that_serve_only_once_loaded_and_drains_them_after():
     cfg = fleet(migration="drain")
     reqs = burst_workload()

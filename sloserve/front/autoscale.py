@@ -2,10 +2,11 @@
 
 Every `interval_s` the driver shows the fleet controller what the front sees: workers ready
 (healthy, not draining), starting and draining, their last load reports, the request rate the
-front admitted per `demand_step_s` window, what one worker sustains (`--capacity`) and how long
+front admitted per `demand_step_s` window (the simulator's `DemandMeter`), what one worker sustains (`--capacity`) and how long
 a worker takes to start: measured on this fleet's own workers (spawn to first healthy poll),
 the configured guess until one has started. The controller's scale planner answers (the same
-policies and rules as in the simulator), and the driver carries it out: a stopped slot gets a
+policies and rules as in the simulator), and the driver carries it out through the same
+`cluster/autoscale/execute.apply_plan` the simulator uses: a stopped slot gets a
 worker, a draining one is taken back, a starting one is stopped, a ready one drains: it leaves
 routing, the `drain` migration policy moves its relayed streams off, and once nothing runs there
 its worker is stopped. Each decision is logged with its reason and kept for /v1/instances.
@@ -21,6 +22,8 @@ import logging
 import time
 from typing import TYPE_CHECKING, Callable, Optional
 
+from sloserve.cluster.autoscale.demand import DemandMeter
+from sloserve.cluster.autoscale.execute import apply_plan
 from sloserve.fleet_view import DRAINING, READY, STARTING, STOPPED, InstanceSlot, ScalingSignals
 from sloserve.front.migration import every
 from sloserve.timeline import DRAIN, SCALE, UNDRAIN
@@ -52,7 +55,7 @@ class AutoscaleDriver:
         self.clock = clock
         self.on_drain = on_drain
         self.started_at = clock()
-        self.arrivals: list[int] = []
+        self.demand = DemandMeter(demand_step_s)
         self.targets: dict[str, int] = {}
         self.held = 0  # requests the front holds because no worker takes arrivals (scaled to zero)
         self.decisions: list[dict] = []  # the latest 50 changes: time, target, reason
@@ -61,10 +64,7 @@ class AutoscaleDriver:
 
     # ---- what the front reports ------------------------------------------------------
     def observe_arrival(self) -> None:
-        k = int((self.clock() - self.started_at) // self.demand_step_s)
-        if k >= len(self.arrivals):
-            self.arrivals.extend([0] * (k + 1 - len(self.arrivals)))
-        self.arrivals[k] += 1
+        self.demand.observe(self.clock() - self.started_at)
 
     # ---- the loop ----------------------------------------------------------------------
     def start(self) -> None:
@@ -116,14 +116,12 @@ class AutoscaleDriver:
 
     def signals(self, pool: str = "mixed") -> ScalingSignals:
         now = self.clock()
-        done = int((now - self.started_at) // self.demand_step_s)
-        counts = self.arrivals[:done] + [0] * max(0, done - len(self.arrivals))
         mine = self._pool(pool)
         statuses = [self.status_of(i) for i in mine]
         ready = [i for i, s in zip(mine, statuses) if s == READY]
         return ScalingSignals(now - self.started_at, len(ready), statuses.count(STARTING), statuses.count(DRAINING),
                               [i.routing_state(self.fleet.block_size) for i in ready],
-                              tuple(c / self.demand_step_s for c in counts), self.demand_step_s, self.capacity[pool],
+                              self.demand.rates(now - self.started_at), self.demand_step_s, self.capacity[pool],
                               self.fleet.measured_start_s(self.cold_start_guess_s),
                               held=self.held if pool != "decode" else 0, pool=pool)
 
@@ -150,27 +148,12 @@ class AutoscaleDriver:
         if plan is None:
             return
         self.targets[pool] = plan.target
-        by_slot = {i.slot: i for i in self.fleet.instances}
         who = "" if pool == "mixed" else f"{pool} "
         if plan.changes:
             self.fleet.on_event(SCALE, None, f"{who}target {plan.target}: {plan.decision.reason}")
-        for slot in plan.undrain:
-            by_slot[slot].draining = False
-            self.counters["taken_back"] += 1
-            self.fleet.on_event(UNDRAIN, slot, "taken back (scale up)")
-        for slot in plan.cancel:
-            self.fleet.stop_slot(by_slot[slot], "cancelled while starting (scale down)")
-            self.counters["cancelled"] += 1
-        for slot in plan.drain:
-            by_slot[slot].draining = True
-            self.counters["drains"] += 1
-            self.fleet.on_event(DRAIN, slot, f"scale down, {by_slot[slot].in_flight} in flight")
+        apply_plan(plan, _FrontPort(self), pool)
         if plan.drain and self.on_drain is not None:
             self.on_drain()
-        stopped = [i for i in self._pool(pool) if i.status == FLEET_STOPPED]
-        for inst in stopped[:plan.start]:
-            self.fleet.start_slot(inst)
-            self.counters["starts"] += 1
         if plan.changes:
             decision = {"t": round(self.clock() - self.started_at, 1), "target": plan.target,
                         "reason": plan.decision.reason}
@@ -198,3 +181,34 @@ class AutoscaleDriver:
                    if self.pools != ["mixed"] else {}),
                 "measured_start_s": round(self.fleet.measured_start_s(float("nan")), 2) if self.fleet.start_times
                 else None, **self.counters, "decisions": self.decisions}
+
+
+class _FrontPort:
+    """The real fleet as a scaling port (cluster/autoscale/execute.py)."""
+
+    def __init__(self, driver: AutoscaleDriver) -> None:
+        self.driver = driver
+        self.fleet = driver.fleet
+        self.by_slot = {i.slot: i for i in driver.fleet.instances}
+
+    def undrain(self, slot: int) -> None:
+        self.by_slot[slot].draining = False
+        self.driver.counters["taken_back"] += 1
+        self.fleet.on_event(UNDRAIN, slot, "taken back (scale up)")
+
+    def cancel(self, slot: int) -> None:
+        self.fleet.stop_slot(self.by_slot[slot], "cancelled while starting (scale down)")
+        self.driver.counters["cancelled"] += 1
+
+    def drain(self, slot: int) -> None:
+        inst = self.by_slot[slot]
+        inst.draining = True
+        self.driver.counters["drains"] += 1
+        self.fleet.on_event(DRAIN, slot, f"scale down, {inst.in_flight} in flight")
+
+    def stopped(self, pool: str) -> list[int]:
+        return [i.slot for i in self.driver._pool(pool) if i.status == FLEET_STOPPED]
+
+    def start(self, slot: int) -> None:
+        self.fleet.start_slot(self.by_slot[slot])
+        self.driver.counters["starts"] += 1

@@ -25,6 +25,8 @@ from typing import Mapping, Optional, Sequence
 
 import numpy as np
 
+from sloserve.cluster.autoscale.demand import DemandMeter
+from sloserve.cluster.autoscale.execute import apply_plan
 from sloserve.fleet_view import DRAINING, READY, STARTING, STOPPED, InstanceSlot, ScalingPlan, ScalingSignals
 from sloserve.sched.state import InstanceState
 
@@ -98,7 +100,7 @@ class SimScaling:
         self.on_since: list[Optional[float]] = [0.0 if s == READY else None for s in self.status]
         self.stopped_at: list[Optional[float]] = [None] * len(self.roles)
         self.ready_at: dict[int, float] = {}  # starting slot -> when it serves
-        self.arrivals: list[int] = []  # per demand step
+        self.meter = DemandMeter(spec.demand_step_s)
         self.books = ScalingBooks(pool_seconds={pool: 0.0 for pool in self.pools})
         self._ready: dict[tuple[str, ...], list[int]] = {}  # ready slots per pools, kept until a status changes
 
@@ -109,16 +111,11 @@ class SimScaling:
     # ---- observation ---------------------------------------------------------------------
     def observe_arrival(self, now: float, count: int = 1) -> None:
         """`count` requests arrived at `now` (the fluid fleet observes a tick's arrivals at once)."""
-        k = int(now // self.spec.demand_step_s)
-        if k >= len(self.arrivals):
-            self.arrivals.extend([0] * (k + 1 - len(self.arrivals)))
-        self.arrivals[k] += count
+        self.meter.observe(now, count)
 
     def demand(self, now: float) -> np.ndarray:
         """Requests/s in each demand window that has ended by `now`."""
-        done = int(now // self.spec.demand_step_s)
-        counts = self.arrivals[:done] + [0] * max(0, done - len(self.arrivals))
-        return np.array(counts, dtype=float) / self.spec.demand_step_s
+        return np.array(self.meter.rates(now), dtype=float)
 
     def ready_ids(self, *pools: str) -> list[int]:
         """Ready slots of `pools` (of every pool if none is named); read per arrival, so cached."""
@@ -153,32 +150,11 @@ class SimScaling:
     def apply(self, plan: ScalingPlan, now: float, pool: str = "mixed") -> list[tuple[int, float]]:
         """Carry out `plan`'s status changes in `pool`; the (slot, ready time) of each instance started."""
         self._ready = {}
-        started = []
-        for i in plan.undrain:
-            self.status[i] = READY
-        for i in plan.cancel:
-            self.ready_at.pop(i, None)
-            self._stop(i, now)
-            self.books.cancelled += 1
-        for i in plan.drain:
-            self.status[i] = DRAINING
-            self.books.drained += 1
-        free = [i for i in self._in(pool) if self.status[i] == STOPPED]
-        for i in self._warmest(free)[:plan.start]:
-            warm = (self.spec.warm_start_s is not None and self.stopped_at[i] is not None
-                    and now - self.stopped_at[i] <= self.spec.keep_alive_s)
-            delay = self.spec.warm_start_s if warm else self.spec.cold_start_s
-            self.books.warm_starts += warm
-            self.books.cold_starts += not warm
-            self.status[i] = STARTING
-            self.on_since[i] = now
-            self.ready_at[i] = now + delay  # type: ignore[operator]
-            started.append((i, self.ready_at[i]))
-            self.books.starts.append((i, now, self.ready_at[i]))
+        started = apply_plan(plan, _SimPort(self, now), pool)
         if plan.changes:
             reason = f"{pool}: {plan.decision.reason}" if self.disaggregated else plan.decision.reason
             self.books.decisions.append((now, plan.target, reason))
-        return started
+        return [(i, self.ready_at[i]) for i in started]
 
     def _warmest(self, free: list[int]) -> list[int]:
         """Stopped slots, the most recently stopped first (its weights are likeliest still in host memory)."""
@@ -227,3 +203,38 @@ class SimScaling:
         for i in range(len(self.on_since)):
             self._pay(i, end)
         return self.books
+
+
+class _SimPort:
+    """`SimScaling` as a scaling port (cluster/autoscale/execute.py) at time `now`."""
+
+    def __init__(self, scaling: SimScaling, now: float) -> None:
+        self.scaling, self.now = scaling, now
+
+    def undrain(self, slot: int) -> None:
+        self.scaling.status[slot] = READY
+
+    def cancel(self, slot: int) -> None:
+        self.scaling.ready_at.pop(slot, None)
+        self.scaling._stop(slot, self.now)
+        self.scaling.books.cancelled += 1
+
+    def drain(self, slot: int) -> None:
+        self.scaling.status[slot] = DRAINING
+        self.scaling.books.drained += 1
+
+    def stopped(self, pool: str) -> list[int]:
+        s = self.scaling
+        return s._warmest([i for i in s._in(pool) if s.status[i] == STOPPED])
+
+    def start(self, slot: int) -> None:
+        s, now, spec = self.scaling, self.now, self.scaling.spec
+        warm = (spec.warm_start_s is not None and s.stopped_at[slot] is not None
+                and now - s.stopped_at[slot] <= spec.keep_alive_s)
+        delay = spec.warm_start_s if warm else spec.cold_start_s
+        s.books.warm_starts += warm
+        s.books.cold_starts += not warm
+        s.status[slot] = STARTING
+        s.on_since[slot] = now
+        s.ready_at[slot] = now + delay  # type: ignore[operator]
+        s.books.starts.append((slot, now, s.ready_at[slot]))
