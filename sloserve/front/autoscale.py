@@ -1,15 +1,15 @@
 """Autoscaling the real fleet (`sloserve serve --instances MIN:MAX --autoscale POLICY`).
 
 Every `interval_s` the driver shows the fleet controller what the front sees: workers ready
-(healthy, not draining), starting and draining, their last load reports, the request rate the
-front admitted per `demand_step_s` window (the simulator's `DemandMeter`), what one worker sustains (`--capacity`) and how long
-a worker takes to start: measured on this fleet's own workers (spawn to first healthy poll),
-the configured guess until one has started. The controller's scale planner answers (the same
-policies and rules as in the simulator), and the driver carries it out through the same
-`cluster/autoscale/execute.apply_plan` the simulator uses: a stopped slot gets a
-worker, a draining one is taken back, a starting one is stopped, a ready one drains: it leaves
-routing, the `drain` migration policy moves its relayed streams off, and once nothing runs there
-its worker is stopped. Each decision is logged with its reason and kept for /v1/instances.
+(healthy, not draining), starting and draining, their last load reports, the request rate the front
+admitted per `demand_step_s` window (the simulator's `DemandMeter`), what one worker sustains
+(`--capacity`) and how long a worker takes to start: measured on this fleet's own workers (spawn to
+first healthy poll), the configured guess until one has started. The controller's scale planner
+answers (the same policies and rules as in the simulator), and the driver carries it out through the
+same `cluster/autoscale/execute.apply_plan` the simulator uses: a stopped slot gets a worker, a
+draining one is taken back, a starting one is stopped, a ready one drains: it leaves routing, the
+`drain` migration policy moves its relayed streams off, and once nothing runs there its worker is
+stopped. Each decision is logged with its reason and kept for /v1/instances.
 
 A `--pd` fleet scales its two pools apart: each has its own planner in the controller and its
 own capacity per worker (`--pd-capacity`), and sees only its own workers.
