@@ -88,12 +88,19 @@ def test_prediction_grows_with_work_and_count():
     assert predict_ttft(loads[2], 40, SHAPE, est, count=3) > predict_ttft(loads[2], 40, SHAPE, est)
 
 
-def test_big_queue_is_cheap_to_predict():
+def test_a_big_queue_is_predicted_in_events_not_steps():
+    """The prediction jumps between events (a prefill batch done, a decoder finished): its step
+    cost estimates grow with the requests, not with the thousands of steps they take."""
     est = fitted_estimator()
-    load = Load(running=tuple(Work(0, 100 + i, 200) for i in range(64)), ahead=tuple(Work(300, 200) for _ in range(512)))
-    start = time.perf_counter()
-    predict_ttft(load, 100, EngineShape(64, 2048), est)
-    assert time.perf_counter() - start < 0.05
+    calls = []
+    real = est.estimate
+    est.estimate = lambda load: calls.append(load) or real(load)  # type: ignore[method-assign]
+    running, queued = 64, 512
+    load = Load(running=tuple(Work(0, 100 + i, 200) for i in range(running)),
+                ahead=tuple(Work(300, 200) for _ in range(queued)))
+    ttft = predict_ttft(load, 100, EngineShape(64, 2048), est)
+    steps = ttft / real(StepLoad.decodes(64, 64 * 300))  # at least this many full-batch steps pass first
+    assert steps > 2000 and 0 < len(calls) <= 2 * (running + queued + 1)
 
 
 # ---------------------------------------------------------------------- the shedder on a scheduler view
