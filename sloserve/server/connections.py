@@ -203,7 +203,8 @@ def uvicorn_config(app: ASGIApp, *, host: str, port: int, limits: ConnectionLimi
     return uvicorn.Config(
         app, host=host, port=port, lifespan="off", access_log=False, log_config=None,
         # "auto" is uvloop where installed (a dependency on Linux and macOS): with asyncio's selector loop each
-        # streamed token cost the engine thread ~0.45 ms more between steps (BENCHMARKS.md, "The server's step gap").
+        # streamed token cost the engine thread ~0.45 ms more between steps (docs/journal/benchmarks.md, "The
+        # server's step gap").
         loop=loop,
         http=functools.partial(LimitedH11Protocol, limits=limits),  # type: ignore[arg-type]
         ws="none",  # no websocket routes: do not accept upgrades
