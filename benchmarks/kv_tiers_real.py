@@ -33,7 +33,7 @@ from migration_downtime import cpu_model  # noqa: E402  (the CPU's model name, a
 
 from sloserve.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
 from sloserve.engine.llm_engine import LLMEngine  # noqa: E402
-from sloserve.kv_store_cli import start_kv_store  # noqa: E402
+from sloserve.cli.kv_store import start_kv_store  # noqa: E402
 from sloserve.types import SamplingParams  # noqa: E402
 from sloserve.workload.traces import load_sharegpt, shared_path  # noqa: E402
 

@@ -1,8 +1,8 @@
 """The import rule of the design (../shared/DESIGN.md, "Layers and the import rule"), checked over
 every import statement of the package, the ones inside functions included: no module imports
-another that imports it back (directly or around a loop); `sim/` and `engine/` never import each
-other and neither imports `bench/`; `kv/` and `sched/` reach neither torch nor the engine, whatever
-they import in between."""
+another that imports it back (directly or around a loop); nothing below `cli/` imports it; `sim/`
+and `engine/` never import each other and neither imports `bench/`; `kv/` and `sched/` reach
+neither torch nor the engine, whatever they import in between."""
 from __future__ import annotations
 
 import ast
@@ -79,6 +79,13 @@ def test_no_module_imports_one_that_imports_it_back():
     assert not loops, f"modules on an import loop: {loops}"
 
 
+def test_nothing_below_the_cli_imports_it():
+    for name in MODULES:
+        if not in_layer(name, "cli"):
+            bad = sorted(m for m in GRAPH[name][0] if in_layer(m, "cli"))
+            assert not bad, f"{name} imports {bad}"
+
+
 def test_the_executors_stay_apart_and_below_bench():
     for name in MODULES:
         for layer, banned in (("sim", ("engine", "bench")), ("engine", ("sim", "bench"))):
@@ -97,7 +104,7 @@ def test_kv_and_sched_reach_neither_torch_nor_the_engine():
 
 def test_the_graph_counts_imports_inside_functions():
     """What the checks above rest on: imports made inside a function count as the module's own."""
-    assert "sloserve.evaluation.decisions" in GRAPH["sloserve.evaluation.cli"][0]  # inside cmd_evaluate
+    assert "sloserve.evaluation.decisions" in GRAPH["sloserve.cli.evaluate"][0]  # inside cmd_evaluate
     assert "transformers" in GRAPH["sloserve.engine.structured"][1]  # inside hf_view
     assert "sloserve.types" in GRAPH["sloserve.sched.scheduler"][0]
     assert sum(len(inside) for inside, _ in GRAPH.values()) > 500

@@ -101,7 +101,7 @@ def kv_store():
     """`sloserve kv-store` on a free loopback port, as a user starts it."""
     import redis
 
-    from sloserve.kv_store_cli import start_kv_store
+    from sloserve.cli.kv_store import start_kv_store
 
     store = start_kv_store(max_memory_gib=0.25)
     assert redis.Redis.from_url(store.url).config_get("maxmemory-policy")["maxmemory-policy"] == "allkeys-lru"

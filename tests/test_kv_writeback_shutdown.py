@@ -297,7 +297,8 @@ def test_sigterm_flushes_host_memory_so_a_disk_only_restart_serves_the_first_tur
 
 
 def test_the_flush_gets_what_the_drain_left_of_the_grace_period_and_its_order_from_the_cli():
-    from sloserve.cli import build_parser, engine_config_from_args
+    from sloserve.cli import build_parser
+    from sloserve.cli.engine_args import engine_config_from_args
     from sloserve.server.launcher import flush_budget
 
     assert flush_budget(30.0, 100.0, 112.0, forced=False) == 18.0

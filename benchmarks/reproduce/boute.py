@@ -23,7 +23,7 @@ import argparse
 from common import Claim, report
 
 from sloserve import hetero
-from sloserve.hetero_cli import compare
+from sloserve.cli.place import compare
 from sloserve.workload.build import WorkloadSpec, build_stream
 
 

@@ -7,7 +7,7 @@ hand-off, autoscaling); what each backend adds (hardware and links for the simul
 processes and the HTTP edge for the real fleet) stays in that backend's config, which is built
 from a spec (`simulation.FleetConfig.from_spec`, `server.multi.run_multi`).
 
-A spec comes from one set of CLI flags (`cluster/spec_cli.py`, shared by both commands) or a YAML
+A spec comes from one set of CLI flags (`cli/fleet_args.py`, shared by both commands) or a YAML
 file with the same names (`--fleet fleet.yaml`; the flags given on the command line win)."""
 from __future__ import annotations
 

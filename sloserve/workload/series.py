@@ -9,11 +9,12 @@ from __future__ import annotations
 import csv
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional, Sequence
 
 import numpy as np
 
-from sloserve.workload.traces import PathLike, open_text, shared_path
+from sloserve.workload.traces import SHARED_FILES, PathLike, load_file, open_text, shared_path
 from sloserve.workload.types import WorkloadRequest
 
 METRICS = ("requests", "prompt-tokens", "output-tokens")  # per second
@@ -91,3 +92,18 @@ def binned(requests: Sequence[WorkloadRequest], step_s: float, metric: str = "re
         values[int((r.arrival_s - t0) // step_s)] += weight
     unit = {"requests": "req/s", "prompt-tokens": "prompt tok/s", "output-tokens": "output tok/s"}[metric]
     return Series(f"{name} {metric}", values / step_s, step_s, start_s, unit)
+
+
+def load_series(spec: str, metric: str, step_s: float) -> Series:
+    """The series a command's `--series` (or `--demand`, `--scaling-history`) names:
+    `servegen:MODEL`, else a request trace (a shared one by name, or a file) binned into `step_s`
+    windows as `metric` per second."""
+    if spec.startswith("servegen:"):
+        return servegen_series(spec.split(":", 1)[1])
+    if not step_s > 0:
+        raise ValueError(f"--step must be > 0 s, got {step_s}")
+    path = shared_path(spec) if spec in SHARED_FILES else Path(spec)
+    if not Path(path).is_file():
+        raise ValueError(f"--series {spec!r}: not servegen:MODEL, a known trace ({', '.join(sorted(SHARED_FILES))}) "
+                         "or a file")
+    return binned(load_file(path, source=spec), step_s, metric, name=spec)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 
 def add_simulate_parser(sub: argparse._SubParsersAction) -> None:
-    from sloserve.bench.cli import add_workload_args
+    from sloserve.cli.workload_args import add_workload_args
 
     p = sub.add_parser("simulate", help="simulate a fleet running the real schedulers on modelled hardware")
     add_fleet_args(p)
@@ -39,7 +39,7 @@ def add_simulate_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def add_plan_parser(sub: argparse._SubParsersAction) -> None:
-    from sloserve.bench.cli import add_workload_args
+    from sloserve.cli.workload_args import add_workload_args
     from sloserve.planning import SUSTAIN_S
 
     p = sub.add_parser("plan", help="the best prefill/decode split (and pool settings) for a workload and SLO, "
@@ -68,9 +68,9 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def add_fleet_args(p: argparse.ArgumentParser) -> None:
-    """The fleet controller's options (cluster/spec_cli.py, shared with `serve`), then what a
+    """The fleet controller's options (fleet_args.py, shared with `serve`), then what a
     simulated fleet adds: hardware, model, links, instance scheduling, tiers, energy, ..."""
-    from sloserve.cluster.spec_cli import add_fleet_spec_args
+    from sloserve.cli.fleet_args import add_fleet_spec_args
     from sloserve.config import PREEMPTION_VICTIMS
     from sloserve.sched.policies import POLICIES
     from sloserve.sim.catalog import MODELS
@@ -149,11 +149,10 @@ def add_fleet_args(p: argparse.ArgumentParser) -> None:
 
 
 def fleet_config_from_args(args: argparse.Namespace):
+    from sloserve.cli.fleet_args import spec_from_args
     from sloserve.config import PREEMPTION_VICTIMS, CacheConfig, SchedulerConfig
     from sloserve.sim.hardware import DEFAULT_LINK
     from sloserve.simulation import FleetConfig
-
-    from sloserve.cluster.spec_cli import spec_from_args
 
     spec = getattr(args, "fleet_spec", None) or spec_from_args(args)
     spec.validate()
@@ -186,11 +185,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from rich.markdown import Markdown
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from sloserve.bench.cli import resolve_rates, workload_spec_from_args
     from sloserve.bench.metrics import SLO, slo_checker, summarize
     from sloserve.bench.report import fmt_rate, run_markdown, sweep_markdown
     from sloserve.bench.result import BenchResult
     from sloserve.bench.runner import class_slos, write_outputs
+    from sloserve.cli.workload_args import resolve_rates, workload_spec_from_args
     from sloserve.simulation import build_fleet, make_predictions, sim_requests, simulate
     from sloserve.timeline import FleetTimeline
     from sloserve.workload.build import build_stream
@@ -331,13 +330,13 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def simulate_fluid(args: argparse.Namespace) -> int:
-    """`simulate --fidelity fluid` (fluid_cli.py): the fleet's capacity as a discrete run measures it, then
+    """`simulate --fidelity fluid` (fluid.py): the fleet's capacity as a discrete run measures it, then
     the demand window at flow level."""
     from types import SimpleNamespace
 
     from rich.console import Console
 
-    from sloserve.fluid_cli import fluid_inputs, run_fluid
+    from sloserve.cli.fluid import fluid_inputs, run_fluid
 
     fleet = fleet_config_from_args(args)
     slo, spec, run = fluid_inputs(args, fleet)
@@ -419,7 +418,7 @@ def prepare_autoscaling(fleet, args: argparse.Namespace, spec, slo) -> None:
         if not fleet.capacity_rps > 0:
             raise ValueError("one instance meets the SLO at no rate on this workload: loosen --slo or give --capacity")
     if args.scaling_history:
-        from sloserve.cluster.forecast_cli import load_series
+        from sloserve.workload.series import load_series
 
         fleet.scaling_history = load_series(args.scaling_history, "requests", fleet.demand_step_s)
         fleet.demand_step_s = min(fleet.demand_step_s, fleet.scaling_history.step_s)  # type: ignore[attr-defined]
@@ -467,8 +466,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
-    from sloserve.bench.cli import resolve_rates, workload_spec_from_args
     from sloserve.bench.metrics import SLO
+    from sloserve.cli.workload_args import resolve_rates, workload_spec_from_args
     from sloserve.planning import SUSTAIN_S, layouts, plan, sustained
     from sloserve.simulation import PoolSettings
     from sloserve.workload.build import build_stream

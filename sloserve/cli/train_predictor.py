@@ -17,7 +17,7 @@ def add_train_predictor_parser(sub: argparse._SubParsersAction) -> None:
     # numpy and the trainer load only when the command runs, not whenever the CLI parses
     p = sub.add_parser("train-predictor", help="train the output-length predictor the routers use")
     p.add_argument("--data", help="ShareGPT first-turn JSONL(.gz) (default: the shared sharegpt_v3_first_turn file)")
-    p.add_argument("--out", default=str(Path(__file__).resolve().parent / "predictor_default.json"),
+    p.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "cluster" / "predictor_default.json"),
                    help="where to save it (default: the packaged default)")
     p.add_argument("--limit", type=int, help="use only the first N records (quick runs, tests)")
     p.add_argument("--epochs", type=int, help="default 8")

@@ -59,9 +59,9 @@ def enough(reqs: list, n: int) -> list:
 def fluid_inputs(args: argparse.Namespace, fleet) -> tuple:
     """(SLO, the workload spec giving request shapes, the demand window) of a fluid run, with the
     demand before the window set on `fleet` as its forecaster's history when it needs one."""
-    from sloserve.bench.cli import workload_spec_from_args
     from sloserve.bench.metrics import SLO
-    from sloserve.cluster.forecast_cli import load_series
+    from sloserve.cli.workload_args import workload_spec_from_args
+    from sloserve.workload.series import load_series
 
     if not args.demand:
         raise ValueError("--fidelity fluid needs --demand SERIES (servegen:MODEL or a trace): the request rate to run")
@@ -86,7 +86,7 @@ def fluid_inputs(args: argparse.Namespace, fleet) -> tuple:
 
 def run_fluid(args: argparse.Namespace, fleet, spec, run, slo, console) -> tuple[dict, str, str]:
     """Measure the response curve, run the fleet on the demand window, write fluid.json. Returns the
-    record, a title and a one-paragraph summary. `fleet` has its capacity (sim_cli.prepare_autoscaling)."""
+    record, a title and a one-paragraph summary. `fleet` has its capacity (simulate.prepare_autoscaling)."""
     from sloserve.planning import CURVE_DURATION_S, CURVE_INSTANCES, CURVE_LOADS, response_curve
     from sloserve.simulation import build_fluid
     from sloserve.workload.build import build_stream

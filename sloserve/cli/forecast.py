@@ -34,21 +34,6 @@ def add_forecast_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_forecast)
 
 
-def load_series(spec: str, metric: str, step_s: float):
-    from sloserve.workload.series import binned, servegen_series
-    from sloserve.workload.traces import SHARED_FILES, load_file, shared_path
-
-    if spec.startswith("servegen:"):
-        return servegen_series(spec.split(":", 1)[1])
-    if not step_s > 0:
-        raise ValueError(f"--step must be > 0 s, got {step_s}")
-    path = shared_path(spec) if spec in SHARED_FILES else Path(spec)
-    if not Path(path).is_file():
-        raise ValueError(f"--series {spec!r}: not servegen:MODEL, a known trace ({', '.join(sorted(SHARED_FILES))}) "
-                         "or a file")
-    return binned(load_file(path, source=spec), step_s, metric, name=spec)
-
-
 def cmd_forecast(args: argparse.Namespace) -> int:
     import math
 
@@ -58,6 +43,7 @@ def cmd_forecast(args: argparse.Namespace) -> int:
 
     from sloserve.cluster.forecast import FORECASTERS, make_forecaster
     from sloserve.cluster.forecast.evaluate import evaluate
+    from sloserve.workload.series import load_series
 
     names = [n.strip() for n in args.models.split(",") if n.strip()]
     unknown = [n for n in names if n not in FORECASTERS]
