@@ -218,13 +218,13 @@ def test_bad_input_is_one_line(capsys):
 # ---- end to end -------------------------------------------------------------------------------
 
 def test_quick_dev_run_end_to_end(tmp_path):
-    assert main(["evaluate", "--quick", "--decision", "routing", "migration", "--split", "dev", "--jobs", "2",
+    assert main(["evaluate", "--quick", "--decision", "routing", "migration", "qos", "--split", "dev", "--jobs", "2",
                  "--no-progress", "--out", str(tmp_path)]) == 0
     [folder] = tmp_path.glob("evaluate-dev-*")
     data = json.loads((folder / "results.json").read_text())
     assert data["split"] == "dev" and data["quick"] and data["seeds"] == 2
     assert re.fullmatch(r"[0-9a-f]{40}", data["commit"]) and data["date"]
-    assert {c["decision"] for c in data["cells"]} == {"routing", "migration"}
+    assert {c["decision"] for c in data["cells"]} == {"routing", "migration", "qos"}
     assert all(c["split"] == "dev" for c in data["cells"])
     run = Evaluation.load(folder / "results.json")
     for result in run.cells:
@@ -263,6 +263,48 @@ def test_quick_dev_run_end_to_end(tmp_path):
     assert "data:image/png;base64," in page and "not run" in page and "trace=azure-conv" in page
     png = (folder / "summary.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+
+
+def test_a_two_class_cell_judges_each_class_on_its_own_targets():
+    from sloserve.evaluation.fleet import BATCH_TPOT_X, BATCH_TTFT_X, fleet_config, simulate_policy
+    from sloserve.evaluation.fleet import Policy
+    from sloserve.evaluation.metrics import attainment, classed
+    from sloserve.records import RequestRecord
+    from sloserve.workload.types import WorkloadRequest
+
+    params = {"trace": "sharegpt", "hardware": "a10-24g", "model": "llama-2-7b", "tp": 1, "instances": 1,
+              "slo": 1.0, "link": "infiniband-ndr"}
+    assert Setting.of(params).classes is None  # a grid without the setting: one class, as before
+    setting = Setting.of({**params, "interactive": 0.3})
+    inter, batch = setting.classes["interactive"], setting.classes["batch"]
+    assert (inter.ttft_target_s, inter.tbt_target_s) == (1.0, 0.1) and inter.priority < batch.priority
+    assert (batch.ttft_target_s, batch.tbt_target_s) == (BATCH_TTFT_X * 1.0, pytest.approx(BATCH_TPOT_X * 0.1))
+    with pytest.raises(ValueError, match="interactive is a share"):
+        Setting.of({**params, "interactive": 0})
+
+    draw = classed(lambda n: [WorkloadRequest(float(i), 100, 20) for i in range(n)], 0.3, seed=1)
+    many, few = draw(1000), draw(50)
+    assert [r.qos_class for r in few] == [r.qos_class for r in many[:50]]  # a request keeps its class
+    assert sum(r.qos_class == "interactive" for r in many) == pytest.approx(300, abs=3)
+    assert 12 <= sum(r.qos_class == "interactive" for r in few) <= 18  # the share holds in a prefix
+
+    def rec(cls: str, ttft: float) -> RequestRecord:
+        return RequestRecord(0, qos_class=cls, ttft_s=ttft, e2e_s=ttft + 1.0, output_tokens=11)
+    # 2 s misses the interactive TTFT target (1 s) and meets the batch one (10 s)
+    records = [rec("interactive", 0.5)] * 3 + [rec("interactive", 2.0)] + [rec("batch", 2.0)] * 4
+    assert attainment(records, setting.slo_targets, setting.classes) == 0.75  # the worse class decides
+    assert attainment(records, setting.slo_targets, None) == 3 / 8  # one class: the cell's SLO for all
+
+    # simulated: the requests reach the scheduler with their class, and edf serves the interactive first
+    reqs = draw(40)
+    by_policy = {}
+    for scheduler in ("fcfs", "edf"):
+        cfg = fleet_config(setting, Policy("round-robin", scheduler=scheduler))
+        assert cfg.scheduler.policy == scheduler
+        records, _ = simulate_policy([replace(r, arrival_s=0.0) for r in reqs], cfg, classes=setting.classes)
+        assert {r.qos_class for r in records} == {"interactive", "batch"}
+        by_policy[scheduler] = sorted(r.ttft_s for r in records if r.qos_class == "interactive")
+    assert sum(by_policy["edf"]) < sum(by_policy["fcfs"])
 
 
 def test_migration_targets_count_memory_tight_cells_and_the_worst_ratio():

@@ -7,7 +7,7 @@ so no policy sees the recorded output lengths (as benchmarks/routing.py and sim_
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, fields, replace
 from functools import lru_cache
 from typing import Any, Mapping, Optional, Sequence
 
@@ -17,6 +17,7 @@ from sloserve.config import SchedulerConfig
 from sloserve.evaluation.workloads import Fit, slo_for
 from sloserve.records import RequestRecord
 from sloserve.sim.simulator import SimResult
+from sloserve.types import QoSClass
 from sloserve.simulation import (FleetConfig, build_cost_model, build_fleet, fleet_gpus, make_predictions,
                                  sim_requests, simulate)
 from sloserve.workload.types import WorkloadRequest
@@ -34,11 +35,19 @@ def scheduler() -> SchedulerConfig:
     return SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=256)
 
 
+# A two-class cell's batch class: targets this many times the interactive class's (the cell's SLO).
+BATCH_TTFT_X = 10.0
+BATCH_TPOT_X = 4.0
+
+
 @dataclass(frozen=True)
 class Setting:
     """A cell's settings, typed: what the simulator is asked to build. `slo` is a multiplier on the
-    trace's base TTFT and TPOT targets (workloads.TRACES). No defaults here: a grid gives every
-    setting, in its axes or its `defaults:` (one place says what a cell that does not name a setting ran)."""
+    trace's base TTFT and TPOT targets (workloads.TRACES). No defaults for the fleet: a grid gives
+    every one of those settings, in its axes or its `defaults:` (one place says what a cell that
+    does not name a setting ran). `interactive` alone has one, for grids with one class of requests:
+    the share of requests in the interactive class (the cell's SLO); below 1 the rest are a batch
+    class with targets BATCH_TTFT_X and BATCH_TPOT_X times looser, served after it by priority."""
 
     trace: str
     hardware: str
@@ -47,6 +56,7 @@ class Setting:
     instances: int
     slo: float
     link: str
+    interactive: float = 1.0
 
     @classmethod
     def of(cls, params: Mapping[str, Any]) -> "Setting":
@@ -54,15 +64,30 @@ class Setting:
         unknown = sorted(set(params) - set(known))
         if unknown:
             raise ValueError(f"unknown setting(s) {', '.join(unknown)}; the simulator's are {', '.join(known)}")
-        missing = [k for k in known if k not in params]
+        missing = [f.name for f in fields(cls) if f.name not in params and f.default is MISSING]
         if missing:
             raise ValueError(f"a cell needs the setting(s) {', '.join(missing)} (in the grid's axes: or defaults:)")
-        return cls(str(params["trace"]), str(params["hardware"]), str(params["model"]), int(params["tp"]),
-                   int(params["instances"]), float(params["slo"]), str(params["link"]))
+        setting = cls(str(params["trace"]), str(params["hardware"]), str(params["model"]), int(params["tp"]),
+                      int(params["instances"]), float(params["slo"]), str(params["link"]),
+                      float(params.get("interactive", 1.0)))
+        if not 0 < setting.interactive <= 1:
+            raise ValueError(f"interactive is a share of the requests in (0, 1], got {setting.interactive:g}")
+        return setting
 
     @property
     def slo_targets(self) -> SLO:
+        """The interactive class's targets (every request's, in a one-class cell)."""
         return slo_for(self.trace, self.slo)
+
+    @property
+    def classes(self) -> Optional[dict[str, QoSClass]]:
+        """The QoS classes of a two-class cell by name (None: one class, the cell's SLO for all)."""
+        if self.interactive >= 1:
+            return None
+        slo = self.slo_targets
+        return {"interactive": QoSClass("interactive", slo.ttft_s, slo.tpot_s, priority=0),  # type: ignore[arg-type]
+                "batch": QoSClass("batch", slo.ttft_s * BATCH_TTFT_X, slo.tpot_s * BATCH_TPOT_X,  # type: ignore[operator]
+                                  priority=1)}
 
 
 @dataclass(frozen=True)
@@ -73,17 +98,20 @@ class Policy:
     router: str
     migration: str = "none"
     pd: Optional[str] = None
+    scheduler: str = "fcfs"  # each instance's scheduling policy (sched/policies)
 
     @property
     def name(self) -> str:
         name = self.router if self.migration == "none" else f"{self.router} + {self.migration}"
+        if self.scheduler != "fcfs":
+            name = f"{self.scheduler} scheduling ({name})"
         return name if self.pd is None else f"P:D {self.pd} ({name})"
 
 
 def fleet_config(setting: Setting, policy: Policy) -> FleetConfig:
     cfg = FleetConfig(instances=setting.instances, hardware=setting.hardware, model=setting.model, tp=setting.tp,
                       router=policy.router, migration=policy.migration, link=setting.link, pd=policy.pd,
-                      scheduler=scheduler(), predictor=PREDICTOR, migration_interval_s=MIGRATION_INTERVAL_S,
+                      scheduler=replace(scheduler(), policy=policy.scheduler), predictor=PREDICTOR, migration_interval_s=MIGRATION_INTERVAL_S,
                       decode_router=DECODE_ROUTER)
     cfg.validate()
     return cfg
@@ -101,15 +129,17 @@ def migration_policy(spec: str, thresholds: Mapping[str, Mapping[str, Any]]):
 
 
 def simulate_policy(reqs: Sequence[WorkloadRequest], cfg: FleetConfig,
-                    thresholds: Optional[Mapping[str, Mapping[str, Any]]] = None
-                    ) -> tuple[list[RequestRecord], SimResult]:
+                    thresholds: Optional[Mapping[str, Mapping[str, Any]]] = None,
+                    classes: Optional[Mapping[str, QoSClass]] = None) -> tuple[list[RequestRecord], SimResult]:
     """One run of `reqs` on the fleet `cfg`, every request annotated by the run's own predictor;
-    `thresholds`: migration policies' constructor arguments (see `migration_policy`)."""
+    `thresholds`: migration policies' constructor arguments (see `migration_policy`); `classes`:
+    the QoS classes the requests name (Setting.classes)."""
     predictions = make_predictions(cfg)
     sim = build_fleet(cfg, predictions)
     if thresholds:
         sim.controller.migration = migration_policy(cfg.migration, thresholds)  # type: ignore[attr-defined]
-    return simulate(sim, sim_requests(reqs, predictions=predictions), predictions=predictions)
+    return simulate(sim, sim_requests(reqs, dict(classes) if classes else None, predictions=predictions),
+                    predictions=predictions)
 
 
 def fit_of(setting: Setting) -> Fit:

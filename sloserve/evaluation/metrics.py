@@ -1,6 +1,7 @@
 """What the suite measures of one policy in one cell and seed (`CellMetrics`), and how.
 
-- goodput at >= 90% and at >= 99% of requests within the cell's SLO: `planning.search_rate`
+- goodput at >= 90% and at >= 99% of requests within the cell's SLO (in a two-class cell, of
+  each class's requests within its own targets, the lowest share over the classes): `planning.search_rate`
   over `planning.sustained` probes, so every rate tried is held for `Measure.sustain_s` seconds of
   the window's arrivals and a rate the window cannot hold is never credited (`Goodput.limited`
   then says the answer is a lower bound). Every policy of a cell and seed starts its searches
@@ -15,14 +16,16 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 from sloserve.bench.metrics import SLO, summarize
 from sloserve.evaluation.fleet import Policy, Setting, fit_of, fleet_config, gpu_hours, simulate_policy
 from sloserve.evaluation.suite import Measure
 from sloserve.evaluation.workloads import available, source
 from sloserve.planning import Goodput, Sustained, burst_rate, search_rate, sustained
+from sloserve.records import RequestRecord
+from sloserve.types import QoSClass
 from sloserve.workload.types import WorkloadRequest
 
 TARGETS = (0.9, 0.99)  # attainment of the two goodputs; capacity is the first one's
@@ -99,7 +102,39 @@ def probe_for(setting: Setting, seed: int, measure: Measure) -> Sustained:
     if most < 10:
         raise ValueError(f"{setting.trace} seed {seed}: its window has {most} requests the cell can serve, too few")
     sustain = measure.sustain_for(setting.slo_targets.ttft_s)
-    return sustained(source(setting.trace, seed, fit), min(measure.sample, most), sustain, most)
+    draw = source(setting.trace, seed, fit)
+    if setting.classes is not None:
+        draw = classed(draw, setting.interactive, seed)
+    return sustained(draw, min(measure.sample, most), sustain, most)
+
+
+def classed(draw: Callable[[int], list[WorkloadRequest]], interactive: float,
+            seed: int) -> Callable[[int], list[WorkloadRequest]]:
+    """`draw` with each request in the interactive or the batch class: request i is interactive
+    when (i * golden ratio + seed / 8) mod 1 < `interactive`, so the shares hold in every prefix
+    of the stream and a request keeps its class whatever the rate (Setting.classes)."""
+    def first(n: int) -> list[WorkloadRequest]:
+        return [replace(r, qos_class="interactive" if (i * _GOLDEN + seed / 8) % 1.0 < interactive else "batch")
+                for i, r in enumerate(draw(n))]
+    return first
+
+
+_GOLDEN = 0.6180339887498949
+
+
+def attainment(records: Sequence[RequestRecord], slo: SLO, classes: Optional[Mapping[str, QoSClass]]) -> float:
+    """The share of requests within the SLO; with classes, the lowest share over the classes, each
+    request judged on its own class's targets (every class must keep it)."""
+    if not records:
+        return 0.0
+    if not classes:
+        return sum(slo.met(r) for r in records) / len(records)
+    shares = []
+    for name, qos in classes.items():
+        mine = [r for r in records if r.qos_class == name]
+        if mine:
+            shares.append(sum(qos.slo.met(r) for r in mine) / len(mine))
+    return min(shares)
 
 
 class PolicyRuns:
@@ -109,6 +144,7 @@ class PolicyRuns:
                  thresholds: Optional[Mapping[str, Mapping[str, Any]]] = None):
         self.setting, self.policy, self.probe = setting, policy, probe
         self.slo: SLO = setting.slo_targets
+        self.classes = setting.classes
         self.cfg = fleet_config(setting, policy)
         self.thresholds = thresholds
         self.runs = 0
@@ -116,9 +152,10 @@ class PolicyRuns:
 
     def attainment(self, tried: Sequence[WorkloadRequest], rate: float) -> float:
         if rate not in self._attained:
-            records, _ = simulate_policy(tried, self.cfg, self.thresholds)
+            records, _ = simulate_policy(tried, self.cfg, self.thresholds, self.classes)
             self.runs += 1
-            self._attained[rate] = sum(self.slo.met(r) for r in records) / max(1, len(tried))
+            self._attained[rate] = sum(self.slo.met(r) for r in records) / max(1, len(tried)) \
+                if self.classes is None else attainment(records, self.slo, self.classes)
         return self._attained[rate]
 
     def goodput(self, target: float, start: float, iters: int) -> Goodput:
@@ -128,10 +165,11 @@ class PolicyRuns:
     def at_load(self, load: float, capacity: float) -> LoadPoint:
         rate = load * capacity
         tried = self.probe(rate)
-        records, result = simulate_policy(tried, self.cfg, self.thresholds)
+        records, result = simulate_policy(tried, self.cfg, self.thresholds, self.classes)
         self.runs += 1
         overall = summarize(records, slo=self.slo).overall
-        return LoadPoint(load, rate, len(tried), float(overall.slo_attainment or 0.0),
+        attained = overall.slo_attainment if self.classes is None else attainment(records, self.slo, self.classes)
+        return LoadPoint(load, rate, len(tried), float(attained or 0.0),
                          overall.latency["ttft"].p(99), overall.latency["tpot"].p(99),
                          gpu_hours(self.cfg, result.end_time), int(result.migration.get("completed", 0)),
                          float(result.migration.get("bytes", 0.0)))

@@ -9,11 +9,13 @@ from sloserve.evaluation.decisions.forecasting import ForecastingDecision
 from sloserve.evaluation.decisions.base import Decision, GoodputDecision, Lineup, Threshold
 from sloserve.evaluation.decisions.disaggregation import DisaggregationDecision
 from sloserve.evaluation.decisions.migration import MigrationDecision
+from sloserve.evaluation.decisions.qos import QoSDecision
 from sloserve.evaluation.decisions.routing import RoutingDecision
 from sloserve.evaluation.suite import load_grid
 
 DECISIONS: dict[str, type[Decision]] = {d.name: d for d in (
-    RoutingDecision, MigrationDecision, DisaggregationDecision, AutoscalingDecision, ForecastingDecision)}
+    RoutingDecision, MigrationDecision, DisaggregationDecision, AutoscalingDecision, ForecastingDecision,
+    QoSDecision)}
 
 
 def make_decision(name: str, measure: Optional[Any] = None) -> Decision:
@@ -33,4 +35,4 @@ def measure_of(name: str, quick: bool = False) -> Any:
 
 
 __all__ = ["Decision", "GoodputDecision", "Lineup", "Threshold", "DECISIONS", "make_decision", "measure_of", "RoutingDecision", "MigrationDecision", "AutoscalingDecision",
-           "ForecastingDecision", "DisaggregationDecision"]
+           "ForecastingDecision", "DisaggregationDecision", "QoSDecision"]
