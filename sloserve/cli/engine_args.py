@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import argparse
+from typing import Optional
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     from sloserve.config import ATTENTION_KERNELS, PREEMPTION_VICTIMS
 
     g = p.add_argument_group("engine")
-    g.add_argument("--model", default=None, help="GGUF file or HF model directory (default: embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--model", action="append", metavar="PATH|NAME=PATH",
+                   help="GGUF file or HF model directory (default: embedded SmolLM2-135M-Instruct); `serve` takes "
+                        "several as NAME=PATH, each its own pool of workers behind one front, routed by `model`")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     g.add_argument("--device", default="auto", help="cpu, cuda or auto")
     g.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"],
@@ -93,11 +96,22 @@ def lora_modules(values: list[str]) -> list[tuple[str, str]]:
     return list(out.items())
 
 
+def single_model(values: Optional[list[str]]) -> Optional[str]:
+    """The one `--model` path (None: the embedded model); `NAME=PATH` gives PATH."""
+    if not values:
+        return None
+    if len(values) > 1:
+        raise ValueError("several --model values: only `sloserve serve` runs several models (as NAME=PATH)")
+    from sloserve.front.models import parse_model_args
+
+    return parse_model_args(values)[0][1]
+
+
 def engine_config_from_args(args: argparse.Namespace):
     from sloserve.config import CacheConfig, EngineConfig, SchedulerConfig
 
     return EngineConfig(
-        model=args.model, dtype=args.dtype, device=args.device, quantization=args.quantization,
+        model=single_model(args.model), dtype=args.dtype, device=args.device, quantization=args.quantization,
         quantized_dense_copy=not args.quantized_only,
         num_threads=args.num_threads,
         max_model_len=args.max_model_len, seed=args.seed, native_kernels=not args.no_native_kernels,

@@ -52,21 +52,41 @@ def cmd_serve(args: argparse.Namespace) -> int:
     )
     settings.validate()
     spec = args.fleet_spec
+    from sloserve.front.models import parse_model_args
+
+    models = parse_model_args(args.model or [])
+    if len(models) == 1 and models[0][0] and not settings.served_model_names:
+        settings.served_model_names = [models[0][0]]  # --model NAME=PATH alone: served as NAME
+    if len(models) > 1:
+        from dataclasses import replace
+
+        from sloserve.front.multi import run_models
+
+        base = engine_config_from_args(argparse.Namespace(**{**vars(args), "model": None}))
+        return run_models([(name, replace(base, model=path)) for name, path in models], settings, spec,
+                          backend=args.backend, host=args.host, port=args.port, qos_config=args.qos_config,
+                          api_keys=keys, ray_address=args.ray_address, admin_keys=settings.admin_keys,
+                          max_in_flight=args.front_max_in_flight, hang_timeout_s=args.hang_timeout,
+                          cold_start_s=args.cold_start, scaling_history=_history(args))
     if spec.instances > 1 or spec.fewest != spec.instances or args.backend != "process" or spec.pd \
             or spec.decode_router or spec.mixed_handoff != "never" or spec.autoscale \
             or spec.prefill_pool != PoolSettings() or spec.decode_pool != PoolSettings():  # run_multi checks them
         from sloserve.front.multi import run_multi
 
-        history = None
-        if args.scaling_history:
-            from sloserve.workload.series import load_series
-
-            history = load_series(args.scaling_history, "requests", 600.0)
         return run_multi(engine_config_from_args(args), settings, spec, backend=args.backend, host=args.host,
                          port=args.port, qos_config=args.qos_config, api_keys=keys, ray_address=args.ray_address,
                          admin_keys=settings.admin_keys, max_in_flight=args.front_max_in_flight,
-                         hang_timeout_s=args.hang_timeout, cold_start_s=args.cold_start, scaling_history=history)
+                         hang_timeout_s=args.hang_timeout, cold_start_s=args.cold_start, scaling_history=_history(args))
     return run_server(engine_config_from_args(args), settings, host=args.host, port=args.port)
+
+
+def _history(args: argparse.Namespace):
+    """The demand series `--scaling-history` names (it trains a predictive autoscaler), or None."""
+    if not args.scaling_history:
+        return None
+    from sloserve.workload.series import load_series
+
+    return load_series(args.scaling_history, "requests", 600.0)
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:

@@ -151,24 +151,10 @@ def front_capacity(engine_config: EngineConfig, max_queue: int, instances: int) 
     return instances * (engine_config.scheduler.max_num_seqs + max_queue)
 
 
-def run_multi(engine_config: EngineConfig, settings, spec: FleetSpec, *, backend: str = "process",
-              host: str = "127.0.0.1", port: int = 8000, qos_config: Optional[str] = None,
-              api_keys: Sequence[str] = (), ray_address: Optional[str] = None, log_level: str = "warning",
-              admin_keys: Sequence[str] = (), max_in_flight: Optional[int] = None,
-              hang_timeout_s: float = 60.0, cold_start_s: float = 30.0, scaling_history=None) -> int:
-    """The fleet `spec` describes (cluster/spec.py: routing, migration, P/D, autoscaling), on
-    worker processes or Ray actors. `settings` (ServerSettings) gives the edge: max_body_bytes,
-    body and header timeouts, connection cap, retry_after_s, grace_period_s; max_queue applies to
-    each worker. `cold_start_s`: the start time autoscaling assumes until a worker was timed;
-    `scaling_history`: the demand (workload.series.Series) that trains a forecaster."""
-    from sloserve.server.connections import uvicorn_config
-    from sloserve.front.app import Front
-    from sloserve.workers.handles import WorkerSpec
-    from sloserve.server.qos import CACHE_SECRET_ENV, CacheSalter, cache_secret
-    from sloserve.server.worker import worker_options
-
+def check_fleet_spec(engine_config: EngineConfig, spec: FleetSpec, scaling_history, max_in_flight: Optional[int],
+                     hang_timeout_s: float) -> None:
+    """ValueError (one line) on what a real fleet of `spec` cannot run."""
     spec.validate()
-    instances = spec.instances
     if engine_config.step_trace:
         raise ValueError("--step-trace needs a single instance (each worker would write the same file)")
     if spec.prefill_pool.tp or spec.decode_pool.tp:
@@ -187,24 +173,31 @@ def run_multi(engine_config: EngineConfig, settings, spec: FleetSpec, *, backend
         raise ValueError(f"max in flight must be >= 1, got {max_in_flight}")
     if not hang_timeout_s > 0:
         raise ValueError(f"hang timeout must be > 0 s, got {hang_timeout_s}")
-    settings.validate()
-    roles = spec.roles
-    total = engine_config.num_threads or cores()
-    per_worker = max(1, total // instances)
-    fleet_secret = secrets.token_urlsafe(32)  # per run: authenticates the front on the workers' /internal/*
-    # One cache-salt secret for the front and all its workers (else each draws its own, and the
-    # router's prefix keys would never match what the workers publish).
-    salt_secret = settings.cache_salt_secret or os.environ.get(CACHE_SECRET_ENV) or secrets.token_urlsafe(32)
+
+
+def build_front(engine_config: EngineConfig, settings, spec: FleetSpec, *, threads_per_worker: int,
+                fleet_secret: str, salt_secret: str, backend: str = "process", qos_config: Optional[str] = None,
+                api_keys: Sequence[str] = (), ray_address: Optional[str] = None, log_level: str = "warning",
+                admin_keys: Sequence[str] = (), max_in_flight: Optional[int] = None, hang_timeout_s: float = 60.0,
+                cold_start_s: float = 30.0, scaling_history=None):
+    """The front of one model (a Front over its WorkerFleet, not started): the fleet `spec`
+    describes, each worker `engine_config` on `threads_per_worker` threads."""
+    from sloserve.front.app import Front
+    from sloserve.server.qos import CacheSalter, cache_secret
+    from sloserve.server.worker import worker_options
+    from sloserve.workers.handles import WorkerSpec
+
+    instances = spec.instances
     pools = {"prefill": spec.prefill_pool, "decode": spec.decode_pool, "mixed": PoolSettings()}
-    worker_specs = [WorkerSpec(dataclasses.replace(engine_config, num_threads=per_worker,
+    worker_specs = [WorkerSpec(dataclasses.replace(engine_config, num_threads=threads_per_worker,
                                             scheduler=pools[role].apply(engine_config.scheduler),
                                             cache=worker_cache(engine_config.cache, index)),
                                qos_config, list(api_keys), list(settings.served_model_names), settings.max_queue,
                                log_level, fleet_secret, cache_secret=salt_secret, options=worker_options(settings))
-                    for index, role in enumerate(roles)]
+                    for index, role in enumerate(spec.roles)]
     for worker in worker_specs:
         worker.engine.scheduler.validate()
-    spawn = make_spawner(worker_specs, backend, per_worker, ray_address)
+    spawn = make_spawner(worker_specs, backend, threads_per_worker, ray_address)
     config = front_config(spec, hang_timeout_s=hang_timeout_s, cold_start_guess_s=cold_start_s,
                           scaling_history=scaling_history,
                           max_in_flight=max_in_flight or front_capacity(engine_config, settings.max_queue, instances),
@@ -221,10 +214,106 @@ def run_multi(engine_config: EngineConfig, settings, spec: FleetSpec, *, backend
                                                                                        lora_modules=modules))
 
     front.adapters.on_change = adapters_changed
+    return front
+
+
+def _secrets(settings) -> tuple[str, str]:
+    """(the run's fleet secret, the cache-salt secret): one salt for the front and all its workers,
+    else each draws its own and the router's prefix keys never match what the workers publish."""
+    from sloserve.server.qos import CACHE_SECRET_ENV
+
+    fleet_secret = secrets.token_urlsafe(32)  # per run: authenticates the front on the workers' /internal/*
+    return fleet_secret, settings.cache_salt_secret or os.environ.get(CACHE_SECRET_ENV) or secrets.token_urlsafe(32)
+
+
+def run_multi(engine_config: EngineConfig, settings, spec: FleetSpec, *, backend: str = "process",
+              host: str = "127.0.0.1", port: int = 8000, qos_config: Optional[str] = None,
+              api_keys: Sequence[str] = (), ray_address: Optional[str] = None, log_level: str = "warning",
+              admin_keys: Sequence[str] = (), max_in_flight: Optional[int] = None,
+              hang_timeout_s: float = 60.0, cold_start_s: float = 30.0, scaling_history=None) -> int:
+    """The fleet `spec` describes (cluster/spec.py: routing, migration, P/D, autoscaling), on
+    worker processes or Ray actors. `settings` (ServerSettings) gives the edge: max_body_bytes,
+    body and header timeouts, connection cap, retry_after_s, grace_period_s; max_queue applies to
+    each worker. `cold_start_s`: the start time autoscaling assumes until a worker was timed;
+    `scaling_history`: the demand (workload.series.Series) that trains a forecaster."""
+    from sloserve.server.connections import uvicorn_config
+
+    check_fleet_spec(engine_config, spec, scaling_history, max_in_flight, hang_timeout_s)
+    settings.validate()
+    instances = spec.instances
+    per_worker = max(1, (engine_config.num_threads or cores()) // instances)
+    fleet_secret, salt_secret = _secrets(settings)
+    front = build_front(engine_config, settings, spec, threads_per_worker=per_worker, fleet_secret=fleet_secret,
+                        salt_secret=salt_secret, backend=backend, qos_config=qos_config, api_keys=api_keys,
+                        ray_address=ray_address, log_level=log_level, admin_keys=admin_keys,
+                        max_in_flight=max_in_flight, hang_timeout_s=hang_timeout_s, cold_start_s=cold_start_s,
+                        scaling_history=scaling_history)
     uv_config = uvicorn_config(front.build_app(), host=host, port=port, limits=settings.connection_limits(),
                                loop=settings.event_loop)
     logger.info("starting %d %s workers (%d threads each%s); serving once one is healthy", instances, backend,
                 per_worker, f"; {spec.pd} prefill:decode, {spec.pd_transfer} hand-off" if spec.pd else "")
     with asyncio.Runner(loop_factory=uv_config.get_loop_factory()) as runner:  # uvloop, as one instance runs
-        runner.run(serve_front(fleet, front, uv_config, settings.grace_period_s, config.start_timeout_s))
+        runner.run(serve_front(front.fleet, front, uv_config, settings.grace_period_s, front.fleet.config.start_timeout_s))
     return 0
+
+
+def run_models(models: Sequence[tuple[str, EngineConfig]], settings, spec: FleetSpec, *, backend: str = "process",
+               host: str = "127.0.0.1", port: int = 8000, qos_config: Optional[str] = None,
+               api_keys: Sequence[str] = (), ray_address: Optional[str] = None, log_level: str = "warning",
+               admin_keys: Sequence[str] = (), max_in_flight: Optional[int] = None,
+               hang_timeout_s: float = 60.0, cold_start_s: float = 30.0, scaling_history=None) -> int:
+    """Several models behind one front (front/models.py): each (name, engine config) gets its own
+    fleet of `spec` (its own workers, router and controller), served under that name; the cores
+    are shared evenly among every model's workers."""
+    from sloserve.front.models import ModelFronts
+    from sloserve.server.connections import uvicorn_config
+
+    check_fleet_spec(models[0][1], spec, scaling_history, max_in_flight, hang_timeout_s)
+    settings.validate()
+    workers = spec.instances * len(models)
+    per_worker = max(1, (models[0][1].num_threads or cores()) // workers)
+    fleet_secret, salt_secret = _secrets(settings)
+    fronts = {}
+    for name, engine_config in models:
+        own = dataclasses.replace(settings, served_model_names=[name])
+        fronts[name] = build_front(engine_config, own, spec, threads_per_worker=per_worker, fleet_secret=fleet_secret,
+                                   salt_secret=salt_secret, backend=backend, qos_config=qos_config, api_keys=api_keys,
+                                   ray_address=ray_address, log_level=log_level, admin_keys=admin_keys,
+                                   max_in_flight=max_in_flight, hang_timeout_s=hang_timeout_s,
+                                   cold_start_s=cold_start_s, scaling_history=scaling_history)
+    app = ModelFronts(fronts)
+    uv_config = uvicorn_config(app, host=host, port=port, limits=settings.connection_limits(),
+                               loop=settings.event_loop)
+    logger.info("starting %d models x %d %s workers (%d threads each); serving once each has one healthy",
+                len(models), spec.instances, backend, per_worker)
+    with asyncio.Runner(loop_factory=uv_config.get_loop_factory()) as runner:
+        runner.run(serve_fronts(list(fronts.values()), uv_config, settings.grace_period_s))
+    return 0
+
+
+async def serve_fronts(fronts, config: uvicorn.Config, grace_s: float, server_cls=DrainingServer) -> None:
+    """Several models' fronts on one server: start every fleet, serve once each has a healthy
+    worker, drain them together on a signal, and stop every worker."""
+    started = []
+    try:
+        for front in fronts:
+            await front.fleet.start()
+            started.append(front)
+            await front.start()
+        for front in fronts:
+            await front.fleet.wait_ready(front.fleet.config.start_timeout_s, count=1)
+
+        async def drain(grace: float) -> int:
+            return sum(await asyncio.gather(*(f.drain(grace) for f in fronts)))
+
+        def stop_now() -> None:
+            for f in fronts:
+                f.stop_now()
+
+        server = server_cls(config, drain, stop_now, grace_s)
+        logger.info("serving %d models on http://%s:%d", len(fronts), config.host, config.port)
+        await server.serve()
+    finally:
+        for front in started:
+            await front.close()
+            await front.fleet.close()

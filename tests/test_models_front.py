@@ -1,0 +1,91 @@
+"""Several models behind one front (`serve --model NAME=PATH --model NAME=PATH`, front/models.py):
+the embedded SmolLM2 and a small random-weight Qwen2 (another architecture and tokenizer), each
+its own worker, routed by the request's `model` through the official client."""
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from engine_helpers import EXACT
+from server_helpers import ServerProcess, scrape
+from sloserve import LLM, SamplingParams
+from sloserve.engine.weights import embedded_model_path
+from sloserve.front.models import merge_metrics, parse_model_args
+from test_weights import make_hf_dir
+
+PROMPT = "The capital of France is"
+KEY = "sk-models-test"
+TOKENS = 6
+
+
+def test_model_arguments_name_each_model_once():
+    assert parse_model_args(["/m/a.gguf"]) == [("", "/m/a.gguf")]
+    assert parse_model_args(["a=/m/a.gguf", "b=/m/b"]) == [("a", "/m/a.gguf"), ("b", "/m/b")]
+    with pytest.raises(ValueError, match="NAME=PATH"):
+        parse_model_args(["a=/m/a.gguf", "/m/b"])
+    with pytest.raises(ValueError, match="given twice"):
+        parse_model_args(["a=/x", "a=/y"])
+
+
+def test_merged_metrics_label_each_sample_with_its_model():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = ("# HELP sloserve:front_requests_total requests\n# TYPE sloserve:front_requests_total counter\n"
+            'sloserve:front_requests_total{instance="0"} %d\n')
+    merged = merge_metrics({"smol": text % 3, "tiny": text % 5}).decode()
+    [family] = list(text_string_to_metric_families(merged))
+    assert {(s.labels["model_name"], s.labels["instance"], s.value) for s in family.samples} == {
+        ("smol", "0", 3.0), ("tiny", "0", 5.0)}
+    assert merged.count("# TYPE") == 1  # one family, as Prometheus requires
+
+
+@pytest.mark.slow
+def test_two_models_behind_one_front_answer_as_each_alone(tmp_path):
+    tiny_dir, _ = make_hf_dir(tmp_path, "qwen2", tied=False)
+    smol_path = embedded_model_path()
+    greedy = SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True)
+    want = {}
+    for name, path in (("smol", smol_path), ("tiny", str(tiny_dir))):
+        llm = LLM(model=path, **EXACT)
+        want[name] = llm.tokenizer.decode(llm.generate([PROMPT], greedy)[0].token_ids)
+    assert want["smol"] != want["tiny"]
+
+    server = ServerProcess(["--model", f"smol={smol_path}", "--model", f"tiny={tiny_dir}", "--api-key", KEY],
+                           tmp_path / "front.log")
+    auth = {"Authorization": f"Bearer {KEY}"}
+    try:
+        api = openai.OpenAI(base_url=server.v1, api_key=KEY, max_retries=0)
+        with pytest.raises(openai.AuthenticationError):  # refused before its body picks a model
+            openai.OpenAI(base_url=server.v1, api_key="wrong", max_retries=0).completions.create(
+                model="tiny", prompt=PROMPT, max_tokens=2)
+        assert {m.id for m in api.models.list().data} == {"smol", "tiny"}
+        for name in ("smol", "tiny", "smol"):
+            out = api.completions.create(model=name, prompt=PROMPT, max_tokens=TOKENS, temperature=0,
+                                         extra_body={"ignore_eos": True})
+            assert out.model == name and out.choices[0].text == want[name], (name, server.log()[-2000:])
+            stream = api.completions.create(model=name, prompt=PROMPT, max_tokens=TOKENS, temperature=0,
+                                            stream=True, extra_body={"ignore_eos": True})
+            assert "".join(c.choices[0].text for c in stream if c.choices) == want[name]
+        chat = api.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "the"}],
+                                           max_tokens=3, temperature=0)
+        assert chat.model == "tiny" and chat.choices[0].finish_reason in ("length", "stop")
+
+        with pytest.raises(openai.NotFoundError) as missing:
+            api.completions.create(model="nope", prompt=PROMPT, max_tokens=2)
+        assert missing.value.body["code"] == "model_not_found" and "smol" in missing.value.body["message"]
+        bad = httpx.post(server.v1 + "/completions", content=b"{not json", headers=auth, timeout=10)
+        assert bad.status_code == 400 and bad.json()["error"]["type"]  # the default model's front judges it
+
+        per_model = httpx.get(server.base_url + "/models/tiny/v1/instances", headers=auth, timeout=10).json()
+        assert per_model["counters"] and len(per_model["data"]) == 1
+        elsewhere = httpx.get(server.base_url + "/v1/instances", timeout=10)
+        assert elsewhere.status_code == 404 and "/models/" in elsewhere.json()["error"]["message"]
+        health = httpx.get(server.base_url + "/health", timeout=10).json()
+        assert set(health["models"]) == {"smol", "tiny"}
+
+        text = httpx.get(server.base_url + "/metrics", timeout=10).text
+        assert 'model_name="smol"' in text and 'model_name="tiny"' in text
+        assert scrape(server.base_url)  # one exposition Prometheus parses
+    finally:
+        server.kill()
