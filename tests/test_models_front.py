@@ -89,3 +89,31 @@ def test_two_models_behind_one_front_answer_as_each_alone(tmp_path):
         assert scrape(server.base_url)  # one exposition Prometheus parses
     finally:
         server.kill()
+
+
+def test_a_models_file_gives_each_model_its_engine_options_and_fleet(tmp_path):
+    from sloserve.cluster.spec import FleetSpec
+    from sloserve.config import EngineConfig
+    from sloserve.front.models import load_models_file
+
+    path = tmp_path / "models.yaml"
+    path.write_text("models:\n"
+                    "  smol: {path: embedded, dtype: bfloat16}\n"
+                    "  tiny:\n    path: /models/tiny\n    quantization: none\n"
+                    "    fleet: {instances: '0:2', autoscale: reactive, capacity: 3, router: least-requests}\n")
+    base_engine, base_spec = EngineConfig(dtype="float32", max_model_len=512), FleetSpec(instances=2)
+    (smol, smol_engine, smol_spec), (tiny, tiny_engine, tiny_spec) = load_models_file(str(path), base_engine,
+                                                                                      base_spec)
+    assert (smol, smol_engine.model, smol_engine.dtype, smol_engine.max_model_len) == ("smol", None, "bfloat16", 512)
+    assert smol_spec == base_spec  # the command line's fleet
+    assert (tiny, tiny_engine.model, tiny_engine.dtype, tiny_engine.quantization) == \
+        ("tiny", "/models/tiny", "float32", "none")
+    assert (tiny_spec.instances, tiny_spec.fewest, tiny_spec.autoscale, tiny_spec.router) == \
+        (2, 0, "reactive", "least-requests")  # scales to zero on its own
+    for text, message in (("models: {}\n", "expected `models:`"),
+                          ("models:\n  a: {dtype: bfloat16}\n", "give at least its `path`"),
+                          ("models:\n  a: {path: x, colour: red}\n", "unknown setting"),
+                          ("models:\n  a: {path: x, fleet: {routr: x}}\n", "unknown setting 'routr'")):
+        path.write_text(text)
+        with pytest.raises(ValueError, match=message):
+            load_models_file(str(path), base_engine, base_spec)

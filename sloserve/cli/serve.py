@@ -57,13 +57,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
     models = parse_model_args(args.model or [])
     if len(models) == 1 and models[0][0] and not settings.served_model_names:
         settings.served_model_names = [models[0][0]]  # --model NAME=PATH alone: served as NAME
-    if len(models) > 1:
+    if len(models) > 1 or args.models:
         from dataclasses import replace
 
+        from sloserve.front.models import load_models_file
         from sloserve.front.multi import run_models
 
+        if args.models and args.model:
+            raise ValueError("give the models either with --model NAME=PATH or in --models FILE, not both")
         base = engine_config_from_args(argparse.Namespace(**{**vars(args), "model": None}))
-        return run_models([(name, replace(base, model=path)) for name, path in models], settings, spec,
+        entries = load_models_file(args.models, base, spec) if args.models else \
+            [(name, replace(base, model=path), spec) for name, path in models]
+        return run_models(entries, settings,
                           backend=args.backend, host=args.host, port=args.port, qos_config=args.qos_config,
                           api_keys=keys, ray_address=args.ray_address, admin_keys=settings.admin_keys,
                           max_in_flight=args.front_max_in_flight, hang_timeout_s=args.hang_timeout,
@@ -96,6 +101,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, local only)")
     g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--models", metavar="FILE",
+                   help="several models behind one front, each with its own engine options and fleet settings "
+                        "(a YAML file; see docs/fleet.md, 'Several models behind one front')")
     g.add_argument("--served-model-name", action="append", metavar="NAME",
                    help="name clients use in `model` (repeatable; the first is reported; default: the model's name)")
     g.add_argument("--api-key", action="append", metavar="KEY",

@@ -243,3 +243,50 @@ def parse_model_args(values: Sequence[str]) -> list[tuple[str, Optional[str]]]:
     if duplicate is not None:
         raise ValueError(f"--model: the name {duplicate!r} is given twice")
     return out
+
+
+# What a models file may set per model beside `path` and `fleet`: EngineConfig fields.
+MODEL_OPTIONS = ("dtype", "quantization", "max_model_len")
+
+
+def load_models_file(path: str, base_engine, base_spec) -> list[tuple[str, object, object]]:
+    """(name, EngineConfig, FleetSpec) per model of a models file:
+
+        models:
+          smol:
+            path: /models/smollm2.gguf     # GGUF or HF directory ("embedded": the packaged model)
+            dtype: bfloat16                # optional: dtype, quantization, max_model_len
+            fleet: {instances: "0:2", autoscale: reactive, capacity: 4}   # optional: FleetSpec settings
+
+    Every model starts from the command line's engine options and fleet spec (`base_engine`,
+    `base_spec`); its own settings override them."""
+    import dataclasses
+    from pathlib import Path
+
+    import yaml
+
+    from sloserve.cluster.spec import FleetSpec
+
+    raw = yaml.safe_load(Path(path).read_text()) or {}
+    models = raw.get("models") if isinstance(raw, dict) else None
+    if not isinstance(models, dict) or not models:
+        raise ValueError(f"{path}: expected `models:` mapping each model's name to its settings")
+    out = []
+    for name, entry in models.items():
+        where = f"{path}: model {name!r}"
+        if not isinstance(entry, dict) or not entry.get("path"):
+            raise ValueError(f"{where}: give at least its `path`")
+        unknown = sorted(set(entry) - {"path", "fleet", *MODEL_OPTIONS})
+        if unknown:
+            raise ValueError(f"{where}: unknown setting(s) {', '.join(unknown)}; known: path, fleet, "
+                             f"{', '.join(MODEL_OPTIONS)}")
+        model_path = None if entry["path"] == "embedded" else str(entry["path"])
+        engine = dataclasses.replace(base_engine, model=model_path,
+                                     **{k: entry[k] for k in MODEL_OPTIONS if k in entry})
+        fleet = entry.get("fleet") or {}
+        if not isinstance(fleet, dict):
+            raise ValueError(f"{where}: `fleet` is a mapping of fleet settings")
+        spec = FleetSpec.from_mapping(fleet, base_spec, where=f"{where} fleet")
+        spec.validate()
+        out.append((str(name), engine, spec))
+    return out

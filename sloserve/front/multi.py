@@ -257,24 +257,25 @@ def run_multi(engine_config: EngineConfig, settings, spec: FleetSpec, *, backend
     return 0
 
 
-def run_models(models: Sequence[tuple[str, EngineConfig]], settings, spec: FleetSpec, *, backend: str = "process",
+def run_models(models: Sequence[tuple[str, EngineConfig, FleetSpec]], settings, *, backend: str = "process",
                host: str = "127.0.0.1", port: int = 8000, qos_config: Optional[str] = None,
                api_keys: Sequence[str] = (), ray_address: Optional[str] = None, log_level: str = "warning",
                admin_keys: Sequence[str] = (), max_in_flight: Optional[int] = None,
                hang_timeout_s: float = 60.0, cold_start_s: float = 30.0, scaling_history=None) -> int:
-    """Several models behind one front (front/models.py): each (name, engine config) gets its own
-    fleet of `spec` (its own workers, router and controller), served under that name; the cores
+    """Several models behind one front (front/models.py): each (name, engine config, fleet spec)
+    gets its own fleet (its own workers, router and controller), served under that name; the cores
     are shared evenly among every model's workers."""
     from sloserve.front.models import ModelFronts
     from sloserve.server.connections import uvicorn_config
 
-    check_fleet_spec(models[0][1], spec, scaling_history, max_in_flight, hang_timeout_s)
+    for _, engine_config, spec in models:
+        check_fleet_spec(engine_config, spec, scaling_history, max_in_flight, hang_timeout_s)
     settings.validate()
-    workers = spec.instances * len(models)
+    workers = sum(spec.instances for _, _, spec in models)
     per_worker = max(1, (models[0][1].num_threads or cores()) // workers)
     fleet_secret, salt_secret = _secrets(settings)
     fronts = {}
-    for name, engine_config in models:
+    for name, engine_config, spec in models:
         own = dataclasses.replace(settings, served_model_names=[name])
         fronts[name] = build_front(engine_config, own, spec, threads_per_worker=per_worker, fleet_secret=fleet_secret,
                                    salt_secret=salt_secret, backend=backend, qos_config=qos_config, api_keys=api_keys,
@@ -284,8 +285,8 @@ def run_models(models: Sequence[tuple[str, EngineConfig]], settings, spec: Fleet
     app = ModelFronts(fronts)
     uv_config = uvicorn_config(app, host=host, port=port, limits=settings.connection_limits(),
                                loop=settings.event_loop)
-    logger.info("starting %d models x %d %s workers (%d threads each); serving once each has one healthy",
-                len(models), spec.instances, backend, per_worker)
+    logger.info("starting %d models on %d %s workers (%d threads each); serving once each has one healthy",
+                len(models), workers, backend, per_worker)
     with asyncio.Runner(loop_factory=uv_config.get_loop_factory()) as runner:
         runner.run(serve_fronts(list(fronts.values()), uv_config, settings.grace_period_s))
     return 0
