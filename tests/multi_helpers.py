@@ -214,7 +214,7 @@ class FakeWorker:
 
 
 @contextlib.asynccontextmanager
-async def serving_front(workers, num: int, config, keys=(), run_loops: bool = False):
+async def serving_front(workers, num: int, config, keys=(), run_loops: bool = False, registry=None):
     """A front on 127.0.0.1 over `num` stand-in workers (`workers(slot) -> FakeWorker`), ready:
     (fleet, front, port). `run_loops` also runs the front's controller loops (migration,
     autoscaling, the dashboard's sampler). Everything is stopped on the way out."""
@@ -227,7 +227,7 @@ async def serving_front(workers, num: int, config, keys=(), run_loops: bool = Fa
 
     fleet = build_worker_fleet(workers, num, config, fleet_secret=FAKE_SECRET)
     await fleet.start()
-    front = Front(fleet, QoSRegistry().with_keys(list(keys)))
+    front = Front(fleet, (registry or QoSRegistry()).with_keys(list(keys)))
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(front.build_app(), host="127.0.0.1", port=port, lifespan="off",
                                            log_config=None, access_log=False))

@@ -36,6 +36,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import math
 import re
 import time
 import uuid
@@ -106,8 +107,9 @@ HANDOFF_METRICS = {  # prefill -> decode hand-offs (the controller's handoff cou
 }
 
 
-def _error(status: int, message: str, code: str, param: Optional[str] = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param=param, code=code), status_code=status)
+def _error(status: int, message: str, code: str, param: Optional[str] = None,
+           headers: Optional[dict[str, str]] = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param=param, code=code), status_code=status, headers=headers)
 
 
 def _sse_error(message: str, code: str) -> bytes:
@@ -570,7 +572,16 @@ class Front:
         handed_off = False  # a streaming body took over the request (and its prediction)
         try:
             if self.autoscale is not None and not any(i.role != "decode" for i in self.fleet.routable()):
-                # Scaled to zero (or every arrival worker starting or draining): wait for one.
+                # Scaled to zero (or every arrival worker starting or draining): wait for one, if
+                # it is expected within the request's TTFT target; else refuse now, saying when.
+                wait_s = self.autoscale.ready_in_s()
+                if wait_s > routed.qos.ttft_target_s:
+                    self.autoscale.wake()
+                    retry = max(1, math.ceil(wait_s))
+                    return _error(503, f"no worker is serving: one is starting and expected ready in about {retry} s, "
+                                       f"beyond this request's TTFT target of {routed.qos.ttft_target_s:g} s "
+                                       f"(QoS class {routed.qos.name!r}); retry after {retry} s", "cold_start",
+                                  headers={"Retry-After": str(retry)})
                 started = await self.autoscale.hold(
                     lambda: any(i.role != "decode" for i in self.fleet.routable()), stop,
                     self.fleet.config.start_timeout_s)

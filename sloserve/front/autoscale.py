@@ -97,6 +97,24 @@ class AutoscaleDriver:
         finally:
             self.held -= 1
 
+    def ready_in_s(self) -> float:
+        """Seconds until a worker that takes arrivals is expected to serve: the soonest of those
+        starting (each at this fleet's measured start time), or a whole start if none is."""
+        start_s = self.fleet.measured_start_s(self.cold_start_guess_s)
+        now = self.clock()
+        starting = [max(0.0, i.started_at + start_s - now) for i in self.fleet.instances
+                    if i.role != "decode" and self.status_of(i) == STARTING and i.status == FLEET_STARTING]
+        return min(starting) if starting else start_s
+
+    def wake(self) -> None:
+        """A request found no worker and will not wait (its TTFT target is shorter than a start):
+        the planner sees it as queued now, so a worker starts for the requests that follow."""
+        self.held += 1
+        try:
+            self.tick()
+        finally:
+            self.held -= 1
+
     def status_of(self, inst: "Instance") -> str:
         if inst.status == FLEET_STOPPED:
             return STOPPED
