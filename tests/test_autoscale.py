@@ -399,3 +399,33 @@ def test_serve_refuses_a_forecast_band_outside_0_1(capsys):
                  "--port", "9"]) == 2
     err = capsys.readouterr().err
     assert "--forecast-level must be in (0, 1), got 1.5" in err and err.count("\n") == 1
+
+
+def test_a_shared_budget_leaves_short_the_service_whose_slo_loses_least():
+    from sloserve.cluster.autoscale.budget import ServiceAsk, share_budget
+
+    def served(demand: float, per_instance: float):
+        return lambda n: min(demand, n * per_instance)  # requests/s within the SLO with n instances
+
+    big = ServiceAsk("chat", fewest=1, wanted=6, value=served(50.0, 10.0))  # every instance serves 10 more
+    small = ServiceAsk("code", fewest=1, wanted=4, value=served(12.0, 4.0))  # 4 more each, the 4th nothing
+    assert share_budget([big, small], 20) == {"chat": 6, "code": 4}  # everything fits: every want granted
+    assert share_budget([big, small], 8) == {"chat": 5, "code": 3}  # code's 4th instance gains nothing
+    assert share_budget([big, small], 6) == {"chat": 5, "code": 1}  # chat's instances are worth more
+    assert share_budget([ServiceAsk("a", 0, 3, served(9.0, 3.0)), ServiceAsk("b", 0, 3, served(9.0, 3.0))],
+                        3) == {"a": 2, "b": 1}  # ties: the one granted fewer so far, then the first named
+    with pytest.raises(ValueError, match="minimums"):
+        share_budget([big, small], 1)
+
+
+def test_a_planner_plans_to_a_target_it_is_granted():
+    from sloserve.cluster.autoscale.static import StaticAutoscaler
+
+    planner = ScalePlanner(StaticAutoscaler(ScalingOptions()), min_instances=1, max_instances=4)
+    slots = [InstanceSlot(0, READY, 0.0)] + [InstanceSlot(i, STOPPED, 0.0) for i in (1, 2, 3)]
+    signals = ScalingSignals(0.0, 1, 0, 0, [], (), 60.0, 1.0, 30.0)
+    decision, wanted = planner.decide(signals)
+    assert wanted == 1  # static: what runs
+    plan = planner.plan_to(decision, 3, signals, slots)  # any target it is given, as a budget grants it
+    assert (plan.target, plan.start) == (3, 2)
+    assert not planner.plan_to(decision, 1, signals, slots).changes

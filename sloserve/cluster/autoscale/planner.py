@@ -14,7 +14,7 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional, Sequence
 
-from sloserve.cluster.autoscale.base import Autoscaler
+from sloserve.cluster.autoscale.base import Autoscaler, ScalingDecision
 from sloserve.fleet_view import DRAINING, READY, STARTING, STOPPED, InstanceSlot, ScalingPlan, ScalingSignals
 
 if TYPE_CHECKING:
@@ -36,8 +36,18 @@ class ScalePlanner:
             raise ValueError(f"need 0 <= min <= max and max >= 1, got {self.min_instances}:{self.max_instances}")
 
     def plan(self, signals: ScalingSignals, slots: Sequence[InstanceSlot]) -> ScalingPlan:
+        decision, target = self.decide(signals)
+        return self.plan_to(decision, target, signals, slots)
+
+    def decide(self, signals: ScalingSignals) -> tuple[ScalingDecision, int]:
+        """The policy's decision and its target clamped to [min, max]: what this pool wants (a
+        shared budget may grant less: cluster/autoscale/budget.py). Asks the policy: once a round."""
         decision = self.autoscaler.decide(signals)
-        target = min(self.max_instances, max(self.min_instances, decision.target))
+        return decision, min(self.max_instances, max(self.min_instances, decision.target))
+
+    def plan_to(self, decision: ScalingDecision, target: int, signals: ScalingSignals,
+                slots: Sequence[InstanceSlot]) -> ScalingPlan:
+        """What the fleet does to reach `target` (see the module docstring)."""
         starting = [s for s in slots if s.status == STARTING]
         ready = [s for s in slots if s.status == READY]
         draining = [s for s in slots if s.status == DRAINING]
