@@ -30,11 +30,11 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from sloserve.fleet_view import DRAINING, READY, STARTING
+from sloserve.fleet_view import DRAINING, READY, STARTING, InstanceSlot, ScalingPlan, ScalingSignals
 from sloserve.sched.state import InstanceState
 from sloserve.sim.scaling import SimScaling
 
@@ -131,52 +131,18 @@ class FluidFleet:
     def run(self, rates: Sequence[float], step_s: float) -> FluidResult:
         """Demand of `rates[k]` requests/s during [k step_s, (k+1) step_s); runs until the last
         window ends and the backlog has drained (or an hour past it)."""
-        scaling, spec, tick = self.scaling, self.scaling.spec, self.tick_s
-        interval_ticks = round(spec.interval_s / tick)
-        end = len(rates) * step_s
-        backlog: deque[list[float]] = deque()  # [arrival time, requests] buckets, oldest first
-        queued = 0.0
-        total = met = 0.0
-        windows = [[k * step_s, 0.0, 0.0] for k in range(len(rates))]
-        n_ticks = math.ceil(end / tick)
-        k = 0
-        while k < n_ticks or (queued > 1e-9 and k < n_ticks + round(3600 / tick)):
-            now = k * tick
-            self._lifecycle(now)
-            w = min(len(rates) - 1, int(now // step_s))
-            rate = rates[w] if now < end else 0.0
-            if k % interval_ticks == 0:
-                self._decide(now, queued, rate)
-            arrivals = rate * tick
-            if arrivals:
-                scaling.observe_arrival(now, int(self.rng.poisson(arrivals)))
-                backlog.append([now, arrivals])
-                queued += arrivals
-                total += arrivals
-            ready = len(scaling.ready_ids())
-            can = ready * self.curve.saturation_rps * tick
-            quality = self.curve.at(min(rate / (ready * self.curve.capacity_rps), self.curve.saturation_load)) \
-                if ready else 0.0
-            served_met = 0.0
-            while backlog and can > 1e-12:
-                bucket = backlog[0]
-                take = min(bucket[1], can)
-                waited = now - bucket[0]
-                got = take * quality if waited <= self.ttft_s else 0.0
-                served_met += got
-                ww = min(len(rates) - 1, int(bucket[0] // step_s))
-                windows[ww][2] += got
-                bucket[1] -= take
-                can -= take
-                queued -= take
-                if bucket[1] <= 1e-12:
-                    backlog.popleft()
-            if arrivals:
-                windows[w][1] += arrivals
-            met += served_met
-            k += 1
-        books = scaling.close(k * tick)
-        return FluidResult(total, met, max(0.0, queued), books.as_dict(), [tuple(x) for x in windows])
+        flow = self.flow(rates, step_s)
+        while not flow.done:
+            now, rate, deciding = flow.begin()
+            if deciding:
+                self._decide(now, flow.queued, rate)
+            flow.serve()
+        return flow.result()
+
+    def flow(self, rates: Sequence[float], step_s: float) -> "Flow":
+        """A run of `rates` to step through tick by tick (`run` does; sim/services.py steps several
+        fleets' flows together)."""
+        return Flow(self, rates, step_s)
 
     def _lifecycle(self, now: float) -> None:
         """Cold starts that end by `now`, and draining instances that have emptied."""
@@ -193,20 +159,105 @@ class FluidFleet:
                 self._draining_since.pop(i, None)
 
     def _decide(self, now: float, queued: float, rate: float) -> None:
-        """A decision of the controller's scale planner. Ready instances show the queue a discrete
-        instance would have at this load (the curve's) plus their share of the backlog."""
+        """A decision of the controller's scale planner."""
+        signals, slots = self.observe(now, queued, rate)
+        self.carry_out(self.controller.plan_scaling(signals, slots), now)
+
+    def observe(self, now: float, queued: float, rate: float) -> tuple[ScalingSignals, list[InstanceSlot]]:
+        """What the scale planner sees at `now`: ready instances show the queue a discrete instance
+        would have at this load (the curve's) plus their share of the backlog."""
         scaling = self.scaling
         ready = scaling.ready_ids()
         held = round(queued) if not ready else 0
         inside = self.curve.waiting_at(rate / (len(ready) * self.curve.capacity_rps)) if ready else 0.0
         share = round(queued / len(ready) + inside) if ready else 0
         states = [_idle_state(share if s == READY else 0) for s in scaling.status]
-        plan = self.controller.plan_scaling(scaling.signals(now, states, held), scaling.slots(states))
+        return scaling.signals(now, states, held), scaling.slots(states)
+
+    def carry_out(self, plan: Optional[ScalingPlan], now: float) -> None:
+        scaling = self.scaling
         target = scaling.count(READY) + scaling.count(STARTING)
         if plan is not None:
             target = plan.target
             scaling.apply(plan, now)
         scaling.record(now, {"mixed": target})
+
+    def served_within_slo(self, rate: float, instances: int) -> float:
+        """Requests/s expected within the SLO at `rate` on `instances` ready instances (the curve's
+        attainment on what they can complete): what one more instance is worth to this fleet."""
+        if instances <= 0 or rate <= 0:
+            return 0.0
+        curve = self.curve
+        load = min(rate / (instances * curve.capacity_rps), curve.saturation_load)
+        return min(rate, instances * curve.saturation_rps) * curve.at(load)
+
+
+class Flow:
+    """One run of a fluid fleet, tick by tick: `begin` (lifecycle; is this a decision tick?),
+    then the caller decides if so, then `serve` (arrivals, service, the backlog)."""
+
+    def __init__(self, fleet: FluidFleet, rates: Sequence[float], step_s: float) -> None:
+        self.fleet, self.rates, self.step_s = fleet, list(rates), step_s
+        tick = fleet.tick_s
+        self.interval_ticks = round(fleet.scaling.spec.interval_s / tick)
+        self.end = len(self.rates) * step_s
+        self.n_ticks = math.ceil(self.end / tick)
+        self.backlog: deque[list[float]] = deque()  # [arrival time, requests] buckets, oldest first
+        self.queued = self.total = self.met = 0.0
+        self.windows = [[k * step_s, 0.0, 0.0] for k in range(len(self.rates))]
+        self.k = 0
+        self.now = self.rate = 0.0
+
+    @property
+    def done(self) -> bool:
+        """Past the last window with the backlog drained (or an hour past the last window)."""
+        return not (self.k < self.n_ticks or
+                    (self.queued > 1e-9 and self.k < self.n_ticks + round(3600 / self.fleet.tick_s)))
+
+    def begin(self) -> tuple[float, float, bool]:
+        """(now, the demand's rate now, whether the planner decides at this tick)."""
+        fleet = self.fleet
+        self.now = now = self.k * fleet.tick_s
+        fleet._lifecycle(now)
+        self.w = min(len(self.rates) - 1, int(now // self.step_s))
+        self.rate = self.rates[self.w] if now < self.end else 0.0
+        return now, self.rate, self.k % self.interval_ticks == 0
+
+    def serve(self) -> None:
+        fleet, now, rate, tick, w = self.fleet, self.now, self.rate, self.fleet.tick_s, self.w
+        scaling, curve = fleet.scaling, fleet.curve
+        arrivals = rate * tick
+        if arrivals:
+            scaling.observe_arrival(now, int(fleet.rng.poisson(arrivals)))
+            self.backlog.append([now, arrivals])
+            self.queued += arrivals
+            self.total += arrivals
+        ready = len(scaling.ready_ids())
+        can = ready * curve.saturation_rps * tick
+        quality = curve.at(min(rate / (ready * curve.capacity_rps), curve.saturation_load)) if ready else 0.0
+        served_met = 0.0
+        while self.backlog and can > 1e-12:
+            bucket = self.backlog[0]
+            take = min(bucket[1], can)
+            waited = now - bucket[0]
+            got = take * quality if waited <= fleet.ttft_s else 0.0
+            served_met += got
+            ww = min(len(self.rates) - 1, int(bucket[0] // self.step_s))
+            self.windows[ww][2] += got
+            bucket[1] -= take
+            can -= take
+            self.queued -= take
+            if bucket[1] <= 1e-12:
+                self.backlog.popleft()
+        if arrivals:
+            self.windows[w][1] += arrivals
+        self.met += served_met
+        self.k += 1
+
+    def result(self) -> FluidResult:
+        books = self.fleet.scaling.close(self.k * self.fleet.tick_s)
+        return FluidResult(self.total, self.met, max(0.0, self.queued), books.as_dict(),
+                           [tuple(x) for x in self.windows])
 
 
 def window_attainment(result: FluidResult) -> list[float]:
@@ -214,4 +265,4 @@ def window_attainment(result: FluidResult) -> list[float]:
     return [m / a if a else 1.0 for _, a, m in result.windows]
 
 
-__all__ = ["FluidFleet", "FluidResult", "ResponseCurve", "window_attainment"]
+__all__ = ["FluidFleet", "FluidResult", "Flow", "ResponseCurve", "window_attainment"]
