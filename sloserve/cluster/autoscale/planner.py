@@ -46,8 +46,9 @@ class ScalePlanner:
         return decision, min(self.max_instances, max(self.min_instances, decision.target))
 
     def plan_to(self, decision: ScalingDecision, target: int, signals: ScalingSignals,
-                slots: Sequence[InstanceSlot]) -> ScalingPlan:
-        """What the fleet does to reach `target` (see the module docstring)."""
+                slots: Sequence[InstanceSlot], now: bool = False) -> ScalingPlan:
+        """What the fleet does to reach `target` (see the module docstring); `now`: scale down
+        without the delay (a budget took the instances back)."""
         starting = [s for s in slots if s.status == STARTING]
         ready = [s for s in slots if s.status == READY]
         draining = [s for s in slots if s.status == DRAINING]
@@ -62,7 +63,7 @@ class ScalePlanner:
         elif target < active:
             if self._low_since is None:
                 self._low_since = signals.now
-            if signals.now - self._low_since >= self.scale_down_delay_s:
+            if now or signals.now - self._low_since >= self.scale_down_delay_s:
                 excess = active - target
                 cancel = tuple(s.instance_id for s in starting[:excess])
                 drain = tuple(s.instance_id for s in sorted(ready, key=lambda s: s.remaining_work)
