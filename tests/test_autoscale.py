@@ -416,6 +416,12 @@ def test_a_shared_budget_leaves_short_the_service_whose_slo_loses_least():
                         3) == {"a": 2, "b": 1}  # ties: the one granted fewer so far, then the first named
     with pytest.raises(ValueError, match="minimums"):
         share_budget([big, small], 1)
+    # what a service holds it keeps, unless another gains clearly more (moving costs a start and a drain)
+    holding = ServiceAsk("chat", 1, 5, served(50.0, 10.0), held=5)
+    waiting = ServiceAsk("code", 1, 3, served(12.0, 4.0), held=1)
+    assert share_budget([holding, waiting], 6) == {"chat": 5, "code": 1}  # code's +4 is not worth chat's -10
+    idle = ServiceAsk("chat", 1, 5, served(20.0, 10.0), held=5)  # its demand fell: 3 of its 5 serve nothing
+    assert share_budget([idle, waiting], 6) == {"chat": 3, "code": 3}
 
 
 def test_a_planner_plans_to_a_target_it_is_granted():

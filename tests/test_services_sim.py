@@ -59,3 +59,30 @@ def test_a_budget_below_the_services_minimums_is_refused():
         ServiceFleets({"a": pool(min_instances=2), "b": pool(min_instances=2)}, budget=3)
     with pytest.raises(ValueError, match="no demand for service"):
         ServiceFleets({"a": pool()}).run({}, STEP_S)
+
+
+def test_simulate_runs_several_services_at_flow_level_from_the_command_line(tmp_path, monkeypatch, capsys):
+    import json
+
+    from sloserve.cli import main
+
+    monkeypatch.setenv("SLOSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    args = ["simulate", "--fidelity", "fluid", "--demand", "mid=servegen:m-mid", "--demand", "small=servegen:m-small",
+            "--start", str(12 * 86400), "--duration", str(3 * 3600), "--rate", "4", "--workload", "azure-conv",
+            "--model", "llama-2-7b", "--hardware", "a10-24g", "--instances", "1:8", "--capacity", "1.0",
+            "--slo", "ttft=2000,tpot=200", "--cold-start", "120", "--autoscale", "reactive", "--no-progress"]
+    assert main(args + ["--out", str(tmp_path / "free")]) == 0
+    assert main(args + ["--budget", "5", "--out", str(tmp_path / "budget")]) == 0
+    free = json.loads((tmp_path / "free" / "services.json").read_text())
+    capped = json.loads((tmp_path / "budget" / "services.json").read_text())
+    assert set(free["services"]) == {"mid", "small"} and free["demand"]["mid"] == "servegen:m-mid"
+    requests = sum(s["requests"] for s in free["services"].values())
+    assert requests == pytest.approx(4.0 * 3 * 3600, rel=0.01)  # --rate is the services' mean together
+    assert capped["budget"] == 5 and capped["instance_hours"] <= 5 * 3 + 1e-6  # never more than 5 at once
+    for t in {row[0] for row in capped["timelines"]["mid"]} & {row[0] for row in capped["timelines"]["small"]}:
+        held = sum(r + s + d for name in ("mid", "small") for (tt, r, s, d, *_) in capped["timelines"][name]
+                   if tt == t)
+        assert held <= 5, t
+    assert "services.json" in capsys.readouterr().err
+    assert main(args[:4] + ["servegen:m-mid"] + args[5:] + ["--out", str(tmp_path / "bad")]) == 2
+    assert "NAME=SERIES" in capsys.readouterr().err

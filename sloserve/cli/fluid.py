@@ -71,7 +71,7 @@ def fluid_inputs(args: argparse.Namespace, fleet) -> tuple:
         raise ValueError("--fidelity fluid runs an autoscaled colocated fleet: give --autoscale, drop --pd")
     if args.rate is not None and len(args.rate) > 1:
         raise ValueError("--fidelity fluid takes one --rate (the demand window's mean), not a sweep")
-    series = load_series(args.demand, "requests", 600.0)
+    series = load_series(args.demand[0], "requests", 600.0)
     history, run = demand_window(series, args.start, args.duration, args.rate[0] if args.rate else None)
     # the workload gives request shapes only: Poisson arrivals from its start (the window is the demand's)
     spec = replace(workload_spec_from_args(args), rate=1.0, replay=False, start_s=0.0, duration_s=None,
@@ -87,15 +87,10 @@ def fluid_inputs(args: argparse.Namespace, fleet) -> tuple:
 def run_fluid(args: argparse.Namespace, fleet, spec, run, slo, console) -> tuple[dict, str, str]:
     """Measure the response curve, run the fleet on the demand window, write fluid.json. Returns the
     record, a title and a one-paragraph summary. `fleet` has its capacity (simulate.prepare_autoscaling)."""
-    from sloserve.planning import CURVE_DURATION_S, CURVE_INSTANCES, CURVE_LOADS, response_curve
     from sloserve.simulation import build_fluid
-    from sloserve.workload.build import build_stream
 
     capacity = float(fleet.capacity_rps)
-    need = math.ceil(max(CURVE_LOADS) * capacity * CURVE_INSTANCES * CURVE_DURATION_S * 1.05)
-    console.print(f"response curve: {CURVE_INSTANCES} instances at {len(CURVE_LOADS)} loads, {CURVE_DURATION_S:g} s "
-                  f"each ({need} requests of {spec.name}) ...")
-    curve = response_curve(enough(build_stream(replace(spec, num_requests=need)), need), fleet, slo, capacity)
+    curve = measure_curve(fleet, spec, slo, console)
     wall0 = time.perf_counter()
     result = build_fluid(fleet, curve, slo.ttft_s, seed=args.seed).run(run.values, run.step_s)
     wall = time.perf_counter() - wall0
@@ -103,7 +98,7 @@ def run_fluid(args: argparse.Namespace, fleet, spec, run, slo, console) -> tuple
     hours = len(run) * run.step_s / 3600
     peak_need = math.ceil(float(run.values.max()) / (capacity * fleet.target_utilization))
     record = {
-        "fidelity": "fluid", "demand": args.demand, "start_s": args.start, "duration_s": hours * 3600,
+        "fidelity": "fluid", "demand": args.demand[0], "start_s": args.start, "duration_s": hours * 3600,
         "mean_rps": float(run.values.mean()), "peak_rps": float(run.values.max()), "workload": spec.name,
         "slo": args.slo, "model": fleet.model, "hardware": fleet.hardware, "tp": fleet.tp,
         "autoscale": fleet.autoscale, "forecaster": fleet.forecaster if fleet.autoscale in ("predictive", "hybrid")
@@ -118,7 +113,7 @@ def run_fluid(args: argparse.Namespace, fleet, spec, run, slo, console) -> tuple
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "fluid.json").write_text(json.dumps(record, indent=1))
-    label = (f"fluid · {fleet.autoscale} · {args.demand} ({hours:g} h, mean {record['mean_rps']:.1f} req/s) · "
+    label = (f"fluid · {fleet.autoscale} · {args.demand[0]} ({hours:g} h, mean {record['mean_rps']:.1f} req/s) · "
              f"{fleet.model} on {fleet.hardware} · cold start {fleet.cold_start_s:g} s")
     peak = max((row[1] for row in sc["timeline"]), default=0)
     summary = (f"{sc['instance_hours']:.2f} instance-hours ({sc['instance_hours'] / max(1e-9, peak_need * hours):.3f}x "
@@ -126,3 +121,110 @@ def run_fluid(args: argparse.Namespace, fleet, spec, run, slo, console) -> tuple
                f"{result.requests:,.0f} requests ({result.unserved:,.0f} unserved at the end); {sc['cold_starts']} "
                f"cold + {sc['warm_starts']} warm starts, peak {peak} ready; {wall:.1f} s of wall time")
     return record, label, summary
+
+
+def measure_curve(fleet, spec, slo, console):
+    """The response curve (planning.response_curve) of `fleet`'s instances on `spec`'s request shapes."""
+    from sloserve.planning import CURVE_DURATION_S, CURVE_INSTANCES, CURVE_LOADS, response_curve
+    from sloserve.workload.build import build_stream
+
+    capacity = float(fleet.capacity_rps)
+    need = math.ceil(max(CURVE_LOADS) * capacity * CURVE_INSTANCES * CURVE_DURATION_S * 1.05)
+    console.print(f"response curve: {CURVE_INSTANCES} instances at {len(CURVE_LOADS)} loads, {CURVE_DURATION_S:g} s "
+                  f"each ({need} requests of {spec.name}) ...")
+    return response_curve(enough(build_stream(replace(spec, num_requests=need)), need), fleet, slo, capacity)
+
+
+def parse_services(values) -> list[tuple[str, str]]:
+    """`--demand NAME=SERIES` values as (name, series); every one named, each name once."""
+    out = []
+    for value in values or ():
+        name, sep, series = value.partition("=")
+        if not sep or not name or not series:
+            raise ValueError(f"--demand {value!r}: with several services, give each as NAME=SERIES")
+        out.append((name, series))
+    names = [n for n, _ in out]
+    if len(set(names)) != len(names):
+        raise ValueError("--demand: each service's name once")
+    if not out:
+        raise ValueError("--budget shares instances among services: give each as --demand NAME=SERIES")
+    return out
+
+
+def simulate_services(args: argparse.Namespace, fleet) -> int:
+    """`simulate --fidelity fluid --demand A=SERIES --demand B=SERIES [--budget N]`: each service its
+    own pool of `fleet` (its own autoscaler; predictive ones trained on that service's own history),
+    stepped together (sim/services.py); writes services.json with each service's books."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from sloserve.bench.metrics import SLO
+    from sloserve.cli.simulate import prepare_autoscaling
+    from sloserve.cli.workload_args import workload_spec_from_args
+    from sloserve.sim.services import ServiceFleets
+    from sloserve.simulation import build_fluid
+    from sloserve.workload.series import load_series
+
+    services = parse_services(args.demand)
+    if not args.slo:
+        raise ValueError("--fidelity fluid needs --slo: the response curve prices requests against it")
+    if fleet.autoscale is None or fleet.pd:
+        raise ValueError("--fidelity fluid runs autoscaled colocated fleets: give --autoscale, drop --pd")
+    if args.rate is not None and len(args.rate) > 1:
+        raise ValueError("--fidelity fluid takes one --rate (the services' mean together), not a sweep")
+    if args.budget is not None and args.budget < 1:
+        raise ValueError(f"--budget must be >= 1 instance, got {args.budget}")
+    windows = {name: demand_window(load_series(series, "requests", 600.0), args.start, args.duration, None)
+               for name, series in services}
+    steps = {w.step_s for _, w in windows.values()}
+    if len(steps) != 1:
+        raise ValueError("the services' demand series must share one step")
+    if args.rate:  # the services' mean together becomes --rate, each keeping its share
+        scale = args.rate[0] / max(sum(float(w.values.mean()) for _, w in windows.values()), 1e-12)
+        windows = {n: (replace(h, values=h.values * scale), replace(w, values=w.values * scale))
+                   for n, (h, w) in windows.items()}
+    slo = SLO.parse(args.slo)
+    spec = replace(workload_spec_from_args(args), rate=1.0, replay=False, start_s=0.0, duration_s=None,
+                   arrival_process="poisson")
+    console = Console(stderr=True)
+    console.print(f"capacity of one {fleet.model} instance on {fleet.hardware} at {args.slo} ...")
+    prepare_autoscaling(fleet, args, spec, slo)
+    fleet.validate()
+    curve = measure_curve(fleet, spec, slo, console)
+    fleets = {}
+    for i, (name, (history, _)) in enumerate(windows.items()):
+        own = replace(fleet)
+        if own.autoscale in ("predictive", "hybrid") and args.scaling_history is None:
+            if len(history) < 2:
+                raise ValueError("predictive/hybrid need each service's demand before the window: a later --start")
+            own.scaling_history = history  # this service's own past: its forecaster is its own
+            own.demand_step_s = min(own.demand_step_s, history.step_s)
+        fleets[name] = build_fluid(own, curve, slo.ttft_s, seed=args.seed + i)
+    step_s = steps.pop()
+    wall0 = time.perf_counter()
+    result = ServiceFleets(fleets, args.budget).run({n: w.values for n, (_, w) in windows.items()}, step_s)
+    wall = time.perf_counter() - wall0
+    record = {"fidelity": "fluid", "demand": {n: s for n, s in services}, "budget": args.budget,
+              "start_s": args.start, "duration_s": len(next(iter(windows.values()))[1]) * step_s,
+              "workload": spec.name, "slo": args.slo, "model": fleet.model, "hardware": fleet.hardware,
+              "autoscale": fleet.autoscale, "capacity_rps": float(fleet.capacity_rps),
+              "response_curve": curve.as_dict(), "wall_s": wall, **result.as_dict()}
+    record["timelines"] = {name: r.scaling["timeline"] for name, r in result.services.items()}
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "services.json").write_text(json.dumps(record, indent=1))
+    table = Table(title=f"{len(services)} services · {fleet.autoscale} · budget "
+                        f"{args.budget if args.budget is not None else 'none'} · {fleet.model} on {fleet.hardware}")
+    for column in ("service", "demand", "requests", "SLO attainment", "instance-hours", "cold starts"):
+        table.add_column(column, justify="right")
+    books = result.as_dict()["services"]
+    for name, series in services:
+        b = books[name]
+        table.add_row(name, series, f"{b['requests']:,.0f}", f"{100 * b['attainment']:.3f}%",
+                      f"{b['instance_hours']:.2f}", str(b["cold_starts"]))
+    table.add_row("all", "", f"{sum(b['requests'] for b in books.values()):,.0f}",
+                  f"{100 * result.attainment:.3f}%", f"{result.instance_hours:.2f}",
+                  str(sum(b["cold_starts"] for b in books.values())))
+    Console().print(table)
+    console.print(f"wrote {out_dir / 'services.json'}")
+    return 0

@@ -31,10 +31,14 @@ def add_simulate_parser(sub: argparse._SubParsersAction) -> None:
                    help="discrete: every request through the simulated schedulers; fluid: an autoscaled fleet over "
                         "hours or days of --demand at flow level, requests priced by a response curve the discrete "
                         "simulator measures first on --workload's request shapes (writes fluid.json, scaling.png)")
-    d.add_argument("--demand", metavar="SERIES",
+    d.add_argument("--demand", metavar="SERIES|NAME=SERIES", action="append",
                    help="fluid: the request rate over time, servegen:MODEL or a trace (as `sloserve forecast "
                         "--series`); --start/--duration pick the window, --rate R scales it to a mean of R req/s; "
-                        "predictive/hybrid train on what comes before the window unless --scaling-history is given")
+                        "predictive/hybrid train on what comes before the window unless --scaling-history is given. "
+                        "Repeat as NAME=SERIES for several services, each its own pool (writes services.json)")
+    d.add_argument("--budget", type=int, metavar="N",
+                   help="fluid, several services: the most instances all their pools hold together (default: no "
+                        "limit); a round's wants beyond it go where they keep the most requests within the SLO")
     p.set_defaults(func=cmd_simulate)
 
 
@@ -196,9 +200,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
     if args.fidelity == "fluid":
         return simulate_fluid(args)
-    if args.demand:
-        raise ValueError("--demand is the fluid fleet's: add --fidelity fluid (a discrete run's arrivals come from "
-                         "--workload and --rate)")
+    if args.demand or args.budget is not None:
+        raise ValueError("--demand and --budget are the fluid fleet's: add --fidelity fluid (a discrete run's "
+                         "arrivals come from --workload and --rate)")
     spec = workload_spec_from_args(args)
     rates = resolve_rates(args, spec)
     fleet = fleet_config_from_args(args)
@@ -339,6 +343,10 @@ def simulate_fluid(args: argparse.Namespace) -> int:
     from sloserve.cli.fluid import fluid_inputs, run_fluid
 
     fleet = fleet_config_from_args(args)
+    if args.demand and (len(args.demand) > 1 or "=" in args.demand[0]) or args.budget is not None:
+        from sloserve.cli.fluid import simulate_services
+
+        return simulate_services(args, fleet)
     slo, spec, run = fluid_inputs(args, fleet)
     console = Console(stderr=True)
     console.print(f"capacity of one {fleet.model} instance on {fleet.hardware} at {args.slo} ...")

@@ -87,7 +87,7 @@ class ServiceFleets:
 
     def _share(self, names: list[str], state: dict[str, tuple[float, float, float]]) -> None:
         """One decision round of the pools in `names` under the budget."""
-        asks, seen, wanted_of = [], {}, {}
+        asks, seen = [], {}
         for name in names:
             fleet, (now, queued, rate) = self.fleets[name], state[name]
             signals, slots = fleet.observe(now, queued, rate)
@@ -95,11 +95,15 @@ class ServiceFleets:
             decision, wanted = planner.decide(signals)
             observed = signals.demand[-1] if signals.demand else rate  # the rate the controller has seen
             asks.append(ServiceAsk(name, planner.min_instances, wanted,
-                                   lambda n, f=fleet, r=observed: f.served_within_slo(r, n)))
+                                   lambda n, f=fleet, r=observed: f.served_within_slo(r, n),
+                                   held=fleet.scaling.count(READY) + fleet.scaling.count(STARTING)))
             seen[name] = (now, signals, slots, decision, planner)
-            wanted_of[name] = wanted
-        others = sum(self._active(f) for n, f in self.fleets.items() if n not in seen)
-        grants = share_budget(asks, self.budget - others)  # type: ignore[operator]
+        draining = sum(f.scaling.count(DRAINING) for f in self.fleets.values())
+        others = sum(f.scaling.count(READY) + f.scaling.count(STARTING) for n, f in self.fleets.items()
+                     if n not in seen)
+        available = self.budget - others - draining  # type: ignore[operator]
+        grants = share_budget(asks, max(available, sum(a.fewest for a in asks)))
+        binding = sum(max(a.fewest, a.wanted) for a in asks) > available
         # shrink first, so the instances they give up make room for the pools that grow
         order = sorted(names, key=lambda n: grants[n] - self._active(self.fleets[n]))
         for name in order:
@@ -107,8 +111,8 @@ class ServiceFleets:
             fleet = self.fleets[name]
             used = sum(self._active(f) for n, f in self.fleets.items() if n != name)
             grant = min(grants[name], max(planner.min_instances, self.budget - used))  # type: ignore[operator]
-            taken = grant < min(wanted_of[name], self._active(fleet))  # the budget, not the demand, says fewer
-            fleet.carry_out(planner.plan_to(decision, grant, signals, slots, now=taken), now)
+            # while the budget binds, a pool gives up what it was not granted at once (others wait for it)
+            fleet.carry_out(planner.plan_to(decision, grant, signals, slots, now=binding), now)
 
     @staticmethod
     def _active(fleet: FluidFleet) -> int:
