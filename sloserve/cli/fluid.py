@@ -151,15 +151,15 @@ def parse_services(values) -> list[tuple[str, str]]:
     return out
 
 
-def simulate_services(args: argparse.Namespace, fleet) -> int:
+def simulate_services(args: argparse.Namespace, fleet, prepare_autoscaling) -> int:
     """`simulate --fidelity fluid --demand A=SERIES --demand B=SERIES [--budget N]`: each service its
     own pool of `fleet` (its own autoscaler; predictive ones trained on that service's own history),
-    stepped together (sim/services.py); writes services.json with each service's books."""
+    stepped together (sim/services.py); writes services.json with each service's books.
+    `prepare_autoscaling`: simulate's, which measures the capacity of one instance when not given."""
     from rich.console import Console
     from rich.table import Table
 
     from sloserve.bench.metrics import SLO
-    from sloserve.cli.simulate import prepare_autoscaling
     from sloserve.cli.workload_args import workload_spec_from_args
     from sloserve.sim.services import ServiceFleets
     from sloserve.simulation import build_fluid

@@ -346,7 +346,7 @@ def simulate_fluid(args: argparse.Namespace) -> int:
     if args.demand and (len(args.demand) > 1 or "=" in args.demand[0]) or args.budget is not None:
         from sloserve.cli.fluid import simulate_services
 
-        return simulate_services(args, fleet)
+        return simulate_services(args, fleet, prepare_autoscaling)
     slo, spec, run = fluid_inputs(args, fleet)
     console = Console(stderr=True)
     console.print(f"capacity of one {fleet.model} instance on {fleet.hardware} at {args.slo} ...")
