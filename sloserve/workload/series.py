@@ -96,10 +96,16 @@ def binned(requests: Sequence[WorkloadRequest], step_s: float, metric: str = "re
 
 def load_series(spec: str, metric: str, step_s: float) -> Series:
     """The series a command's `--series` (or `--demand`, `--scaling-history`) names:
-    `servegen:MODEL`, else a request trace (a shared one by name, or a file) binned into `step_s`
+    `servegen:MODEL` (`servegen:A+B`: their sum), else a request trace (a shared one by name, or a file) binned into `step_s`
     windows as `metric` per second."""
     if spec.startswith("servegen:"):
-        return servegen_series(spec.split(":", 1)[1])
+        names = spec.split(":", 1)[1].split("+")
+        if len(names) == 1:
+            return servegen_series(names[0])
+        parts = [servegen_series(n) for n in names]  # several services' demand together
+        if len({(p.step_s, p.start_s, len(p.values)) for p in parts}) != 1:
+            raise ValueError(f"--series {spec!r}: the models' series do not share one time axis")
+        return Series(spec, np.sum([p.values for p in parts], axis=0), parts[0].step_s, parts[0].start_s)
     if not step_s > 0:
         raise ValueError(f"--step must be > 0 s, got {step_s}")
     path = shared_path(spec) if spec in SHARED_FILES else Path(spec)
