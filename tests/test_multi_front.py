@@ -166,13 +166,15 @@ def test_worker_config_and_state_payload_round_trip():
     from sloserve.sched.plan import StepResult
 
     sched.update(plan, StepResult({"a": 7}), 0.1)
-    payload = json.loads(json.dumps(state_payload(SimpleNamespace(scheduler=sched, kv=kv, clock=lambda: 0.2))))
+    core = SimpleNamespace(scheduler=sched, kv=kv, clock=lambda: 0.2, loras=SimpleNamespace(resident=lambda: ["a1"]))
+    payload = json.loads(json.dumps(state_payload(core)))
     published = WorkerState.from_json(payload)
     state = published.state
     assert state.num_running == 1 and state.kv_blocks_total == 64 and state.block_size == 16
     assert state.min_ttft_slack_s == float("inf")  # nothing waits: sent as null, read back as infinity
     assert published.prefix_keys == set(hash_full_blocks(prompt, 16))  # the 3 full prompt blocks, as the router hashes them
     assert published.reading["running"] == 1
+    assert published.state.adapters == {"a1"}  # the adapters it holds in the device's form: the router reads them
 
 
 def test_a_worker_message_of_another_contract_version_is_refused_with_both_versions_named():

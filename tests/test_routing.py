@@ -185,6 +185,21 @@ def test_predicted_load_prefers_a_cached_prefix_until_the_queue_outweighs_it():
     assert router.route(req(prompt=prompt), [st(prefill=500), st(prefill=6000, index=holder)]) == 0
 
 
+def test_predicted_load_prefers_an_instance_holding_the_adapter_until_its_queue_outweighs_it():
+    from dataclasses import replace
+
+    from sloserve.cluster.routers.predicted_load import ADAPTER_MISS_TOKENS
+
+    router = make_router("predicted-load")
+    tuned = replace(req(), lora="support-bot")
+    holder = replace(st(prefill=200), adapters=frozenset({"support-bot"}))
+    assert router.route(tuned, [st(prefill=100), holder]) == 1  # 100 tokens more queue < loading it elsewhere
+    assert router.route(req(), [st(prefill=100), holder]) == 0  # the base model: no preference
+    busy = replace(st(prefill=100 + ADAPTER_MISS_TOKENS + 50), adapters=frozenset({"support-bot"}))
+    assert router.route(tuned, [st(prefill=100), busy]) == 0  # the queue outweighs the adapter's load
+    assert [s.adapter for s in router.scores(tuned, [st(), holder])] == [ADAPTER_MISS_TOKENS, 0.0]
+
+
 def test_predicted_load_without_predictions_falls_back_to_the_point_or_a_prior():
     router = PredictedLoadRouter()
     states = [st(used=900, total=1000, running=4), st(used=100, total=1000, running=4, prefill=50)]

@@ -96,3 +96,6 @@ class InstanceState(_LoadMeasures):
     # The prefix cache as the router may query it; None when prefix caching is off or the
     # instance does not publish it. In-process it is a live view, valid at routing time.
     prefix_index: Optional[PrefixIndex] = None
+    # LoRA adapters held in the device's form: a request naming one runs without loading it (a
+    # real worker publishes them; the simulator's requests name none).
+    adapters: frozenset[str] = frozenset()

@@ -15,6 +15,7 @@ A worker without a secret serves no internal route at all.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hmac
 import json
 import logging
@@ -60,6 +61,9 @@ def state_payload(core: Any, max_keys: int = MAX_PUBLISHED_KEYS) -> dict:
         except RuntimeError:  # "changed size during iteration"
             if attempt == 4:
                 raise
+    loras = getattr(core, "loras", None)
+    if loras is not None:
+        state = dataclasses.replace(state, adapters=frozenset(loras.resident()))
     counters = {name: getattr(reading, name) for name in READING_FIELDS}
     return WorkerState(state, frozenset(keys), counters).to_json()
 

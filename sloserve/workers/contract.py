@@ -38,7 +38,7 @@ def config_from_json(text: str) -> EngineConfig:
     return EngineConfig(**d, cache=cache, scheduler=sched, lora_modules=loras)
 
 
-CONTRACT_VERSION = 1  # of the messages below: change it with any change to their fields
+CONTRACT_VERSION = 2  # of the messages below: change it with any change to their fields
 
 
 class ContractError(ValueError):
@@ -70,6 +70,7 @@ class WorkerState:
                   if f.name != "prefix_index"}
         if math.isinf(fields["min_ttft_slack_s"]):
             fields["min_ttft_slack_s"] = None  # JSON has no infinity
+        fields["adapters"] = sorted(fields["adapters"])
         return {"version": CONTRACT_VERSION, "state": fields,
                 "prefix_keys": [format(k, "x") for k in self.prefix_keys], "reading": dict(self.reading)}
 
@@ -80,6 +81,7 @@ class WorkerState:
             fields = dict(payload["state"])
             if fields.get("min_ttft_slack_s") is None:
                 fields["min_ttft_slack_s"] = float("inf")
+            fields["adapters"] = frozenset(fields.get("adapters") or ())
             return cls(InstanceState(**fields), frozenset(int(k, 16) for k in payload.get("prefix_keys", ())),
                        dict(payload.get("reading") or {}))
         except (KeyError, TypeError, ValueError) as e:

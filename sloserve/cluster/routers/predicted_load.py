@@ -12,6 +12,10 @@ from sloserve.types import Request
 
 
 DEFAULT_DECODE_WEIGHT = 0.25
+# What sending a request to an instance that does not hold its LoRA adapter in the device's form
+# costs, in prefill-token equivalents: the adapter's load there, and one more adapter's products
+# in every step its batch shares (engine/lora.py). A queue longer than this outweighs it.
+ADAPTER_MISS_TOKENS = 256.0
 
 
 @dataclass(frozen=True)
@@ -74,6 +78,7 @@ class LoadScore:
     overflow_risk: float  # P(the instance's KV outgrows its pool while this request runs)
     overflow_cost: float  # tokens a preemption would cost there
     total: float
+    adapter: float = 0.0  # ADAPTER_MISS_TOKENS where the instance does not hold the request's adapter
 
 
 class PredictedLoadRouter(Router):
@@ -98,15 +103,18 @@ class PredictedLoadRouter(Router):
     running request) plus this request's own prompt.
 
     The prefix term makes it cache-aware without hot-spotting: a cached prefix only saves
-    its own prefill, so an instance whose queue has grown beyond that saving loses.
+    its own prefill, so an instance whose queue has grown beyond that saving loses. The adapter
+    term does the same for LoRA: a request naming an adapter prefers the instances that hold it
+    in the device's form, by `adapter_miss_tokens`, unless their queues are longer than that.
     """
 
     name = "predicted-load"
 
     def __init__(self, predictions: Optional[Callable[[Request], Optional[LengthPrediction]]] = None,
                  decode_weight: float = DEFAULT_DECODE_WEIGHT, use_prefix: bool = True,
-                 max_probe_blocks: int = DEFAULT_MAX_BLOCKS):
+                 max_probe_blocks: int = DEFAULT_MAX_BLOCKS, adapter_miss_tokens: float = ADAPTER_MISS_TOKENS):
         self.predictions = predictions
+        self.adapter_miss_tokens = adapter_miss_tokens
         self.decode_weight = decode_weight
         self.use_prefix = use_prefix
         self.max_probe_blocks = max_probe_blocks
@@ -128,7 +136,8 @@ class PredictedLoadRouter(Router):
             uncached = max(1, prompt - matches[i] * bs)
             prefill = load.prefill + uncached
             risk, cost = self._overflow(s, load, prediction, prompt, matches[i] * bs)
-            out.append(LoadScore(prefill, load.decode, risk, cost, prefill + load.decode + risk * cost))
+            miss = self.adapter_miss_tokens if request.lora is not None and request.lora not in s.adapters else 0.0
+            out.append(LoadScore(prefill, load.decode, risk, cost, prefill + load.decode + risk * cost + miss, miss))
         return out
 
     @staticmethod
