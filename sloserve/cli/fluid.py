@@ -56,26 +56,37 @@ def enough(reqs: list, n: int) -> list:
     return out
 
 
+def check_fluid(args: argparse.Namespace, fleet) -> None:
+    """ValueError (one line) on what a fluid run cannot take."""
+    if not args.slo:
+        raise ValueError("--fidelity fluid needs --slo: the response curve prices requests against it")
+    if fleet.autoscale is None or fleet.pd:
+        raise ValueError("--fidelity fluid runs autoscaled colocated fleets: give --autoscale, drop --pd")
+    if args.rate is not None and len(args.rate) > 1:
+        raise ValueError("--fidelity fluid takes one --rate (the demand window's mean), not a sweep")
+
+
+def request_shapes(args: argparse.Namespace):
+    """The workload as a fluid run reads it: request shapes only, Poisson arrivals from its start
+    (the arrival rate is the demand window's)."""
+    from sloserve.cli.workload_args import workload_spec_from_args
+
+    return replace(workload_spec_from_args(args), rate=1.0, replay=False, start_s=0.0, duration_s=None,
+                   arrival_process="poisson")
+
+
 def fluid_inputs(args: argparse.Namespace, fleet) -> tuple:
     """(SLO, the workload spec giving request shapes, the demand window) of a fluid run, with the
     demand before the window set on `fleet` as its forecaster's history when it needs one."""
     from sloserve.bench.metrics import SLO
-    from sloserve.cli.workload_args import workload_spec_from_args
     from sloserve.workload.series import load_series
 
     if not args.demand:
         raise ValueError("--fidelity fluid needs --demand SERIES (servegen:MODEL or a trace): the request rate to run")
-    if not args.slo:
-        raise ValueError("--fidelity fluid needs --slo: the response curve prices requests against it")
-    if fleet.autoscale is None or fleet.pd:
-        raise ValueError("--fidelity fluid runs an autoscaled colocated fleet: give --autoscale, drop --pd")
-    if args.rate is not None and len(args.rate) > 1:
-        raise ValueError("--fidelity fluid takes one --rate (the demand window's mean), not a sweep")
+    check_fluid(args, fleet)
     series = load_series(args.demand[0], "requests", 600.0)
     history, run = demand_window(series, args.start, args.duration, args.rate[0] if args.rate else None)
-    # the workload gives request shapes only: Poisson arrivals from its start (the window is the demand's)
-    spec = replace(workload_spec_from_args(args), rate=1.0, replay=False, start_s=0.0, duration_s=None,
-                   arrival_process="poisson")
+    spec = request_shapes(args)
     if args.scaling_history is None and fleet.autoscale in ("predictive", "hybrid"):
         if len(history) < 2:
             raise ValueError("predictive/hybrid need demand before the window: a later --start, or --scaling-history")
@@ -160,18 +171,12 @@ def simulate_services(args: argparse.Namespace, fleet, prepare_autoscaling) -> i
     from rich.table import Table
 
     from sloserve.bench.metrics import SLO
-    from sloserve.cli.workload_args import workload_spec_from_args
     from sloserve.sim.services import ServiceFleets
     from sloserve.simulation import build_fluid
     from sloserve.workload.series import load_series
 
     services = parse_services(args.demand)
-    if not args.slo:
-        raise ValueError("--fidelity fluid needs --slo: the response curve prices requests against it")
-    if fleet.autoscale is None or fleet.pd:
-        raise ValueError("--fidelity fluid runs autoscaled colocated fleets: give --autoscale, drop --pd")
-    if args.rate is not None and len(args.rate) > 1:
-        raise ValueError("--fidelity fluid takes one --rate (the services' mean together), not a sweep")
+    check_fluid(args, fleet)
     if args.budget is not None and args.budget < 1:
         raise ValueError(f"--budget must be >= 1 instance, got {args.budget}")
     windows = {name: demand_window(load_series(series, "requests", 600.0), args.start, args.duration, None)
@@ -184,8 +189,7 @@ def simulate_services(args: argparse.Namespace, fleet, prepare_autoscaling) -> i
         windows = {n: (replace(h, values=h.values * scale), replace(w, values=w.values * scale))
                    for n, (h, w) in windows.items()}
     slo = SLO.parse(args.slo)
-    spec = replace(workload_spec_from_args(args), rate=1.0, replay=False, start_s=0.0, duration_s=None,
-                   arrival_process="poisson")
+    spec = request_shapes(args)
     console = Console(stderr=True)
     console.print(f"capacity of one {fleet.model} instance on {fleet.hardware} at {args.slo} ...")
     prepare_autoscaling(fleet, args, spec, slo)
