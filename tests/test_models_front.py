@@ -102,8 +102,9 @@ def test_a_models_file_gives_each_model_its_engine_options_and_fleet(tmp_path):
                     "  tiny:\n    path: /models/tiny\n    quantization: none\n"
                     "    fleet: {instances: '0:2', autoscale: reactive, capacity: 3, router: least-requests}\n")
     base_engine, base_spec = EngineConfig(dtype="float32", max_model_len=512), FleetSpec(instances=2)
-    (smol, smol_engine, smol_spec), (tiny, tiny_engine, tiny_spec) = load_models_file(str(path), base_engine,
-                                                                                      base_spec)
+    ((smol, smol_engine, smol_spec), (tiny, tiny_engine, tiny_spec)), budget = load_models_file(
+        str(path), base_engine, base_spec)
+    assert budget is None
     assert (smol, smol_engine.model, smol_engine.dtype, smol_engine.max_model_len) == ("smol", None, "bfloat16", 512)
     assert smol_spec == base_spec  # the command line's fleet
     assert (tiny, tiny_engine.model, tiny_engine.dtype, tiny_engine.quantization) == \
@@ -113,7 +114,48 @@ def test_a_models_file_gives_each_model_its_engine_options_and_fleet(tmp_path):
     for text, message in (("models: {}\n", "expected `models:`"),
                           ("models:\n  a: {dtype: bfloat16}\n", "give at least its `path`"),
                           ("models:\n  a: {path: x, colour: red}\n", "unknown setting"),
-                          ("models:\n  a: {path: x, fleet: {routr: x}}\n", "unknown setting 'routr'")):
+                          ("models:\n  a: {path: x, fleet: {routr: x}}\n", "unknown setting 'routr'"),
+                          ("budget: 4\nmodels:\n  a: {path: x}\n", "every model's fleet an autoscale policy"),
+                          ("budget: 0\nmodels:\n  a: {path: x}\n", "budget is a number of workers")):
         path.write_text(text)
         with pytest.raises(ValueError, match=message):
             load_models_file(str(path), base_engine, base_spec)
+
+
+def test_models_under_one_budget_never_hold_more_workers_than_it_together():
+    """Two models' fronts over stand-in workers (real processes, no model), reactive autoscaling,
+    3 slots each and a budget of 3: the busy model grows to 2 while the idle one keeps its one."""
+    import asyncio
+    import time
+
+    from multi_helpers import FakeWorker, serving_front
+    from sloserve.fleet_view import DRAINING, READY, STARTING
+    from sloserve.front.budget import ModelsBudget
+    from sloserve.workers.fleet import FrontConfig
+
+    def config():
+        return FrontConfig(router="round-robin", poll_interval_s=0.1, predictor=None, autoscale="reactive",
+                           min_instances=1, initial_instances=1, capacity_rps=1.0, scaling_interval_s=0.2,
+                           scale_down_delay_s=0.3, stable_window_s=0.5, cold_start_guess_s=1.0)
+
+    async def main():
+        async with serving_front(lambda slot: FakeWorker(5, 0.02), 3, config()) as (_, busy, port), \
+                serving_front(lambda slot: FakeWorker(5, 0.02), 3, config()) as (_, idle, _):
+            budget = ModelsBudget({"busy": busy.autoscale, "idle": idle.autoscale}, 3, 0.2)
+            with pytest.raises(ValueError, match="below the models' minimums"):
+                ModelsBudget({"busy": busy.autoscale, "idle": idle.autoscale}, 1, 0.2)
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
+                deadline = time.monotonic() + 8
+                while time.monotonic() < deadline:
+                    await asyncio.gather(*(client.post("/v1/completions", json={"prompt": "x", "max_tokens": 5})
+                                           for _ in range(8)))
+                    budget.tick()
+                    held = budget.describe()["held"]
+                    assert sum(held.values()) <= 3, held
+                    await asyncio.sleep(0.1)
+            statuses = {n: [d.status_of(i) for i in d.fleet.instances] for n, d in budget.drivers.items()}
+            assert sum(s in (READY, STARTING) for s in statuses["busy"]) == 2, statuses
+            assert sum(s in (READY, STARTING, DRAINING) for s in statuses["idle"]) == 1, statuses
+            assert busy.autoscale.counters["starts"] >= 1
+
+    asyncio.run(main())

@@ -66,9 +66,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if args.models and args.model:
             raise ValueError("give the models either with --model NAME=PATH or in --models FILE, not both")
         base = engine_config_from_args(argparse.Namespace(**{**vars(args), "model": None}))
-        entries = load_models_file(args.models, base, spec) if args.models else \
-            [(name, replace(base, model=path), spec) for name, path in models]
-        return run_models(entries, settings,
+        entries, budget = load_models_file(args.models, base, spec) if args.models else \
+            ([(name, replace(base, model=path), spec) for name, path in models], None)
+        return run_models(entries, settings, budget=budget,
                           backend=args.backend, host=args.host, port=args.port, qos_config=args.qos_config,
                           api_keys=keys, ray_address=args.ray_address, admin_keys=settings.admin_keys,
                           max_in_flight=args.front_max_in_flight, hang_timeout_s=args.hang_timeout,

@@ -24,12 +24,13 @@ from typing import TYPE_CHECKING, Callable, Optional
 
 from sloserve.cluster.autoscale.demand import DemandMeter
 from sloserve.cluster.autoscale.execute import apply_plan
-from sloserve.fleet_view import DRAINING, READY, STARTING, STOPPED, InstanceSlot, ScalingSignals
+from sloserve.fleet_view import DRAINING, READY, STARTING, STOPPED, InstanceSlot, ScalingPlan, ScalingSignals
 from sloserve.front.migration import every
 from sloserve.timeline import DRAIN, SCALE, UNDRAIN
 from sloserve.workers.fleet import HEALTHY, STARTING as FLEET_STARTING, STOPPED as FLEET_STOPPED
 
 if TYPE_CHECKING:
+    from sloserve.front.budget import ModelsBudget  # noqa: F401
     from sloserve.workers.fleet import Instance, WorkerFleet  # noqa: F401
 
 logger = logging.getLogger(__name__)
@@ -59,6 +60,7 @@ class AutoscaleDriver:
         self.targets: dict[str, int] = {}
         self.held = 0  # requests the front holds because no worker takes arrivals (scaled to zero)
         self.decisions: list[dict] = []  # the latest 50 changes: time, target, reason
+        self.budget: Optional["ModelsBudget"] = None  # front/budget.py, when several models share one
         self.counters = {"starts": 0, "cancelled": 0, "drains": 0, "stops": 0, "taken_back": 0}
         self._task: Optional[asyncio.Task] = None
 
@@ -68,7 +70,7 @@ class AutoscaleDriver:
 
     # ---- the loop ----------------------------------------------------------------------
     def start(self) -> None:
-        if self._task is None:
+        if self._task is None and self.budget is None:  # under a budget, its loop decides
             self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def close(self) -> None:
@@ -152,17 +154,26 @@ class AutoscaleDriver:
         return out
 
     def tick(self) -> None:
+        if self.budget is not None:  # several models share one budget: it decides for all of them
+            self.budget.tick()
+            return
+        if not self.ready_to_plan():
+            return
+        for pool in self.pools:
+            self.carry_out(self.fleet.controller.plan_scaling(self.signals(pool), self.slots(pool)), pool)
+
+    def ready_to_plan(self) -> bool:
+        """Stop the drained workers that emptied; False while no worker has come up yet (the model
+        is unproven and its cold start unmeasured: nothing to plan with)."""
         if not self.fleet.start_times:
-            return  # no worker has come up yet: the model is unproven and the cold start unmeasured
-        for inst in self.fleet.instances:  # drained and empty: stop it
+            return False
+        for inst in self.fleet.instances:
             if inst.draining and self.status_of(inst) == DRAINING and self._empty(inst):
                 self.fleet.stop_slot(inst, "drained (scale down)")
                 self.counters["stops"] += 1
-        for pool in self.pools:
-            self._tick_pool(pool)
+        return True
 
-    def _tick_pool(self, pool: str) -> None:
-        plan = self.fleet.controller.plan_scaling(self.signals(pool), self.slots(pool))
+    def carry_out(self, plan: Optional[ScalingPlan], pool: str = "mixed") -> None:
         if plan is None:
             return
         self.targets[pool] = plan.target

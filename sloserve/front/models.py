@@ -249,9 +249,10 @@ def parse_model_args(values: Sequence[str]) -> list[tuple[str, Optional[str]]]:
 MODEL_OPTIONS = ("dtype", "quantization", "max_model_len")
 
 
-def load_models_file(path: str, base_engine, base_spec) -> list[tuple[str, object, object]]:
-    """(name, EngineConfig, FleetSpec) per model of a models file:
+def load_models_file(path: str, base_engine, base_spec) -> tuple[list[tuple[str, object, object]], Optional[int]]:
+    """((name, EngineConfig, FleetSpec) per model, the shared budget or None) of a models file:
 
+        budget: 6                          # optional: workers all the models' pools hold together
         models:
           smol:
             path: /models/smollm2.gguf     # GGUF or HF directory ("embedded": the packaged model)
@@ -289,4 +290,11 @@ def load_models_file(path: str, base_engine, base_spec) -> list[tuple[str, objec
         spec = FleetSpec.from_mapping(fleet, base_spec, where=f"{where} fleet")
         spec.validate()
         out.append((str(name), engine, spec))
-    return out
+    budget = raw.get("budget")
+    if budget is not None:
+        if not isinstance(budget, int) or budget < 1:
+            raise ValueError(f"{path}: budget is a number of workers >= 1, got {budget!r}")
+        if any(spec.autoscale is None for _, _, spec in out):
+            raise ValueError(f"{path}: a budget is shared by autoscaled pools: give every model's fleet an "
+                             "autoscale policy (fleet: {{instances: MIN:MAX, autoscale: ..., capacity: ...}})")
+    return out, budget

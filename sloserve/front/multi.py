@@ -257,7 +257,8 @@ def run_multi(engine_config: EngineConfig, settings, spec: FleetSpec, *, backend
     return 0
 
 
-def run_models(models: Sequence[tuple[str, EngineConfig, FleetSpec]], settings, *, backend: str = "process",
+def run_models(models: Sequence[tuple[str, EngineConfig, FleetSpec]], settings, *, budget: Optional[int] = None,
+               backend: str = "process",
                host: str = "127.0.0.1", port: int = 8000, qos_config: Optional[str] = None,
                api_keys: Sequence[str] = (), ray_address: Optional[str] = None, log_level: str = "warning",
                admin_keys: Sequence[str] = (), max_in_flight: Optional[int] = None,
@@ -282,25 +283,37 @@ def run_models(models: Sequence[tuple[str, EngineConfig, FleetSpec]], settings, 
                                    ray_address=ray_address, log_level=log_level, admin_keys=admin_keys,
                                    max_in_flight=max_in_flight, hang_timeout_s=hang_timeout_s,
                                    cold_start_s=cold_start_s, scaling_history=scaling_history)
+    shared = None
+    if budget is not None:
+        from sloserve.front.budget import ModelsBudget
+
+        drivers = {name: front.autoscale for name, front in fronts.items()}
+        if any(d is None for d in drivers.values()):
+            raise ValueError("a budget is shared by autoscaled pools: every model needs an autoscale policy")
+        shared = ModelsBudget(drivers, budget, min(d.interval_s for d in drivers.values()))  # type: ignore[union-attr]
     app = ModelFronts(fronts)
     uv_config = uvicorn_config(app, host=host, port=port, limits=settings.connection_limits(),
                                loop=settings.event_loop)
     logger.info("starting %d models on %d %s workers (%d threads each); serving once each has one healthy",
                 len(models), workers, backend, per_worker)
     with asyncio.Runner(loop_factory=uv_config.get_loop_factory()) as runner:
-        runner.run(serve_fronts(list(fronts.values()), uv_config, settings.grace_period_s))
+        runner.run(serve_fronts(list(fronts.values()), uv_config, settings.grace_period_s, budget=shared))
     return 0
 
 
-async def serve_fronts(fronts, config: uvicorn.Config, grace_s: float, server_cls=DrainingServer) -> None:
+async def serve_fronts(fronts, config: uvicorn.Config, grace_s: float, server_cls=DrainingServer,
+                       budget=None) -> None:
     """Several models' fronts on one server: start every fleet, serve once each has a healthy
-    worker, drain them together on a signal, and stop every worker."""
+    worker, drain them together on a signal, and stop every worker. `budget`: a ModelsBudget
+    (front/budget.py) whose loop scales every pool."""
     started = []
     try:
         for front in fronts:
             await front.fleet.start()
             started.append(front)
             await front.start()
+        if budget is not None:
+            budget.start()
         for front in fronts:
             await front.fleet.wait_ready(front.fleet.config.start_timeout_s, count=1)
 
@@ -315,6 +328,8 @@ async def serve_fronts(fronts, config: uvicorn.Config, grace_s: float, server_cl
         logger.info("serving %d models on http://%s:%d", len(fronts), config.host, config.port)
         await server.serve()
     finally:
+        if budget is not None:
+            await budget.close()
         for front in started:
             await front.close()
             await front.fleet.close()
