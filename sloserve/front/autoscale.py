@@ -20,7 +20,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional, Protocol
 
 from sloserve.cluster.autoscale.demand import DemandMeter
 from sloserve.cluster.autoscale.execute import apply_plan
@@ -30,10 +30,14 @@ from sloserve.timeline import DRAIN, SCALE, UNDRAIN
 from sloserve.workers.fleet import HEALTHY, STARTING as FLEET_STARTING, STOPPED as FLEET_STOPPED
 
 if TYPE_CHECKING:
-    from sloserve.front.budget import ModelsBudget  # noqa: F401
     from sloserve.workers.fleet import Instance, WorkerFleet  # noqa: F401
 
 logger = logging.getLogger(__name__)
+
+
+class SharedBudget(Protocol):
+    def tick(self) -> None:
+        """One round for every pool that shares the budget."""
 
 
 class AutoscaleDriver:
@@ -60,7 +64,7 @@ class AutoscaleDriver:
         self.targets: dict[str, int] = {}
         self.held = 0  # requests the front holds because no worker takes arrivals (scaled to zero)
         self.decisions: list[dict] = []  # the latest 50 changes: time, target, reason
-        self.budget: Optional["ModelsBudget"] = None  # front/budget.py, when several models share one
+        self.budget: Optional[SharedBudget] = None  # front/budget.ModelsBudget, when several models share one
         self.counters = {"starts": 0, "cancelled": 0, "drains": 0, "stops": 0, "taken_back": 0}
         self._task: Optional[asyncio.Task] = None
 
