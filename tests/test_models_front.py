@@ -97,14 +97,18 @@ def test_a_models_file_gives_each_model_its_engine_options_and_fleet(tmp_path):
     from sloserve.front.models import load_models_file
 
     path = tmp_path / "models.yaml"
+    (tmp_path / "qos.yaml").write_text("classes:\n  interactive: {ttft_ms: 500, tbt_ms: 50, priority: 0}\n")
     path.write_text("models:\n"
                     "  smol: {path: embedded, dtype: bfloat16}\n"
-                    "  tiny:\n    path: /models/tiny\n    quantization: none\n"
+                    "  tiny:\n    path: /models/tiny\n    quantization: none\n    qos_config: qos.yaml\n"
+                    "    max_in_flight: 8\n"
                     "    fleet: {instances: '0:2', autoscale: reactive, capacity: 3, router: least-requests}\n")
     base_engine, base_spec = EngineConfig(dtype="float32", max_model_len=512), FleetSpec(instances=2)
-    ((smol, smol_engine, smol_spec), (tiny, tiny_engine, tiny_spec)), budget = load_models_file(
-        str(path), base_engine, base_spec)
-    assert budget is None
+    (smol_entry, tiny_entry), budget = load_models_file(str(path), base_engine, base_spec)
+    smol, smol_engine, smol_spec = smol_entry.name, smol_entry.engine, smol_entry.spec
+    tiny, tiny_engine, tiny_spec = tiny_entry.name, tiny_entry.engine, tiny_entry.spec
+    assert budget is None and tiny_entry.qos_config == str(tmp_path / "qos.yaml") and tiny_entry.max_in_flight == 8
+    assert smol_entry.qos_config is None and smol_entry.max_in_flight is None  # the command line's
     assert (smol, smol_engine.model, smol_engine.dtype, smol_engine.max_model_len) == ("smol", None, "bfloat16", 512)
     assert smol_spec == base_spec  # the command line's fleet
     assert (tiny, tiny_engine.model, tiny_engine.dtype, tiny_engine.quantization) == \
@@ -116,7 +120,9 @@ def test_a_models_file_gives_each_model_its_engine_options_and_fleet(tmp_path):
                           ("models:\n  a: {path: x, colour: red}\n", "unknown setting"),
                           ("models:\n  a: {path: x, fleet: {routr: x}}\n", "unknown setting 'routr'"),
                           ("budget: 4\nmodels:\n  a: {path: x}\n", "every model's fleet an autoscale policy"),
-                          ("budget: 0\nmodels:\n  a: {path: x}\n", "budget is a number of workers")):
+                          ("budget: 0\nmodels:\n  a: {path: x}\n", "budget is a number of workers"),
+                          ("models:\n  a: {path: x, qos_config: none.yaml}\n", "is not a file"),
+                          ("models:\n  a: {path: x, max_in_flight: 0}\n", "max_in_flight is a number")):
         path.write_text(text)
         with pytest.raises(ValueError, match=message):
             load_models_file(str(path), base_engine, base_spec)

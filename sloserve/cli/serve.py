@@ -60,14 +60,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if len(models) > 1 or args.models:
         from dataclasses import replace
 
-        from sloserve.front.models import load_models_file
+        from sloserve.front.models import ModelEntry, load_models_file
         from sloserve.front.multi import run_models
 
         if args.models and args.model:
             raise ValueError("give the models either with --model NAME=PATH or in --models FILE, not both")
         base = engine_config_from_args(argparse.Namespace(**{**vars(args), "model": None}))
         entries, budget = load_models_file(args.models, base, spec) if args.models else \
-            ([(name, replace(base, model=path), spec) for name, path in models], None)
+            ([ModelEntry(name, replace(base, model=path), spec) for name, path in models], None)
         return run_models(entries, settings, budget=budget,
                           backend=args.backend, host=args.host, port=args.port, qos_config=args.qos_config,
                           api_keys=keys, ray_address=args.ray_address, admin_keys=settings.admin_keys,

@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Optional, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Sequence
 
 import httpx
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -245,12 +247,25 @@ def parse_model_args(values: Sequence[str]) -> list[tuple[str, Optional[str]]]:
     return out
 
 
-# What a models file may set per model beside `path` and `fleet`: EngineConfig fields.
+# What a models file may set per model beside `path`, `fleet`, `qos_config` and `max_in_flight`:
+# EngineConfig fields.
 MODEL_OPTIONS = ("dtype", "quantization", "max_model_len")
 
 
-def load_models_file(path: str, base_engine, base_spec) -> tuple[list[tuple[str, object, object]], Optional[int]]:
-    """((name, EngineConfig, FleetSpec) per model, the shared budget or None) of a models file:
+@dataclass(frozen=True)
+class ModelEntry:
+    """One model of a multi-model front: its name, engine, fleet, and its own QoS classes and bound
+    on requests in flight (None: the command line's)."""
+
+    name: str
+    engine: Any  # EngineConfig
+    spec: Any  # FleetSpec
+    qos_config: Optional[str] = None  # a --qos-config file: this model's classes and what each key may use
+    max_in_flight: Optional[int] = None
+
+
+def load_models_file(path: str, base_engine, base_spec) -> tuple[list[ModelEntry], Optional[int]]:
+    """(a ModelEntry per model, the shared budget or None) of a models file:
 
         budget: 6                          # optional: workers all the models' pools hold together
         models:
@@ -258,11 +273,12 @@ def load_models_file(path: str, base_engine, base_spec) -> tuple[list[tuple[str,
             path: /models/smollm2.gguf     # GGUF or HF directory ("embedded": the packaged model)
             dtype: bfloat16                # optional: dtype, quantization, max_model_len
             fleet: {instances: "0:2", autoscale: reactive, capacity: 4}   # optional: FleetSpec settings
+            qos_config: qos-smol.yaml      # optional: its own QoS classes (as --qos-config)
+            max_in_flight: 64              # optional: its front's bound on requests in flight
 
     Every model starts from the command line's engine options and fleet spec (`base_engine`,
     `base_spec`); its own settings override them."""
     import dataclasses
-    from pathlib import Path
 
     import yaml
 
@@ -277,10 +293,13 @@ def load_models_file(path: str, base_engine, base_spec) -> tuple[list[tuple[str,
         where = f"{path}: model {name!r}"
         if not isinstance(entry, dict) or not entry.get("path"):
             raise ValueError(f"{where}: give at least its `path`")
-        unknown = sorted(set(entry) - {"path", "fleet", *MODEL_OPTIONS})
+        unknown = sorted(set(entry) - {"path", "fleet", "qos_config", "max_in_flight", *MODEL_OPTIONS})
         if unknown:
-            raise ValueError(f"{where}: unknown setting(s) {', '.join(unknown)}; known: path, fleet, "
-                             f"{', '.join(MODEL_OPTIONS)}")
+            raise ValueError(f"{where}: unknown setting(s) {', '.join(unknown)}; known: path, fleet, qos_config, "
+                             f"max_in_flight, {', '.join(MODEL_OPTIONS)}")
+        bound = entry.get("max_in_flight")
+        if bound is not None and (not isinstance(bound, int) or bound < 1):
+            raise ValueError(f"{where}: max_in_flight is a number of requests >= 1, got {bound!r}")
         model_path = None if entry["path"] == "embedded" else str(entry["path"])
         engine = dataclasses.replace(base_engine, model=model_path,
                                      **{k: entry[k] for k in MODEL_OPTIONS if k in entry})
@@ -289,12 +308,17 @@ def load_models_file(path: str, base_engine, base_spec) -> tuple[list[tuple[str,
             raise ValueError(f"{where}: `fleet` is a mapping of fleet settings")
         spec = FleetSpec.from_mapping(fleet, base_spec, where=f"{where} fleet")
         spec.validate()
-        out.append((str(name), engine, spec))
+        qos = entry.get("qos_config")
+        if qos is not None:
+            qos = str(Path(path).parent / str(qos))  # relative to the models file
+            if not Path(qos).is_file():
+                raise ValueError(f"{where}: qos_config {entry['qos_config']!r} is not a file")
+        out.append(ModelEntry(str(name), engine, spec, qos, bound))
     budget = raw.get("budget")
     if budget is not None:
         if not isinstance(budget, int) or budget < 1:
             raise ValueError(f"{path}: budget is a number of workers >= 1, got {budget!r}")
-        if any(spec.autoscale is None for _, _, spec in out):
+        if any(m.spec.autoscale is None for m in out):
             raise ValueError(f"{path}: a budget is shared by autoscaled pools: give every model's fleet an "
                              "autoscale policy (fleet: {{instances: MIN:MAX, autoscale: ..., capacity: ...}})")
     return out, budget

@@ -24,6 +24,7 @@ from sloserve.config import CacheConfig, EngineConfig, PoolSettings, parse_pd
 from sloserve.server.connections import DrainingServer
 
 if TYPE_CHECKING:
+    from sloserve.front.models import ModelEntry  # noqa: F401
     from sloserve.workers.fleet import FrontConfig
 
 logger = logging.getLogger(__name__)
@@ -257,32 +258,37 @@ def run_multi(engine_config: EngineConfig, settings, spec: FleetSpec, *, backend
     return 0
 
 
-def run_models(models: Sequence[tuple[str, EngineConfig, FleetSpec]], settings, *, budget: Optional[int] = None,
-               backend: str = "process",
-               host: str = "127.0.0.1", port: int = 8000, qos_config: Optional[str] = None,
-               api_keys: Sequence[str] = (), ray_address: Optional[str] = None, log_level: str = "warning",
-               admin_keys: Sequence[str] = (), max_in_flight: Optional[int] = None,
+def run_models(models: Sequence["ModelEntry"], settings, *, budget: Optional[int] = None,
+               backend: str = "process", host: str = "127.0.0.1", port: int = 8000,
+               qos_config: Optional[str] = None, api_keys: Sequence[str] = (), ray_address: Optional[str] = None,
+               log_level: str = "warning", admin_keys: Sequence[str] = (), max_in_flight: Optional[int] = None,
                hang_timeout_s: float = 60.0, cold_start_s: float = 30.0, scaling_history=None) -> int:
-    """Several models behind one front (front/models.py): each (name, engine config, fleet spec)
-    gets its own fleet (its own workers, router and controller), served under that name; the cores
-    are shared evenly among every model's workers."""
+    """Several models behind one front (front/models.py): each ModelEntry gets its own fleet (its
+    own workers, router and controller), QoS classes and bound on requests in flight (the command
+    line's where it gives none), served under its name; the cores are shared evenly among every
+    model's workers; `budget`: the most workers all the models' pools hold together."""
     from sloserve.front.models import ModelFronts
     from sloserve.server.connections import uvicorn_config
+    from sloserve.server.qos import load_qos_config
 
-    for _, engine_config, spec in models:
-        check_fleet_spec(engine_config, spec, scaling_history, max_in_flight, hang_timeout_s)
+    for m in models:
+        check_fleet_spec(m.engine, m.spec, scaling_history, m.max_in_flight or max_in_flight, hang_timeout_s)
     settings.validate()
-    workers = sum(spec.instances for _, _, spec in models)
-    per_worker = max(1, (models[0][1].num_threads or cores()) // workers)
+    workers = sum(m.spec.instances for m in models)
+    per_worker = max(1, (models[0].engine.num_threads or cores()) // workers)
     fleet_secret, salt_secret = _secrets(settings)
     fronts = {}
-    for name, engine_config, spec in models:
-        own = dataclasses.replace(settings, served_model_names=[name])
-        fronts[name] = build_front(engine_config, own, spec, threads_per_worker=per_worker, fleet_secret=fleet_secret,
-                                   salt_secret=salt_secret, backend=backend, qos_config=qos_config, api_keys=api_keys,
-                                   ray_address=ray_address, log_level=log_level, admin_keys=admin_keys,
-                                   max_in_flight=max_in_flight, hang_timeout_s=hang_timeout_s,
-                                   cold_start_s=cold_start_s, scaling_history=scaling_history)
+    for m in models:
+        own = dataclasses.replace(settings, served_model_names=[m.name])
+        if m.qos_config is not None:  # its own classes, the same keys and cache isolation
+            own.registry = load_qos_config(m.qos_config).with_keys(list(api_keys)) \
+                .with_cache_isolation(settings.registry.cache_isolation)
+        fronts[m.name] = build_front(m.engine, own, m.spec, threads_per_worker=per_worker, fleet_secret=fleet_secret,
+                                     salt_secret=salt_secret, backend=backend, qos_config=m.qos_config or qos_config,
+                                     api_keys=api_keys, ray_address=ray_address, log_level=log_level,
+                                     admin_keys=admin_keys, max_in_flight=m.max_in_flight or max_in_flight,
+                                     hang_timeout_s=hang_timeout_s, cold_start_s=cold_start_s,
+                                     scaling_history=scaling_history)
     shared = None
     if budget is not None:
         from sloserve.front.budget import ModelsBudget
