@@ -101,7 +101,7 @@ def test_a_models_file_gives_each_model_its_engine_options_and_fleet(tmp_path):
     path.write_text("models:\n"
                     "  smol: {path: embedded, dtype: bfloat16}\n"
                     "  tiny:\n    path: /models/tiny\n    quantization: none\n    qos_config: qos.yaml\n"
-                    "    max_in_flight: 8\n"
+                    "    max_in_flight: 8\n    scaling_history: servegen:m-small\n"
                     "    fleet: {instances: '0:2', autoscale: reactive, capacity: 3, router: least-requests}\n")
     base_engine, base_spec = EngineConfig(dtype="float32", max_model_len=512), FleetSpec(instances=2)
     (smol_entry, tiny_entry), budget = load_models_file(str(path), base_engine, base_spec)
@@ -109,6 +109,7 @@ def test_a_models_file_gives_each_model_its_engine_options_and_fleet(tmp_path):
     tiny, tiny_engine, tiny_spec = tiny_entry.name, tiny_entry.engine, tiny_entry.spec
     assert budget is None and tiny_entry.qos_config == str(tmp_path / "qos.yaml") and tiny_entry.max_in_flight == 8
     assert smol_entry.qos_config is None and smol_entry.max_in_flight is None  # the command line's
+    assert tiny_entry.scaling_history == "servegen:m-small" and smol_entry.scaling_history is None
     assert (smol, smol_engine.model, smol_engine.dtype, smol_engine.max_model_len) == ("smol", None, "bfloat16", 512)
     assert smol_spec == base_spec  # the command line's fleet
     assert (tiny, tiny_engine.model, tiny_engine.dtype, tiny_engine.quantization) == \

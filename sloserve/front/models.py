@@ -262,6 +262,7 @@ class ModelEntry:
     spec: Any  # FleetSpec
     qos_config: Optional[str] = None  # a --qos-config file: this model's classes and what each key may use
     max_in_flight: Optional[int] = None
+    scaling_history: Optional[str] = None  # this model's past demand (a series): its own forecaster trains on it
 
 
 def load_models_file(path: str, base_engine, base_spec) -> tuple[list[ModelEntry], Optional[int]]:
@@ -275,6 +276,7 @@ def load_models_file(path: str, base_engine, base_spec) -> tuple[list[ModelEntry
             fleet: {instances: "0:2", autoscale: reactive, capacity: 4}   # optional: FleetSpec settings
             qos_config: qos-smol.yaml      # optional: its own QoS classes (as --qos-config)
             max_in_flight: 64              # optional: its front's bound on requests in flight
+            scaling_history: servegen:m-mid   # optional: its own demand history (predictive/hybrid train on it)
 
     Every model starts from the command line's engine options and fleet spec (`base_engine`,
     `base_spec`); its own settings override them."""
@@ -293,10 +295,10 @@ def load_models_file(path: str, base_engine, base_spec) -> tuple[list[ModelEntry
         where = f"{path}: model {name!r}"
         if not isinstance(entry, dict) or not entry.get("path"):
             raise ValueError(f"{where}: give at least its `path`")
-        unknown = sorted(set(entry) - {"path", "fleet", "qos_config", "max_in_flight", *MODEL_OPTIONS})
+        known = {"path", "fleet", "qos_config", "max_in_flight", "scaling_history", *MODEL_OPTIONS}
+        unknown = sorted(set(entry) - known)
         if unknown:
-            raise ValueError(f"{where}: unknown setting(s) {', '.join(unknown)}; known: path, fleet, qos_config, "
-                             f"max_in_flight, {', '.join(MODEL_OPTIONS)}")
+            raise ValueError(f"{where}: unknown setting(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
         bound = entry.get("max_in_flight")
         if bound is not None and (not isinstance(bound, int) or bound < 1):
             raise ValueError(f"{where}: max_in_flight is a number of requests >= 1, got {bound!r}")
@@ -313,7 +315,8 @@ def load_models_file(path: str, base_engine, base_spec) -> tuple[list[ModelEntry
             qos = str(Path(path).parent / str(qos))  # relative to the models file
             if not Path(qos).is_file():
                 raise ValueError(f"{where}: qos_config {entry['qos_config']!r} is not a file")
-        out.append(ModelEntry(str(name), engine, spec, qos, bound))
+        history = entry.get("scaling_history")
+        out.append(ModelEntry(str(name), engine, spec, qos, bound, None if history is None else str(history)))
     budget = raw.get("budget")
     if budget is not None:
         if not isinstance(budget, int) or budget < 1:

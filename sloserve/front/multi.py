@@ -271,8 +271,12 @@ def run_models(models: Sequence["ModelEntry"], settings, *, budget: Optional[int
     from sloserve.server.connections import uvicorn_config
     from sloserve.server.qos import load_qos_config
 
+    from sloserve.workload.series import load_series
+
+    histories = {m.name: load_series(m.scaling_history, "requests", 600.0) if m.scaling_history else scaling_history
+                 for m in models}  # each model's own past demand, else the command line's
     for m in models:
-        check_fleet_spec(m.engine, m.spec, scaling_history, m.max_in_flight or max_in_flight, hang_timeout_s)
+        check_fleet_spec(m.engine, m.spec, histories[m.name], m.max_in_flight or max_in_flight, hang_timeout_s)
     settings.validate()
     workers = sum(m.spec.instances for m in models)
     per_worker = max(1, (models[0].engine.num_threads or cores()) // workers)
@@ -288,7 +292,7 @@ def run_models(models: Sequence["ModelEntry"], settings, *, budget: Optional[int
                                      api_keys=api_keys, ray_address=ray_address, log_level=log_level,
                                      admin_keys=admin_keys, max_in_flight=m.max_in_flight or max_in_flight,
                                      hang_timeout_s=hang_timeout_s, cold_start_s=cold_start_s,
-                                     scaling_history=scaling_history)
+                                     scaling_history=histories[m.name])
     shared = None
     if budget is not None:
         from sloserve.front.budget import ModelsBudget
