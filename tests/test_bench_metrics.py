@@ -130,6 +130,23 @@ def test_compare_ratios(tmp_path):
     assert "Baseline: **A**" in compare_markdown(runs, labels)
 
 
+def test_per_rate_view_sets_each_system_against_the_first_at_the_same_rate(tmp_path):
+    from sloserve.bench.compare import load_systems, per_rate_markdown
+
+    (tmp_path / "vllm").mkdir()
+    (tmp_path / "sloserve").mkdir()
+    save_results(tmp_path / "vllm" / "results.json", [_result("vllm", rate=2.0), _result("vllm", rate=4.0)])
+    save_results(tmp_path / "sloserve" / "results.json",
+                 [_result("sloserve", rate=2.0, scale=0.5), _result("sloserve", rate=8.0, scale=0.5)])
+    runs, _, systems = load_systems([tmp_path / "vllm" / "results.json", tmp_path / "sloserve" / "results.json"])
+    assert systems == ["vllm", "vllm", "sloserve", "sloserve"]  # alike stems: the folders name the systems
+    md = per_rate_markdown(runs, systems)
+    assert "### At 2 req/s" in md and "4 req/s" not in md and "8 req/s" not in md  # only rates both ran
+    ttft = next(line for line in md.splitlines() if line.startswith("| TTFT p50"))
+    assert ttft.rstrip(" |").endswith("0.50×")  # sloserve's TTFT against vLLM's at 2 req/s
+    assert per_rate_markdown(runs[:2], systems[:2]) == ""  # one system: nothing to set side by side
+
+
 def test_workload_and_report_code_do_not_import_torch_or_the_engine():
     """The simulator reuses these modules; they must stay free of torch and the engine."""
     import subprocess

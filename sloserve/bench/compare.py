@@ -57,16 +57,64 @@ OUTCOME_ROWS = (
 
 def load_runs(paths: Sequence[str | Path]) -> tuple[list[BenchResult], list[str]]:
     """Every run of every file, with its label; `file: label` where labels would collide."""
+    runs, labels, _ = load_systems(paths)
+    return runs, labels
+
+
+def load_systems(paths: Sequence[str | Path]) -> tuple[list[BenchResult], list[str], list[str]]:
+    """`load_runs`, and which system (file) each run is of: the file's stem, or its parent folder's
+    name where the stems are alike (`vllm/results.json`, `sloserve/results.json`)."""
     runs: list[BenchResult] = []
-    stems: list[str] = []
+    files: list[Path] = []
     for p in paths:
         for r in load_results(p):
             runs.append(r)
-            stems.append(Path(p).stem)
+            files.append(Path(p))
+    stems = [f.stem for f in files]
+    systems = stems if len(set(stems)) == len(set(files)) else [f.parent.name or f.stem for f in files]
     labels = [r.label for r in runs]
     if len(set(labels)) < len(labels):
         labels = [f"{stem}: {lab}" for stem, lab in zip(stems, labels)]
-    return runs, labels
+    return runs, labels, systems
+
+
+# What the per-rate view compares at each offered rate.
+RATE_ROWS = ("output throughput (tok/s)", "TTFT p50 (ms)", "TTFT p99 (ms)", "TPOT p50 (ms)", "TPOT p99 (ms)",
+             "SLO attainment (%)", "goodput (req/s)")
+
+
+def per_rate_markdown(runs: Sequence[BenchResult], systems: Sequence[str]) -> str:
+    """Each system against the first at the same offered rate: one table per rate that at least two
+    systems ran (a sweep's ratios are only meaningful between runs offered the same load). Empty if
+    no rate was run by two systems."""
+    order = list(dict.fromkeys(systems))
+    if len(order) < 2:
+        return ""
+    at: dict[float, dict[str, BenchResult]] = {}
+    for run, system in zip(runs, systems):
+        if run.rate is not None:
+            at.setdefault(run.rate, {}).setdefault(system, run)
+    rows = [r for r in ROWS if r.name in RATE_ROWS]
+    parts = []
+    for rate in sorted(at):
+        have = [s for s in order if s in at[rate]]
+        if len(have) < 2 or have[0] != order[0]:
+            continue
+        header = ["metric"] + [c for i, s in enumerate(have) for c in ([s] if i == 0 else [s, f"÷ {order[0]}"])]
+        table = []
+        for row in rows:
+            values = [row.get(at[rate][s].summary.overall) for s in have]
+            cells = [row.name + (" ↑" if row.higher_is_better else " ↓")]
+            for i, v in enumerate(values):
+                cells.append(fmt_num(v * row.scale if v is not None else None, 1 if row.scale != 1 else 3))
+                if i > 0:
+                    cells.append(_ratio(v, values[0]))
+            table.append(cells)
+        title = "as fast as possible" if math.isinf(rate) else f"{rate:g} req/s"
+        parts += [f"### At {title}", ""] + md_table(header, table) + [""]
+    if not parts:
+        return ""
+    return "\n".join([f"## Per rate: each system against **{order[0]}** at the same offered rate", ""] + parts)
 
 
 def _ratio(value: Optional[float], base: Optional[float]) -> str:

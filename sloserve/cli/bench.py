@@ -129,12 +129,15 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.markdown import Markdown
 
-    from sloserve.bench.compare import compare_markdown, load_runs
+    from sloserve.bench.compare import compare_markdown, load_systems, per_rate_markdown
 
-    runs, labels = load_runs(args.results)
+    runs, labels, systems = load_systems(args.results)
     if not runs:
         raise ValueError("no runs in the given files")
     text = compare_markdown(runs, labels)
+    by_rate = per_rate_markdown(runs, systems)
+    if by_rate:
+        text += "\n" + by_rate
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "compare.md").write_text(text, encoding="utf-8")
