@@ -751,7 +751,9 @@ def plot_report(report: dict[str, Any], path: Path) -> None:
         for tick in ax.get_xticklabels():
             tick.set_horizontalalignment("right")
     s = report["settings"]
-    peers = ", peers in fp32" if s["peers"] else ""
+    peer_precisions = sorted({precision_text(e.get("settings", {})) for name, e in ok.items()
+                              if not name.startswith("sloserve ")} - {""})
+    peers = f", peers in {' and '.join(peer_precisions)}" if peer_precisions else ""
     fig.suptitle(f"{s['num_prompts']} ShareGPT prompts x {s['max_tokens']} tokens{peers}, "
                  f"{s['threads']} threads ({report['date']})")
     fig.tight_layout()
