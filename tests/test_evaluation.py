@@ -307,6 +307,24 @@ def test_a_two_class_cell_judges_each_class_on_its_own_targets():
     assert sum(by_policy["edf"]) < sum(by_policy["fcfs"])
 
 
+def test_tier_policies_size_the_lower_tiers_and_the_baseline_keeps_the_device_cache_alone():
+    from sloserve.evaluation.fleet import Policy, fleet_config
+
+    setting = Setting.of({"trace": "mooncake-conv", "hardware": "h100-80g", "model": "llama-3.1-70b", "tp": 4,
+                          "instances": 4, "slo": 1.0, "link": "roce-100g"})
+    store = fleet_config(setting, Policy("prefix-affinity", tiers="+store"))
+    assert (store.cache.host_tier_gib, store.cache.disk_tier_gib, store.kv_store_gib) == (800.0, 2048.0, 8192.0)
+    assert store.kv_store_link == "roce-100g"  # the store is reached over the cell's link
+    device = fleet_config(setting, Policy("prefix-affinity"))
+    assert (device.cache.host_tier_gib, device.cache.disk_tier_gib, device.kv_store_gib) == (0.0, 0.0, 0.0)
+    lineup = make_decision("tiers").policies(load_grid("tiers").cells[0])
+    assert [p.name for p in lineup.candidates] == ["KV +host (prefix-affinity)", "KV +disk (prefix-affinity)",
+                                                   "KV +store (prefix-affinity)"]
+    assert [p.name for p in lineup.baselines] == ["prefix-affinity"]
+    with pytest.raises(ValueError, match="unknown tiers"):
+        fleet_config(setting, Policy("prefix-affinity", tiers="+tape"))
+
+
 def test_migration_targets_count_memory_tight_cells_and_the_worst_ratio():
     from sloserve.evaluation.result import CellResult
     from sloserve.evaluation.verdict import Verdict

@@ -99,20 +99,45 @@ class Policy:
     migration: str = "none"
     pd: Optional[str] = None
     scheduler: str = "fcfs"  # each instance's scheduling policy (sched/policies)
+    tiers: str = "device"  # where the prefix cache lives: a name of TIERS
 
     @property
     def name(self) -> str:
         name = self.router if self.migration == "none" else f"{self.router} + {self.migration}"
         if self.scheduler != "fcfs":
             name = f"{self.scheduler} scheduling ({name})"
+        if self.tiers != "device":
+            name = f"KV {self.tiers} ({name})"
         return name if self.pd is None else f"P:D {self.pd} ({name})"
+
+
+@dataclass(frozen=True)
+class Tiers:
+    """The prefix cache's lower tiers (kv/tiers.py) a policy runs with, sized as a DGX-class host:
+    host DRAM per GPU, a local NVMe per instance, a store the whole fleet reaches."""
+
+    host_gib_per_gpu: float = 0.0
+    disk_gib: float = 0.0
+    store_gib: float = 0.0
+
+
+TIERS = {"device": Tiers(), "+host": Tiers(200.0), "+disk": Tiers(200.0, 2048.0),
+         "+store": Tiers(200.0, 2048.0, 8192.0)}
 
 
 def fleet_config(setting: Setting, policy: Policy) -> FleetConfig:
     cfg = FleetConfig(instances=setting.instances, hardware=setting.hardware, model=setting.model, tp=setting.tp,
                       router=policy.router, migration=policy.migration, link=setting.link, pd=policy.pd,
-                      scheduler=replace(scheduler(), policy=policy.scheduler), predictor=PREDICTOR, migration_interval_s=MIGRATION_INTERVAL_S,
-                      decode_router=DECODE_ROUTER)
+                      scheduler=replace(scheduler(), policy=policy.scheduler), predictor=PREDICTOR,
+                      migration_interval_s=MIGRATION_INTERVAL_S, decode_router=DECODE_ROUTER)
+    if policy.tiers != "device":
+        try:
+            tiers = TIERS[policy.tiers]
+        except KeyError:
+            raise ValueError(f"unknown tiers {policy.tiers!r}; choose from {sorted(TIERS)}") from None
+        cfg = replace(cfg, cache=replace(cfg.cache, host_tier_gib=tiers.host_gib_per_gpu * setting.tp,
+                                         disk_tier_gib=tiers.disk_gib),
+                      kv_store_gib=tiers.store_gib, kv_store_link=setting.link)
     cfg.validate()
     return cfg
 

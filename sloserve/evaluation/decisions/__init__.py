@@ -11,11 +11,12 @@ from sloserve.evaluation.decisions.disaggregation import DisaggregationDecision
 from sloserve.evaluation.decisions.migration import MigrationDecision
 from sloserve.evaluation.decisions.qos import QoSDecision
 from sloserve.evaluation.decisions.routing import RoutingDecision
+from sloserve.evaluation.decisions.tiers import TiersDecision
 from sloserve.evaluation.suite import load_grid
 
 DECISIONS: dict[str, type[Decision]] = {d.name: d for d in (
     RoutingDecision, MigrationDecision, DisaggregationDecision, AutoscalingDecision, ForecastingDecision,
-    QoSDecision)}
+    QoSDecision, TiersDecision)}
 
 
 def make_decision(name: str, measure: Optional[Any] = None) -> Decision:
@@ -35,4 +36,5 @@ def measure_of(name: str, quick: bool = False) -> Any:
 
 
 __all__ = ["Decision", "GoodputDecision", "Lineup", "Threshold", "DECISIONS", "make_decision", "measure_of", "RoutingDecision", "MigrationDecision", "AutoscalingDecision",
-           "ForecastingDecision", "DisaggregationDecision", "QoSDecision"]
+           "ForecastingDecision", "DisaggregationDecision", "QoSDecision",
+           "TiersDecision"]
