@@ -126,6 +126,27 @@ def test_health_and_metrics_answer_while_huge_prompts_are_judged(front):
                for i in range(2))
 
 
+def test_the_front_resolves_qos_once_and_a_client_cannot_forge_the_resolution(front, http):
+    """The front sends its resolved class and priority to the worker (workers/contract.QOS_HEADER),
+    which takes them as given; a client's own copy of that header is dropped at the front, and a
+    worker reached without the fleet secret ignores it and resolves the class itself."""
+    from sloserve.workers.contract import QOS_HEADER
+
+    def served(cls: str) -> float:
+        return sum(v for w in workers(http) for (name, labels), v in scrape(w["url"]).items()
+                   if name == "sloserve:slo_requests_total" and dict(labels).get("qos_class") == cls)
+
+    before = {c: served(c) for c in ("interactive", "impossible")}
+    forged = {QOS_HEADER: "impossible -"}
+    r = http.post("/v1/completions", headers=forged, json={"prompt": "Hi", "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    direct = httpx.post(workers(http)[0]["url"] + "/v1/completions", headers={**AUTH, **forged},
+                        json={"prompt": "Hi", "max_tokens": 2}, timeout=60)
+    assert direct.status_code == 200, direct.text
+    # both counted in alice's default class, neither in the forged one
+    assert served("interactive") - before["interactive"] == 2 and served("impossible") == before["impossible"]
+
+
 def test_structured_outputs_pass_through_the_front(front):
     """The front judges the constraint's shape and forwards it; the worker that generates compiles
     it (a 400 naming the field when it cannot) and keeps its stream within it, streamed or whole."""

@@ -215,3 +215,13 @@ def test_a_slot_whose_workers_die_while_starting_backs_off():
         assert info["failed_starts"] == 2 and fleet.counters["replacements"] == 1
 
     asyncio.run(main())
+
+
+def test_the_qos_header_carries_a_class_and_a_priority_or_none():
+    from sloserve.workers.contract import parse_qos_header, qos_header
+
+    assert parse_qos_header(qos_header("interactive", None)) == ("interactive", None)
+    assert parse_qos_header(qos_header("batch jobs", -3)) == ("batch jobs", -3)  # the last word is the priority
+    for bad in ("interactive", " -", "x y"):
+        with pytest.raises(ValueError):
+            parse_qos_header(bad)

@@ -72,7 +72,7 @@ from sloserve.front.whole import answers_whole, as_stream, collect_whole
 from sloserve.front.stream import Interrupted, SSESplitter, Stop, carries_output
 from sloserve.server.protocol import GenerationRequest, check_call, header_priority
 from sloserve.server.qos import CacheSalter, QoSRegistry, cache_secret
-from sloserve.workers.contract import FLEET_SECRET_HEADER
+from sloserve.workers.contract import FLEET_SECRET_HEADER, QOS_HEADER, qos_header
 from sloserve.timeline import DRAIN, UNDRAIN, FleetTimeline
 from sloserve.types import Request, SamplingParams
 
@@ -566,6 +566,8 @@ class Front:
         upstream_headers = dict(headers)
         if self.fleet.fleet_secret:  # the workers annotate the streams of their own front
             upstream_headers[FLEET_SECRET_HEADER] = self.fleet.fleet_secret
+            # the class and priority resolved here, once: the worker takes them as given
+            upstream_headers[QOS_HEADER] = qos_header(routed.qos.name, routed.priority)
         tried: set = set()
         last_error = "no healthy instance"
         refused: Optional[Response] = None  # the last worker's 429/503, returned if nobody else takes it

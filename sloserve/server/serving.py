@@ -57,7 +57,7 @@ from sloserve.server.tenants import TenantLimiter, client_request_id, scope_requ
 from sloserve.server.responses import ResponsesRequest, ResponseWriter, responses_param
 from sloserve.server.tool_calls import ToolUse, calls_json, prompt_messages, resolve_parser, tool_definitions
 from sloserve.server.tool_parsers import ToolCallStream
-from sloserve.workers.contract import KV_PUSH_HEADER, RELAY_COMMENT
+from sloserve.workers.contract import KV_PUSH_HEADER, QOS_HEADER, RELAY_COMMENT, parse_qos_header
 from sloserve.types import QoSClass, SamplingParams, StructuredOutput
 
 logger = logging.getLogger(__name__)
@@ -307,13 +307,29 @@ class OpenAIServing:
         model, lora = self.check_model(body.model, principal)  # a fleet's workers know its keys too
         request_id = header_request_id(request.headers.get("x-request-id")) or f"{prefix}-{uuid.uuid4().hex}"
         request.state.request_id = request_id
-        class_name = body.qos_class if body.qos_class is not None else request.headers.get("x-qos-class")
-        priority = body.priority if body.priority is not None else header_priority(request.headers.get("x-priority"))
-        # The classes and priorities a key may use come from the QoS config: 403 beyond them.
-        qos, priority = self.registry.authorize(class_name, principal, priority)
+        resolved = request.headers.get(QOS_HEADER) if relay else None
+        if resolved is not None:  # the fleet's front resolved them for its caller, with the same QoS config
+            qos, priority = self._resolved_qos(resolved)
+        else:
+            class_name = body.qos_class if body.qos_class is not None else request.headers.get("x-qos-class")
+            priority = body.priority if body.priority is not None else header_priority(request.headers.get("x-priority"))
+            # The classes and priorities a key may use come from the QoS config: 403 beyond them.
+            qos, priority = self.registry.authorize(class_name, principal, priority)
         push = request.headers.get(KV_PUSH_HEADER, "").split() if relay else []
         return CallContext(request_id, model, principal, qos, priority, relay=relay,
                            kv_push=(push[0], push[1]) if len(push) == 2 else None, lora=lora)
+
+    def _resolved_qos(self, value: str) -> tuple[QoSClass, Optional[int]]:
+        """The class and priority a fleet's front resolved (workers/contract.QOS_HEADER)."""
+        try:
+            name, priority = parse_qos_header(value)
+        except ValueError as exc:
+            raise bad_request(str(exc), "qos_class") from None
+        qos = self.registry.classes.get(name)
+        if qos is None:
+            raise APIError(400, f"the front resolved QoS class {name!r}, which this worker does not know: run the "
+                                "front and its workers with one --qos-config", param="qos_class", code="qos_mismatch")
+        return qos, priority
 
     async def _compile(self, constraint: Optional[StructuredOutput]) -> None:
         """Compile a call's constraint on the grammar thread (the engine then finds it cached):

@@ -24,6 +24,22 @@ RELAY_COMMENT = ": sloserve "  # SSE comment lines a worker adds for its front (
 # "TARGET_URL MIGRATION_ID" on a generation request from the front (with the fleet secret): send
 # the request's KV blocks to that worker as its prefill computes them (a pipelined P/D hand-off).
 KV_PUSH_HEADER = "X-Sloserve-KV-Push"
+# "CLASS PRIORITY" (PRIORITY an int or "-") on a generation request from the front (with the fleet
+# secret): the QoS class and priority the front resolved for its caller, which the worker uses as
+# given instead of resolving them again.
+QOS_HEADER = "X-Sloserve-QoS"
+
+
+def qos_header(class_name: str, priority) -> str:
+    return f"{class_name} {'-' if priority is None else int(priority)}"
+
+
+def parse_qos_header(value: str) -> tuple[str, "int | None"]:
+    """(class name, priority or None) of a QOS_HEADER value; ValueError if malformed."""
+    name, _, priority = value.strip().rpartition(" ")
+    if not name:
+        raise ValueError(f"malformed {QOS_HEADER} {value!r}: expected 'CLASS PRIORITY'")
+    return name, None if priority == "-" else int(priority)
 
 
 def config_to_json(config: EngineConfig) -> str:
