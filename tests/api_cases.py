@@ -36,6 +36,9 @@ BAD_REQUESTS = [
     ("form-body", C, b"prompt=hi", {"Content-Type": "application/x-www-form-urlencoded"}, 400, None),
     ("empty-body", C, b"", {}, 400, None),
     ("missing-prompt", C, {"max_tokens": 4}, {}, 400, "prompt"),
+    # the front's own field (the prompt's ids, tokenized once): nobody else may set it
+    ("front-prompt-ids", C, {"prompt": "hi", "sloserve_prompt_ids": [1, 2]}, {}, 400, "sloserve_prompt_ids"),
+    ("front-prompt-ids-chat", CH, {"messages": OK_MSG, "sloserve_prompt_ids": [1]}, {}, 400, "sloserve_prompt_ids"),
     ("missing-messages", CH, {"max_tokens": 4}, {}, 400, "messages"),
     ("max-tokens-string", C, {"prompt": "hi", "max_tokens": "ten"}, {}, 400, "max_tokens"),
     ("max-tokens-zero", C, {"prompt": "hi", "max_tokens": 0}, {}, 400, "max_tokens"),

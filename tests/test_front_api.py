@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from api_cases import BAD_REQUESTS, KEY, MAX_BODY, QOS_CONFIG, send_bad_request
+from api_cases import BAD_REQUESTS, CH, KEY, MAX_BODY, QOS_CONFIG, C, send_bad_request
 from server_helpers import ServerProcess, metric, scrape, wait_for
 from sloserve import SamplingParams
 
@@ -145,6 +145,33 @@ def test_the_front_resolves_qos_once_and_a_client_cannot_forge_the_resolution(fr
     assert direct.status_code == 200, direct.text
     # both counted in alice's default class, neither in the forged one
     assert served("interactive") - before["interactive"] == 2 and served("impossible") == before["impossible"]
+
+
+def test_a_call_tokenized_once_at_the_front_answers_as_a_worker_tokenizing_it_itself(front, http):
+    """The front routes on ids a worker tokenized and hands them on (sloserve_prompt_ids): the
+    answer equals a worker's own, reached directly (which tokenizes the call itself), for a chat
+    with tools and a tool result, a plain chat and a text completion."""
+    weather = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                                "parameters": {"type": "object",
+                                                               "properties": {"city": {"type": "string"}},
+                                                               "required": ["city"]}}}
+    turns = [{"role": "system", "content": "You answer briefly."},
+             {"role": "user", "content": "Weather in Paris?"},
+             {"role": "assistant", "content": None, "tool_calls": [
+                 {"id": "call_1", "type": "function",
+                  "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+             {"role": "tool", "tool_call_id": "call_1", "content": "18 C and sunny"}]
+    calls = [(CH, {"messages": turns, "tools": [weather], "max_tokens": 12, "temperature": 0}),
+             (CH, {"messages": [{"role": "user", "content": "Name a colour."}], "max_tokens": 8, "temperature": 0}),
+             (C, {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0})]
+    worker = workers(http)[0]["url"]
+    for path, body in calls:
+        via_front = http.post(path, json=body)
+        direct = httpx.post(worker + path, json=body, headers=AUTH, timeout=120)
+        assert via_front.status_code == direct.status_code == 200, (via_front.text, direct.text)
+        one, other = via_front.json()["choices"][0], direct.json()["choices"][0]
+        assert (one.get("message") or one.get("text")) == (other.get("message") or other.get("text")), path
+        assert via_front.json()["usage"]["prompt_tokens"] == direct.json()["usage"]["prompt_tokens"]
 
 
 def test_structured_outputs_pass_through_the_front(front):

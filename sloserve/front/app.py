@@ -70,7 +70,7 @@ from sloserve.front import responses as front_responses
 from sloserve.front.fanout import MergedStream, Part, merge, split
 from sloserve.front.whole import answers_whole, as_stream, collect_whole
 from sloserve.front.stream import Interrupted, SSESplitter, Stop, carries_output
-from sloserve.server.protocol import GenerationRequest, check_call, header_priority
+from sloserve.server.protocol import FRONT_IDS_FIELD, GenerationRequest, check_call, header_priority, refuse_front_ids
 from sloserve.server.qos import CacheSalter, QoSRegistry, cache_secret
 from sloserve.workers.contract import FLEET_SECRET_HEADER, QOS_HEADER, qos_header
 from sloserve.timeline import DRAIN, UNDRAIN, FleetTimeline
@@ -138,6 +138,7 @@ def _judge(raw: bytes, chat: bool, headers) -> tuple[dict, GenerationRequest, Sa
     if not isinstance(body, dict):
         raise APIError(400, "request body must be a JSON object", code="invalid_json")
     call, params = check_call(body, chat, headers)
+    refuse_front_ids(call)  # the front's own field: a client may not set it
     return body, call, params
 
 
@@ -435,7 +436,7 @@ class Front:
                 return None, Response(resp.content, status_code=resp.status_code, headers=_headers_back(resp),
                                       media_type=resp.headers.get("content-type"))
             try:
-                return _token_ids(resp.json().get("tokens")) or [0], None
+                return _token_ids(resp.json().get("tokens")), None  # None for none: routed blind
             except ValueError:
                 return None, None
         # every worker was full or unreachable: the ids are only a routing hint, the proxy decides
@@ -476,6 +477,10 @@ class Front:
             routed.qos, routed.priority = qos
             if self.fleet.predictions is not None:
                 self.fleet.predictions.annotate(routed, _prompt_text(body, chat))
+            if ids is not None and (chat or isinstance(body.get("prompt"), str)):
+                # tokenized once: the worker that serves it takes these ids (they are a worker's own)
+                body = {**body, FRONT_IDS_FIELD: ids}
+                raw = json.dumps(body).encode()
             return await self._proxy(routed, path, raw, body, headers, chat, stop, ticket)
         except Interrupted as e:
             if e.client_gone:

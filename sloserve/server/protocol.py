@@ -116,6 +116,10 @@ class SamplingFields(_Strict):
     # sloserve extensions (also accepted as X-QoS-Class / X-Priority headers)
     priority: Optional[int] = None
     qos_class: Optional[str] = None
+    # Set by a fleet's front only (a worker takes it with the fleet secret, and refuses it from
+    # anyone else): the prompt's ids as a worker tokenized them for routing, so the worker that
+    # serves the call does not tokenize it again.
+    sloserve_prompt_ids: Optional[list[int]] = None
     # accepted and ignored: they change nothing about generation here
     user: Optional[str] = None
     metadata: Optional[dict[str, str]] = None
@@ -451,6 +455,13 @@ class UnloadLoraAdapterRequest(_Strict):
 
 
 GenerationRequest = Union[CompletionRequest, ChatCompletionRequest]
+FRONT_IDS_FIELD = "sloserve_prompt_ids"
+
+
+def refuse_front_ids(body: SamplingFields) -> None:
+    """The front's own field, sent by someone else: refused as any unknown field is."""
+    if body.sloserve_prompt_ids is not None:
+        raise bad_request(f"unknown field {FRONT_IDS_FIELD!r}", FRONT_IDS_FIELD)
 
 
 def header_request_id(value: Optional[str]) -> Optional[str]:

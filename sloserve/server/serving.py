@@ -34,6 +34,7 @@ from sloserve.server.logprobs import TokenStrings, chat_logprobs, completion_log
 from sloserve.server.metrics import FinishedRequest, ServerMetrics
 from sloserve.server.protocol import (
     choice_seed,
+    refuse_front_ids,
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
@@ -149,7 +150,11 @@ class OpenAIServing:
         await self._compile(params.structured)
         # Refuse under overload before spending CPU on tokenization.
         self._counting_rejections(self.admission.check_room, len(prompts) * body.num_choices)
-        prompt_ids = await self._off_loop(lambda: [self._tokenize(p) for p in prompts], "prompt")
+        given = body.sloserve_prompt_ids  # the front's, for one prompt (the context refused anyone else's)
+        if given is not None and len(prompts) == 1:
+            prompt_ids = await self._off_loop(lambda: [self._check_length(given)], "prompt")
+        else:
+            prompt_ids = await self._off_loop(lambda: [self._tokenize(p) for p in prompts], "prompt")
         choices = self._choices(ctx, prompt_ids, params, body.num_choices)
         streams = self._submit(ctx, choices)
         if body.stream:
@@ -236,8 +241,10 @@ class OpenAIServing:
         await self._compile(params.structured)
         messages, template_tools = self.template_input(body.conversation(), tool_definitions(body))
         self._counting_rejections(self.admission.check_room, body.num_choices)
+        given = body.sloserve_prompt_ids  # the front's (the context refused anyone else's)
         ids = await self._off_loop(
-            lambda: self._check_length(self.engine.engine.tokenize_chat(messages, True, template_tools)), "messages")
+            lambda: self._check_length(given if given is not None else
+                                       self.engine.engine.tokenize_chat(messages, True, template_tools)), "messages")
         choices = self._choices(ctx, [ids], params, body.num_choices)
         return tools, choices, self._submit(ctx, choices)
 
@@ -307,6 +314,8 @@ class OpenAIServing:
         model, lora = self.check_model(body.model, principal)  # a fleet's workers know its keys too
         request_id = header_request_id(request.headers.get("x-request-id")) or f"{prefix}-{uuid.uuid4().hex}"
         request.state.request_id = request_id
+        if not relay:
+            refuse_front_ids(body)
         resolved = request.headers.get(QOS_HEADER) if relay else None
         if resolved is not None:  # the fleet's front resolved them for its caller, with the same QoS config
             qos, priority = self._resolved_qos(resolved)
