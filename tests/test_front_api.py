@@ -150,7 +150,8 @@ def test_the_front_resolves_qos_once_and_a_client_cannot_forge_the_resolution(fr
 def test_a_call_tokenized_once_at_the_front_answers_as_a_worker_tokenizing_it_itself(front, http):
     """The front routes on ids a worker tokenized and hands them on (sloserve_prompt_ids): the
     answer equals a worker's own, reached directly (which tokenizes the call itself), for a chat
-    with tools and a tool result, a plain chat and a text completion."""
+    with tools and a tool result, a plain chat, a text completion, and calls of two seeded samples
+    (split at the front into one-choice calls, each handed the same ids)."""
     weather = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                                                 "parameters": {"type": "object",
                                                                "properties": {"city": {"type": "string"}},
@@ -163,14 +164,17 @@ def test_a_call_tokenized_once_at_the_front_answers_as_a_worker_tokenizing_it_it
              {"role": "tool", "tool_call_id": "call_1", "content": "18 C and sunny"}]
     calls = [(CH, {"messages": turns, "tools": [weather], "max_tokens": 12, "temperature": 0}),
              (CH, {"messages": [{"role": "user", "content": "Name a colour."}], "max_tokens": 8, "temperature": 0}),
-             (C, {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0})]
+             (C, {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}),
+             (C, {"prompt": "Once upon a time", "max_tokens": 6, "n": 2, "seed": 3}),  # split at the front
+             (CH, {"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 6, "n": 2, "seed": 5})]
     worker = workers(http)[0]["url"]
     for path, body in calls:
         via_front = http.post(path, json=body)
         direct = httpx.post(worker + path, json=body, headers=AUTH, timeout=120)
         assert via_front.status_code == direct.status_code == 200, (via_front.text, direct.text)
-        one, other = via_front.json()["choices"][0], direct.json()["choices"][0]
-        assert (one.get("message") or one.get("text")) == (other.get("message") or other.get("text")), path
+        mine, theirs = via_front.json()["choices"], direct.json()["choices"]
+        assert [c.get("message") or c.get("text") for c in mine] == \
+            [c.get("message") or c.get("text") for c in theirs], (path, body)
         assert via_front.json()["usage"]["prompt_tokens"] == direct.json()["usage"]["prompt_tokens"]
 
 

@@ -514,9 +514,12 @@ class Front:
             routed.qos, routed.priority = qos
             if self.fleet.predictions is not None:
                 self.fleet.predictions.annotate(routed, _prompt_text(part.body, chat))
+            body, ids = part.body, ids_of[part.prompt_index]
+            if ids is not None and (chat or isinstance(body.get("prompt"), str)):
+                body = {**body, FRONT_IDS_FIELD: ids}  # tokenized once, here, for every sample of the prompt
             part_stop = stop.joined(ended)
             try:
-                response = await self._proxy(routed, path, json.dumps(part.body).encode(), part.body,
+                response = await self._proxy(routed, path, json.dumps(body).encode(), body,
                                              {**headers, "x-request-id": part.request_id}, chat, part_stop, ticket)
             except Interrupted as e:
                 interrupted.append(e)
