@@ -38,7 +38,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from sloserve.bench.metrics import SLO  # noqa: E402
-from sloserve.config import SchedulerConfig  # noqa: E402
+from sloserve.core.config import SchedulerConfig  # noqa: E402
 from sloserve.evaluation.decisions.autoscaling import poisson_requests  # noqa: E402
 from sloserve.planning import (CURVE_DURATION_S, CURVE_INSTANCES, CURVE_LOADS, instance_capacity,  # noqa: E402
                                pool_capacity, response_curve)

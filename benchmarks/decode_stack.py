@@ -34,10 +34,10 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from offline_throughput import machine_info  # noqa: E402
 
-from sloserve.config import EngineConfig  # noqa: E402
+from sloserve.core.config import EngineConfig  # noqa: E402
 from sloserve.engine.llm import LLM  # noqa: E402
 from sloserve.engine.step_trace import StepRecord  # noqa: E402
-from sloserve.types import SamplingParams  # noqa: E402
+from sloserve.core.types import SamplingParams  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 # path names (baseline first) and their labels, per comparison

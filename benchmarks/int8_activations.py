@@ -39,13 +39,13 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from figure import measured_ticks, save  # noqa: E402
 from migration_downtime import cpu_model  # noqa: E402
-from sloserve.config import EngineConfig  # noqa: E402
+from sloserve.core.config import EngineConfig  # noqa: E402
 from sloserve.engine.kernels import load_fused_ops  # noqa: E402
 from sloserve.engine.llm import LLM  # noqa: E402
 from sloserve.engine.quality import load_texts, perplexity, top1_agreement  # noqa: E402
 from sloserve.engine.quant import GroupAffine4, Int4Linear, Int8Linear  # noqa: E402
 from sloserve.engine.weights import load_model  # noqa: E402
-from sloserve.types import SamplingParams  # noqa: E402
+from sloserve.core.types import SamplingParams  # noqa: E402
 
 ROWS = (1, 2, 4, 8, 16)
 LAYER_MATRICES = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("gate_proj", "up_proj"),

@@ -31,11 +31,11 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from migration_downtime import cpu_model  # noqa: E402
 
-from sloserve.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
+from sloserve.core.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
 from sloserve.engine.llm_engine import LLMEngine  # noqa: E402
 from sloserve.engine.model import KVCache  # noqa: E402
 from sloserve.engine.quality import chunked_next_token_logits, load_texts  # noqa: E402
-from sloserve.types import SamplingParams  # noqa: E402
+from sloserve.core.types import SamplingParams  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 HELDOUT = Path(__file__).resolve().parent.parent / "tests" / "data" / "heldout_sharegpt.jsonl"

@@ -31,10 +31,10 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from migration_downtime import cpu_model  # noqa: E402  (the CPU's model name, as every real benchmark writes it)
 
-from sloserve.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
+from sloserve.core.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
 from sloserve.engine.llm_engine import LLMEngine  # noqa: E402
 from sloserve.cli.kv_store import start_kv_store  # noqa: E402
-from sloserve.types import SamplingParams  # noqa: E402
+from sloserve.core.types import SamplingParams  # noqa: E402
 from sloserve.workload.traces import load_sharegpt, shared_path  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -32,7 +32,7 @@ from rich.table import Table  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
 from sloserve import LLM, SamplingParams  # noqa: E402
-from sloserve.config import ModelConfig  # noqa: E402
+from sloserve.core.config import ModelConfig  # noqa: E402
 from sloserve.engine.lora import part_shapes  # noqa: E402
 
 MODULES = {"qkv": ("self_attn", ["q_proj", "k_proj", "v_proj"]), "o": ("self_attn", ["o_proj"]),

@@ -282,7 +282,7 @@ def run_sloserve(prompts: list[list[int]], args: argparse.Namespace) -> dict[str
     Built from an EngineConfig, whose defaults are LLM's, because `LLM(...)` has no
     `quantized_dense_copy` argument (the `/only` specs need it)."""
     from sloserve import LLM, SamplingParams
-    from sloserve.config import CacheConfig, EngineConfig, SchedulerConfig
+    from sloserve.core.config import CacheConfig, EngineConfig, SchedulerConfig
 
     precision: Precision = args.precision_spec
     config = EngineConfig(num_threads=args.num_threads, seed=args.seed, **precision.engine_kwargs,

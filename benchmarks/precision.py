@@ -39,10 +39,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 from offline_throughput import machine_info, usable_cores  # noqa: E402
 
-from sloserve.config import EngineConfig  # noqa: E402
+from sloserve.core.config import EngineConfig  # noqa: E402
 from sloserve.engine.llm import LLM  # noqa: E402
 from sloserve.engine.quality import TOLERANCES, load_texts, perplexity, top1_agreement  # noqa: E402
-from sloserve.types import SamplingParams  # noqa: E402
+from sloserve.core.types import SamplingParams  # noqa: E402
 
 HELDOUT = REPO / "tests" / "data" / "heldout_sharegpt.jsonl"
 # label -> (EngineConfig settings, tolerance row or None)

@@ -33,11 +33,11 @@ from rich.console import Console
 from rich.table import Table
 
 from sloserve.bench.metrics import Summary, summarize
-from sloserve.records import RequestRecord
+from sloserve.core.records import RequestRecord
 from sloserve.bench.runner import class_slos
-from sloserve.config import PREEMPTION_VICTIMS, CacheConfig, SchedulerConfig
+from sloserve.core.config import PREEMPTION_VICTIMS, CacheConfig, SchedulerConfig
 from sloserve.simulation import FleetConfig, build_fleet, sim_requests, simulate
-from sloserve.types import QoSClass
+from sloserve.core.types import QoSClass
 from sloserve.workload.mix import ClassSpec, Mix
 from sloserve.workload.traces import load_azure, load_sharegpt, shared_path
 from sloserve.workload.types import WorkloadRequest
@@ -228,9 +228,9 @@ def engine_run(policy: str, stream: list[WorkloadRequest], mix: Mix, num_threads
                preemption: str = "recompute") -> tuple[Summary, int]:
     """Replay `stream` in real time on the embedded model; records as the bench client would.
     Returns the summary and the engine's preemptions."""
-    from sloserve.config import EngineConfig
+    from sloserve.core.config import EngineConfig
     from sloserve.engine.llm_engine import LLMEngine
-    from sloserve.types import SamplingParams
+    from sloserve.core.types import SamplingParams
 
     cache = CacheConfig(kv_cache_gib=0.25) if num_blocks is None else CacheConfig(num_blocks=num_blocks)
     engine = LLMEngine(EngineConfig(num_threads=num_threads, cache=cache,

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from sloserve.bench.metrics import SLO, jsonable, percentile
-from sloserve.config import SchedulerConfig
+from sloserve.core.config import SchedulerConfig
 from sloserve.planning import SUSTAIN_S, Goodput, Sustained, at_rate, search_rate, sustained
 from sloserve.simulation import FleetConfig, build_fleet, make_predictions, sim_requests, simulate
 from sloserve.workload.build import WorkloadSpec, build_stream

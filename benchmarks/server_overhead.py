@@ -85,9 +85,9 @@ def server_system(loop: str, args: argparse.Namespace, workdir: Path, rnd: int) 
 
 
 def offline_system(args: argparse.Namespace, workdir: Path, rnd: int) -> dict:
-    from sloserve.config import EngineConfig
+    from sloserve.core.config import EngineConfig
     from sloserve.engine.llm import LLM
-    from sloserve.types import SamplingParams
+    from sloserve.core.types import SamplingParams
 
     trace = workdir / f"offline-{rnd}.jsonl"
     llm = LLM(config=EngineConfig(step_trace=str(trace), num_threads=args.threads))

@@ -31,7 +31,7 @@ from rich.table import Table
 from sloserve.bench.metrics import SLO
 from sloserve.planning import at_rate, burst_rate
 from sloserve.simulation import FleetConfig, build_fleet, sim_requests, simulate
-from sloserve.types import QoSClass
+from sloserve.core.types import QoSClass
 from sloserve.workload.build import WorkloadSpec, build_stream
 
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -29,7 +29,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from sloserve.config import SchedulerConfig
+from sloserve.core.config import SchedulerConfig
 from sloserve.simulation import FleetConfig, build_fleet, sim_requests, simulate
 from sloserve.workload.build import WorkloadSpec, build_stream
 

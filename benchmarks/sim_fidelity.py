@@ -34,7 +34,7 @@ from sloserve.bench.plots import plot_latency_cdfs
 from sloserve.bench.result import BenchResult, save_results
 from sloserve.bench.runner import default_synthesizer, prepare
 from sloserve.bench.tokenizer import load_bench_tokenizer
-from sloserve.config import CacheConfig, SchedulerConfig
+from sloserve.core.config import CacheConfig, SchedulerConfig
 from sloserve.engine.step_trace import StepRecord, read_step_trace
 from sloserve.sim.cost import Profile, ProfiledCostModel
 from sloserve.simulation import FleetConfig, build_fleet, sim_requests, simulate

@@ -40,7 +40,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from sloserve.bench.metrics import SLO, percentile
-from sloserve.config import CacheConfig, SchedulerConfig
+from sloserve.core.config import CacheConfig, SchedulerConfig
 from sloserve.planning import at_rate, goodput
 from sloserve.simulation import FleetConfig, build_fleet, sim_requests, simulate
 from sloserve.workload.build import WorkloadSpec, build_stream

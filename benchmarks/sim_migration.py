@@ -47,9 +47,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from routing import TRACES, at_rate, measure_capacity, window  # noqa: E402  (the routing study's workload)
 
 from sloserve.bench.metrics import SLO, jsonable, percentile  # noqa: E402
-from sloserve.config import SchedulerConfig  # noqa: E402
+from sloserve.core.config import SchedulerConfig  # noqa: E402
 from sloserve.simulation import FleetConfig, build_fleet, make_predictions, sim_requests, simulate  # noqa: E402
-from sloserve.types import QoSClass  # noqa: E402
+from sloserve.core.types import QoSClass  # noqa: E402
 from sloserve.workload.types import WorkloadRequest  # noqa: E402
 
 logger = logging.getLogger("sim_migration")

@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from routing import TRACES, Trace, measure_capacity, window  # noqa: E402  (the routing study's workload)
 
 from sloserve.bench.metrics import SLO, jsonable, percentile  # noqa: E402
-from sloserve.config import SchedulerConfig  # noqa: E402
+from sloserve.core.config import SchedulerConfig  # noqa: E402
 from sloserve.planning import at_rate  # noqa: E402
 from sloserve.simulation import FleetConfig, build_fleet, sim_requests, simulate  # noqa: E402
 from sloserve.workload.types import WorkloadRequest  # noqa: E402

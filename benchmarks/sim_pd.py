@@ -48,7 +48,7 @@ from routing import TRACES, Trace, longer_windows, search_capacity, window  # no
 # workloads, its capacity search and the source its sustained probes draw from)
 
 from sloserve.bench.metrics import SLO, jsonable, percentile  # noqa: E402
-from sloserve.config import SchedulerConfig  # noqa: E402
+from sloserve.core.config import SchedulerConfig  # noqa: E402
 from sloserve.planning import SUSTAIN_S, Goodput, max_rate, sustained  # noqa: E402
 from sloserve.sched.costs import StepLoad  # noqa: E402
 from sloserve.sim.catalog import get_model  # noqa: E402

@@ -25,9 +25,9 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from sloserve.config import SchedulerConfig
+from sloserve.core.config import SchedulerConfig
 from sloserve.simulation import FleetConfig, build_fleet, sim_requests, simulate
-from sloserve.types import QoSClass
+from sloserve.core.types import QoSClass
 from sloserve.workload.build import WorkloadSpec, build_stream
 from sloserve.workload.mix import ClassSpec, Mix, assign_mix
 

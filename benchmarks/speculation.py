@@ -41,9 +41,9 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from offline_throughput import machine_info, usable_cores  # noqa: E402
 
-from sloserve.config import EngineConfig, SchedulerConfig  # noqa: E402
+from sloserve.core.config import EngineConfig, SchedulerConfig  # noqa: E402
 from sloserve.engine.llm_engine import LLMEngine  # noqa: E402
-from sloserve.types import SamplingParams  # noqa: E402
+from sloserve.core.types import SamplingParams  # noqa: E402
 from sloserve.workload.traces import iter_sharegpt, shared_path  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]

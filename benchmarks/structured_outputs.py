@@ -31,7 +31,7 @@ from rich.table import Table  # noqa: E402
 
 from sloserve import LLM  # noqa: E402
 from sloserve.engine.structured import choice_grammar, hf_view  # noqa: E402
-from sloserve.types import SamplingParams, StructuredOutput  # noqa: E402
+from sloserve.core.types import SamplingParams, StructuredOutput  # noqa: E402
 
 SMALL = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
                                           "tags": {"type": "array", "items": {"type": "string"}}},

@@ -3,7 +3,7 @@
 `import sloserve` stays light (no torch): the offline API is imported on first use, so the
 scheduler, the memory manager and the simulator load without the engine.
 """
-from sloserve.types import FinishReason, QoSClass, Request, RequestStatus, SamplingParams
+from sloserve.core.types import FinishReason, QoSClass, Request, RequestStatus, SamplingParams
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "AsyncLLMEngine", "LLMEngine", "FinishReason", "QoSClass", "Request", "RequestStatus", "SamplingParams"]

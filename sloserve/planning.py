@@ -233,8 +233,8 @@ def simulator_fingerprint() -> str:
     kv/, cluster policies and the fleet assembly). Any change to it measures again."""
     root = Path(__file__).resolve().parent
     files = [p for d in ("sim", "sched", "kv", "cluster") for p in (root / d).rglob("*.py")]
-    return source_fingerprint(files + [root / "simulation.py", root / "planning.py", root / "types.py",
-                                       root / "config.py"])
+    return source_fingerprint(files + [root / "simulation.py", root / "planning.py", root / "core" / "types.py",
+                                       root / "core" / "config.py"])
 
 
 CAPACITY_SUSTAIN_S = SUSTAIN_S  # arrivals each rate of the capacity search is held for (see `sustained`)

@@ -22,7 +22,7 @@ from sloserve.kv.manager import KVCacheManager
 from sloserve.sched.plan import ScheduledRequest, StepPlan
 from sloserve.sched.costs import StepLoad
 from sloserve.sim.cost import Profile, choose_knots, features, fit_nonnegative, is_decode_only
-from sloserve.types import Request, SamplingParams
+from sloserve.core.types import Request, SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -3,20 +3,20 @@ the same per-request records the bench client writes, so one report serves both.
 
 It sits above `sim/` and `cluster/`: it puts the fleet controller (router + migration
 policies) in charge of simulated instances, which only know the controller's interface
-(`sloserve.fleet_view`)."""
+(`sloserve.core.fleet_view`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Optional, Sequence
 
-from sloserve.records import RequestRecord, error_kind_for_status
+from sloserve.core.records import RequestRecord, error_kind_for_status
 from sloserve.timeline import FleetTimeline
 from sloserve.cluster.controller import FleetController
 from sloserve.cluster.migration import MoveCosts, make_migration_policy, parse_migration
 from sloserve.cluster.mixed_handoff import DEFAULT_QUEUED_TOKENS, make_mixed_handoff
 from sloserve.cluster.routers import RouterOptions, make_router
 from sloserve.cluster.spec import FleetSpec
-from sloserve.config import CacheConfig, ModelConfig, PoolSettings, SchedulerConfig, parse_pd, pd_pool_bounds, pd_roles  # noqa: F401 (parse_pd: re-exported)
+from sloserve.core.config import CacheConfig, ModelConfig, PoolSettings, SchedulerConfig, parse_pd, pd_pool_bounds, pd_roles  # noqa: F401 (parse_pd: re-exported)
 from sloserve.kv.tiers import DISK, STORE, KVTiers
 from sloserve.cluster.experts import make_expert_placer
 from sloserve.cluster.stages import make_stage_policy
@@ -32,7 +32,7 @@ from sloserve.sim.pipeline import PipelineCostModel
 from sloserve.sim.power import get_power
 from sloserve.sim.prompts import SyntheticPrompt
 from sloserve.sim.simulator import SimResult, Simulator
-from sloserve.types import DEFAULT_QOS, QoSClass, Request, SamplingParams, StructuredOutput
+from sloserve.core.types import DEFAULT_QOS, QoSClass, Request, SamplingParams, StructuredOutput
 from sloserve.workload.types import WorkloadRequest
 
 if TYPE_CHECKING:

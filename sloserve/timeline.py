@@ -14,7 +14,7 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping, Optional, Sequence
 
-from sloserve.records import jsonable, percentile
+from sloserve.core.records import jsonable, percentile
 
 # An instance's state as the dashboard shows it (live workers and simulated slots alike).
 READY, STARTING, DRAINING, STOPPED, UNRESPONSIVE, DEAD = \

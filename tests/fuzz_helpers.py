@@ -174,7 +174,7 @@ class ServerUnderTest:
               num_blocks: int = 256, model: Optional[str] = None, settings: Any = None) -> "ServerUnderTest":
         import uvicorn
 
-        from sloserve.config import CacheConfig, EngineConfig, SchedulerConfig
+        from sloserve.core.config import CacheConfig, EngineConfig, SchedulerConfig
         from sloserve.engine.async_engine import AsyncLLMEngine
         from sloserve.engine.llm_engine import LLMEngine
         from sloserve.server.app import build_app

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Iterable, Mapping, Sequence
 
 from sloserve.kv.manager import KVCacheManager
-from sloserve.types import Request
+from sloserve.core.types import Request
 
 
 def assert_tables_read_back(kv: KVCacheManager, requests: Iterable[Request], content: Mapping[int, Sequence],

@@ -2,11 +2,11 @@
 whole context, so any scheduling bug that loses or repeats KV shows up as different output."""
 from __future__ import annotations
 
-from sloserve.config import SchedulerConfig
+from sloserve.core.config import SchedulerConfig
 from sloserve.kv.manager import KVCacheManager
 from sloserve.sched.plan import StepPlan, StepResult
 from sloserve.sched.scheduler import Scheduler
-from sloserve.types import Request, SamplingParams
+from sloserve.core.types import Request, SamplingParams
 
 VOCAB = 1000
 EOS = 999

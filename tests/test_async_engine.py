@@ -100,7 +100,7 @@ def test_a_factory_builds_the_engine_on_the_engine_thread_and_its_errors_reach_t
 
     from engine_helpers import EXACT
 
-    from sloserve.config import CacheConfig, EngineConfig
+    from sloserve.core.config import CacheConfig, EngineConfig
     from sloserve.engine.llm_engine import LLMEngine
 
     built_on = []

@@ -10,7 +10,7 @@ import pytest
 from sloserve.bench.compare import compare_markdown, compare_rows, load_runs
 from sloserve.bench.metrics import SLO, Stats, Summary, percentile, summarize
 from sloserve.bench.plots import write_plots
-from sloserve.records import RequestRecord
+from sloserve.core.records import RequestRecord
 from sloserve.bench.report import report_markdown, run_markdown
 from sloserve.bench.result import BenchResult, load_results, save_results
 

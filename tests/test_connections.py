@@ -33,7 +33,7 @@ MARGIN_S = 3.0
 
 @pytest.fixture(scope="module")
 def server():
-    from sloserve.config import EngineConfig, SchedulerConfig
+    from sloserve.core.config import EngineConfig, SchedulerConfig
     from sloserve.engine.async_engine import AsyncLLMEngine
     from sloserve.engine.llm_engine import LLMEngine
     from sloserve.server.app import build_app

@@ -21,14 +21,14 @@ from server_helpers import ServerProcess, wait_for
 from sloserve.cluster.controller import FleetController
 from sloserve.cluster.migration import MoveCosts, make_migration_policy
 from sloserve.cluster.routers import make_router
-from sloserve.config import SchedulerConfig
+from sloserve.core.config import SchedulerConfig
 from sloserve.sched.live_state import Moment
 from sloserve.sim.catalog import get_model
 from sloserve.sim.cost import RooflineCostModel
 from sloserve.sim.hardware import get_hardware
 from sloserve.sim.instance import SimInstance
 from sloserve.sim.migration import SimMigrator
-from sloserve.types import Request, SamplingParams
+from sloserve.core.types import Request, SamplingParams
 
 ADMIN = "equivalence-admin"
 PROMPTS = {"A": "Tell me a story about a cat.", "B": "Tell me a story about a dog who learns to sail."}

@@ -59,7 +59,7 @@ def test_greedy_fp32_on_cuda_matches_transformers(tiny_llama):
 
 def test_swap_preemption_on_cuda_keeps_greedy_output(tiny_llama):
     from sloserve import SamplingParams
-    from sloserve.config import CacheConfig, EngineConfig, SchedulerConfig
+    from sloserve.core.config import CacheConfig, EngineConfig, SchedulerConfig
     from sloserve.engine.llm_engine import LLMEngine
 
     directory, _ = tiny_llama

@@ -17,7 +17,7 @@ from sloserve.sim.cost import RooflineCostModel
 from sloserve.sim.hardware import get_hardware
 from sloserve.sim.power import get_power
 from sloserve.simulation import FleetConfig, build_fleet, sim_requests, simulate
-from sloserve.types import QoSClass, Request, SamplingParams
+from sloserve.core.types import QoSClass, Request, SamplingParams
 from sloserve.workload.types import WorkloadRequest
 
 H100 = get_power("h100-80g")

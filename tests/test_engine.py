@@ -179,7 +179,7 @@ def test_portable_attention_path_gives_the_same_tokens(reference_tokens):
 
 
 def test_step_trace_records_every_step_with_its_load(tmp_path, reference_tokens):
-    from sloserve.config import CacheConfig, EngineConfig, SchedulerConfig
+    from sloserve.core.config import CacheConfig, EngineConfig, SchedulerConfig
     from sloserve.engine.step_trace import read_step_trace
 
     path = tmp_path / "steps.jsonl"

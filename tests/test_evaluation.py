@@ -28,7 +28,7 @@ from sloserve.evaluation.runner import Evaluation, run_evaluation, write_results
 from sloserve.evaluation.suite import Cell, Measure, cells, load_grid, split_of
 from sloserve.evaluation.tune import tune
 from sloserve.evaluation.verdict import NOISE_FLOOR, judge, seed_ratios
-from sloserve.fleet_view import ScalingSignals
+from sloserve.core.fleet_view import ScalingSignals
 from sloserve.planning import Goodput
 
 GRID = """
@@ -269,7 +269,7 @@ def test_a_two_class_cell_judges_each_class_on_its_own_targets():
     from sloserve.evaluation.fleet import BATCH_TPOT_X, BATCH_TTFT_X, fleet_config, simulate_policy
     from sloserve.evaluation.fleet import Policy
     from sloserve.evaluation.metrics import attainment, classed
-    from sloserve.records import RequestRecord
+    from sloserve.core.records import RequestRecord
     from sloserve.workload.types import WorkloadRequest
 
     params = {"trace": "sharegpt", "hardware": "a10-24g", "model": "llama-2-7b", "tp": 1, "instances": 1,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from fleet_helpers import StandInHandle
 from sloserve.sched.state import InstanceState
 from sloserve.front.multi import build_worker_fleet
-from sloserve.types import Request, SamplingParams
+from sloserve.core.types import Request, SamplingParams
 from sloserve.workers.fleet import HEALTHY, FrontConfig
 
 

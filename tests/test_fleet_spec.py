@@ -11,7 +11,7 @@ import pytest
 from sloserve.cli import build_parser
 from sloserve.cluster.spec import FleetSpec
 from sloserve.cli.fleet_args import resolve_fleet_args
-from sloserve.config import PoolSettings
+from sloserve.core.config import PoolSettings
 from sloserve.front.multi import front_config
 from sloserve.simulation import FleetConfig
 from sloserve.workers.fleet import FrontConfig

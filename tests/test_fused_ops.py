@@ -98,9 +98,9 @@ def test_rejects_what_it_cannot_do():
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_model_forward_matches_the_portable_path(dtype):
     """One mixed step (decodes and a chunked prefill) through both paths of the same model."""
-    from sloserve.config import EngineConfig
+    from sloserve.core.config import EngineConfig
     from sloserve.engine.llm_engine import LLMEngine
-    from sloserve.types import SamplingParams
+    from sloserve.core.types import SamplingParams
 
     engine = LLMEngine(EngineConfig(dtype=dtype, quantization="none", num_threads=1))
     model = engine.model

@@ -86,6 +86,16 @@ def test_nothing_below_the_cli_imports_it():
             assert not bad, f"{name} imports {bad}"
 
 
+def test_the_shared_vocabulary_reaches_nothing_above_it():
+    """core/ reaches only itself and the instance scheduler's load snapshot (sched/state.py, which
+    the controller's view of an instance carries)."""
+    for name in MODULES:
+        if in_layer(name, "core"):
+            bad = sorted(m for m in reach(name) if not in_layer(m, "core") and m not in ("sloserve", "sloserve.sched",
+                                                                                       "sloserve.sched.state"))
+            assert not bad, f"{name} reaches {bad}"
+
+
 def test_the_executors_stay_apart_and_below_bench():
     for name in MODULES:
         for layer, banned in (("sim", ("engine", "bench")), ("engine", ("sim", "bench"))):
@@ -106,5 +116,5 @@ def test_the_graph_counts_imports_inside_functions():
     """What the checks above rest on: imports made inside a function count as the module's own."""
     assert "sloserve.evaluation.decisions" in GRAPH["sloserve.cli.evaluate"][0]  # inside cmd_evaluate
     assert "transformers" in GRAPH["sloserve.engine.structured"][1]  # inside hf_view
-    assert "sloserve.types" in GRAPH["sloserve.sched.scheduler"][0]
+    assert "sloserve.core.types" in GRAPH["sloserve.sched.scheduler"][0]
     assert sum(len(inside) for inside, _ in GRAPH.values()) > 500

@@ -14,7 +14,7 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, initial
 from kv_helpers import assert_cached_blocks_unchanged, assert_tables_read_back
 from sloserve.kv.hashing import hash_block, hash_full_blocks
 from sloserve.kv.manager import KVCacheManager
-from sloserve.types import Request, SamplingParams
+from sloserve.core.types import Request, SamplingParams
 
 BS = 4
 PREFIXES = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3, 4, 50, 51, 52, 53], [7] * 12]

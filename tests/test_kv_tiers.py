@@ -15,14 +15,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from sched_helpers import VOCAB
-from sloserve.config import SchedulerConfig
+from sloserve.core.config import SchedulerConfig
 from sloserve.kv.manager import KVCacheManager
 from sloserve.kv.tiers import DISK, HOST, STORE, KVTiers, LocalTier, TierHit
 from sloserve.sched.costs import LinkSwapCost, StepLoad, TierLinkCosts
 from sloserve.sched.plan import StepPlan, StepResult
 from sloserve.sched.scheduler import Scheduler
 from sloserve.sched.tier_loads import choose_tier_prefix
-from sloserve.types import Request, RequestStatus, SamplingParams
+from sloserve.core.types import Request, RequestStatus, SamplingParams
 
 BS = 4
 
@@ -324,7 +324,7 @@ def test_load_or_recompute_is_priced_per_tier():
 
 # ---- the simulator: the same tiers, priced on the hardware's links -------------------------------
 def test_simulated_fleet_serves_mooncake_prefixes_from_the_shared_store():
-    from sloserve.config import CacheConfig
+    from sloserve.core.config import CacheConfig
     from sloserve.simulation import FleetConfig, build_fleet, sim_requests, simulate
     from sloserve.workload.build import WorkloadSpec, build_stream
 
@@ -353,7 +353,7 @@ def test_simulated_fleet_serves_mooncake_prefixes_from_the_shared_store():
 # ---- rotation: which request yields its KV under pressure ----------------------------------------
 def test_slack_victim_is_the_request_with_most_time_in_hand_and_late_ones_go_first():
     from sloserve.sched.rotation import pick_victim, slo_slack
-    from sloserve.types import QoSClass
+    from sloserve.core.types import QoSClass
 
     qos = QoSClass("i", ttft_target_s=1.0, tbt_target_s=0.1)
 
@@ -384,7 +384,7 @@ def test_slack_rotation_keeps_every_request_correct_under_pressure(mode):
     cfg = SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=8, preemption_mode=mode, preemption_victim="slack")
     sched = Scheduler(cfg, kv, 40, eos_token_ids=(), estimator=PerTokenCost(),
                       swap_cost=LinkSwapCost(1000.0, 1e9))
-    from sloserve.types import QoSClass
+    from sloserve.core.types import QoSClass
 
     qos = QoSClass("i", ttft_target_s=0.5, tbt_target_s=0.05)
     requests = [make_request(f"r{i}", 6 + i % 5, max_tokens=8, qos=qos) for i in range(8)]
@@ -415,7 +415,7 @@ def test_prefix_affinity_routes_to_the_instance_whose_host_tier_holds_the_prefix
 
 
 def test_the_slo_policy_expects_a_tier_hit_and_prices_its_load():
-    from sloserve.types import QoSClass
+    from sloserve.core.types import QoSClass
 
     kv = KVCacheManager(12, BS, enable_prefix_caching=True, watermark=0.0, tiers=KVTiers(host_blocks=64))
     cost = FixedTierCost({HOST: 0.0005})
@@ -440,7 +440,7 @@ def test_the_slo_policy_expects_a_tier_hit_and_prices_its_load():
 
 def test_a_rotated_out_request_sits_out_half_its_slack_while_others_run():
     from sched_helpers import make_request
-    from sloserve.types import QoSClass
+    from sloserve.core.types import QoSClass
 
     kv = KVCacheManager(6, BS, enable_prefix_caching=False, watermark=0.0)
     cfg = SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=8, preemption_victim="slack")

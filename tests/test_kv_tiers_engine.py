@@ -8,9 +8,9 @@ import pytest
 
 from engine_helpers import EXACT
 from sloserve import LLM
-from sloserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from sloserve.core.config import CacheConfig, EngineConfig, SchedulerConfig
 from sloserve.kv.tiers import DISK, HOST, STORE
-from sloserve.types import SamplingParams
+from sloserve.core.types import SamplingParams
 
 pytestmark = pytest.mark.slow
 

@@ -20,10 +20,10 @@ import pytest
 
 from engine_helpers import EXACT
 from server_helpers import ServerProcess
-from sloserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from sloserve.core.config import CacheConfig, EngineConfig, SchedulerConfig
 from sloserve.kv.manager import KVCacheManager
 from sloserve.kv.tiers import DISK, KVTiers, TierOp
-from sloserve.types import Request, SamplingParams
+from sloserve.core.types import Request, SamplingParams
 
 BS = 4
 

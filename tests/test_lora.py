@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 
 from engine_helpers import EXACT
 from sloserve import LLM, SamplingParams
-from sloserve.config import ModelConfig
+from sloserve.core.config import ModelConfig
 from sloserve.engine.lora import LoraError, LoraRegistry, load_peft_adapter, parse_lora_option
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

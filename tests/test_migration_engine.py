@@ -9,11 +9,11 @@ from __future__ import annotations
 import pytest
 
 from engine_helpers import EXACT
-from sloserve.config import EngineConfig
+from sloserve.core.config import EngineConfig
 from sloserve.engine.llm_engine import LLMEngine
 from sloserve.engine.migration import ResumeState, read_blocks, write_blocks
 from sloserve.engine.outputs import CompletedOutput, OutputAccumulator
-from sloserve.types import SamplingParams
+from sloserve.core.types import SamplingParams
 
 pytestmark = pytest.mark.slow
 

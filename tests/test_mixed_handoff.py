@@ -13,7 +13,7 @@ from sloserve.cluster.controller import FleetController
 from sloserve.cluster.migration import MoveCosts
 from sloserve.cluster.mixed_handoff import MIXED_HANDOFFS, make_mixed_handoff
 from sloserve.cluster.routers import make_router
-from sloserve.config import SchedulerConfig
+from sloserve.core.config import SchedulerConfig
 from sloserve.sched.state import InstanceState
 from sloserve.sim.catalog import get_model
 from sloserve.sim.cost import RooflineCostModel
@@ -21,7 +21,7 @@ from sloserve.sim.hardware import get_hardware
 from sloserve.sim.instance import SimInstance
 from sloserve.sim.simulator import Simulator
 from sloserve.simulation import FleetConfig
-from sloserve.types import Request, SamplingParams
+from sloserve.core.types import Request, SamplingParams
 
 MODEL = get_model("llama-2-7b")
 KV_PER_TOKEN = MODEL.kv_bytes_per_token(2)

@@ -93,7 +93,7 @@ def test_two_models_behind_one_front_answer_as_each_alone(tmp_path):
 
 def test_a_models_file_gives_each_model_its_engine_options_and_fleet(tmp_path):
     from sloserve.cluster.spec import FleetSpec
-    from sloserve.config import EngineConfig
+    from sloserve.core.config import EngineConfig
     from sloserve.front.models import load_models_file
 
     path = tmp_path / "models.yaml"
@@ -136,7 +136,7 @@ def test_models_under_one_budget_never_hold_more_workers_than_it_together():
     import time
 
     from multi_helpers import FakeWorker, serving_front
-    from sloserve.fleet_view import DRAINING, READY, STARTING
+    from sloserve.core.fleet_view import DRAINING, READY, STARTING
     from sloserve.front.budget import ModelsBudget
     from sloserve.workers.fleet import FrontConfig
 

@@ -147,13 +147,13 @@ def test_no_healthy_instance_is_a_clean_503():
 def test_worker_config_and_state_payload_round_trip():
     from types import SimpleNamespace
 
-    from sloserve.config import CacheConfig, EngineConfig, SchedulerConfig
+    from sloserve.core.config import CacheConfig, EngineConfig, SchedulerConfig
     from sloserve.kv.hashing import hash_full_blocks
     from sloserve.kv.manager import KVCacheManager
     from sloserve.sched.scheduler import Scheduler
     from sloserve.server.worker import state_payload
     from sloserve.workers.contract import config_from_json, config_to_json
-    from sloserve.types import Request, SamplingParams
+    from sloserve.core.types import Request, SamplingParams
 
     cfg = EngineConfig(num_threads=3, cache=CacheConfig(block_size=32), scheduler=SchedulerConfig(max_num_seqs=5))
     assert config_from_json(config_to_json(cfg)) == cfg

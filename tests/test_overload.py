@@ -25,7 +25,7 @@ from sloserve.sched.costs import OnlineStepEstimator, StepLoad
 from sloserve.server.admission import Admission
 from sloserve.server.errors import APIError
 from sloserve.server.shedding import EngineShape, Load, Shedder, Work, predict_ttft
-from sloserve.types import QoSClass, Request, SamplingParams
+from sloserve.core.types import QoSClass, Request, SamplingParams
 
 # A machine where a step costs 10 ms + 0.1 ms per token + 1e-7 s per attended pair.
 TRUE = (0.01, 1e-4, 1e-7)
@@ -287,7 +287,7 @@ MAX_TOKENS = 24
 BURST_S = 8.0  # at 3x capacity the unshed queue waits ~16 s at its end; a 5 s burst failed once in CI (57.7% shed attainment)
 LAUNCH = """
 import json, logging, sys
-from sloserve.config import EngineConfig, SchedulerConfig
+from sloserve.core.config import EngineConfig, SchedulerConfig
 from sloserve.server.launcher import run_server
 from sloserve.server.qos import parse_qos_config
 from sloserve.server.settings import ServerSettings

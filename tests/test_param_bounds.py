@@ -11,7 +11,7 @@ import torch
 from server_helpers import ServerProcess, assert_error_schema
 from sloserve import SamplingParams
 from sloserve.server.errors import param_from_message
-from sloserve.types import INT32_MAX, MAX_LOGPROBS, SEED_MAX, SEED_MIN
+from sloserve.core.types import INT32_MAX, MAX_LOGPROBS, SEED_MAX, SEED_MIN
 
 PROMPT = "The capital of France is"
 

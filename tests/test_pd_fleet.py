@@ -7,10 +7,10 @@ import pytest
 
 from fleet_helpers import StandInHandle
 from sloserve.cli import main
-from sloserve.config import PoolSettings, SchedulerConfig, pd_roles
+from sloserve.core.config import PoolSettings, SchedulerConfig, pd_roles
 from sloserve.front.handoff import HandoffLatency
 from sloserve.front.multi import build_worker_fleet
-from sloserve.types import Request, SamplingParams
+from sloserve.core.types import Request, SamplingParams
 from sloserve.workers.fleet import HEALTHY, FrontConfig
 
 

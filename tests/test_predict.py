@@ -9,7 +9,7 @@ from sloserve.cluster.lengths import LEVELS, LengthPrediction, SHAREGPT_PRIOR, p
 from sloserve.cluster.predict import (DEFAULT_PATH, HEAD_CHARS, LEN_FEATURES, TAIL_CHARS, GlobalMedianBaseline,
                                       LengthPredictor, LinearLengthBaseline, PredictionBook, TrainConfig, bucket_of,
                                       evaluate, featurize, load_examples, quantiles_from_probs, split, train)
-from sloserve.types import Request, SamplingParams
+from sloserve.core.types import Request, SamplingParams
 
 
 @pytest.fixture(scope="module")

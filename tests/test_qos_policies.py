@@ -11,14 +11,14 @@ import random
 import pytest
 
 from sched_helpers import ContextHashExecutor, make_request, run_to_completion
-from sloserve.config import SchedulerConfig
+from sloserve.core.config import SchedulerConfig
 from sloserve.kv.manager import KVCacheManager
 from sloserve.sched.chunking import prefill_token_cap, tbt_slack
 from sloserve.sched.costs import OnlineStepEstimator, StepLoad, prefill_time
 from sloserve.sched.plan import StepResult
 from sloserve.sched.policies import POLICIES, EDFPolicy, FCFSPolicy, PriorityPolicy, SLOPolicy, make_policy
 from sloserve.sched.scheduler import Scheduler
-from sloserve.types import QoSClass, RequestStatus
+from sloserve.core.types import QoSClass, RequestStatus
 
 INTERACTIVE = QoSClass("interactive", ttft_target_s=1.0, tbt_target_s=0.1, priority=0)
 BATCH = QoSClass("batch", ttft_target_s=30.0, tbt_target_s=1.0, priority=1)

@@ -8,13 +8,13 @@ import random
 import pytest
 
 from sloserve.cluster.routers import make_router
-from sloserve.config import CacheConfig, SchedulerConfig
+from sloserve.core.config import CacheConfig, SchedulerConfig
 from sloserve.sim.catalog import get_model
 from sloserve.sim.cost import RooflineCostModel
 from sloserve.sim.hardware import get_hardware
 from sloserve.sim.instance import SimInstance
 from sloserve.sim.simulator import Simulator
-from sloserve.types import QoSClass, Request, SamplingParams
+from sloserve.core.types import QoSClass, Request, SamplingParams
 
 INTERACTIVE = QoSClass("interactive", ttft_target_s=0.5, tbt_target_s=0.05, priority=0)
 BATCH = QoSClass("batch", ttft_target_s=10.0, tbt_target_s=0.5, priority=1)

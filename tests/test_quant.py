@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType as Q
 
-from sloserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from sloserve.core.config import CacheConfig, EngineConfig, SchedulerConfig
 from sloserve.engine.kernels import load_fused_ops
 from sloserve.engine.llm import LLM
 from sloserve.engine.precision_probe import choose_cpu_dtype, crossover, prepack_pays, quantized_max_rows
@@ -22,7 +22,7 @@ from sloserve.engine.quality import (KV_TOLERANCES, TOLERANCES, TextScores, chun
 from sloserve.engine.quant import (DenseLinear, GroupAffine4, Int4Linear, Int8Linear, RowDispatchLinear,
                                    can_prepack, resolve_quantization)
 from sloserve.engine.weights import load_model
-from sloserve.types import SamplingParams
+from sloserve.core.types import SamplingParams
 from test_weights import random_hf_weights, write_tiny_gguf
 
 HELDOUT = Path(__file__).with_name("data") / "heldout_sharegpt.jsonl"

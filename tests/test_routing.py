@@ -16,7 +16,7 @@ from sloserve.cluster.routers.prefix import prefix_matches
 from sloserve.cluster.routers.prefix_affinity import PrefixAffinityRouter
 from sloserve.kv.hashing import hash_full_blocks
 from sloserve.sched.state import InstanceState, KeySetIndex
-from sloserve.types import Request, SamplingParams
+from sloserve.core.types import Request, SamplingParams
 
 BS = 16
 

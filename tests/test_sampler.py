@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sloserve.engine.sampler import SampleOutput, Sampler, SamplingRow, _apply_top_k_top_p
-from sloserve.types import SamplingParams
+from sloserve.core.types import SamplingParams
 
 torch.set_num_threads(1)
 

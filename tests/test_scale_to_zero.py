@@ -55,7 +55,7 @@ def test_an_idle_fleet_scales_to_zero_and_the_next_request_waits_for_a_worker():
 
 def test_a_request_whose_ttft_target_a_cold_start_cannot_meet_is_refused_at_once_and_wakes_the_pool():
     from sloserve.server.qos import QoSRegistry
-    from sloserve.types import DEFAULT_QOS, QoSClass
+    from sloserve.core.types import DEFAULT_QOS, QoSClass
 
     registry = QoSRegistry(classes={"default": DEFAULT_QOS, "interactive": QoSClass("interactive", 0.05, 0.1)})
 

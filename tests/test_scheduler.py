@@ -6,7 +6,7 @@ import pytest
 from sched_helpers import EOS, ContextHashExecutor, make_request, make_scheduler, run_to_completion
 from sloserve.sched.live_state import LiveInstanceState, Moment
 from sloserve.sched.plan import StepResult
-from sloserve.types import FinishReason, QoSClass, Request, RequestStatus, SamplingParams
+from sloserve.core.types import FinishReason, QoSClass, Request, RequestStatus, SamplingParams
 
 
 def test_continuous_batching_finishes_everything_within_budget():
@@ -183,7 +183,7 @@ def test_snapshot_reports_load():
 
 
 def test_without_chunked_prefill_a_prompt_that_no_step_can_hold_is_refused_not_left_waiting_forever():
-    from sloserve.config import SchedulerConfig
+    from sloserve.core.config import SchedulerConfig
     from sloserve.kv.manager import KVCacheManager
     from sloserve.sched.scheduler import Scheduler
 

@@ -18,7 +18,7 @@ from sloserve.server.metrics import VLLM_NAMES, EngineGauges, FinishedRequest, S
 from sloserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from sloserve.server.qos import QoSRegistry, anonymous_tenant, parse_qos_config
 from sloserve.server.settings import ServerSettings
-from sloserve.types import QoSClass
+from sloserve.core.types import QoSClass
 
 # ------------------------------------------------------------------ QoS config
 

@@ -13,7 +13,7 @@ from sloserve.cluster.controller import FleetController
 from sloserve.cluster.migration import (BalancePolicy, CombinedPolicy, DefragPolicy, MigrationPolicy, MoveCosts,
                                        PriorityPolicy)
 from sloserve.cluster.routers import make_router
-from sloserve.config import SchedulerConfig
+from sloserve.core.config import SchedulerConfig
 from sloserve.sim.catalog import get_model
 from sloserve.sched.costs import StepLoad
 from sloserve.sim.cost import Profile, ProfiledCostModel, RooflineCostModel, choose_knots, features, fit_nonnegative
@@ -23,7 +23,7 @@ from sloserve.kv.hashing import hash_full_blocks
 from sloserve.kv.manager import KVCacheManager
 from sloserve.sim.prompts import SyntheticPrompt
 from sloserve.sim.simulator import Simulator
-from sloserve.types import DEFAULT_QOS, QoSClass, Request, SamplingParams
+from sloserve.core.types import DEFAULT_QOS, QoSClass, Request, SamplingParams
 
 
 INTERACTIVE = QoSClass("interactive", ttft_target_s=0.3, tbt_target_s=0.03, priority=0)

@@ -10,7 +10,7 @@ import statistics
 
 import pytest
 
-from sloserve.config import CacheConfig, EngineConfig
+from sloserve.core.config import CacheConfig, EngineConfig
 from sloserve.engine.llm_engine import LLMEngine
 from sloserve.engine.step_trace import read_step_trace
 from sloserve.profiler import QUICK_GRID, profile_engine
@@ -19,7 +19,7 @@ from sloserve.sim.cost import ProfiledCostModel, is_decode_only
 from sloserve.sim.instance import SimInstance
 from sloserve.sim.simulator import Simulator
 from sloserve.cluster.routers import make_router
-from sloserve.types import Request, SamplingParams
+from sloserve.core.types import Request, SamplingParams
 
 pytestmark = pytest.mark.slow
 

@@ -10,14 +10,14 @@ import pytest
 from sloserve.cluster.controller import FleetController
 from sloserve.cluster.migration import MoveCosts
 from sloserve.cluster.routers import make_router
-from sloserve.config import SchedulerConfig
+from sloserve.core.config import SchedulerConfig
 from sloserve.sim.catalog import get_model
 from sloserve.sim.cost import MaskCost, RooflineCostModel
 from sloserve.sim.hardware import get_hardware, get_link
 from sloserve.sim.instance import SimInstance
 from sloserve.sim.simulator import Simulator
 from sloserve.simulation import SIMULATED_MASK, sim_requests
-from sloserve.types import Request, SamplingParams
+from sloserve.core.types import Request, SamplingParams
 from sloserve.workload.build import WorkloadSpec, build_stream
 from sloserve.workload.types import WorkloadRequest
 

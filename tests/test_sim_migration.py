@@ -17,13 +17,13 @@ from sloserve.cluster.controller import FleetController
 from sloserve.cluster.migration import (BalancePolicy, CombinedPolicy, DefragPolicy, MigrationOptions, MoveCosts,
                                         make_migration_policy)
 from sloserve.cluster.routers import make_router
-from sloserve.config import SchedulerConfig
+from sloserve.core.config import SchedulerConfig
 from sloserve.sim.catalog import get_model
 from sloserve.sim.cost import RooflineCostModel
 from sloserve.sim.hardware import get_hardware, get_link
 from sloserve.sim.instance import SimInstance
 from sloserve.sim.simulator import SimResult, Simulator
-from sloserve.types import Request, SamplingParams
+from sloserve.core.types import Request, SamplingParams
 
 MODEL = get_model("llama-2-7b")
 KV_PER_TOKEN = MODEL.kv_bytes_per_token(2)

@@ -11,14 +11,14 @@ import pytest
 from sloserve.cluster.controller import FleetController
 from sloserve.cluster.migration import MoveCosts
 from sloserve.cluster.routers import make_router
-from sloserve.config import SchedulerConfig
+from sloserve.core.config import SchedulerConfig
 from sloserve.sim.catalog import get_model
 from sloserve.sim.cost import RooflineCostModel
 from sloserve.sim.hardware import get_hardware
 from sloserve.sim.instance import SimInstance
 from sloserve.sim.simulator import Simulator
 from sloserve.simulation import FleetConfig, build_fleet, parse_pd, sim_requests, simulate
-from sloserve.types import Request, SamplingParams
+from sloserve.core.types import Request, SamplingParams
 from sloserve.workload.types import WorkloadRequest
 
 MODEL = get_model("llama-2-7b")

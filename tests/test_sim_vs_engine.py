@@ -8,7 +8,7 @@ import pytest
 
 from engine_helpers import EXACT
 from sloserve import LLM
-from sloserve.config import CacheConfig, SchedulerConfig
+from sloserve.core.config import CacheConfig, SchedulerConfig
 from sloserve.profiler import profile_engine
 from sloserve.sched.costs import StepLoad
 from sloserve.sim.cost import ProfiledCostModel, RooflineCostModel
@@ -16,7 +16,7 @@ from sloserve.sim.hardware import get_hardware
 from sloserve.sim.instance import SimInstance
 from sloserve.sim.simulator import Simulator
 from sloserve.cluster.routers import make_router
-from sloserve.types import Request, SamplingParams
+from sloserve.core.types import Request, SamplingParams
 
 pytestmark = pytest.mark.slow
 

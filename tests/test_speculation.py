@@ -11,14 +11,14 @@ from hypothesis import strategies as st
 
 from engine_helpers import EXACT
 from sched_helpers import EOS, VOCAB
-from sloserve.config import SchedulerConfig
+from sloserve.core.config import SchedulerConfig
 from sloserve.kv.manager import KVCacheManager
 from sloserve.sched.costs import StepLoad
 from sloserve.sched.drafts import PromptLookupProposer, lookup, make_proposer
 from sloserve.sched.plan import StepPlan, StepResult
 from sloserve.sched.scheduler import Scheduler
 from sloserve.sched.speculation import Speculator
-from sloserve.types import Request, SamplingParams
+from sloserve.core.types import Request, SamplingParams
 
 # ---------------------------------------------------------------------- the proposer
 
@@ -295,7 +295,7 @@ CODE = ("def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\
 
 @pytest.fixture(scope="module")
 def engines():
-    from sloserve.config import EngineConfig
+    from sloserve.core.config import EngineConfig
     from sloserve.engine.llm_engine import LLMEngine
 
     def make(speculative: str) -> LLMEngine:

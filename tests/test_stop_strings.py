@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from sloserve import SamplingParams
 from sloserve.engine.stop_strings import StopMatch, StopMatcher
-from sloserve.types import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
+from sloserve.core.types import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 
 PROMPT = "The capital of France is Paris. The capital of Germany is"
 MAX_TOKENS = 24

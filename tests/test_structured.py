@@ -14,12 +14,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sloserve.config import EngineConfig
+from sloserve.core.config import EngineConfig
 from sloserve.engine.llm import LLM
 from sloserve.engine.llm_engine import LLMEngine
 from sloserve.engine.outputs import OutputAccumulator
 from sloserve.engine.structured import StructuredOutputError, choice_grammar
-from sloserve.types import SamplingParams, StructuredOutput
+from sloserve.core.types import SamplingParams, StructuredOutput
 
 pytestmark = pytest.mark.slow
 
@@ -218,7 +218,7 @@ def test_speculation_verifies_drafts_against_the_constraint():
     """Prompt-lookup drafts copy spans of the prompt, which the schema may or may not allow next:
     every verified position is masked by the constraint after the drafts before it, so the greedy
     output is the one generated without speculation, and drafts that fit are accepted."""
-    from sloserve.config import SchedulerConfig
+    from sloserve.core.config import SchedulerConfig
 
     schema = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 30}, "b": {"type": "integer"}},
               "required": ["a", "b"], "additionalProperties": False}

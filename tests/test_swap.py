@@ -9,7 +9,7 @@ import pytest
 
 from kv_helpers import assert_cached_blocks_unchanged, assert_tables_read_back
 from sched_helpers import VOCAB, make_request, run_to_completion
-from sloserve.config import CacheConfig, SchedulerConfig
+from sloserve.core.config import CacheConfig, SchedulerConfig
 from sloserve.kv.manager import KVCacheManager
 from sloserve.sched.costs import LinkSwapCost, StepLoad
 from sloserve.sched.plan import StepPlan, StepResult
@@ -18,7 +18,7 @@ from sloserve.sched.scheduler import Scheduler
 from sloserve.sim.catalog import get_model
 from sloserve.sim.cost import RooflineCostModel
 from sloserve.sim.hardware import get_hardware
-from sloserve.types import Request, RequestStatus, SamplingParams
+from sloserve.core.types import Request, RequestStatus, SamplingParams
 
 BS = 16
 

@@ -7,7 +7,7 @@ import torch
 
 from engine_helpers import EXACT
 from sloserve import LLM
-from sloserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from sloserve.core.config import CacheConfig, EngineConfig, SchedulerConfig
 from sloserve.engine.model import KVCache
 from sloserve.engine.swap import HostKVPool
 
@@ -30,7 +30,7 @@ def reference():
 
 
 def test_host_pool_round_trip_restores_blocks_bit_for_bit():
-    from sloserve.config import ModelConfig
+    from sloserve.core.config import ModelConfig
 
     cfg = ModelConfig("llama", 10, 8, 16, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=4)
     cache = KVCache(cfg, num_blocks=6, block_size=4, dtype=torch.float32, device=torch.device("cpu"))

@@ -14,7 +14,7 @@ from sloserve.server.qos import (ANONYMOUS, INT32_MIN, CacheSalter, InvalidPrior
                                  UnknownQoSClass, anonymous_tenant, cache_salt, cache_secret, parse_qos_config)
 from sloserve.server.tenants import (TenantLimiter, TenantLimits, client_request_id, scope_request_id,
                                      tenant_scope)
-from sloserve.types import INT32_MAX
+from sloserve.core.types import INT32_MAX
 
 CONFIG = {
     "default_class": "standard",

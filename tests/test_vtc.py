@@ -8,11 +8,11 @@ import random
 import pytest
 
 from sched_helpers import ContextHashExecutor, make_request
-from sloserve.config import SchedulerConfig
+from sloserve.core.config import SchedulerConfig
 from sloserve.kv.manager import KVCacheManager
 from sloserve.sched.policies import POLICIES, VTCPolicy, make_policy
 from sloserve.sched.scheduler import Scheduler
-from sloserve.types import Request, SamplingParams
+from sloserve.core.types import Request, SamplingParams
 
 PROMPT, OUTPUT = 200, 32
 BUDGET, SEATS = 256, 16

@@ -21,7 +21,7 @@ from common import Claim, report
 from sloserve.bench.metrics import SLO
 from sloserve.planning import at_rate, burst_rate
 from sloserve.simulation import FleetConfig, build_fleet, sim_requests, simulate
-from sloserve.types import QoSClass
+from sloserve.core.types import QoSClass
 from sloserve.workload.build import WorkloadSpec, build_stream
 
 

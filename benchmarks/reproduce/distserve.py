@@ -18,7 +18,7 @@ from dataclasses import replace
 from common import Claim, report
 
 from sloserve.bench.metrics import SLO
-from sloserve.config import SchedulerConfig
+from sloserve.core.config import SchedulerConfig
 from sloserve.planning import Layout, goodput, layouts, plan, sustained
 from sloserve.simulation import FleetConfig
 from sloserve.workload.build import WorkloadSpec, build_stream

@@ -18,10 +18,10 @@ import argparse
 
 from common import Claim, report
 
-from sloserve.config import SchedulerConfig
+from sloserve.core.config import SchedulerConfig
 from sloserve.planning import max_rate
 from sloserve.simulation import FleetConfig, build_fleet, sim_requests, simulate
-from sloserve.types import QoSClass
+from sloserve.core.types import QoSClass
 from sloserve.workload.build import WorkloadSpec, build_stream
 from sloserve.workload.mix import ClassSpec, Mix, assign_mix
 

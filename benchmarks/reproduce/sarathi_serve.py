@@ -25,7 +25,7 @@ from dataclasses import replace
 import numpy as np
 from common import Claim, report
 
-from sloserve.config import SchedulerConfig
+from sloserve.core.config import SchedulerConfig
 from sloserve.planning import Goodput, search_rate, sustained
 from sloserve.sched.costs import StepLoad
 from sloserve.sim.catalog import get_model

@@ -23,7 +23,7 @@ from typing import Any, Callable, Literal, Mapping, Optional, Sequence
 import httpx
 
 from sloserve.bench.structured import answer_turn, structured_fields
-from sloserve.records import RequestRecord, error_kind_for_status
+from sloserve.core.records import RequestRecord, error_kind_for_status
 from sloserve.workload.types import DEFAULT_CLASS, WorkloadRequest
 
 log = logging.getLogger(__name__)

@@ -14,8 +14,8 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
-from sloserve.records import ERROR_KINDS, RequestRecord, jsonable, percentile
-from sloserve.types import SLO  # noqa: F401 (re-exported: the bench's SLO is the one SLO type)
+from sloserve.core.records import ERROR_KINDS, RequestRecord, jsonable, percentile
+from sloserve.core.types import SLO  # noqa: F401 (re-exported: the bench's SLO is the one SLO type)
 
 PERCENTILES = (50.0, 90.0, 99.0)
 METRICS = ("ttft", "tpot", "itl", "e2e", "normalized_e2e")

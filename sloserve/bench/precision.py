@@ -11,14 +11,14 @@
 
 D is one of auto|float32|bfloat16, Q one of auto|none|int8|int4 (the choices of `sloserve serve
 --dtype/--quantization`). No torch import here: the benchmarks' parents parse specs before any
-engine exists (sloserve.config imports no torch).
+engine exists (sloserve.core.config imports no torch).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
-from sloserve.config import ATTENTION_KERNELS
+from sloserve.core.config import ATTENTION_KERNELS
 
 DTYPES = ("auto", "float32", "bfloat16")
 QUANTIZATIONS = ("auto", "none", "int8", "int4")

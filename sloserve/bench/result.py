@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
 from sloserve.bench.metrics import Summary, jsonable
-from sloserve.records import RequestRecord
+from sloserve.core.records import RequestRecord
 
 FORMAT_VERSION = 2
 # What version 1 wrote under `config` that is an outcome of the run (read back into `outcome`).

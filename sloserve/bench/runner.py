@@ -17,7 +17,7 @@ from typing import Callable, Optional, Sequence
 from sloserve.bench.client import BenchClient, ClientConfig, RunResult
 from sloserve.bench.metrics import SLO, slo_checker, summarize
 from sloserve.bench.timeline import client_timeline, server_timeline
-from sloserve.records import RequestRecord
+from sloserve.core.records import RequestRecord
 from sloserve.bench.report import fmt_rate, report_markdown
 from sloserve.bench.result import BenchResult, save_results
 from sloserve.workload.build import WorkloadSpec, build_stream

@@ -15,7 +15,7 @@ from typing import Callable, Optional, Sequence
 import httpx
 
 from sloserve.dashboard import DATA_ROUTE
-from sloserve.records import RequestRecord
+from sloserve.core.records import RequestRecord
 from sloserve.timeline import FleetTimeline, frame_interval
 
 log = logging.getLogger(__name__)

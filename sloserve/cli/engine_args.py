@@ -7,7 +7,7 @@ from typing import Optional
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    from sloserve.config import ATTENTION_KERNELS, PREEMPTION_VICTIMS
+    from sloserve.core.config import ATTENTION_KERNELS, PREEMPTION_VICTIMS
 
     g = p.add_argument_group("engine")
     g.add_argument("--model", action="append", metavar="PATH|NAME=PATH",
@@ -61,7 +61,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def add_kv_tier_args(g) -> None:
     """The prefix cache's lower tiers: the same options on every command that runs an engine or a simulation."""
-    from sloserve.config import KV_DTYPES, KV_FLUSH_ORDERS
+    from sloserve.core.config import KV_DTYPES, KV_FLUSH_ORDERS
 
     g.add_argument("--kv-dtype", default="auto", choices=KV_DTYPES,
                    help="what the KV cache stores (int8: per-token scales, dequantized in attention)")
@@ -108,7 +108,7 @@ def single_model(values: Optional[list[str]]) -> Optional[str]:
 
 
 def engine_config_from_args(args: argparse.Namespace):
-    from sloserve.config import CacheConfig, EngineConfig, SchedulerConfig
+    from sloserve.core.config import CacheConfig, EngineConfig, SchedulerConfig
 
     return EngineConfig(
         model=single_model(args.model), dtype=args.dtype, device=args.device, quantization=args.quantization,

@@ -12,7 +12,7 @@ from dataclasses import replace
 from typing import Any, Optional
 
 from sloserve.cluster.spec import FLAG_FIELDS, PD_TRANSFERS, FleetSpec
-from sloserve.config import PoolSettings, parse_instance_range, parse_pd, parse_pd_capacity
+from sloserve.core.config import PoolSettings, parse_instance_range, parse_pd, parse_pd_capacity
 
 _DEFAULT = FleetSpec()
 

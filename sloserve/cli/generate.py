@@ -27,7 +27,7 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from sloserve.engine.llm_engine import LLMEngine
-    from sloserve.types import SamplingParams
+    from sloserve.core.types import SamplingParams
 
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,

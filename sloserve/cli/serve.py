@@ -18,7 +18,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     import os
 
-    from sloserve.config import PoolSettings
+    from sloserve.core.config import PoolSettings
     from sloserve.server.launcher import run_server
     from sloserve.server.qos import QoSRegistry, load_qos_config
     from sloserve.server.settings import ServerSettings

@@ -75,7 +75,7 @@ def add_fleet_args(p: argparse.ArgumentParser) -> None:
     """The fleet controller's options (fleet_args.py, shared with `serve`), then what a
     simulated fleet adds: hardware, model, links, instance scheduling, tiers, energy, ..."""
     from sloserve.cli.fleet_args import add_fleet_spec_args
-    from sloserve.config import PREEMPTION_VICTIMS
+    from sloserve.core.config import PREEMPTION_VICTIMS
     from sloserve.sched.policies import POLICIES
     from sloserve.sim.catalog import MODELS
     from sloserve.sim.hardware import DEFAULT_LINK, HARDWARE, LINKS
@@ -154,7 +154,7 @@ def add_fleet_args(p: argparse.ArgumentParser) -> None:
 
 def fleet_config_from_args(args: argparse.Namespace):
     from sloserve.cli.fleet_args import spec_from_args
-    from sloserve.config import PREEMPTION_VICTIMS, CacheConfig, SchedulerConfig
+    from sloserve.core.config import PREEMPTION_VICTIMS, CacheConfig, SchedulerConfig
     from sloserve.sim.hardware import DEFAULT_LINK
     from sloserve.simulation import FleetConfig
 

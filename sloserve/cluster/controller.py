@@ -17,9 +17,9 @@ from sloserve.cluster.autoscale.planner import ScalePlanner
 from sloserve.cluster.migration import InstanceView, MigrationPolicy, Move, MoveCosts
 from sloserve.cluster.mixed_handoff import MixedHandoff, NeverHandOff
 from sloserve.cluster.routers.base import Router
-from sloserve.fleet_view import HANDOFF, InstanceSlot, ScalingPlan, ScalingSignals
+from sloserve.core.fleet_view import HANDOFF, InstanceSlot, ScalingPlan, ScalingSignals
 from sloserve.sched.state import InstanceState
-from sloserve.types import Request
+from sloserve.core.types import Request
 
 logger = logging.getLogger(__name__)
 

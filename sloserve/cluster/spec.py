@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
-from sloserve.config import PoolSettings, parse_instance_range, parse_pd, parse_pd_capacity, pd_pool_bounds
+from sloserve.core.config import PoolSettings, parse_instance_range, parse_pd, parse_pd_capacity, pd_pool_bounds
 
 PD_TRANSFERS = ("blocking", "live", "pipelined")
 # CLI flag (dashes as underscores) -> FleetSpec field, where the two names differ; a fleet file

@@ -18,7 +18,7 @@ from typing import Any, AsyncIterator, Callable, Optional, Union
 from sloserve.engine.llm_engine import LLMEngine, Prompt
 from sloserve.engine.migration import ResumeState
 from sloserve.engine.outputs import OutputAccumulator, RequestOutput
-from sloserve.types import Request, SamplingParams
+from sloserve.core.types import Request, SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Optional, Sequence, Union
 
-from sloserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from sloserve.core.config import CacheConfig, EngineConfig, SchedulerConfig
 from sloserve.engine.llm_engine import LLMEngine, Prompt
 from sloserve.engine.outputs import CompletedOutput, OutputAccumulator
-from sloserve.types import SamplingParams
+from sloserve.core.types import SamplingParams
 
 Messages = list[dict]
 

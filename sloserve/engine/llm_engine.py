@@ -16,7 +16,7 @@ from typing import Callable, Optional, Union
 
 import torch
 
-from sloserve.config import ATTENTION_KERNELS, EngineConfig, ModelConfig
+from sloserve.core.config import ATTENTION_KERNELS, EngineConfig, ModelConfig
 from sloserve.engine.kernels import attention_kernels, load_fused_ops, load_paged_decode_attention
 from sloserve.engine.migration import ResumeState
 from sloserve.engine.model import KVCache, LlamaModel
@@ -39,7 +39,7 @@ from sloserve.kv.tiers import DISK, HOST, STORE, KVTiers
 from sloserve.sched.costs import LinkSwapCost, OnlineStepEstimator, StepCostEstimator, StepLoad, TierLinkCosts
 from sloserve.sched.plan import ScheduledRequest, StepPlan, StepResult
 from sloserve.sched.scheduler import Scheduler
-from sloserve.types import DEFAULT_QOS, FinishReason, QoSClass, Request, RequestStatus, SamplingParams
+from sloserve.core.types import DEFAULT_QOS, FinishReason, QoSClass, Request, RequestStatus, SamplingParams
 
 logger = logging.getLogger(__name__)
 

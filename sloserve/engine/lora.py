@@ -31,7 +31,7 @@ from typing import Optional
 import torch
 from safetensors.torch import load_file
 
-from sloserve.config import ModelConfig
+from sloserve.core.config import ModelConfig
 
 # PEFT module name -> (the fused projection that computes it, its place among that projection's parts)
 _TARGETS = {"q_proj": ("qkv", 0), "k_proj": ("qkv", 1), "v_proj": ("qkv", 2), "o_proj": ("o", 0),

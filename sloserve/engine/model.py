@@ -14,7 +14,7 @@ from typing import Callable, Optional, Union
 import torch
 import torch.nn.functional as F
 
-from sloserve.config import ModelConfig
+from sloserve.core.config import ModelConfig
 from sloserve.engine.lora import LoraBatch
 from sloserve.engine.quant import (DenseLinear, GroupAffine4, Int4Linear, Int8Linear, Linear, RowDispatchLinear,
                                    as_dtype, can_prepack, int8_activation_kernels, int8_linear,

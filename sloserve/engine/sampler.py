@@ -26,7 +26,7 @@ from typing import Callable, Optional
 
 import torch
 
-from sloserve.types import SamplingParams
+from sloserve.core.types import SamplingParams
 
 # Cumulative mass within this of top_p counts as reaching it, so float rounding in the
 # cumsum cannot add one more token to a nucleus that is already exactly top_p.

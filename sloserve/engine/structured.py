@@ -27,7 +27,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from sloserve.types import StructuredOutput
+from sloserve.core.types import StructuredOutput
 
 MAX_COMPILED = 256  # compiled constraints kept (least recently used dropped)
 # JSON is generated compact, with json.dumps's separators (", " and ": ") and no other whitespace:

@@ -19,7 +19,7 @@ from typing import Any, Optional, Union
 import numpy as np
 import torch
 
-from sloserve.config import ModelConfig
+from sloserve.core.config import ModelConfig
 from sloserve.engine.gguf_file import GGUFFile, read_gguf
 from sloserve.engine.quant import GGUF_INT4_TYPES, GroupAffine4
 from sloserve.engine.tokenizer import Tokenizer

@@ -24,13 +24,13 @@ from typing import Any, Mapping
 
 from sloserve.evaluation.decisions import DECISIONS
 from sloserve.evaluation.suite import Cell
-from sloserve.records import jsonable
+from sloserve.core.records import jsonable
 
 logger = logging.getLogger(__name__)
 
 _PACKAGE = Path(__file__).resolve().parents[1]  # sloserve/
-_MEASURED_BY = ("sim", "sched", "kv", "cluster", "workload")
-_MEASURED_BY_FILES = ("simulation.py", "planning.py", "types.py", "config.py", "fleet_view.py", "records.py",
+_MEASURED_BY = ("sim", "sched", "kv", "cluster", "workload", "core")
+_MEASURED_BY_FILES = ("simulation.py", "planning.py",
                       "evaluation/suite.py", "evaluation/fleet.py", "evaluation/metrics.py", "evaluation/workloads.py",
                       "evaluation/result.py", "evaluation/decisions/base.py")
 

@@ -13,11 +13,11 @@ from typing import Any, Mapping, Optional, Sequence
 
 from sloserve.bench.metrics import SLO
 from sloserve.cluster.migration import MIGRATION_POLICIES, CombinedPolicy, parse_migration
-from sloserve.config import SchedulerConfig
+from sloserve.core.config import SchedulerConfig
 from sloserve.evaluation.workloads import Fit, slo_for
-from sloserve.records import RequestRecord
+from sloserve.core.records import RequestRecord
 from sloserve.sim.simulator import SimResult
-from sloserve.types import QoSClass
+from sloserve.core.types import QoSClass
 from sloserve.simulation import (FleetConfig, build_cost_model, build_fleet, fleet_gpus, make_predictions,
                                  sim_requests, simulate)
 from sloserve.workload.types import WorkloadRequest

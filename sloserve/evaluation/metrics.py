@@ -24,8 +24,8 @@ from sloserve.evaluation.fleet import Policy, Setting, fit_of, fleet_config, gpu
 from sloserve.evaluation.suite import Measure
 from sloserve.evaluation.workloads import available, source
 from sloserve.planning import Goodput, Sustained, burst_rate, search_rate, sustained
-from sloserve.records import RequestRecord
-from sloserve.types import QoSClass
+from sloserve.core.records import RequestRecord
+from sloserve.core.types import QoSClass
 from sloserve.workload.types import WorkloadRequest
 
 TARGETS = (0.9, 0.99)  # attainment of the two goodputs; capacity is the first one's

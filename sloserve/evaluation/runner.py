@@ -19,7 +19,7 @@ from sloserve.evaluation.checkpoint import Checkpoint, job_key
 from sloserve.evaluation.decisions import DECISIONS, make_decision, measure_of
 from sloserve.evaluation.result import CellResult
 from sloserve.evaluation.suite import REPO_ROOT, SPLITS, Cell, cells
-from sloserve.records import jsonable
+from sloserve.core.records import jsonable
 
 RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
 

@@ -74,7 +74,7 @@ from sloserve.server.protocol import FRONT_IDS_FIELD, GenerationRequest, check_c
 from sloserve.server.qos import CacheSalter, QoSRegistry, cache_secret
 from sloserve.workers.contract import FLEET_SECRET_HEADER, QOS_HEADER, qos_header
 from sloserve.timeline import DRAIN, UNDRAIN, FleetTimeline
-from sloserve.types import Request, SamplingParams
+from sloserve.core.types import Request, SamplingParams
 
 __all__ = ["DEAD", "HEALTHY", "STARTING", "UNRESPONSIVE", "Front", "WorkerFleet", "FrontConfig", "Instance"]
 

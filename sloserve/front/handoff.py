@@ -38,13 +38,13 @@ import logging
 import uuid
 from typing import TYPE_CHECKING, Optional
 
-from sloserve.fleet_view import HANDOFF, Move
+from sloserve.core.fleet_view import HANDOFF, Move
 from sloserve.front.relay import EarlyTarget
 
 if TYPE_CHECKING:
     from sloserve.front.migration import MigrationDriver
     from sloserve.front.relay import RelaySession
-    from sloserve.types import Request
+    from sloserve.core.types import Request
     from sloserve.workers.fleet import Instance, WorkerFleet
 
 logger = logging.getLogger(__name__)

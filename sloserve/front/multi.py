@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Optional, Sequence
 import uvicorn
 
 from sloserve.cluster.spec import FleetSpec
-from sloserve.config import CacheConfig, EngineConfig, PoolSettings, parse_pd
+from sloserve.core.config import CacheConfig, EngineConfig, PoolSettings, parse_pd
 from sloserve.server.connections import DrainingServer
 
 if TYPE_CHECKING:

@@ -33,7 +33,7 @@ from sloserve.workers.contract import (FLEET_SECRET_HEADER, KV_PUSH_HEADER, RELA
 
 if TYPE_CHECKING:
     from sloserve.workers.fleet import Instance, WorkerFleet
-    from sloserve.types import Request
+    from sloserve.core.types import Request
 
 logger = logging.getLogger(__name__)
 

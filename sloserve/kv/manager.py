@@ -13,7 +13,7 @@ from sloserve.kv.block_pool import Block, BlockPool
 from sloserve.kv.hashing import BlockHash, hash_packed_blocks, pack_tokens
 from sloserve.kv.host_pool import HostBlockPool
 from sloserve.kv.tiers import FlushPlan, KVTiers, TierHit, TierOps
-from sloserve.types import Request
+from sloserve.core.types import Request
 
 logger = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Iterable, Optional, Protocol, Sequence
 
-from sloserve.config import KV_FLUSH_ORDERS
+from sloserve.core.config import KV_FLUSH_ORDERS
 from sloserve.kv.hashing import BlockHash
 
 HOST, DISK, STORE = "host", "disk", "store"

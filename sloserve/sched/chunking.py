@@ -13,7 +13,7 @@ from typing import Iterable, Optional
 
 from sloserve.sched.costs import StepCostEstimator, StepLoad
 from sloserve.sched.deadlines import next_deadline
-from sloserve.types import Request
+from sloserve.core.types import Request
 
 
 def tbt_slack(decodes: Iterable[Request], now: float) -> float:

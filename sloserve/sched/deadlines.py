@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 
-from sloserve.types import Request
+from sloserve.core.types import Request
 
 
 def ttft_deadline(request: Request) -> float:

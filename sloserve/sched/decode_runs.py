@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 from sloserve.sched.plan import DecodeRunPlan
-from sloserve.types import FinishReason, Request
+from sloserve.core.types import FinishReason, Request
 
 
 class DecodeRuns:

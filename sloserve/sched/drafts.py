@@ -13,7 +13,7 @@ from __future__ import annotations
 from array import array
 from typing import Protocol, Sequence
 
-from sloserve.types import Request
+from sloserve.core.types import Request
 
 
 class DraftProposer(Protocol):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from sloserve.types import Request, RequestStatus
+from sloserve.core.types import Request, RequestStatus
 
 
 class Handover:

@@ -11,7 +11,7 @@ from typing import Any, Protocol
 
 from sloserve.kv.manager import CopyOp
 from sloserve.kv.tiers import TierOps
-from sloserve.types import Request
+from sloserve.core.types import Request
 
 
 @dataclass(slots=True)

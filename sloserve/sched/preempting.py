@@ -10,7 +10,7 @@ from sloserve.sched.costs import prefill_time
 from sloserve.sched.preemption import SWAP, choose_preemption
 from sloserve.sched.rotation import pick_victim, slo_slack
 from sloserve.sched.step_build import StepBuild
-from sloserve.types import Request, RequestStatus
+from sloserve.core.types import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
 

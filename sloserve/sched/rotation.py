@@ -17,7 +17,7 @@ import math
 from typing import Callable, Sequence
 
 from sloserve.sched.deadlines import ttft_deadline
-from sloserve.types import Request
+from sloserve.core.types import Request
 
 
 def slo_slack(request: Request, now: float) -> float:

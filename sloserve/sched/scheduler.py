@@ -23,7 +23,7 @@ import logging
 from dataclasses import dataclass
 from typing import Optional
 
-from sloserve.config import SchedulerConfig
+from sloserve.core.config import SchedulerConfig
 from sloserve.kv.manager import CopyOp, KVCacheManager
 from sloserve.kv.tiers import TIERS, TierHit
 from sloserve.sched.chunking import prefill_token_cap, tbt_slack
@@ -41,7 +41,7 @@ from sloserve.sched.speculation import Speculator
 from sloserve.sched.state import InstanceState
 from sloserve.sched.step_build import StepBuild
 from sloserve.sched.tier_loading import TierLoading
-from sloserve.types import FinishReason, Request, RequestStatus
+from sloserve.core.types import FinishReason, Request, RequestStatus
 
 logger = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ from typing import Optional
 
 from sloserve.sched.costs import DecodeRowCosts, StepCostEstimator, StepLoad
 from sloserve.sched.drafts import DraftProposer
-from sloserve.types import Request
+from sloserve.core.types import Request
 
 PRIOR_ACCEPTANCE = 0.5  # a request's per-draft acceptance before it has any history
 HISTORY_WEIGHT = 0.7  # how much of the old estimate survives each verified step (EMA)

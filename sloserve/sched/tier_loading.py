@@ -11,7 +11,7 @@ from sloserve.sched.chunking import tbt_slack
 from sloserve.sched.costs import StepLoad
 from sloserve.sched.step_build import StepBuild
 from sloserve.sched.tier_loads import load_seconds
-from sloserve.types import Request, RequestStatus
+from sloserve.core.types import Request, RequestStatus
 
 # Waiting requests whose prefixes are staged into host memory ahead of admission, per step.
 PREFETCH_AHEAD = 4

@@ -19,7 +19,7 @@ from typing import Callable, Iterable, Optional
 from sloserve.server.errors import APIError
 from sloserve.server.shedding import Shedder
 from sloserve.server.tenants import client_request_id
-from sloserve.types import QoSClass
+from sloserve.core.types import QoSClass
 
 
 class Admission:

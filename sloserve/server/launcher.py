@@ -7,7 +7,7 @@ import logging
 import time
 from typing import Optional
 
-from sloserve.config import EngineConfig
+from sloserve.core.config import EngineConfig
 from sloserve.server.app import build_app
 from sloserve.server.connections import DrainingServer, uvicorn_config
 from sloserve.server.settings import ServerSettings

@@ -16,7 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from sloserve.timeline import FleetTimeline
-from sloserve.types import QoSClass
+from sloserve.core.types import QoSClass
 
 PREFIX = "sloserve:"
 

@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic_core import PydanticCustomError
 
 from sloserve.server.errors import APIError, bad_request, param_from_message, validation_message
-from sloserve.types import SamplingParams, StructuredOutput
+from sloserve.core.types import SamplingParams, StructuredOutput
 
 MAX_CHOICES = 64  # n x prompts per HTTP request; each choice is one engine request
 MAX_REQUEST_ID = 128

@@ -61,7 +61,7 @@ from typing import Any, Iterable, Mapping, Optional
 
 from sloserve.server.errors import APIError
 from sloserve.server.tenants import UNLIMITED, TenantLimits
-from sloserve.types import DEFAULT_QOS, INT32_MAX, QoSClass
+from sloserve.core.types import DEFAULT_QOS, INT32_MAX, QoSClass
 from sloserve.workers.contract import CACHE_SECRET_ENV  # shared with the workers
 
 logger = logging.getLogger(__name__)

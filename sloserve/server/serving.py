@@ -59,7 +59,7 @@ from sloserve.server.responses import ResponsesRequest, ResponseWriter, response
 from sloserve.server.tool_calls import ToolUse, calls_json, prompt_messages, resolve_parser, tool_definitions
 from sloserve.server.tool_parsers import ToolCallStream
 from sloserve.workers.contract import KV_PUSH_HEADER, QOS_HEADER, RELAY_COMMENT, parse_qos_header
-from sloserve.types import QoSClass, SamplingParams, StructuredOutput
+from sloserve.core.types import QoSClass, SamplingParams, StructuredOutput
 
 logger = logging.getLogger(__name__)
 access_log = logging.getLogger("sloserve.access")

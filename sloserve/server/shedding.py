@@ -38,7 +38,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from sloserve.sched.costs import StepCostEstimator, StepLoad
 from sloserve.server.errors import APIError
-from sloserve.types import QoSClass
+from sloserve.core.types import QoSClass
 
 logger = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from sloserve.config import EngineConfig
+from sloserve.core.config import EngineConfig
 from sloserve.server.protocol import RoutingProbe
 from sloserve.timeline import READING_FIELDS, read_instance
 from sloserve.workers.contract import (

@@ -1,7 +1,7 @@
 """Model shapes for simulation, from each model's published config.json."""
 from __future__ import annotations
 
-from sloserve.config import ModelConfig
+from sloserve.core.config import ModelConfig
 
 MODELS: dict[str, ModelConfig] = {
     # meta-llama/Llama-3.1-8B config.json

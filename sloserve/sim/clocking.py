@@ -12,7 +12,7 @@ from sloserve.sched.costs import StepLoad
 from sloserve.sched.plan import StepPlan
 from sloserve.sim.cost import CostModel, RooflineCostModel
 from sloserve.sim.power import GpuPower
-from sloserve.types import Request
+from sloserve.core.types import Request
 
 
 @dataclass

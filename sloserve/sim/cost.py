@@ -14,7 +14,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Iterable, Mapping, NamedTuple, Optional, Sequence
 
-from sloserve.config import ModelConfig
+from sloserve.core.config import ModelConfig
 from sloserve.kv.tiers import DISK, HOST, STORE
 from sloserve.sched.costs import StepLoad
 from sloserve.sched.plan import StepPlan

@@ -29,7 +29,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from sloserve.config import ModelConfig
+from sloserve.core.config import ModelConfig
 from sloserve.expert_layout import ExpertPlacement
 from sloserve.sched.costs import StepLoad
 from sloserve.sched.plan import StepPlan

@@ -11,7 +11,7 @@ import logging
 from dataclasses import dataclass
 from typing import Optional
 
-from sloserve.config import CacheConfig, ModelConfig, SchedulerConfig
+from sloserve.core.config import CacheConfig, ModelConfig, SchedulerConfig
 from sloserve.kv.manager import KVCacheManager
 from sloserve.kv.tiers import KVTiers
 from sloserve.sched.plan import DecodeRunPlan, StepPlan, StepResult
@@ -20,7 +20,7 @@ from sloserve.sched.scheduler import Scheduler
 from sloserve.sched.state import InstanceState
 from sloserve.sim.clocking import ClockControl
 from sloserve.sim.cost import CostModel, MaskCost
-from sloserve.types import Request
+from sloserve.core.types import Request
 
 logger = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Protocol
 
-from sloserve.config import ModelConfig
+from sloserve.core.config import ModelConfig
 from sloserve.sched.costs import StepLoad
 from sloserve.sched.plan import StepPlan
 from sloserve.sim.cost import Efficiency, RooflineCostModel

@@ -14,14 +14,14 @@ from dataclasses import dataclass, field
 from collections.abc import Sequence
 from typing import Any, Callable, Iterable, Iterator, Optional
 
-from sloserve.fleet_view import HANDOFF, READY as SLOT_READY, ROLES, STARTING, FleetDecisions, MoveCosts
+from sloserve.core.fleet_view import HANDOFF, READY as SLOT_READY, ROLES, STARTING, FleetDecisions, MoveCosts
 from sloserve.sched.live_state import Moment
 from sloserve.sim.clocking import energy_summary
 from sloserve.sim.instance import SimInstance
 from sloserve.sim.migration import SimMigrator, Transfer
 from sloserve.sim.scaling import ScalingSpec, SimScaling
 from sloserve import timeline as tl
-from sloserve.types import Request
+from sloserve.core.types import Request
 
 logger = logging.getLogger(__name__)
 

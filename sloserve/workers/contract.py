@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from sloserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from sloserve.core.config import CacheConfig, EngineConfig, SchedulerConfig
 from sloserve.sched.state import InstanceState
 
 WORKER_MODULE = "sloserve.server.worker"  # the worker program: `python -m` it, or import it in a Ray actor

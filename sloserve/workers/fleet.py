@@ -30,13 +30,13 @@ from typing import Any, Callable, Optional
 import httpx
 
 from sloserve.cluster.spec import FleetSpec
-from sloserve.fleet_view import ROLES
+from sloserve.core.fleet_view import ROLES
 from sloserve.timeline import (DEAD as SHOWN_DEAD, DRAINING as SHOWN_DRAINING, FAILURE, INSTANCE_READY,
                                READING_FIELDS, READY as SHOWN_READY, START, STOP, InstanceReading)
 from sloserve.sched.state import InstanceState, KeySetIndex
 from sloserve.workers.contract import FLEET_SECRET_HEADER, WorkerState
 from sloserve.workers.handles import NoWorker, WorkerHandle
-from sloserve.types import Request
+from sloserve.core.types import Request
 
 logger = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Optional
 
-from sloserve.config import EngineConfig
+from sloserve.core.config import EngineConfig
 from sloserve.workers.contract import API_KEYS_ENV, CACHE_SECRET_ENV, FLEET_SECRET_ENV, WORKER_MODULE, config_to_json
 
 logger = logging.getLogger(__name__)

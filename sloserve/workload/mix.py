@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping, Optional, Sequence
 
-from sloserve.types import QoSClass
+from sloserve.core.types import QoSClass
 from sloserve.workload.types import DEFAULT_CLASS, WorkloadRequest
 
 _CLASS_KEYS = {"ttft_ms", "tbt_ms", "ttft_s", "tbt_s", "e2e_ms", "e2e_s", "priority", "weight", "share"}

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Callable, ClassVar, Optional, Sequence
 
 from sloserve.sched.state import InstanceState
-from sloserve.types import Request
+from sloserve.core.types import Request
 
 
 @dataclass

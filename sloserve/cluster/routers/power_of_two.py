@@ -5,7 +5,7 @@ from typing import Optional, Sequence
 
 from sloserve.cluster.routers.base import Router, RouterOptions
 from sloserve.sched.state import InstanceState
-from sloserve.types import Request
+from sloserve.core.types import Request
 
 
 class PowerOfTwoRouter(Router):

@@ -8,7 +8,7 @@ from sloserve.cluster.lengths import LengthPrediction, prediction_for
 from sloserve.cluster.routers.base import Router, RouterOptions
 from sloserve.cluster.routers.prefix import DEFAULT_MAX_BLOCKS, prefix_matches
 from sloserve.sched.state import InstanceState
-from sloserve.types import Request
+from sloserve.core.types import Request
 
 
 DEFAULT_DECODE_WEIGHT = 0.25

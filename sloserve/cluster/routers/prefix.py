@@ -12,7 +12,7 @@ from typing import Sequence
 
 from sloserve.kv.hashing import hash_block
 from sloserve.sched.state import InstanceState
-from sloserve.types import Request
+from sloserve.core.types import Request
 
 DEFAULT_MAX_BLOCKS = 256  # 4096 tokens at 16-token blocks: deep enough to tell conversations apart
 

@@ -6,7 +6,7 @@ from typing import Sequence
 from sloserve.cluster.routers.base import Router, RouterOptions, argmin
 from sloserve.cluster.routers.prefix import DEFAULT_MAX_BLOCKS, prefix_matches
 from sloserve.sched.state import InstanceState
-from sloserve.types import Request
+from sloserve.core.types import Request
 
 
 class PrefixAffinityRouter(Router):

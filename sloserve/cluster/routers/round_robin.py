@@ -4,7 +4,7 @@ from typing import Sequence
 
 from sloserve.cluster.routers.base import Router
 from sloserve.sched.state import InstanceState
-from sloserve.types import Request
+from sloserve.core.types import Request
 
 
 class RoundRobinRouter(Router):

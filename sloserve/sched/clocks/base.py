@@ -17,7 +17,7 @@ from typing import Sequence
 
 from sloserve.sched.deadlines import TBT_PACE_HEADROOM, next_deadline, tbt_deadline, ttft_deadline
 from sloserve.sched.plan import ScheduledRequest
-from sloserve.types import Request
+from sloserve.core.types import Request
 
 
 @dataclass(frozen=True)

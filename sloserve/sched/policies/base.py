@@ -5,7 +5,7 @@ from abc import ABC, abstractmethod
 from typing import Any, ClassVar, Optional
 
 from sloserve.sched.costs import StepCostEstimator
-from sloserve.types import Request
+from sloserve.core.types import Request
 
 
 class SchedulingPolicy(ABC):

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from sloserve.sched.deadlines import next_deadline
 from sloserve.sched.policies.base import SchedulingPolicy
-from sloserve.types import Request
+from sloserve.core.types import Request
 
 
 class EDFPolicy(SchedulingPolicy):

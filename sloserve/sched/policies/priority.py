@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 from sloserve.sched.policies.base import SchedulingPolicy
-from sloserve.types import Request
+from sloserve.core.types import Request
 
 
 class PriorityPolicy(SchedulingPolicy):

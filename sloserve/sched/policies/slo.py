@@ -5,7 +5,7 @@ from typing import Optional
 from sloserve.sched.costs import StepCostEstimator, StepLoad, prefill_time
 from sloserve.sched.deadlines import tbt_deadline, ttft_deadline
 from sloserve.sched.policies.base import SchedulingPolicy
-from sloserve.types import Request
+from sloserve.core.types import Request
 
 _CACHE_LIMIT = 200_000
 

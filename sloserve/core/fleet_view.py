@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence
 
 from sloserve.sched.state import InstanceState
-from sloserve.types import Request
+from sloserve.core.types import Request
 
 
 @dataclass(frozen=True)
