@@ -101,15 +101,7 @@ def per_rate_markdown(runs: Sequence[BenchResult], systems: Sequence[str]) -> st
         if len(have) < 2 or have[0] != order[0]:
             continue
         header = ["metric"] + [c for i, s in enumerate(have) for c in ([s] if i == 0 else [s, f"÷ {order[0]}"])]
-        table = []
-        for row in rows:
-            values = [row.get(at[rate][s].summary.overall) for s in have]
-            cells = [row.name + (" ↑" if row.higher_is_better else " ↓")]
-            for i, v in enumerate(values):
-                cells.append(fmt_num(v * row.scale if v is not None else None, 1 if row.scale != 1 else 3))
-                if i > 0:
-                    cells.append(_ratio(v, values[0]))
-            table.append(cells)
+        table = [_row_cells(row, [at[rate][s] for s in have]) for row in rows]
         title = "as fast as possible" if math.isinf(rate) else f"{rate:g} req/s"
         parts += [f"### At {title}", ""] + md_table(header, table) + [""]
     if not parts:
@@ -123,17 +115,20 @@ def _ratio(value: Optional[float], base: Optional[float]) -> str:
     return f"{value / base:.2f}×"
 
 
+def _row_cells(row: Row, runs: Sequence[BenchResult]) -> list[str]:
+    """A metric's row: its name, each run's value, and after each run but the first its ratio to it."""
+    values = [row.get(r.summary.overall) for r in runs]
+    cells = [row.name + (" ↑" if row.higher_is_better else " ↓")]
+    for i, v in enumerate(values):
+        cells.append(fmt_num(v * row.scale if v is not None else None, 1 if row.scale != 1 else 3))
+        if i > 0:
+            cells.append(_ratio(v, values[0]))
+    return cells
+
+
 def compare_rows(runs: Sequence[BenchResult]) -> list[list[str]]:
     """One row per metric: the value of each run, and after each non-baseline run its ratio."""
-    out = []
-    for row in ROWS:
-        values = [row.get(r.summary.overall) for r in runs]
-        cells = [row.name + (" ↑" if row.higher_is_better else " ↓")]
-        for i, v in enumerate(values):
-            cells.append(fmt_num(v * row.scale if v is not None else None, 1 if row.scale != 1 else 3))
-            if i > 0:
-                cells.append(_ratio(v, values[0]))
-        out.append(cells)
+    out = [_row_cells(row, runs) for row in ROWS]
     for name, get, higher in OUTCOME_ROWS:
         values = [get(r.outcome or {}) for r in runs]
         if all(v is None for v in values):
