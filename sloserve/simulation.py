@@ -3,7 +3,7 @@ the same per-request records the bench client writes, so one report serves both.
 
 It sits above `sim/` and `cluster/`: it puts the fleet controller (router + migration
 policies) in charge of simulated instances, which only know the controller's interface
-(`sloserve.core.fleet_view`)."""
+(`sloserve.fleet_view`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace

@@ -13,7 +13,7 @@ import pytest
 from sloserve.cluster.autoscale import ScalingOptions, make_autoscaler
 from sloserve.cluster.autoscale.planner import ScalePlanner
 from sloserve.core.config import SchedulerConfig
-from sloserve.core.fleet_view import DRAINING, READY, STARTING, STOPPED, InstanceSlot, ScalingSignals
+from sloserve.fleet_view import DRAINING, READY, STARTING, STOPPED, InstanceSlot, ScalingSignals
 from sloserve.sched.state import InstanceState
 from sloserve.simulation import FleetConfig, build_fleet, sim_requests, simulate
 from sloserve.workload.types import WorkloadRequest
@@ -74,7 +74,7 @@ def test_planner_clamps_waits_before_scaling_down_and_takes_back_drains_first():
             self.n = n
 
         def decide(self, signals):
-            from sloserve.core.fleet_view import ScalingDecision
+            from sloserve.fleet_view import ScalingDecision
             return ScalingDecision(self.n, "fixed")
 
     policy = Fixed(10)
@@ -132,7 +132,7 @@ def test_the_demand_meter_reads_the_rate_of_each_ended_window_empty_ones_include
 
 def test_a_plan_is_carried_out_in_one_order_on_the_simulated_fleet():
     from sloserve.cluster.autoscale.base import ScalingDecision
-    from sloserve.core.fleet_view import ScalingPlan
+    from sloserve.fleet_view import ScalingPlan
     from sloserve.sim.scaling import ScalingSpec, SimScaling
 
     scaling = SimScaling(ScalingSpec(capacity_rps=1.0, initial=3, cold_start_s=100.0, warm_start_s=5.0,

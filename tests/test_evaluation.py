@@ -28,7 +28,7 @@ from sloserve.evaluation.runner import Evaluation, run_evaluation, write_results
 from sloserve.evaluation.suite import Cell, Measure, cells, load_grid, split_of
 from sloserve.evaluation.tune import tune
 from sloserve.evaluation.verdict import NOISE_FLOOR, judge, seed_ratios
-from sloserve.core.fleet_view import ScalingSignals
+from sloserve.fleet_view import ScalingSignals
 from sloserve.planning import Goodput
 
 GRID = """

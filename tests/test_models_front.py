@@ -136,7 +136,7 @@ def test_models_under_one_budget_never_hold_more_workers_than_it_together():
     import time
 
     from multi_helpers import FakeWorker, serving_front
-    from sloserve.core.fleet_view import DRAINING, READY, STARTING
+    from sloserve.fleet_view import DRAINING, READY, STARTING
     from sloserve.front.budget import ModelsBudget
     from sloserve.workers.fleet import FrontConfig
 

@@ -17,7 +17,7 @@ from sloserve.cluster.autoscale.planner import ScalePlanner
 from sloserve.cluster.migration import InstanceView, MigrationPolicy, Move, MoveCosts
 from sloserve.cluster.mixed_handoff import MixedHandoff, NeverHandOff
 from sloserve.cluster.routers.base import Router
-from sloserve.core.fleet_view import HANDOFF, InstanceSlot, ScalingPlan, ScalingSignals
+from sloserve.fleet_view import HANDOFF, InstanceSlot, ScalingPlan, ScalingSignals
 from sloserve.sched.state import InstanceState
 from sloserve.core.types import Request
 

@@ -1,5 +1,4 @@
 """The vocabulary every layer shares: requests, sampling parameters, QoS classes and the one SLO
-type (`types`), engine and scheduler configs (`config`), the one finished-request record
-(`records`), and what the cluster controller sees and decides (`fleet_view`). It reaches nothing
-else of sloserve but the instance scheduler's load snapshot (`sched/state.py`), which the
-controller's view of an instance carries."""
+type (`types`), engine and scheduler configs (`config`) and the one finished-request record
+(`records`). It imports nothing else of sloserve; what the controller sees of a fleet, which
+carries the instance scheduler's load snapshot, is `sloserve/fleet_view.py`, above sched/."""

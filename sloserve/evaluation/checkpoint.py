@@ -30,7 +30,7 @@ logger = logging.getLogger(__name__)
 
 _PACKAGE = Path(__file__).resolve().parents[1]  # sloserve/
 _MEASURED_BY = ("sim", "sched", "kv", "cluster", "workload", "core")
-_MEASURED_BY_FILES = ("simulation.py", "planning.py",
+_MEASURED_BY_FILES = ("simulation.py", "planning.py", "fleet_view.py",
                       "evaluation/suite.py", "evaluation/fleet.py", "evaluation/metrics.py", "evaluation/workloads.py",
                       "evaluation/result.py", "evaluation/decisions/base.py")
 

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Callable, Optional, Protocol
 
 from sloserve.cluster.autoscale.demand import DemandMeter
 from sloserve.cluster.autoscale.execute import apply_plan
-from sloserve.core.fleet_view import DRAINING, READY, STARTING, STOPPED, InstanceSlot, ScalingPlan, ScalingSignals
+from sloserve.fleet_view import DRAINING, READY, STARTING, STOPPED, InstanceSlot, ScalingPlan, ScalingSignals
 from sloserve.front.migration import every
 from sloserve.timeline import DRAIN, SCALE, UNDRAIN
 from sloserve.workers.fleet import HEALTHY, STARTING as FLEET_STARTING, STOPPED as FLEET_STOPPED

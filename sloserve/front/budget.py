@@ -15,7 +15,7 @@ import asyncio
 from typing import TYPE_CHECKING, Optional
 
 from sloserve.cluster.autoscale.budget import ServiceAsk, share_budget
-from sloserve.core.fleet_view import DRAINING, READY, STARTING
+from sloserve.fleet_view import DRAINING, READY, STARTING
 from sloserve.front.migration import every
 
 if TYPE_CHECKING:

@@ -38,7 +38,7 @@ import logging
 import uuid
 from typing import TYPE_CHECKING, Optional
 
-from sloserve.core.fleet_view import HANDOFF, Move
+from sloserve.fleet_view import HANDOFF, Move
 from sloserve.front.relay import EarlyTarget
 
 if TYPE_CHECKING:

@@ -14,7 +14,7 @@ import logging
 from typing import TYPE_CHECKING, Callable, Optional
 
 from sloserve.cluster.migration.base import InstanceView, MovableRequest, Move, MoveCosts
-from sloserve.core.fleet_view import HANDOFF
+from sloserve.fleet_view import HANDOFF
 from sloserve.front.relay import MigrationOutcome
 from sloserve.timeline import MIGRATION
 

@@ -34,7 +34,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from sloserve.core.fleet_view import DRAINING, READY, STARTING, InstanceSlot, ScalingPlan, ScalingSignals
+from sloserve.fleet_view import DRAINING, READY, STARTING, InstanceSlot, ScalingPlan, ScalingSignals
 from sloserve.sched.state import InstanceState
 from sloserve.sim.scaling import SimScaling
 

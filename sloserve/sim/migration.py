@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 from sloserve.cluster.migration.precopy import PrecopyRule
-from sloserve.core.fleet_view import HANDOFF, FleetDecisions, InstanceView, MovableRequest, Move, MoveCosts
+from sloserve.fleet_view import HANDOFF, FleetDecisions, InstanceView, MovableRequest, Move, MoveCosts
 from sloserve.sched.live_state import LiveInstanceState
 from sloserve.sim.instance import SimInstance
 from sloserve.core.types import Request, RequestStatus

@@ -27,7 +27,7 @@ import numpy as np
 
 from sloserve.cluster.autoscale.demand import DemandMeter
 from sloserve.cluster.autoscale.execute import apply_plan
-from sloserve.core.fleet_view import DRAINING, READY, STARTING, STOPPED, InstanceSlot, ScalingPlan, ScalingSignals
+from sloserve.fleet_view import DRAINING, READY, STARTING, STOPPED, InstanceSlot, ScalingPlan, ScalingSignals
 from sloserve.sched.state import InstanceState
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
 
 from sloserve.cluster.autoscale.budget import ServiceAsk, share_budget
-from sloserve.core.fleet_view import DRAINING, READY, STARTING
+from sloserve.fleet_view import DRAINING, READY, STARTING
 from sloserve.sim.fluid import FluidFleet, FluidResult
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from collections.abc import Sequence
 from typing import Any, Callable, Iterable, Iterator, Optional
 
-from sloserve.core.fleet_view import HANDOFF, READY as SLOT_READY, ROLES, STARTING, FleetDecisions, MoveCosts
+from sloserve.fleet_view import HANDOFF, READY as SLOT_READY, ROLES, STARTING, FleetDecisions, MoveCosts
 from sloserve.sched.live_state import Moment
 from sloserve.sim.clocking import energy_summary
 from sloserve.sim.instance import SimInstance

@@ -30,7 +30,7 @@ from typing import Any, Callable, Optional
 import httpx
 
 from sloserve.cluster.spec import FleetSpec
-from sloserve.core.fleet_view import ROLES
+from sloserve.fleet_view import ROLES
 from sloserve.timeline import (DEAD as SHOWN_DEAD, DRAINING as SHOWN_DRAINING, FAILURE, INSTANCE_READY,
                                READING_FIELDS, READY as SHOWN_READY, START, STOP, InstanceReading)
 from sloserve.sched.state import InstanceState, KeySetIndex

@@ -17,7 +17,7 @@ from typing import Optional
 
 import numpy as np
 
-from sloserve.core.fleet_view import ScalingDecision, ScalingSignals
+from sloserve.fleet_view import ScalingDecision, ScalingSignals
 
 
 @dataclass

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from sloserve.core.fleet_view import ScalingPlan
+from sloserve.fleet_view import ScalingPlan
 
 
 class ScalingPort(Protocol):

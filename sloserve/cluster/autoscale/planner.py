@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional, Sequence
 
 from sloserve.cluster.autoscale.base import Autoscaler, ScalingDecision
-from sloserve.core.fleet_view import DRAINING, READY, STARTING, STOPPED, InstanceSlot, ScalingPlan, ScalingSignals
+from sloserve.fleet_view import DRAINING, READY, STARTING, STOPPED, InstanceSlot, ScalingPlan, ScalingSignals
 
 if TYPE_CHECKING:
     from sloserve.cluster.autoscale.base import ScalingOptions

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import ClassVar, Iterable, Optional, Sequence
 
 from sloserve.cluster.routers.predicted_load import DEFAULT_DECODE_WEIGHT
-from sloserve.core.fleet_view import InstanceView, MovableRequest, Move, MoveCosts
+from sloserve.fleet_view import InstanceView, MovableRequest, Move, MoveCosts
 
 
 @dataclass(frozen=True)
