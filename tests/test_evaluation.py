@@ -484,3 +484,66 @@ def test_the_checkpoints_code_digest_ignores_comments_and_docstrings_but_not_cod
     assert digest('"""A policy, reworded."""\ndef f(x):\n    # a new comment\n    return 2 * x\n') == base
     assert digest('def f(x):\n    return 3 * x\n') != base
     assert digest('def f(x):\n    """Doubles."""\n    return 2 * x\nLIMIT = 4\n') != base
+
+
+def test_clock_policies_book_energy_and_spend_slack_only_below_the_deadlines():
+    """A clocks cell's runs carry the cell's SLO as every request's deadlines and book joules; at a
+    light load slo-slack uses less energy per request than the top clock and keeps the SLO."""
+    from sloserve.evaluation.decisions.clocks import joules_per_request
+    from sloserve.evaluation.fleet import Policy, fleet_config
+    from sloserve.evaluation.metrics import PolicyRuns, probe_for
+
+    cell = load_grid("clocks", quick=True).cells[0]
+    setting = Setting.of(cell.params)
+    lineup = make_decision("clocks").policies(cell)
+    assert [p.name for p in lineup.baselines] == ["max clocks (predicted-load)"]
+    assert [p.name for p in lineup.candidates] == ["slo-slack clocks (predicted-load)"]
+    assert fleet_config(setting, lineup.candidates[0]).clock_policy == "slo-slack"
+    assert fleet_config(setting, Policy("predicted-load")).clock_policy is None
+    probe = probe_for(setting, 0, measure_of("clocks", quick=True))
+    points = {}
+    for policy in (*lineup.baselines, *lineup.candidates):
+        runs = PolicyRuns(setting, policy, probe)
+        assert runs.classes["default"].ttft_target_s == setting.slo_targets.ttft_s
+        points[policy.clock] = runs.at_load(0.3, 20.0)
+    assert points["max"].requests == points["slo-slack"].requests > 0
+    assert all(p.joules > 0 for p in points.values())
+    assert points["slo-slack"].joules < 0.9 * points["max"].joules
+    assert points["slo-slack"].attainment >= points["max"].attainment - 0.01
+    m = CellMetrics("x", 0, Goodput(1.0, 1), Goodput(1.0, 1), 20.0, (points["max"],), 1, 0.0)
+    assert joules_per_request(m) == pytest.approx(points["max"].joules / points["max"].requests)
+
+
+def _clock_run(seed: int, joules: float, attainments: tuple[float, ...], g99: float) -> CellMetrics:
+    loads = tuple(LoadPoint(x, x * 10, 100, a, 0.1, 0.01, 0.1, 0, 0.0, joules) for x, a in zip((0.3, 0.6, 0.9), attainments))
+    return CellMetrics("p", seed, Goodput(g99 * 1.1, 10), Goodput(g99, 10), 10.0, loads, 1, 0.0)
+
+
+def test_clock_verdicts_weigh_energy_against_the_slo():
+    from sloserve.evaluation.decisions.clocks import judge_clock
+
+    base = [_clock_run(s, 3000.0, (1.0, 1.0, 1.0), 9.0) for s in (0, 1)]
+
+    def verdict(joules, attainments, g99):
+        return judge_clock("c", "b", {"c": [_clock_run(s, joules[s], attainments, g99) for s in (0, 1)],
+                                      "b": base}).outcome
+
+    assert verdict((2000.0, 2100.0), (1.0, 1.0, 0.995), 9.0) == "win"  # 1.4-1.5x less energy, SLO kept
+    assert verdict((2000.0, 2100.0), (1.0, 1.0, 0.95), 9.0) == "trade"  # 5 points lost at 0.9 load
+    assert verdict((2000.0, 2100.0), (1.0, 1.0, 1.0), 8.0) == "trade"  # capacity lost beyond noise
+    assert verdict((3000.0, 3010.0), (1.0, 1.0, 1.0), 9.0) == "tie"
+    assert verdict((3000.0, 3010.0), (1.0, 0.9, 1.0), 9.0) == "loss"
+    nan = [_clock_run(s, math.nan, (1.0,) * 3, 9.0) for s in (0, 1)]
+    with pytest.raises(ValueError, match="energy books"):
+        judge_clock("c", "b", {"c": nan, "b": base})
+
+
+def test_the_cli_help_and_the_suite_readme_name_every_decision():
+    from sloserve.cli import build_parser
+
+    evaluate = next(a for a in build_parser()._subparsers._group_actions[0].choices["evaluate"]._actions
+                    if a.dest == "decision")
+    readme = (Path(__file__).resolve().parents[1] / "benchmarks" / "suite" / "README.md").read_text()
+    for name in DECISIONS:
+        assert name in evaluate.help
+        assert f"`{name}.yaml`" in readme

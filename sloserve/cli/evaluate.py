@@ -9,8 +9,8 @@ def add_evaluate_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("evaluate", help="policies against their baselines on held-out settings (dev/test split by a "
                                         "hash of each setting), on the simulator")
     p.add_argument("--decision", action="extend", nargs="+", metavar="NAME",
-                   help="decisions to evaluate: routing, migration, disaggregation, autoscaling, forecasting (default: "
-                        "all; grids in benchmarks/suite/)")
+                   help="decisions to evaluate: routing, migration, disaggregation, autoscaling, forecasting, qos, "
+                        "tiers, clocks (default: all; grids in benchmarks/suite/)")
     p.add_argument("--split", default="dev", metavar="dev|test|both",
                    help="which cells: dev (default; what tuning, plots and iteration read), test (the claims: run "
                         "once the policy is frozen) or both")

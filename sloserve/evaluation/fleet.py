@@ -100,10 +100,13 @@ class Policy:
     pd: Optional[str] = None
     scheduler: str = "fcfs"  # each instance's scheduling policy (sched/policies)
     tiers: str = "device"  # where the prefix cache lives: a name of TIERS
+    clock: Optional[str] = None  # the SM clock policy (sched/clocks); None: top clock, no energy books
 
     @property
     def name(self) -> str:
         name = self.router if self.migration == "none" else f"{self.router} + {self.migration}"
+        if self.clock is not None:
+            name = f"{self.clock} clocks ({name})"
         if self.scheduler != "fcfs":
             name = f"{self.scheduler} scheduling ({name})"
         if self.tiers != "device":
@@ -129,7 +132,8 @@ def fleet_config(setting: Setting, policy: Policy) -> FleetConfig:
     cfg = FleetConfig(instances=setting.instances, hardware=setting.hardware, model=setting.model, tp=setting.tp,
                       router=policy.router, migration=policy.migration, link=setting.link, pd=policy.pd,
                       scheduler=replace(scheduler(), policy=policy.scheduler), predictor=PREDICTOR,
-                      migration_interval_s=MIGRATION_INTERVAL_S, decode_router=DECODE_ROUTER)
+                      migration_interval_s=MIGRATION_INTERVAL_S, decode_router=DECODE_ROUTER,
+                      clock_policy=policy.clock)
     if policy.tiers != "device":
         try:
             tiers = TIERS[policy.tiers]

@@ -10,7 +10,8 @@
   of one policy share their runs (a rate is simulated once, whichever target asks);
 - the cell's capacity in that seed: the best baseline's goodput at 90%;
 - at each of `Measure.loads` x that capacity: SLO attainment, P99 TTFT, P99 TPOT, GPU-hours of the
-  run, and the migrations completed and bytes they moved (0 without migration).
+  run, the migrations completed and bytes they moved (0 without migration), and with a clock
+  policy the fleet's joules.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from sloserve.evaluation.suite import Measure
 from sloserve.evaluation.workloads import available, source
 from sloserve.planning import Goodput, Sustained, burst_rate, search_rate, sustained
 from sloserve.core.records import RequestRecord
-from sloserve.core.types import QoSClass
+from sloserve.core.types import DEFAULT_QOS, QoSClass
 from sloserve.workload.types import WorkloadRequest
 
 TARGETS = (0.9, 0.99)  # attainment of the two goodputs; capacity is the first one's
@@ -44,6 +45,7 @@ class LoadPoint:
     gpu_hours: float
     migrations: int
     bytes_moved: float
+    joules: float = math.nan  # the fleet's energy over the run, idle time included (clock policies only)
 
     def as_dict(self) -> dict:
         return dict(vars(self))
@@ -145,6 +147,9 @@ class PolicyRuns:
         self.setting, self.policy, self.probe = setting, policy, probe
         self.slo: SLO = setting.slo_targets
         self.classes = setting.classes
+        if self.classes is None and policy.clock is not None:  # a clock policy spends the slack to the deadlines
+            self.classes = {DEFAULT_QOS.name: replace(DEFAULT_QOS, ttft_target_s=self.slo.ttft_s or math.inf,
+                                                      tbt_target_s=self.slo.tpot_s or math.inf)}
         self.cfg = fleet_config(setting, policy)
         self.thresholds = thresholds
         self.runs = 0
@@ -172,7 +177,7 @@ class PolicyRuns:
         return LoadPoint(load, rate, len(tried), float(attained or 0.0),
                          overall.latency["ttft"].p(99), overall.latency["tpot"].p(99),
                          gpu_hours(self.cfg, result.end_time), int(result.migration.get("completed", 0)),
-                         float(result.migration.get("bytes", 0.0)))
+                         float(result.migration.get("bytes", 0.0)), float(result.energy.get("total_j", math.nan)))
 
 
 def start_rate(setting: Setting, first_baseline: Policy, probe: Sustained) -> float:

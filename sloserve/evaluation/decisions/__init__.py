@@ -6,6 +6,7 @@ from typing import Any, Optional
 
 from sloserve.evaluation.decisions.autoscaling import AutoscalingDecision
 from sloserve.evaluation.decisions.forecasting import ForecastingDecision
+from sloserve.evaluation.decisions.clocks import ClocksDecision
 from sloserve.evaluation.decisions.base import Decision, GoodputDecision, Lineup, Threshold
 from sloserve.evaluation.decisions.disaggregation import DisaggregationDecision
 from sloserve.evaluation.decisions.migration import MigrationDecision
@@ -16,7 +17,7 @@ from sloserve.evaluation.suite import load_grid
 
 DECISIONS: dict[str, type[Decision]] = {d.name: d for d in (
     RoutingDecision, MigrationDecision, DisaggregationDecision, AutoscalingDecision, ForecastingDecision,
-    QoSDecision, TiersDecision)}
+    QoSDecision, TiersDecision, ClocksDecision)}
 
 
 def make_decision(name: str, measure: Optional[Any] = None) -> Decision:
@@ -37,4 +38,4 @@ def measure_of(name: str, quick: bool = False) -> Any:
 
 __all__ = ["Decision", "GoodputDecision", "Lineup", "Threshold", "DECISIONS", "make_decision", "measure_of", "RoutingDecision", "MigrationDecision", "AutoscalingDecision",
            "ForecastingDecision", "DisaggregationDecision", "QoSDecision",
-           "TiersDecision"]
+           "TiersDecision", "ClocksDecision"]
