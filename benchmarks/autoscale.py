@@ -103,6 +103,8 @@ def requests(run: Series, scale: float, lengths: list[WorkloadRequest], seed: in
     """Poisson arrivals at `scale` x the run's rate in each window, lengths drawn from a trace."""
     return poisson_requests(run.values * scale, run.step_s, lengths, seed)
 
+DECODE_ROUTER = "least-kv"  # a P/D fleet's pick of a hand-off's decode instance
+
 
 def main() -> int:
     args = parse_args()
@@ -111,7 +113,7 @@ def main() -> int:
     console = Console()
     slo = SLO.parse(args.slo)
     base = FleetConfig(instances=args.peak, hardware=args.hardware, model=args.model, tp=args.tp,
-                       router="least-requests", migration="drain", migration_interval_s=0.1, decode_router="least-kv",
+                       router="least-requests", migration="drain", migration_interval_s=0.1,
                        scheduler=SchedulerConfig(max_num_batched_tokens=args.budget, max_num_seqs=256))
     lengths = load_file(shared_path(args.lengths), source=args.lengths)
     context = get_model(args.model).max_position_embeddings
@@ -149,7 +151,7 @@ def main() -> int:
                   f"peak {peak_need} instances)")
     pools = None
     if args.pd:
-        pools = pool_capacity(probe, replace(base, pd="1:1"), slo, sample=len(probe))
+        pools = pool_capacity(probe, replace(base, pd="1:1", decode_router=DECODE_ROUTER), slo, sample=len(probe))
         console.print(f"P/D pools: one prefill instance carries {pools[0]:.2f} req/s, one decode instance "
                       f"{pools[1]:.2f} req/s")
     cold_starts = [float(x) for x in args.cold_starts.split(",")]
@@ -170,12 +172,13 @@ def main() -> int:
                 need = [max(1, math.ceil(rate / (c * 0.8))) for c in pools]  # type: ignore[union-attr]
                 if policy.startswith("static"):
                     sizes = "{}:{}".format(*need)
-                    cfg = replace(base, pd=sizes, pd_min=sizes, pd_initial=sizes, autoscale="static")
+                    cfg = replace(base, pd=sizes, decode_router=DECODE_ROUTER, pd_min=sizes, pd_initial=sizes,
+                                  autoscale="static")
                 else:
                     most = [max(args.peak, 2 * math.ceil(float(run.values.max()) * scale / (c * 0.8)))
                             for c in pools]  # type: ignore[union-attr]
-                    cfg = replace(base, pd="{}:{}".format(*most), pd_min="1:1", pd_initial="{}:{}".format(*need),
-                                  autoscale=policy)
+                    cfg = replace(base, pd="{}:{}".format(*most), decode_router=DECODE_ROUTER, pd_min="1:1",
+                                  pd_initial="{}:{}".format(*need), autoscale=policy)
                 cfg = replace(cfg, pd_capacity=pools)
             elif policy.startswith("static"):
                 n = peak_need if policy == "static-peak" else mean_need

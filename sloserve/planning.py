@@ -266,7 +266,7 @@ def instance_capacity(reqs: Sequence[WorkloadRequest], cfg: FleetConfig, slo: SL
     if isinstance(known, dict) and "rps" in known:
         found = Goodput.from_dict(known)
     else:
-        found = search_goodput(head[:sample], replace(cfg, instances=1, autoscale=None, pd=None, migration="none"),
+        found = search_goodput(head[:sample], cfg.fixed(instances=1, pd=None, migration="none"),
                                slo, iters, requests_at=probe)
         cache.put(key, found.as_dict())
     _warn_if_limited(found, found.rps, min_duration_s, "an instance")
@@ -314,7 +314,7 @@ def pool_capacity(reqs: Sequence[WorkloadRequest], cfg: FleetConfig, slo: SLO, i
 def _measure_pools(first: list[WorkloadRequest], cfg: FleetConfig, slo: SLO, iters: int,
                    probe: Sustained) -> tuple[float, float, list[Goodput]]:
     """pool_capacity's searches: (prefill, decode, [the prefill search, the decode search])."""
-    base = replace(cfg, autoscale=None, migration="none")
+    base = cfg.fixed(migration="none")
     ttft_only, tpot_only = replace(slo, tpot_s=None), replace(slo, ttft_s=None, e2e_s=None)
 
     def sized(rate: float, capacity: float) -> int:
@@ -372,7 +372,7 @@ def response_curve(reqs: Sequence[WorkloadRequest], cfg: FleetConfig, slo: SLO, 
     if isinstance(known, dict) and "waiting" in known:
         return ResponseCurve(tuple(known["loads"]), tuple(known["attainment"]), known["saturation_rps"], capacity,
                              tuple(known["waiting"]))
-    fleet = replace(cfg, instances=instances, autoscale=None, pd=None, migration="none")
+    fleet = cfg.fixed(instances=instances, pd=None, migration="none")
     probe = sustained(lambda n: head[:n], min(len(head), 50), duration_s, len(head))
     attained, mean_ttft, saturation = [], [], 0.0
     for load in loads:

@@ -7,12 +7,12 @@ policies) in charge of simulated instances, which only know the controller's int
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional, Sequence
 
 from sloserve.core.records import RequestRecord, error_kind_for_status
 from sloserve.timeline import FleetTimeline
 from sloserve.cluster.controller import FleetController
-from sloserve.cluster.migration import MoveCosts, make_migration_policy, parse_migration
+from sloserve.cluster.migration import MoveCosts, make_migration_policy
 from sloserve.cluster.mixed_handoff import DEFAULT_QUEUED_TOKENS, make_mixed_handoff
 from sloserve.cluster.routers import RouterOptions, make_router
 from sloserve.cluster.spec import FleetSpec
@@ -154,28 +154,35 @@ class FleetConfig:
 
     @property
     def spec(self) -> FleetSpec:
-        """The controller's side of this fleet, as cluster/spec.py describes it."""
-        return FleetSpec.of(self, self.instances, self.min_instances if self.autoscale else None,
+        """The controller's side of this fleet, as cluster/spec.py describes it (a P/D fleet's pool
+        bounds are `pd` and `pd_min`, so its spec has no `min_instances`)."""
+        flat_autoscaled = self.autoscale is not None and self.pd is None
+        return FleetSpec.of(self, self.instances, self.min_instances if flat_autoscaled else None,
                             self.predictor or "none")
 
+    def fixed(self, **changes: Any) -> "FleetConfig":
+        """This fleet without autoscaling (its bounds and capacities dropped), with `changes`; a
+        result without `pd` also drops what only a hand-off uses (pool overrides, the decode router
+        unless mixed instances hand off). What planning measures a fleet's parts on."""
+        out = replace(self, autoscale=None, pd_min=None, pd_initial=None, pd_capacity=None, **changes)
+        if out.pd is None:
+            out = replace(out, prefill_pool=PoolSettings(), decode_pool=PoolSettings(),
+                          decode_router=out.decode_router if out.mixed_handoff != "never" else None)
+        return out
+
     def validate(self) -> None:
+        """ValueError (one line) on a fleet the simulator cannot run: the controller's settings by
+        FleetSpec.validate (the real fleet's check), then what only the simulator has."""
         if self.pd_transfer == "live":
             raise ValueError("--pd-transfer live is the real fleet's (pre-copy while the prefill instance decodes); "
                              "the simulator sends pipelined or blocking")
         if self.pd is not None:
             self.instances = sum(parse_pd(self.pd))
-        if self.instances < 1:
-            raise ValueError("--instances must be >= 1")
+        self.spec.validate()
         if self.tp < 1:
             raise ValueError("--tp must be >= 1")
         if self.router_epsilon < 0:
             raise ValueError("--router-epsilon must be >= 0")
-        if self.migration_interval_s <= 0:
-            raise ValueError("--migration-interval must be > 0")
-        parse_migration(self.migration)
-        make_mixed_handoff(self.mixed_handoff, self.mixed_handoff_tokens)
-        if self.mixed_handoff != "never" and self.pd is not None:
-            raise ValueError("--mixed-handoff hands off between mixed instances; a --pd fleet has none")
         get_link(self.link)
         get_link(self.kv_store_link)
         if self.kv_store_gib < 0:
@@ -213,8 +220,6 @@ class FleetConfig:
             if self.pd_capacity is None or not all(c > 0 for c in self.pd_capacity):
                 raise ValueError("autoscaling a P/D fleet needs the capacity of one prefill and one decode instance")
         elif self.autoscale is not None:
-            if not 0 <= self.min_instances <= self.instances:
-                raise ValueError(f"--instances MIN:MAX needs 0 <= MIN <= MAX, got {self.min_instances}:{self.instances}")
             if self.capacity_rps is None or not self.capacity_rps > 0:
                 raise ValueError("autoscaling needs the capacity of one instance (capacity_rps > 0)")
 

@@ -120,6 +120,31 @@ def test_a_spec_no_fleet_can_run_is_one_clear_error(spec, message):
         spec.validate()
 
 
+@pytest.mark.parametrize("spec, message", [
+    (FleetSpec(instances=2, decode_router="least-kv"), "needs --pd"),
+    (FleetSpec(instances=2, pd="1:1", mixed_handoff="always"), "a --pd fleet has none"),
+    (FleetSpec(instances=2, migration_interval_s=0.0), "migration-interval"),
+])
+def test_the_simulated_fleet_checks_the_controller_settings_as_the_spec_does(spec, message):
+    with pytest.raises(ValueError, match=message):
+        FleetConfig.from_spec(spec).validate()
+
+
+def test_a_fixed_part_of_a_fleet_drops_what_only_scaling_and_hand_offs_use():
+    pd = FleetConfig.from_spec(FleetSpec(instances=4, pd="2:2", decode_router="least-kv", autoscale="reactive",
+                                         prefill_pool=PoolSettings(max_num_seqs=8), pd_min="1:1",
+                                         pd_capacity=(2.0, 3.0)))
+    pd.validate()
+    colocated = pd.fixed(instances=1, pd=None)
+    colocated.validate()  # no decode router, pool overrides or P/D bounds left to refuse
+    assert (colocated.autoscale, colocated.pd_min, colocated.pd_capacity, colocated.decode_router) == \
+        (None, None, None, None)
+    assert colocated.prefill_pool == PoolSettings()
+    pools = pd.fixed()
+    pools.validate()
+    assert (pools.pd, pools.decode_router, pools.prefill_pool.max_num_seqs) == ("2:2", "least-kv", 8)
+
+
 def test_the_simulator_refuses_the_real_fleets_live_transfer():
     with pytest.raises(ValueError, match="real fleet's"):
         FleetConfig.from_spec(FleetSpec(instances=2, pd="1:1", pd_transfer="live")).validate()

@@ -422,7 +422,7 @@ def prepare_autoscaling(fleet, args: argparse.Namespace, spec, slo) -> None:
             raise ValueError("one pool's instance meets the SLO at no rate on this workload: loosen --slo or "
                              "give --pd-capacity")
     elif not fleet.pd and fleet.capacity_rps is None:
-        fleet.capacity_rps = instance_capacity(head, replace(fleet, autoscale=None), slo, more=more)
+        fleet.capacity_rps = instance_capacity(head, fleet.fixed(), slo, more=more)
         if not fleet.capacity_rps > 0:
             raise ValueError("one instance meets the SLO at no rate on this workload: loosen --slo or give --capacity")
     if args.scaling_history:

@@ -23,9 +23,9 @@ from sloserve.simulation import (FleetConfig, build_cost_model, build_fleet, fle
 from sloserve.workload.types import WorkloadRequest
 
 PREDICTOR = "default"
-# The suite's fleets plan migrations every 0.1 s of simulated time and pick a hand-off's decode
-# instance by KV demand: fixed here, apart from FleetSpec's defaults, so a cell measures the same
-# fleet whatever those defaults become.
+# The suite's fleets plan migrations every 0.1 s of simulated time and a P/D fleet picks a
+# hand-off's decode instance by KV demand: fixed here, apart from FleetSpec's defaults, so a cell
+# measures the same fleet whatever those defaults become.
 MIGRATION_INTERVAL_S = 0.1
 DECODE_ROUTER = "least-kv"
 
@@ -132,7 +132,8 @@ def fleet_config(setting: Setting, policy: Policy) -> FleetConfig:
     cfg = FleetConfig(instances=setting.instances, hardware=setting.hardware, model=setting.model, tp=setting.tp,
                       router=policy.router, migration=policy.migration, link=setting.link, pd=policy.pd,
                       scheduler=replace(scheduler(), policy=policy.scheduler), predictor=PREDICTOR,
-                      migration_interval_s=MIGRATION_INTERVAL_S, decode_router=DECODE_ROUTER,
+                      migration_interval_s=MIGRATION_INTERVAL_S,
+                      decode_router=DECODE_ROUTER if policy.pd is not None else None,
                       clock_policy=policy.clock)
     if policy.tiers != "device":
         try:
