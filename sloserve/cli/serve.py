@@ -49,6 +49,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         event_loop=args.event_loop,
         tool_call_parser=args.tool_call_parser,
         grammar_compile_timeout_s=args.grammar_compile_timeout,
+        otlp_traces_endpoint=args.otlp_traces_endpoint,
     )
     settings.validate()
     spec = args.fleet_spec
@@ -143,6 +144,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="queue requests whose predicted TTFT already misses their class target (default: 429 slo_unattainable)")
     g.add_argument("--dashboard-interval", type=float, default=1.0, metavar="S",
                    help="how often /dashboard's fleet timeline samples the instances (default 1 s; the last hour is kept)")
+    g.add_argument("--otlp-traces-endpoint", metavar="URL",
+                   help="send a trace span per request (front and workers) to this OTLP/HTTP collector, e.g. "
+                        "http://127.0.0.1:4318 (its /v1/traces); needs the tracing extra (default: no tracing)")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     m = p.add_argument_group("multi-instance (the real fleet's own settings)")
     m.add_argument("--backend", default="process", choices=["process", "ray"], help="workers as local processes or Ray actors")

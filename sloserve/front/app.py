@@ -74,6 +74,7 @@ from sloserve.server.protocol import FRONT_IDS_FIELD, GenerationRequest, check_c
 from sloserve.server.qos import CacheSalter, QoSRegistry, cache_secret
 from sloserve.workers.contract import FLEET_SECRET_HEADER, QOS_HEADER, qos_header
 from sloserve.timeline import DRAIN, UNDRAIN, FleetTimeline
+from sloserve.tracing import OFF, Tracing, trace_headers
 from sloserve.core.types import Request, SamplingParams
 
 __all__ = ["DEAD", "HEALTHY", "STARTING", "UNRESPONSIVE", "Front", "WorkerFleet", "FrontConfig", "Instance"]
@@ -198,11 +199,13 @@ class _RelayResponse(StreamingResponse):
 
 class Front:
     def __init__(self, fleet: WorkerFleet, registry: Optional[QoSRegistry] = None, salter: Optional[CacheSalter] = None,
-                 lora_modules: tuple[tuple[str, str], ...] = ()):
+                 lora_modules: tuple[tuple[str, str], ...] = (), tracing: Tracing = OFF):
         """`salter` must use the secret the workers got, so the prefix keys the router computes
         for a request are the ones the workers publish for the same tenant's prefix;
-        `lora_modules`: the adapters the workers start with (front/adapters.py)."""
+        `lora_modules`: the adapters the workers start with (front/adapters.py); `tracing`: where
+        each call's `sloserve.front` span goes (tracing.py)."""
         self.fleet = fleet
+        self.tracing = tracing
         self.registry = registry or QoSRegistry()
         self.salter = salter or CacheSalter(cache_secret())
         cfg = fleet.config
@@ -444,7 +447,27 @@ class Front:
 
     # ---- generation ----------------------------------------------------------------------
     async def generate(self, request: HTTPRequest, path: str, chat: bool, raw: Optional[bytes] = None) -> Response:
-        """A generation call (`raw`: its body, when not the request's own: front/responses.py)."""
+        """A generation call (`raw`: its body, when not the request's own: front/responses.py).
+        Traced (tracing.py): the `sloserve.front` span runs until the client has its answer or the
+        start of its stream, and its context goes to every worker that serves the call."""
+        if not self.tracing.enabled:
+            return await self._generate(request, path, chat, raw, {})
+        span = self.tracing.begin("sloserve.front", trace_headers(request.headers))
+        carried: dict[str, str] = {}
+        self.tracing.inject(span, carried)
+        response: Optional[Response] = None
+        try:
+            response = await self._generate(request, path, chat, raw, carried)
+            return response
+        finally:
+            status = response.status_code if response is not None else 500
+            self.tracing.end(span, attributes={"http.route": path, "http.response.status_code": status,
+                                               "sloserve.streamed": isinstance(response, _RelayResponse),
+                                               "sloserve.router": self.fleet.config.router},
+                             error=str(status) if status >= 400 else None)
+
+    async def _generate(self, request: HTTPRequest, path: str, chat: bool, raw: Optional[bytes],
+                        carried: dict[str, str]) -> Response:
         raw = raw if raw is not None else await request.body()
         principal = getattr(request.state, "principal", None) or self.registry.authenticate(None)
         if principal is None:  # the edge checks keys first; this is a backstop
@@ -457,7 +480,7 @@ class Front:
         else:
             body, call, params = _judge(raw, chat, request.headers)
         qos = self._qos(call, request, principal)
-        headers = self._headers(request)
+        headers = {**self._headers(request), **carried}
         if self.autoscale is not None:
             self.autoscale.observe_arrival()
         ticket: Optional[Ticket] = getattr(request.state, "ticket", None)

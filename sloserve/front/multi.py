@@ -184,6 +184,7 @@ def build_front(engine_config: EngineConfig, settings, spec: FleetSpec, *, threa
     """The front of one model (a Front over its WorkerFleet, not started): the fleet `spec`
     describes, each worker `engine_config` on `threads_per_worker` threads."""
     from sloserve.front.app import Front
+    from sloserve.tracing import Tracing
     from sloserve.server.qos import CacheSalter, cache_secret
     from sloserve.server.worker import worker_options
     from sloserve.workers.handles import WorkerSpec
@@ -206,7 +207,8 @@ def build_front(engine_config: EngineConfig, settings, spec: FleetSpec, *, threa
                           retry_after_s=settings.retry_after_s, admin_keys=tuple(admin_keys),
                           timeline_interval_s=settings.timeline_interval_s)
     fleet = build_worker_fleet(spawn, instances, config, fleet_secret=fleet_secret)
-    front = Front(fleet, settings.registry, CacheSalter(cache_secret(salt_secret)), engine_config.lora_modules)
+    front = Front(fleet, settings.registry, CacheSalter(cache_secret(salt_secret)), engine_config.lora_modules,
+                  Tracing(settings.otlp_traces_endpoint, "sloserve-front"))
 
     def adapters_changed(modules: tuple[tuple[str, str], ...]) -> None:
         """Workers started from now on (autoscaling, restarts) load the adapters loaded at run time."""

@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 import sloserve
+from sloserve.tracing import Tracing
 from sloserve.engine.async_engine import AsyncLLMEngine
 from sloserve.engine.lora import LoraError, LoraExists
 from sloserve.server.admission import Admission
@@ -73,7 +74,8 @@ class ServerState:
             self.engine.abort(request_id)
 
 
-def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
+def build_app(engine: AsyncLLMEngine, settings: ServerSettings, service: str = "sloserve") -> FastAPI:
+    """The server of one engine; `service`: what its trace spans name as their service (tracing.py)."""
     settings.validate()
     core = engine.engine
     names = settings.served_model_names or [core.model_name]
@@ -87,7 +89,8 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
                             salter=CacheSalter(cache_secret(settings.cache_salt_secret)),
                             tenants=TenantLimiter(settings.registry.limits_for),
                             tool_call_parser=settings.tool_call_parser,
-                            grammar_compile_timeout_s=settings.grammar_compile_timeout_s)
+                            grammar_compile_timeout_s=settings.grammar_compile_timeout_s,
+                            tracing=Tracing(settings.otlp_traces_endpoint, service))
     # Its thread ends with the engine (the sampler reads nothing once the engine is gone).
     sampler = TimelineSampler(timeline, lambda: [read_instance(0, core.scheduler, core.kv)],
                               alive=lambda: engine.is_alive).start()

@@ -31,6 +31,7 @@ from sloserve.engine.outputs import CompletedOutput, OutputAccumulator, RequestO
 from sloserve.server.admission import Admission
 from sloserve.server.errors import STATUS_CLIENT_GONE, APIError, bad_request, error_body
 from sloserve.server.logprobs import TokenStrings, chat_logprobs, completion_logprobs
+from sloserve.tracing import OFF, Tracing, trace_headers, wall_ns
 from sloserve.server.metrics import FinishedRequest, ServerMetrics
 from sloserve.server.protocol import (
     choice_seed,
@@ -84,6 +85,7 @@ class CallContext:
     resume: Optional[ResumeState] = None  # the call continues one begun on another instance
     kv_push: Optional[tuple[str, str]] = None  # (target worker URL, migration id): a pipelined P/D hand-off
     lora: Optional[str] = None  # the LoRA adapter named as its model (None: the base model)
+    trace: dict[str, str] = field(default_factory=dict)  # the caller's W3C trace context (tracing.py)
 
 
 @dataclass
@@ -111,6 +113,7 @@ class OpenAIServing:
         tenants: Optional[TenantLimiter] = None,
         tool_call_parser: str = "auto",
         grammar_compile_timeout_s: float = 10.0,
+        tracing: Tracing = OFF,
     ) -> None:
         """`stall_timeout_s`: a stream whose client takes longer than this to accept one write
         is ended and its engine requests aborted. `tokenizer_threads` bounds how many prompts
@@ -119,7 +122,8 @@ class OpenAIServing:
         the per-tenant limits of the QoS config. `tool_call_parser` reads tool calls out of chat
         outputs (tool_calls.py; auto = the one the chat template's format calls for). A call's
         constraint compiles on a grammar thread of its own, off the event loop: one that has not
-        compiled within `grammar_compile_timeout_s` is a 400 (its compile goes on and is cached)."""
+        compiled within `grammar_compile_timeout_s` is a 400 (its compile goes on and is cached).
+        `tracing`: where each engine request's span goes when it ends (tracing.py)."""
         if not stall_timeout_s > 0:
             raise ValueError(f"stall_timeout_s must be > 0, got {stall_timeout_s!r}")
         self.engine = engine
@@ -134,6 +138,7 @@ class OpenAIServing:
         self.strings = TokenStrings(self.tokenizer)
         self.tool_parser = resolve_parser(tool_call_parser, self.tokenizer.chat_template)
         self.grammar_compile_timeout_s = grammar_compile_timeout_s
+        self.tracing = tracing
         self._grammar_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sloserve-grammar")
         self._tokenize_pool = ThreadPoolExecutor(max_workers=tokenizer_threads, thread_name_prefix="sloserve-tokenize")
         # A fleet worker's pipelined hand-off (worker_migration.Migrations.push_early): called
@@ -326,7 +331,8 @@ class OpenAIServing:
             qos, priority = self.registry.authorize(class_name, principal, priority)
         push = request.headers.get(KV_PUSH_HEADER, "").split() if relay else []
         return CallContext(request_id, model, principal, qos, priority, relay=relay,
-                           kv_push=(push[0], push[1]) if len(push) == 2 else None, lora=lora)
+                           kv_push=(push[0], push[1]) if len(push) == 2 else None, lora=lora,
+                           trace=trace_headers(request.headers))
 
     def _resolved_qos(self, value: str) -> tuple[QoSClass, Optional[int]]:
         """The class and priority a fleet's front resolved (workers/contract.QOS_HEADER)."""
@@ -472,6 +478,8 @@ class OpenAIServing:
             self.metrics.observe_finished(rec)
         except Exception:  # metrics must never take a request down
             logger.exception("recording metrics for %s failed", choice.engine_id)
+        if self.tracing.enabled:
+            self._trace(ctx, choice, rec, m, status)
         access_log.info(
             "id=%s tenant=%s class=%s status=%d prompt_tokens=%d output_tokens=%d cached_tokens=%d ttft=%s e2e=%s "
             "finish=%s",
@@ -480,6 +488,44 @@ class OpenAIServing:
         )
 
     # ------------------------------------------------------------------ non-streaming
+
+    def _trace(self, ctx: CallContext, choice: Choice, rec: FinishedRequest, m, status: int) -> None:
+        """The engine request's span (tracing.py): arrival to now, GenAI and SLO attributes."""
+        now = time.monotonic()
+        end = wall_ns(now, now)
+        start = wall_ns(m.arrival_time, now) if m is not None else end
+        events = {}
+        if m is not None and m.first_scheduled_time is not None:
+            events["scheduled"] = wall_ns(m.first_scheduled_time, now)
+        if m is not None and m.first_token_time is not None:
+            events["first_token"] = wall_ns(m.first_token_time, now)
+        params = choice.params
+        failed = status >= 400 or rec.finish_reason == "abort"
+        self.tracing.record("llm_request", ctx.trace, start, end, {
+            "gen_ai.operation.name": "chat" if ctx.request_id.startswith("chat") else "text_completion",
+            "gen_ai.provider.name": "sloserve",
+            "gen_ai.request.model": ctx.model,
+            "gen_ai.request.max_tokens": params.max_tokens,
+            "gen_ai.request.temperature": params.temperature,
+            "gen_ai.request.top_p": params.top_p,
+            "gen_ai.response.id": rec.request_id,
+            "gen_ai.response.finish_reasons": [rec.finish_reason],
+            "gen_ai.usage.input_tokens": rec.num_prompt_tokens,
+            "gen_ai.usage.output_tokens": rec.num_output_tokens,
+            "http.response.status_code": status,
+            "sloserve.engine_id": choice.engine_id,
+            "sloserve.tenant": rec.tenant or None,
+            "sloserve.qos.class": rec.qos.name,
+            "sloserve.slo.met": rec.meets_slo,
+            "sloserve.latency.ttft_s": rec.ttft,
+            "sloserve.latency.tpot_s": rec.tpot,
+            "sloserve.latency.e2e_s": rec.e2e,
+            "sloserve.latency.queued_s": rec.queue_time,
+            "sloserve.cached_tokens": rec.num_cached_tokens,
+            "sloserve.preemptions": m.num_preemptions if m is not None else None,
+            "sloserve.lora": rec.lora,
+            "sloserve.resumed": ctx.resume is not None,
+        }, events, error=f"{status} {rec.finish_reason}" if failed else None)
 
     async def _collect(self, request: Request, ctx: CallContext,
                        streams: list["TrackedStream"]) -> list[CompletedOutput]:

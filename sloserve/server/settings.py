@@ -7,6 +7,7 @@ from typing import Optional
 
 from sloserve.server.connections import ConnectionLimits
 from sloserve.server.qos import QoSRegistry
+from sloserve.tracing import traces_url
 
 
 EVENT_LOOPS = ("auto", "asyncio", "uvloop")
@@ -49,6 +50,8 @@ class ServerSettings:
     # A constraint (schema, regex, grammar, forced tool calls) compiles off the event loop; one that
     # takes longer than this is refused with 400 constraint_too_complex.
     grammar_compile_timeout_s: float = 10.0
+    # An OTLP/HTTP collector that gets a span per request (tracing.py); None: no tracing.
+    otlp_traces_endpoint: Optional[str] = None
 
     def connection_limits(self) -> ConnectionLimits:
         return ConnectionLimits(header_timeout_s=self.header_timeout_s, body_timeout_s=self.body_timeout_s,
@@ -78,3 +81,5 @@ class ServerSettings:
         if self.event_loop == "uvloop" and importlib.util.find_spec("uvloop") is None:
             raise ValueError("event loop uvloop: the uvloop package is not installed (pip install uvloop)")
         self.connection_limits().validate()
+        if self.otlp_traces_endpoint is not None:
+            traces_url(self.otlp_traces_endpoint)

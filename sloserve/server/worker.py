@@ -123,14 +123,15 @@ def build_worker_app(engine_config: EngineConfig, settings, fleet_secret: Option
     from sloserve.server.app import build_app
 
     engine = AsyncLLMEngine(lambda: LLMEngine(engine_config))
-    app = build_app(engine, settings)
+    app = build_app(engine, settings, service="sloserve-worker")
     add_worker_routes(app, engine, fleet_secret)
     return engine, app
 
 
 # The ServerSettings a front hands on to its workers unchanged (the edge options, such as
 # timeouts and connection caps, belong to the front, which is what clients reach).
-WORKER_OPTIONS = ("stall_timeout_s", "shed_unattainable", "tool_call_parser", "grammar_compile_timeout_s")
+WORKER_OPTIONS = ("stall_timeout_s", "shed_unattainable", "tool_call_parser", "grammar_compile_timeout_s",
+                  "otlp_traces_endpoint")
 
 
 def worker_options(settings) -> dict:
