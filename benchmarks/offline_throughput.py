@@ -79,6 +79,9 @@ FLOPS_FORMULA = (
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", type=Path, default=None,
+                   help="a GGUF file sloserve and the HF peer read (default: the embedded SmolLM2-135M); give vLLM "
+                        "the same weights with --vllm-model (benchmarks/models.py writes both)")
     p.add_argument("--num-prompts", type=int, default=200)
     p.add_argument("--dataset", type=Path, default=DEFAULT_DATASET, help="ShareGPT first-turn .jsonl.gz")
     p.add_argument("--seed", type=int, default=0, help="selects the prompts (and seeds every engine)")
@@ -109,6 +112,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--prompts-file", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--result-file", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.model is not None and not args.model.is_file():
+        p.error(f"--model: no such GGUF file {args.model}")
     args.vllm_dtypes = [d.strip() for d in args.vllm_dtypes.split(",") if d.strip()]
     for dtype in args.vllm_dtypes:
         if dtype not in VLLM_DTYPES:
@@ -172,7 +177,7 @@ def load_prompts(args: argparse.Namespace) -> tuple[list[list[int]], ModelFacts,
     from sloserve.engine.tokenizer import Tokenizer
     from sloserve.engine.weights import embedded_model_path
 
-    path = embedded_model_path()
+    path = str(args.model) if args.model is not None else embedded_model_path()
     gguf_file = read_gguf(path)
     tokenizer = Tokenizer.from_gguf_metadata(gguf_file.metadata)
     facts = model_facts(path, gguf_file)
@@ -285,7 +290,8 @@ def run_sloserve(prompts: list[list[int]], args: argparse.Namespace) -> dict[str
     from sloserve.core.config import CacheConfig, EngineConfig, SchedulerConfig
 
     precision: Precision = args.precision_spec
-    config = EngineConfig(num_threads=args.num_threads, seed=args.seed, **precision.engine_kwargs,
+    model = {"model": str(args.model)} if args.model is not None else {}
+    config = EngineConfig(num_threads=args.num_threads, seed=args.seed, **model, **precision.engine_kwargs,
                           cache=CacheConfig(kv_cache_gib=args.kv_cache_gib),
                           scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                                     max_num_batched_tokens=args.max_num_batched_tokens))
@@ -330,7 +336,7 @@ def run_hf(prompts: list[list[int]], args: argparse.Namespace) -> dict[str, Any]
 
     torch.set_num_threads(args.num_threads)
     torch.manual_seed(args.seed)
-    gguf_file = Path(embedded_model_path())
+    gguf_file = args.model if args.model is not None else Path(embedded_model_path())
     model = AutoModelForCausalLM.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name, dtype=torch.float32)
     model.eval()
     kinds = {param.dtype for param in model.parameters()}
@@ -460,6 +466,8 @@ def run_own(system: str, args: argparse.Namespace, prompts_file: Path, workdir: 
                "--gemm-size", str(args.gemm_size), "--gemm-reps", str(args.gemm_reps),
                "--kv-cache-gib", str(args.kv_cache_gib), "--max-num-seqs", str(args.max_num_seqs),
                "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    if args.model is not None:
+        command += ["--model", str(args.model)]
     if precision is not None:
         command += ["--precision", precision.label]
     return run_in_subprocess(command, result_file, child_env(args.num_threads))
