@@ -483,3 +483,30 @@ def test_a_bf16_model_reads_an_int8_cache_through_the_native_prefill_kernel(held
     kl = (scores[False].exp() * (scores[False] - scores[True])).sum(-1).max().item()
     print(f"top-1 agreement {same:.3f}, largest top-1 logprob gap {gap:.3f}, largest KL {kl:.4f}")
     assert gap < 0.5 and kl < 0.1, (gap, kl)
+
+
+def test_a_files_4bit_head_stays_4bit_and_the_tied_embedding_reads_its_codes(tmp_path):
+    """A Q4_0 file's tied head runs on the W4A8 kernel as the file's own codes (not re-encoded as
+    int8, which reads 1.6x the bytes a step): its logits are the dequantized head's within the int8
+    activations' rounding, and the embedding rows it serves are exactly the file's values."""
+    kernels = load_fused_ops()
+    if kernels is None or not kernels.int8_gemv_supported():
+        pytest.skip("no native W4A8 kernel on this CPU: the head stays int8 (covered by the default tests)")
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, random_hf_weights(0, tied=True, bias=False), Q.Q4_0)
+    file_head = load_model(str(path), keep_int4=True).weights["model.embed_tokens.weight"]
+    exact = GroupAffine4(file_head.codes, file_head.scale.half().float(), file_head.offset.half().float()).dequantize()
+    llm = LLM(config=EngineConfig(model=str(path), dtype="float32", quantized_dense_copy=False))
+    model = llm.engine.model
+    head = model.lm_head
+    assert isinstance(head, Int4Linear) and head.w4a8 is not None and model.head_w8a8
+    assert head.nbytes < 0.7 * exact.numel()  # int8 codes alone would take numel bytes
+    ids = torch.tensor([[0, 5, 17], [exact.shape[0] - 1, 8, 9]])
+    assert torch.equal(model._embed(ids), exact[ids])
+    h = torch.randn(4, exact.shape[1])
+    logits, want = head(h), h @ exact.t()
+    assert (logits - want).norm() / want.norm() < 0.02
+    out = llm.generate(["Hello there"], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    assert len(out[0].token_ids) == 6
+    bf16 = LLM(config=EngineConfig(model=str(path), dtype="float32", quantization="int8")).engine.model
+    assert isinstance(getattr(bf16.lm_head, "small", bf16.lm_head), Int8Linear)  # int8 weights: an int8 head

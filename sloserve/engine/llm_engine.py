@@ -19,7 +19,7 @@ import torch
 from sloserve.core.config import ATTENTION_KERNELS, EngineConfig, ModelConfig
 from sloserve.engine.kernels import attention_kernels, load_fused_ops, load_paged_decode_attention
 from sloserve.engine.migration import ResumeState
-from sloserve.engine.model import KVCache, LlamaModel
+from sloserve.engine.model import KVCache, LlamaModel, lm_head_kind
 from sloserve.engine.outputs import RequestMetrics, RequestOutput, TokenLogprob
 from sloserve.engine.precision_probe import choose_cpu_dtype, prepack_pays, quantized_max_rows
 from sloserve.engine.quant import (can_prepack, int8_activation_kernels, resolve_quantization,
@@ -153,8 +153,9 @@ class LLMEngine:
         wanted = {"layers": config.layers_a8, "head": config.head_w8a8}
         dense_above: dict[str, Optional[int]] = {}
         if self.quantization != "none" and config.quantized_dense_copy:
-            # the layers' kernel, and the LM head's (int8 in both modes), each as it will run
-            for part, kind in (("layers", self.quantization), ("head", "int8")):
+            # the layers' kernel, and the LM head's (model.lm_head_kind), each as it will run
+            head = lm_head_kind(loaded.config, loaded.weights, self.quantization, a8_ops, config.head_w8a8)
+            for part, kind in (("layers", self.quantization), ("head", head)):
                 a8 = a8_ops if wanted[part] and takes_int8_activations(part, kind) else None
                 dense_above[part] = quantized_max_rows(hidden, intermediate, kind, self.dtype, prepack=prepack,
                                                        int8_activations=a8)

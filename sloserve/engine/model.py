@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from sloserve.core.config import ModelConfig
 from sloserve.engine.lora import LoraBatch
 from sloserve.engine.quant import (DenseLinear, GroupAffine4, Int4Linear, Int8Linear, Linear, RowDispatchLinear,
-                                   as_dtype, can_prepack, int8_activation_kernels, int8_linear,
+                                   as_dtype, can_prepack, head_kind, int8_activation_kernels, int8_linear,
                                    takes_int8_activations)
 
 
@@ -167,6 +167,19 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     raise ValueError(f"unsupported rope_scaling type {kind!r}")
 
 
+def head_weight_name(config: ModelConfig, weights: dict) -> str:
+    """The weight the LM head computes with: the embedding table when tied (or no head is stored)."""
+    tied = config.tie_word_embeddings or "lm_head.weight" not in weights
+    return "model.embed_tokens.weight" if tied else "lm_head.weight"
+
+
+def lm_head_kind(config: ModelConfig, weights: dict, quantization: str, a8_ops, head_w8a8: bool) -> str:
+    """How the LM head is stored (quant.head_kind): a file's 4-bit head stays 4-bit where the
+    W4A8 kernel (`a8_ops`, wanted by `head_w8a8`) reads it."""
+    head = weights[head_weight_name(config, weights)]
+    return head_kind(quantization, head, head_w8a8 and a8_ops is not None and head.shape[1] % 32 == 0)
+
+
 class LlamaModel:
     """Weights plus a forward function; no nn.Module bookkeeping is needed for inference."""
 
@@ -205,7 +218,7 @@ class LlamaModel:
             return value.to(device=device, dtype=dtype)
 
         prepack = prepack and can_prepack(dtype, device)
-        tied = config.tie_word_embeddings or "lm_head.weight" not in weights
+        tied = head_weight_name(config, weights) == "model.embed_tokens.weight"
 
         a8_ops = int8_activation_kernels(fused_ops, device)
 
@@ -234,11 +247,11 @@ class LlamaModel:
                 packed.drop_codes()
             return packed if dense is None else RowDispatchLinear(packed, dense, max_rows)
 
-        head_name = "model.embed_tokens.weight" if tied else "lm_head.weight"
-        self.lm_head = linear([head_name], kind="none" if quantization == "none" else "int8", keep_weight=tied,
-                              part="head", a8=head_w8a8)
+        self.lm_head = linear([head_weight_name(config, weights)], keep_weight=tied, part="head", a8=head_w8a8,
+                              kind=lm_head_kind(config, weights, quantization, a8_ops, head_w8a8))
         packed_head = getattr(self.lm_head, "small", self.lm_head)
-        self.head_w8a8 = isinstance(packed_head, Int8Linear) and (packed_head.w8a8 or packed_head.tiled) is not None
+        self.head_w8a8 = (isinstance(packed_head, Int8Linear) and (packed_head.w8a8 or packed_head.tiled) is not None) \
+            or (isinstance(packed_head, Int4Linear) and packed_head.w4a8 is not None)
         dense_head = self.lm_head if isinstance(self.lm_head, DenseLinear) else getattr(self.lm_head, "large", None)
         if not tied:
             self.embed: Optional[torch.Tensor] = w("model.embed_tokens.weight")
