@@ -3,7 +3,7 @@
 
 The forecasting decision's cells (benchmarks/suite/forecasting.yaml) forecast a ServeGen service's
 total request rate from the total alone, and nothing there beats naive. Most of naive's large
-errors come from one client switching a burst on or off (m-small: one client behind 90-97% of the
+errors come from one client switching a burst on or off (m-small: one client behind 81-98% of the
 change in each of the 25 worst windows), so this study forecasts each client and sums:
 - `client-level`: LightGBM on every client's recent rates, its rate a day before the target, its
   median and its day's mean, and the target's time of day; L1 loss (a median), so a burst that

@@ -77,27 +77,21 @@ class Tracing:
         return self._tracer is not None
 
     def record(self, name: str, carrier: Mapping[str, str], start_ns: int, end_ns: int,
-               attributes: Mapping[str, Any], events: Mapping[str, int] = {}, error: Optional[str] = None,
-               inject_into: Optional[MutableMapping[str, str]] = None, server: bool = True) -> None:
+               attributes: Mapping[str, Any], events: Mapping[str, int] = {}, error: Optional[str] = None) -> None:
         """A span `name` that ran from `start_ns` to `end_ns`, child of the context in `carrier`
         (W3C headers; none: a new trace); `events`: name -> time in ns; `error`: its description
-        when the request failed. `inject_into`: headers that get this span's context."""
-        span = self.begin(name, carrier, start_ns, server)
-        if span is None:
-            return
-        if inject_into is not None:
-            self.inject(span, inject_into)
-        self.end(span, end_ns, attributes, events, error)
+        when the request failed."""
+        self.end(self.begin(name, carrier, start_ns), end_ns, attributes, events, error)
 
-    def begin(self, name: str, carrier: Mapping[str, str], start_ns: Optional[int] = None, server: bool = True):
-        """A span started now (or at `start_ns`), child of `carrier`'s context; None when off."""
+    def begin(self, name: str, carrier: Mapping[str, str], start_ns: Optional[int] = None):
+        """A server span started now (or at `start_ns`), child of `carrier`'s context; None when off."""
         if self._tracer is None:
             return None
         from opentelemetry.propagate import extract
         from opentelemetry.trace import SpanKind
 
         return self._tracer.start_span(name, context=extract(dict(carrier)), start_time=start_ns,
-                                       kind=SpanKind.SERVER if server else SpanKind.INTERNAL)
+                                       kind=SpanKind.SERVER)
 
     def inject(self, span, headers: MutableMapping[str, str]) -> None:
         """Put `span`'s context into `headers` (what the next process continues)."""

@@ -218,7 +218,8 @@ class LlamaModel:
             return value.to(device=device, dtype=dtype)
 
         prepack = prepack and can_prepack(dtype, device)
-        tied = head_weight_name(config, weights) == "model.embed_tokens.weight"
+        head_name = head_weight_name(config, weights)
+        tied = head_name == "model.embed_tokens.weight"
 
         a8_ops = int8_activation_kernels(fused_ops, device)
 
@@ -247,7 +248,7 @@ class LlamaModel:
                 packed.drop_codes()
             return packed if dense is None else RowDispatchLinear(packed, dense, max_rows)
 
-        self.lm_head = linear([head_weight_name(config, weights)], keep_weight=tied, part="head", a8=head_w8a8,
+        self.lm_head = linear([head_name], keep_weight=tied, part="head", a8=head_w8a8,
                               kind=lm_head_kind(config, weights, quantization, a8_ops, head_w8a8))
         packed_head = getattr(self.lm_head, "small", self.lm_head)
         self.head_w8a8 = (isinstance(packed_head, Int8Linear) and (packed_head.w8a8 or packed_head.tiled) is not None) \
