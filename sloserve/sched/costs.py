@@ -152,9 +152,13 @@ class OnlineStepEstimator:
 
     Why online: a real engine's speed depends on the machine, threads and model; a few dozen
     steps are enough to price chunk sizes, and forgetting lets it follow a changing machine.
-    Until it has seen `warmup` steps it answers from the prior coefficients. Estimates use the
-    coefficients clamped at zero, so a longer step is never estimated cheaper (the chunk-size
-    search relies on that).
+    Until it has seen `warmup` steps it answers from the prior coefficients. After that, a
+    coefficient the measurements do not determine (its fitted value within two standard errors
+    of zero) is answered from the prior as well: steps that barely vary a feature (a server that
+    has seen only short prefills beside one-token decodes) leave its coefficient to the noise,
+    and on a shared CPU one stalled step then fits prefill tokens as free, which prices every
+    load-or-recompute and chunking decision wrong. Estimates use the coefficients clamped at
+    zero, so a longer step is never estimated cheaper (the chunk-size search relies on that).
     """
 
     _SCALE = (1.0, 1e-3, 1e-6)  # feature scaling keeps the RLS well conditioned
@@ -169,12 +173,21 @@ class OnlineStepEstimator:
         n = len(self._w)
         # A large initial covariance: the prior is weak, measurements dominate quickly.
         self._p = [[(1e4 if i == j else 0.0) for j in range(n)] for i in range(n)]
+        # The residuals, weighted as the RLS weighs the steps: their sum of squares (from the a
+        # priori and a posteriori errors, the standard RLS identity) and their count.
+        self._sse = 0.0
+        self._count = 0.0
+        self._coefficients = self.prior  # what `estimate` uses: refitted once per observed step
 
     @property
     def coefficients(self) -> tuple[float, ...]:
-        if self.num_observed < self.warmup:
-            return self.prior
-        return tuple(max(0.0, w * s) for w, s in zip(self._w, self._SCALE))
+        return self._coefficients
+
+    def _determined(self) -> tuple[float, ...]:
+        """The fitted coefficients, each replaced by its prior where the fit does not determine it."""
+        variance = self._sse / max(1.0, self._count - len(self._w))  # of one step's residual
+        return tuple(w * s if w > 2.0 * math.sqrt(max(0.0, self._p[i][i] * variance)) else max(0.0, prior)
+                     for i, (w, s, prior) in enumerate(zip(self._w, self._SCALE, self.prior)))
 
     @staticmethod
     def _features(load: StepLoad) -> tuple[float, float, float]:
@@ -197,7 +210,12 @@ class OnlineStepEstimator:
         err = seconds - sum(w * xi for w, xi in zip(self._w, x))
         self._w = [w + g * err for w, g in zip(self._w, gain)]
         self._p = [[(p[i][j] - gain[i] * px[j]) / lam for j in range(n)] for i in range(n)]
+        after = seconds - sum(w * xi for w, xi in zip(self._w, x))
+        self._sse = lam * self._sse + err * after
+        self._count = lam * self._count + 1.0
         self.num_observed += 1
+        if self.num_observed >= self.warmup:
+            self._coefficients = self._determined()
 
 
 class DecodeRowCosts:
