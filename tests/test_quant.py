@@ -215,7 +215,24 @@ def test_prepacked_bf16_linear_is_the_plain_one_without_the_per_call_reorder():
             assert torch.equal(packed(x), plain(x)), (rows, bias is None)
     kept = DenseLinear(w, prepack=True, keep_weight=True)
     assert kept.weight is w and kept.nbytes == 2 * DenseLinear(w).nbytes
-    assert not can_prepack(torch.float32, torch.device("cpu"))
+    assert not can_prepack(torch.float16, torch.device("cpu"))
+
+
+@pytest.mark.skipif(not can_prepack(torch.float32, torch.device("cpu")), reason="torch built without oneDNN")
+def test_prepacked_float32_linear_is_another_kernel_with_the_same_product_and_batch_independent_rows():
+    """float32 prepacked runs oneDNN's kernel, not torch's (MKL's): the same product to float32
+    rounding, and a row's result does not depend on how many rows share its call (what the
+    exact configuration's batched-equals-alone tests rely on) from two rows on."""
+    torch.manual_seed(0)
+    w, b = torch.randn(192, 96), torch.randn(192)
+    for bias in (None, b):
+        plain, packed = DenseLinear(w, bias), DenseLinear(w, bias, prepack=True)
+        assert packed.weight is None and packed.nbytes == plain.nbytes
+        x = torch.randn(700, 96)
+        whole = packed(x)
+        torch.testing.assert_close(whole, plain(x), rtol=1e-5, atol=1e-4)
+        for rows in (2, 3, 16, 64, 200):
+            assert torch.equal(packed(x[:rows]), whole[:rows]), (rows, bias is None)
 
 
 def test_quantization_names_resolve_per_device():
@@ -249,16 +266,22 @@ def test_the_probes_measure_once_and_then_read_their_cache(tmp_path):
     result = choose_cpu_dtype(64, 128, cache)
     mean = float(np.exp(np.mean(np.log(list(result.bf16_over_fp32.values())))))
     assert result.dtype == ("bfloat16" if mean < 0.9 else "float32")
+    # The dtype was timed on the linears the engine would run: whether to prepack each was measured first.
+    assert sum("prepack" in k for k in json.loads(cache.read_text())) == sum(
+        can_prepack(d, torch.device("cpu")) for d in (torch.bfloat16, torch.float32))
     rows = quantized_max_rows(64, 128, "int4", torch.bfloat16, cache)
     assert rows is None or rows in (0, 1, 2, 4, 8, 16, 32, 64, 128)
-    pays = prepack_pays(64, 128, cache)
+    pays = {dtype: prepack_pays(64, 128, dtype, cache_path=cache) for dtype in (torch.bfloat16, torch.float32)}
     entries = json.loads(cache.read_text())
-    if not can_prepack(torch.bfloat16, torch.device("cpu")):  # nothing to measure: oneDNN cannot run it here
-        assert not pays and result.key in entries and len(entries) == 2
-        return
-    assert result.key in entries and len(entries) == 3
-    ratios = next(v["packed_over_plain"] for k, v in entries.items() if k.endswith("prepack bfloat16"))
-    assert pays == (float(np.exp(np.mean(np.log(list(ratios.values()))))) < 0.95)
+    assert result.key in entries
+    for dtype, name in ((torch.bfloat16, "bfloat16"), (torch.float32, "float32")):
+        measured = [v["packed_over_plain"] for k, v in entries.items() if k.endswith(f"prepack {name}")]
+        if not can_prepack(dtype, torch.device("cpu")):  # nothing to measure: oneDNN cannot run it here
+            assert not pays[dtype] and not measured
+            continue
+        [ratios] = measured
+        assert pays[dtype] == (float(np.exp(np.mean(np.log(list(ratios.values()))))) < 0.95)
+    assert len(entries) == 2 + sum(can_prepack(d, torch.device("cpu")) for d in (torch.bfloat16, torch.float32))
     # What the cache says is what the next engine start uses: no second measurement.
     flipped = "float32" if result.dtype == "bfloat16" else "bfloat16"
     entries[result.key]["dtype"] = flipped

@@ -47,15 +47,18 @@ def _key(*parts: object) -> str:
 
 
 def choose_cpu_dtype(hidden: int, intermediate: int, cache_path: Optional[Path] = None) -> ProbeResult:
-    """The faster of float32 and bfloat16 for a model of these widths on this CPU (cached)."""
+    """The faster of float32 and bfloat16 for a model of these widths on this CPU (cached), each
+    timed on the linear the engine runs it with when its native kernels are on (the default):
+    weights prepacked for oneDNN where `prepack_pays` says so for that dtype (measured and cached
+    first), else torch's plain one."""
     cache_path = cache_path or default_cache_path()
-    key = _key(f"{hidden}x{intermediate}")
+    key = _key(f"{hidden}x{intermediate}", "as run")
     cache = JsonCache(cache_path)
     cached = cache.get(key)
     if isinstance(cached, dict):
         return ProbeResult(cached["dtype"], {int(k): v for k, v in cached["bf16_over_fp32"].items()}, key)
-    fp32 = _DenseSet(hidden, intermediate, torch.float32)
-    bf16 = _DenseSet(hidden, intermediate, torch.bfloat16)
+    fp32, bf16 = (_DenseSet(hidden, intermediate, dtype, prepack=prepack_pays(hidden, intermediate, dtype, cache_path))
+                  for dtype in (torch.float32, torch.bfloat16))
     ratios = {rows: bf16.seconds(rows) / fp32.seconds(rows) for rows in PROBE_ROWS}
     mean = _geometric_mean(ratios.values())
     result = ProbeResult("bfloat16" if mean < BF16_MARGIN else "float32", ratios, key)
@@ -64,27 +67,31 @@ def choose_cpu_dtype(hidden: int, intermediate: int, cache_path: Optional[Path] 
     return result
 
 
-PREPACK_MARGIN = 0.95  # prepacked bf16 weights must be >= 5% faster (geometric mean over PROBE_ROWS)
+PREPACK_MARGIN = 0.95  # prepacked weights must be >= 5% faster (geometric mean over PROBE_ROWS)
 
 
-def prepack_pays(hidden: int, intermediate: int, cache_path: Optional[Path] = None) -> bool:
-    """Whether bf16 linears with their weights prepacked for oneDNN (quant.can_prepack) beat
-    torch's plain bf16 linear here (cached). On the 2-vCPU AMX Xeon the probe read packed/plain
-    0.70 / 0.67 / 0.73 at 1 / 16 / 128 rows; a 576x3072 matrix took 0.81x at 200 rows and about
-    the same time at 2048. False without measuring where it cannot run (can_prepack)."""
-    if not can_prepack(torch.bfloat16, torch.device("cpu")):
+def prepack_pays(hidden: int, intermediate: int, dtype: torch.dtype = torch.bfloat16,
+                 cache_path: Optional[Path] = None) -> bool:
+    """Whether linears of `dtype` with their weights prepacked for oneDNN (quant.can_prepack) beat
+    torch's plain linear here (cached). bf16 on the 2-vCPU AMX Xeon: packed/plain 0.70 / 0.67 /
+    0.73 at 1 / 16 / 128 rows; a 576x3072 matrix took 0.81x at 200 rows and about the same time at
+    2048. float32 on the 2-vCPU Zen4 EPYC, the embedded model's four shapes together: oneDNN's
+    prepacked kernel 1.44x / 1.24x / 1.30x the GFLOP/s of torch's (MKL's) at 64 / 200 / 2048 rows.
+    False without measuring where it cannot run (can_prepack)."""
+    if not can_prepack(dtype, torch.device("cpu")):
         return False
     cache_path = cache_path or default_cache_path()
-    key = _key(f"{hidden}x{intermediate}", "prepack bfloat16")
+    name = str(dtype).removeprefix("torch.")
+    key = _key(f"{hidden}x{intermediate}", f"prepack {name}")
     cache = JsonCache(cache_path)
     cached = cache.get(key)
     if isinstance(cached, dict):
         return bool(cached["pays"])
-    plain = _DenseSet(hidden, intermediate, torch.bfloat16)
-    packed = _DenseSet(hidden, intermediate, torch.bfloat16, prepack=True)
+    plain = _DenseSet(hidden, intermediate, dtype)
+    packed = _DenseSet(hidden, intermediate, dtype, prepack=True)
     ratios = {rows: packed.seconds(rows) / plain.seconds(rows) for rows in PROBE_ROWS}
     pays = _geometric_mean(ratios.values()) < PREPACK_MARGIN
-    logger.info("prepack probe: packed/plain bf16 time %s -> %s", {k: round(v, 2) for k, v in ratios.items()},
+    logger.info("prepack probe: packed/plain %s time %s -> %s", name, {k: round(v, 2) for k, v in ratios.items()},
                 "prepack" if pays else "plain")
     cache.put(key, {"pays": pays, "packed_over_plain": ratios})
     return pays

@@ -147,12 +147,18 @@ PREPACK_ROWS_HINT = 16
 
 
 def can_prepack(dtype: torch.dtype, device: torch.device) -> bool:
-    """torch's bf16 CPU linear hands its weight to oneDNN, which reorders it into a blocked
-    layout on every call; prepacking does that once. Only bf16: for float32 the prepacked
-    kernel is another one (not the same sums) and was not faster. oneDNN's bf16 reorder needs
-    AVX-512 (BW, VL, DQ): an AVX2 CPU (AMD Zen3) raises at load instead."""
-    return (device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
-            and torch.backends.cpu.get_cpu_capability() == "AVX512")
+    """Whether oneDNN can hold this dtype's linear weights prepacked in its blocked layout.
+    torch's bf16 CPU linear hands its weight to oneDNN, which reorders it on every call;
+    prepacking does that once. For float32 torch calls MKL's sgemm instead, and the prepacked
+    oneDNN kernel is another one (not the same sums): faster on AMD Zen4 (1.24-1.44x on the
+    embedded model's shapes), not on the CPU it was first tried on, so the engine measures
+    which (precision_probe.prepack_pays). oneDNN's bf16 reorder needs AVX-512 (BW, VL, DQ): an AVX2 CPU
+    (AMD Zen3) raises at load instead."""
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.float32:
+        return True
+    return dtype == torch.bfloat16 and torch.backends.cpu.get_cpu_capability() == "AVX512"
 
 
 class DenseLinear:
