@@ -8,6 +8,7 @@ import inspect
 import json
 import math
 import re
+import subprocess
 from dataclasses import replace
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from sloserve.evaluation.metrics import CellMetrics, LoadPoint
 from sloserve.evaluation.decisions.disaggregation import CHOICE, planner_choice
 from sloserve.evaluation.decisions.forecasting import BASELINE, ForecastSetting
 from sloserve.evaluation.report import write_report
-from sloserve.evaluation.runner import Evaluation, run_evaluation, write_results
+from sloserve.evaluation.runner import Evaluation, git_state, run_evaluation, write_results
 from sloserve.evaluation.suite import Cell, Measure, cells, load_grid, split_of
 from sloserve.evaluation.tune import tune
 from sloserve.evaluation.verdict import NOISE_FLOOR, judge, seed_ratios
@@ -547,3 +548,23 @@ def test_the_cli_help_and_the_suite_readme_name_every_decision():
     for name in DECISIONS:
         assert name in evaluate.help
         assert f"`{name}.yaml`" in readme
+
+
+def test_a_run_is_dirty_only_when_code_differs_from_its_commit(tmp_path):
+    """Checkpoints and reports of runs in progress under benchmarks/suite/runs are the run's own
+    outputs: they leave its commit clean; any other change marks the run as from uncommitted code."""
+    def git(*args):
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path, check=True,
+                       capture_output=True)
+
+    git("init", "-q")
+    (tmp_path / "policy.py").write_text("x = 1\n")
+    git("add", "policy.py")
+    git("commit", "-q", "-m", "one")
+    runs = tmp_path / "benchmarks" / "suite" / "runs"
+    runs.mkdir(parents=True)
+    (runs / "qos-test.checkpoint.jsonl").write_text("{}\n")
+    commit, dirty = git_state(tmp_path)
+    assert re.fullmatch(r"[0-9a-f]{40}", commit) and not dirty
+    (tmp_path / "policy.py").write_text("x = 2\n")
+    assert git_state(tmp_path) == (commit, True)

@@ -60,12 +60,13 @@ class Evaluation:
 
 
 def git_state(root: Path = REPO_ROOT) -> tuple[str, bool]:
-    """(HEAD's commit, whether the work tree differs from it); ("unknown", True) outside a checkout."""
+    """(HEAD's commit, whether the work tree differs from it outside the runs' own outputs under
+    benchmarks/suite/runs); ("unknown", True) outside a checkout."""
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
                                 check=True).stdout.strip()
-        dirty = bool(subprocess.run(["git", "status", "--porcelain"], cwd=root, capture_output=True, text=True,
-                                    check=True).stdout.strip())
+        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--", ".", ":!benchmarks/suite/runs"], cwd=root,
+                                    capture_output=True, text=True, check=True).stdout.strip())
         return commit, dirty
     except (OSError, subprocess.CalledProcessError):
         return "unknown", True
