@@ -142,9 +142,12 @@ def main(argv: list[str] | None = None) -> int:
             url = f"http://127.0.0.1:{port}"
             try:
                 texts.setdefault(system, greedy_text(url, system))
-                for c in levels:
+                for li, c in enumerate(levels):
                     n = args.requests or max(8, 4 * c)
-                    row = bench(url, system, c, n, args, rep, out / f"{system}-c{c}-r{rep}")
+                    # One seed per (repeat, level), the same for both systems: a level drawn with
+                    # the previous level's seed re-sends its prompts, which a prefix cache serves.
+                    seed = rep * len(levels) + li
+                    row = bench(url, system, c, n, args, seed, out / f"{system}-c{c}-r{rep}")
                     runs.append({"system": system, "repeat": rep, "concurrency": c, "requests": n, **row})
                     print(f"repeat {rep} {system:12s} c={c:3d}: {row['output_tok_s']:7.1f} tok/s, "
                           f"TPOT p50 {row['tpot_p50_ms']:6.1f} ms, TTFT p50 {row['ttft_p50_ms']:7.1f} ms", flush=True)

@@ -21,6 +21,7 @@ benchmarks/peers/setup_vllm_cpu.sh once (`--peer none` skips it).
 
     python benchmarks/serving.py --rates 0.5,1,2 --num-requests 60
     python benchmarks/serving.py --sloserve-precision float32 --peer none
+    python benchmarks/serving.py --rates 0.8,1.6,3.2 --slo ttft=5000,tpot=250   # goodput at the targets
 """
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from sloserve.bench.client import ClientConfig
 from sloserve.bench.compare import compare_markdown
 from sloserve.bench.local_server import LocalServer
+from sloserve.bench.metrics import SLO
 from sloserve.bench.precision import SYNTAX as PRECISION_SYNTAX
 from sloserve.bench.precision import Precision, parse_precision
 from sloserve.bench.report import fmt_rate
@@ -78,6 +80,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--vllm-model", type=Path, default=VLLM_MODEL_DIR)
     p.add_argument("--vllm-dtype", choices=("float32", "bfloat16"), default="bfloat16",
                    help="vLLM's weights and activations (bfloat16: its faster configuration on AVX512-BF16 CPUs)")
+    p.add_argument("--slo", help="targets in ms as `sloserve bench --slo`, e.g. ttft=5000,tpot=250: adds SLO "
+                   "attainment and goodput (requests meeting every target per second) to every rate and ratio")
+    p.add_argument("--warmup", type=int, default=16, metavar="N",
+                   help="unrecorded requests before the first rate: one alone, then the rest at once")
+    p.add_argument("--peer-first", action="store_true",
+                   help="start the peer's server first (alternate it between repeats: interleaved runs)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, help="default: benchmarks/results/serving-STAMP")
     args = p.parse_args()
@@ -85,6 +93,10 @@ def parse_args() -> argparse.Namespace:
         args.precision = parse_precision(args.sloserve_precision)
     except ValueError as exc:
         p.error(f"--sloserve-precision: {exc}")
+    try:
+        args.slo_targets = SLO.parse(args.slo) if args.slo else SLO()
+    except ValueError as exc:
+        p.error(f"--slo: {exc}")
     clashing = [a for a in args.server_arg if a.split("=", 1)[0] in PRECISION_FLAGS]
     if clashing:  # the run's label would not say what ran
         p.error(f"--server-arg {' '.join(clashing)}: set the precision with --sloserve-precision ({PRECISION_SYNTAX})")
@@ -122,7 +134,7 @@ def bench_system(system: str, args: argparse.Namespace, rates: list[float], out:
     try:
         server.wait_ready(timeout=600)
         client = ClientConfig(base_url=server.base_url, model=SERVED_NAME, request_timeout_s=900)
-        plan = BenchPlan(spec, client, rates, prompt_format="tokens", warmup=2,
+        plan = BenchPlan(spec, client, rates, slo=args.slo_targets, prompt_format="tokens", warmup=args.warmup,
                          extra_config={"system": system, "label": name, "kv_cache_gib": args.kv_cache_gib,
                                        "max_num_batched_tokens": args.max_num_batched_tokens,
                                        "max_num_seqs": args.max_num_seqs, **precision_record(system, args)})
@@ -187,6 +199,10 @@ def ratio_rows(by_system: dict[str, list[BenchResult]]) -> list[dict]:
                 row[f"{metric}_p{q}_vllm_over_sloserve"] = b / a if a and not math.isnan(a) else math.nan
         row["output_tput_sloserve_over_vllm"] = ours.summary.overall.output_throughput / max(
             theirs.summary.overall.output_throughput, 1e-9)
+        if ours.summary.overall.goodput is not None and theirs.summary.overall.goodput is not None:
+            row["goodput_sloserve"], row["goodput_vllm"] = ours.summary.overall.goodput, theirs.summary.overall.goodput
+            row["goodput_sloserve_over_vllm"] = (ours.summary.overall.goodput / theirs.summary.overall.goodput
+                                                 if theirs.summary.overall.goodput > 0 else math.inf)
         rows.append(row)
     return rows
 
@@ -200,7 +216,9 @@ def main() -> int:
     rates = [float(r) for r in args.rates.split(",")]
     synthesizer = default_synthesizer(load_bench_tokenizer(None), args.seed)
     systems = ["sloserve"] + ([] if args.peer == "none" else ["vllm"])
-    by_system = {s: bench_system(s, args, rates, out, console, synthesizer) for s in systems}
+    run_order = systems[::-1] if args.peer_first else systems
+    by_system = {s: bench_system(s, args, rates, out, console, synthesizer) for s in run_order}
+    by_system = {s: by_system[s] for s in systems}  # sloserve first in every table
 
     runs = [r for s in systems for r in by_system[s]]
     ordered = [r for pair in zip(*(by_system[s] for s in systems)) for r in pair]  # rate by rate
@@ -218,7 +236,9 @@ def main() -> int:
         console.print(f"rate {fmt_rate(row['rate'])}: vLLM/sloserve TTFT p50 {row['ttft_p50_vllm_over_sloserve']:.2f}x "
                       f"p99 {row['ttft_p99_vllm_over_sloserve']:.2f}x, TPOT p50 {row['tpot_p50_vllm_over_sloserve']:.2f}x "
                       f"p99 {row['tpot_p99_vllm_over_sloserve']:.2f}x; sloserve/vLLM output throughput "
-                      f"{row['output_tput_sloserve_over_vllm']:.2f}x")
+                      f"{row['output_tput_sloserve_over_vllm']:.2f}x"
+                      + (f"; goodput sloserve {row['goodput_sloserve']:.3f} vs vLLM {row['goodput_vllm']:.3f} req/s "
+                         f"({row['goodput_sloserve_over_vllm']:.2f}x)" if "goodput_sloserve" in row else ""))
     console.print(f"wrote {out}")
     failed = sum(r.summary.overall.failed for r in runs)
     return 0 if failed == 0 else 1

@@ -71,3 +71,26 @@ def test_bench_against_sloserve_serve(server, tmp_path, fmt, endpoint):
     assert timeline["source"] == "live" and timeline["totals"]["default"]["finished"] == 6
     assert {len(f["instances"]) for f in timeline["frames"]} == {1}
     assert sum(i["tokens_per_s"] for f in timeline["frames"] for i in f["instances"]) > 0
+
+
+def _prefix_hits(server) -> float:
+    import httpx
+
+    text = httpx.get(server.base_url + "/metrics", timeout=10).text
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith("sloserve:prefix_cache_hits_total"))
+
+
+def test_a_sweeps_later_rates_are_not_served_from_the_first_rates_cache(server, tmp_path):
+    """Every rate of a sweep sends the same prompts; each rate after the first leads them with its
+    own tag, so a prefix-caching server computes them again (it found every full block before)."""
+    before = _prefix_hits(server)
+    rc = main(["bench", "--base-url", server.base_url, "--workload", "sharegpt", "--num-requests", "6",
+               "--max-prompt-len", "96", "--max-output-len", "2", "--rate", "40,40,40", "--prompt-format", "tokens",
+               "--out", str(tmp_path), "--no-progress", "--request-timeout", "120", "--seed", "5"])
+    assert rc == 0
+    runs = load_results(tmp_path / "results.json")
+    assert [r.summary.overall.completed for r in runs] == [6, 6, 6]
+    full_blocks = sum(r.prompt_len // 16 for r in runs[0].records)
+    assert full_blocks >= 6  # prompts long enough that a cached copy would be found
+    assert _prefix_hits(server) - before < 16 * 2  # at most a block or two that two prompts share by chance

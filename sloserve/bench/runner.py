@@ -29,6 +29,7 @@ from sloserve.workload.types import WorkloadRequest
 log = logging.getLogger(__name__)
 
 WARMUP_MAX_TOKENS = 16
+WARMUP_SEED_OFFSET = 7919
 
 
 class BenchError(RuntimeError):
@@ -77,6 +78,28 @@ def prepare(spec: WorkloadSpec, synthesizer: Optional[PromptSynthesizer], fmt: P
     return synthesizer.synthesize(reqs, fmt, max_prompt_len=spec.max_prompt_len)
 
 
+def kept_apart(requests: list[WorkloadRequest], run: int,
+               synthesizer: Optional[PromptSynthesizer]) -> list[WorkloadRequest]:
+    """The requests of a sweep's `run`-th rate (as `prepare` gave them), their prompts led by a tag
+    of that run (none for the first): every rate sends the same prompts, and a server with prefix
+    caching would otherwise serve every rate after the first from the KV cache the first left.
+    Prompts that share a prefix within a run still share it: they all get the same tag. Token
+    prompts keep their length (the tag goes first, their last tokens go); text prompts grow by it."""
+    if run == 0:
+        return requests
+    tag = f"[rate {run}] "
+    out = []
+    for r in requests:
+        if r.prompt_token_ids is None:
+            out.append(replace(r, prompt_text=tag + r.prompt_text))
+            continue
+        if synthesizer is None:
+            raise ValueError("keeping a sweep's rates apart needs a tokenizer for token prompts")
+        ids = (synthesizer.tokenizer.encode(tag) + list(r.prompt_token_ids))[:len(r.prompt_token_ids)]
+        out.append(replace(r, prompt_token_ids=ids))
+    return out
+
+
 def config_dict(plan: BenchPlan, rate: Optional[float], model: Optional[str]) -> dict:
     s, c = plan.spec, plan.client
     return {
@@ -100,9 +123,11 @@ def run_plan(plan: BenchPlan, synthesizer: Optional[PromptSynthesizer],
     results = []
     for i, rate in enumerate(plan.rates):
         spec = plan.spec if rate is None else replace(plan.spec, rate=rate, replay=False)
-        requests = prepare(spec, synthesizer, plan.prompt_format)
+        requests = kept_apart(prepare(spec, synthesizer, plan.prompt_format), i, synthesizer)
         if i == 0 and plan.warmup > 0:
-            warm_up(plan.client, requests[:plan.warmup])
+            # Drawn with another seed: warm-up prompts that are also measured would be prefix-cache hits.
+            warm_up(plan.client, prepare(replace(spec, seed=spec.seed + WARMUP_SEED_OFFSET), synthesizer,
+                                         plan.prompt_format)[:plan.warmup])
         if on_run_start is not None:
             on_run_start(rate, len(requests))
         log.info("rate %s: %d requests", fmt_rate(rate), len(requests))
@@ -135,18 +160,21 @@ def auth_headers(client: ClientConfig) -> dict:
 
 
 def warm_up(client: ClientConfig, requests: Sequence[WorkloadRequest]) -> None:
-    """Send a few requests one at a time and discard them: first-use costs (connection set-up,
-    kernel compilation, cold caches) stay out of the measurement, and a server that cannot answer
-    at all (wrong URL, model or key) fails the run with its error instead of N failed records."""
+    """Send a few requests and discard them: first-use costs (connection set-up, kernel
+    compilation, cold caches) stay out of the measurement, and a server that cannot answer at all
+    (wrong URL, model or key) fails the run with its error instead of N failed records. The first
+    goes alone; the rest go at once, so what batched steps pay on first use is paid here too,
+    not by the first rate measured."""
     if not requests:
         return
     reqs = [replace(r, arrival_s=0.0, output_len=min(r.output_len, WARMUP_MAX_TOKENS)) for r in requests]
-    cfg = replace(client, max_concurrency=1, duration_s=None)
-    run = asyncio.run(BenchClient(cfg).run(reqs))
-    if not any(r.success for r in run.records):
-        first = run.records[0]
+    records = asyncio.run(BenchClient(replace(client, max_concurrency=1, duration_s=None)).run(reqs[:1])).records
+    if len(reqs) > 1:
+        records += asyncio.run(BenchClient(replace(client, max_concurrency=None, duration_s=None)).run(reqs[1:])).records
+    if not any(r.success for r in records):
+        first = records[0]
         raise BenchError(f"warm-up request failed ({first.error_kind}): {first.error}")
-    log.info("warm-up: %d/%d requests ok", sum(r.success for r in run.records), len(run.records))
+    log.info("warm-up: %d/%d requests ok", sum(r.success for r in records), len(records))
 
 
 def write_timelines(results: Sequence[BenchResult], out_dir: Path) -> list[Path]:

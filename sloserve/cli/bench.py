@@ -41,7 +41,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     r = p.add_argument_group("results")
     r.add_argument("--slo", help="targets in ms, e.g. ttft=500,tpot=50,e2e=10000 (goodput counts requests meeting all)")
     w.add_argument("--warmup", type=int, default=1, metavar="N",
-                   help="send N requests one by one before measuring (not recorded; all failing aborts the run)")
+                   help="send N requests before measuring, one alone and then the rest at once (not recorded; all failing aborts the run)")
     r.add_argument("--out", default="bench-out", metavar="DIR", help="results.json, report.md and PNGs go here")
     r.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=cmd_bench)
