@@ -287,6 +287,12 @@ def test_the_probes_measure_once_and_then_read_their_cache(tmp_path):
     entries[result.key]["dtype"] = flipped
     cache.write_text(json.dumps(entries))
     assert choose_cpu_dtype(64, 128, cache).dtype == flipped
+    # Without the native kernels the engine runs torch's plain linears, and the dtype is timed on those:
+    # an entry of its own, and no prepack probe run for it.
+    plain_cache = tmp_path / "plain.json"
+    plain = choose_cpu_dtype(64, 128, plain_cache, native_kernels=False)
+    assert plain.key != result.key and plain.key.endswith("plain")
+    assert list(json.loads(plain_cache.read_text())) == [plain.key]
 
 
 @pytest.fixture(scope="module")

@@ -64,15 +64,18 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bf
            "float16": torch.float16, "fp16": torch.float16}
 
 
-def resolve_dtype(name: str, device: torch.device, model: Optional[ModelConfig] = None) -> torch.dtype:
+def resolve_dtype(name: str, device: torch.device, model: Optional[ModelConfig] = None,
+                  native_kernels: bool = True) -> torch.dtype:
     """`auto`: bfloat16 on CUDA; on a CPU whichever of float32 and bfloat16 runs this model's
-    GEMMs faster here (measured once per machine: engine/precision_probe.py)."""
+    GEMMs faster here, on the linears the engine will run (`native_kernels`: prepacked where
+    that pays; measured once per machine: engine/precision_probe.py)."""
     if name == "auto":
         if device.type == "cuda":
             return torch.bfloat16
         if model is None:
             return torch.float32
-        return _DTYPES[choose_cpu_dtype(model.hidden_size, model.intermediate_size).dtype]
+        return _DTYPES[choose_cpu_dtype(model.hidden_size, model.intermediate_size,
+                                        native_kernels=native_kernels).dtype]
     if name not in _DTYPES:
         raise ValueError(f"unsupported dtype {name!r}; use auto, float32 or bfloat16")
     return _DTYPES[name]
@@ -138,7 +141,7 @@ class LLMEngine:
         load_dtype = torch.float32 if config.dtype == "auto" and self.device.type == "cpu" else \
             resolve_dtype(config.dtype, self.device)
         loaded = load_model(config.model, dtype=load_dtype, keep_int4=keep_int4)
-        self.dtype = resolve_dtype(config.dtype, self.device, loaded.config)
+        self.dtype = resolve_dtype(config.dtype, self.device, loaded.config, config.native_kernels)
         self.quantization = resolve_quantization(config.quantization, loaded.precision_class, self.device)
         self.model_config: ModelConfig = loaded.config
         self.tokenizer: Tokenizer = loaded.tokenizer

@@ -46,18 +46,20 @@ def _key(*parts: object) -> str:
     return "|".join([cpu_tag(), f"torch {torch.__version__}", f"threads {torch.get_num_threads()}", *map(str, parts)])
 
 
-def choose_cpu_dtype(hidden: int, intermediate: int, cache_path: Optional[Path] = None) -> ProbeResult:
+def choose_cpu_dtype(hidden: int, intermediate: int, cache_path: Optional[Path] = None,
+                     native_kernels: bool = True) -> ProbeResult:
     """The faster of float32 and bfloat16 for a model of these widths on this CPU (cached), each
-    timed on the linear the engine runs it with when its native kernels are on (the default):
-    weights prepacked for oneDNN where `prepack_pays` says so for that dtype (measured and cached
-    first), else torch's plain one."""
+    timed on the linear the engine runs it with: with its native kernels on (the default), weights
+    prepacked for oneDNN where `prepack_pays` says so for that dtype (measured and cached first),
+    else torch's plain one; without them, torch's plain one for both."""
     cache_path = cache_path or default_cache_path()
-    key = _key(f"{hidden}x{intermediate}", "as run")
+    key = _key(f"{hidden}x{intermediate}", "as run" if native_kernels else "plain")
     cache = JsonCache(cache_path)
     cached = cache.get(key)
     if isinstance(cached, dict):
         return ProbeResult(cached["dtype"], {int(k): v for k, v in cached["bf16_over_fp32"].items()}, key)
-    fp32, bf16 = (_DenseSet(hidden, intermediate, dtype, prepack=prepack_pays(hidden, intermediate, dtype, cache_path))
+    fp32, bf16 = (_DenseSet(hidden, intermediate, dtype,
+                            prepack=native_kernels and prepack_pays(hidden, intermediate, dtype, cache_path))
                   for dtype in (torch.float32, torch.bfloat16))
     ratios = {rows: bf16.seconds(rows) / fp32.seconds(rows) for rows in PROBE_ROWS}
     mean = _geometric_mean(ratios.values())
