@@ -167,7 +167,7 @@ def bench_system(system: str, args: argparse.Namespace, rates: list[float], out:
         plan = BenchPlan(spec, client, rates, slo=args.slo_targets, prompt_format="tokens", warmup=args.warmup,
                          extra_config={"system": system, "label": name, "kv_cache_gib": args.kv_cache_gib,
                                        "max_num_batched_tokens": args.max_num_batched_tokens,
-                                       "max_num_seqs": args.max_num_seqs, **precision_record(system, args)})
+                                       "max_num_seqs": args.max_num_seqs, **system_record(system, args)})
         progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                             console=console)
         task: list[Optional[int]] = [None]
@@ -187,8 +187,9 @@ def bench_system(system: str, args: argparse.Namespace, rates: list[float], out:
     return results
 
 
-def precision_record(system: str, args: argparse.Namespace) -> dict:
-    """What the results say about a system's precision: the spec and the flags it became."""
+def system_record(system: str, args: argparse.Namespace) -> dict:
+    """What the results say about how a system ran: its precision (the spec and the flags it became)
+    and, for sloserve, its scheduling."""
     if system != "sloserve":
         return {"precision": args.vllm_dtype, "precision_args": ["--dtype", args.vllm_dtype]}
     return {"precision": args.precision.label, "precision_args": list(args.precision.serve_args),
@@ -260,7 +261,7 @@ def main() -> int:
     (out / "serving.json").write_text(json.dumps({
         "started_utc": stamp, "machine": {"cpus": os.cpu_count(), "processor": platform.processor()},
         "args": {k: str(v) for k, v in vars(args).items() if k != "precision"},
-        "systems": {s: {"label": labels[s], **precision_record(s, args)} for s in systems}, "ratios": ratios,
+        "systems": {s: {"label": labels[s], **system_record(s, args)} for s in systems}, "ratios": ratios,
         "summaries": {r.label: r.summary.to_dict() for r in runs}}, indent=1, allow_nan=True))
     console.print(Markdown((out / "compare.md").read_text()))
     for row in ratios:

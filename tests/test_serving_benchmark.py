@@ -30,7 +30,7 @@ def test_told_the_slo_sloserve_gets_it_as_its_default_class_and_the_slo_policy(m
     assert math.isclose(bench.ttft_target_s, 5.0) and math.isclose(bench.tbt_target_s, 0.25)
     assert bench.slo == args.slo_targets  # the class's SLO is the one the run measures
     assert serving.label("sloserve", args) == "sloserve bfloat16, slo scheduler"
-    assert serving.precision_record("sloserve", args)["scheduling"].startswith("slo")
+    assert serving.system_record("sloserve", args)["scheduling"].startswith("slo")
 
 
 def test_without_the_flag_sloserve_runs_its_defaults(monkeypatch, tmp_path):

@@ -151,8 +151,8 @@ class LLMEngine:
             decode_attention = load_paged_decode_attention()
             fused_ops = load_fused_ops()
         hidden, intermediate = loaded.config.hidden_size, loaded.config.intermediate_size
-        prepack = config.native_kernels and can_prepack(self.dtype, self.device) and prepack_pays(hidden, intermediate,
-                                                                                                  self.dtype)
+        prepack = (config.native_kernels and can_prepack(self.dtype, self.device)
+                   and prepack_pays(hidden, intermediate, self.dtype))
         a8_ops = int8_activation_kernels(fused_ops, self.device)
         wanted = {"layers": config.layers_a8, "head": config.head_w8a8}
         dense_above: dict[str, Optional[int]] = {}
