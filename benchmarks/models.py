@@ -1,5 +1,6 @@
 """Shape-alike models with seeded random weights, written once for every engine to read: a Hugging
-Face directory (safetensors) and GGUF files (F32, F16, BF16, Q8_0, Q4_0), the same weights in each.
+Face directory (safetensors), the same as an int8 W8A8 checkpoint (compressed-tensors, for vLLM)
+and GGUF files (F32, F16, BF16, Q8_0, Q4_0), the same weights in each.
 
 Engine speed on a 135M model measures per-step overhead more than kernels; users serve 0.5-8B
 models. Speed does not depend on what the weights mean when EOS is ignored, so a model with the
@@ -110,7 +111,9 @@ def weights(shape: Shape, seed: int) -> Iterator[tuple[str, np.ndarray]]:
 # ---------------------------------------------------------------------- Hugging Face directory
 
 
-def write_hf(shape: Shape, seed: int, out: Path, dtype: str = "bfloat16") -> Path:
+def write_hf(shape: Shape, seed: int, out: Path, dtype: str = "bfloat16", w8a8: bool = False) -> Path:
+    """`w8a8`: the layers' linears as a compressed-tensors int8 checkpoint (w8a8_tensors), the rest
+    in `dtype`; vLLM reads it with its W8A8 kernels (int8 activations, per token)."""
     import torch
     from safetensors.torch import save_file
 
@@ -136,12 +139,50 @@ def write_hf(shape: Shape, seed: int, out: Path, dtype: str = "bfloat16") -> Pat
     }
     if shape.arch == "qwen2":
         config.update(use_sliding_window=False, sliding_window=shape.context, max_window_layers=shape.layers)
+    if w8a8:
+        config["quantization_config"] = W8A8_CONFIG
     (out / "config.json").write_text(json.dumps(config, indent=1))
     (out / "generation_config.json").write_text(json.dumps({"bos_token_id": bos, "eos_token_id": eos}))
     torch_dtype = getattr(torch, dtype)
-    save_file({name: torch.from_numpy(array).to(torch_dtype).contiguous() for name, array in weights(shape, seed)},
-              str(out / "model.safetensors"), metadata={"format": "pt"})
+    tensors = dict(w8a8_tensors(shape, seed, torch_dtype)) if w8a8 else \
+        {name: torch.from_numpy(array).to(torch_dtype).contiguous() for name, array in weights(shape, seed)}
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
+
+
+# The layers' seven linears per block; embedding, norms and the (tied) head stay dense.
+W8A8_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# compressed-tensors' description of W8A8 int8: symmetric int8 weights with one scale per output
+# channel, activations quantized per token at run time.
+W8A8_CONFIG = {
+    "quant_method": "compressed-tensors", "format": "int-quantized", "quantization_status": "compressed",
+    "config_groups": {"group_0": {
+        "targets": ["Linear"],
+        "weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel", "dynamic": False},
+        "input_activations": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token",
+                              "dynamic": True},
+    }},
+    "ignore": ["lm_head"],
+}
+
+
+def w8a8_tensors(shape: Shape, seed: int, dtype) -> Iterator[tuple[str, "torch.Tensor"]]:
+    """The model's tensors with every layer linear as int8 codes plus `weight_scale` [out, 1]: the
+    codes and (bf16-rounded) scales sloserve's int8 kernels compute from the bf16 GGUF's weights
+    (quant.Int8Linear), so `--quantization int8` on that GGUF and vLLM on this directory hold the
+    same layer weights."""
+    import torch
+
+    from sloserve.engine.quant import Int8Linear
+
+    for name, array in weights(shape, seed):
+        tensor = torch.from_numpy(array)
+        if name.endswith(".weight") and name.split(".")[-2] in W8A8_LINEARS:
+            packed = Int8Linear(tensor.to(torch.bfloat16))
+            yield name, packed.codes
+            yield name + "_scale", packed.scale.float().unsqueeze(1).contiguous()
+        else:
+            yield name, tensor.to(dtype).contiguous()
 
 
 # ---------------------------------------------------------------------- GGUF
@@ -224,17 +265,19 @@ def write_model(name: str, formats: list[str], out: Path = OUT, seed: int = 0) -
     for fmt in formats:
         if fmt == "hf":
             written.append(write_hf(shape, seed, out / name / "hf"))
+        elif fmt == "hf-w8a8":
+            written.append(write_hf(shape, seed, out / name / "hf-w8a8", w8a8=True))
         elif fmt in GGUF_TYPES:
             written.append(write_gguf(shape, seed, out / name / f"{name}-{fmt}.gguf", fmt))
         else:
-            raise ValueError(f"unknown format {fmt!r}; choose from hf, {', '.join(GGUF_TYPES)}")
+            raise ValueError(f"unknown format {fmt!r}; choose from hf, hf-w8a8, {', '.join(GGUF_TYPES)}")
     return written
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", choices=sorted(SHAPES), required=True)
-    p.add_argument("--formats", default="hf,bf16,q8_0,q4_0", help=f"hf and/or {', '.join(GGUF_TYPES)}")
+    p.add_argument("--formats", default="hf,bf16,q8_0,q4_0", help=f"hf, hf-w8a8 and/or {', '.join(GGUF_TYPES)}")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=OUT)
     args = p.parse_args(argv)

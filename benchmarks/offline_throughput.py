@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from sloserve.bench.precision import SYNTAX as PRECISION_SYNTAX
-from sloserve.bench.precision import Precision, parse_precision, parse_precision_list
+from sloserve.bench.precision import Precision, checkpoint_quantization, parse_precision, parse_precision_list
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_DATASET = REPO_ROOT.parent / "shared" / "data" / "sharegpt_v3_first_turn.jsonl.gz"
@@ -487,8 +487,9 @@ def run_vllm(args: argparse.Namespace, prompts_file: Path, workdir: Path, dtype:
     env = dict(os.environ)
     env.pop("PYTHONPATH", None)  # keep sloserve's venv out of vLLM's
     result = run_in_subprocess(command, result_file, env)
-    if result.get("ok"):  # vllm_offline.py loads the HF-format weights at `dtype`, unquantized
-        result.setdefault("settings", {}).update({"dtype": dtype, "quantization": "none"})
+    if result.get("ok"):  # vllm_offline.py loads the HF-format weights at `dtype`, as the checkpoint stores them
+        result.setdefault("settings", {}).update({"dtype": dtype,
+                                                  "quantization": checkpoint_quantization(args.vllm_model)})
     return result
 
 

@@ -49,7 +49,7 @@ from sloserve.bench.compare import compare_markdown
 from sloserve.bench.local_server import LocalServer
 from sloserve.bench.metrics import SLO
 from sloserve.bench.precision import SYNTAX as PRECISION_SYNTAX
-from sloserve.bench.precision import Precision, parse_precision
+from sloserve.bench.precision import Precision, checkpoint_quantization, parse_precision
 from sloserve.bench.report import fmt_rate
 from sloserve.bench.result import BenchResult
 from sloserve.bench.runner import BenchPlan, default_synthesizer, run_plan, write_outputs
@@ -121,7 +121,8 @@ def parse_args() -> argparse.Namespace:
 def label(system: str, args: argparse.Namespace) -> str:
     precision: Precision = args.precision
     if system != "sloserve":
-        return f"{LABELS[system]} {args.vllm_dtype}"
+        quant = checkpoint_quantization(args.vllm_model)
+        return f"{LABELS[system]} {args.vllm_dtype}" + ("" if quant == "none" else f", {quant}")
     return f"sloserve {precision.label}" + (", slo scheduler" if args.sloserve_slo_scheduling else "")
 
 
@@ -191,7 +192,8 @@ def system_record(system: str, args: argparse.Namespace) -> dict:
     """What the results say about how a system ran: its precision (the spec and the flags it became)
     and, for sloserve, its scheduling."""
     if system != "sloserve":
-        return {"precision": args.vllm_dtype, "precision_args": ["--dtype", args.vllm_dtype]}
+        return {"precision": args.vllm_dtype, "precision_args": ["--dtype", args.vllm_dtype],
+                "checkpoint_quantization": checkpoint_quantization(args.vllm_model)}
     return {"precision": args.precision.label, "precision_args": list(args.precision.serve_args),
             "scheduling": "slo, told the --slo targets" if args.sloserve_slo_scheduling else "server default"}
 

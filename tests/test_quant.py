@@ -19,8 +19,8 @@ from sloserve.engine.llm import LLM
 from sloserve.engine.precision_probe import choose_cpu_dtype, crossover, prepack_pays, quantized_max_rows
 from sloserve.engine.quality import (KV_TOLERANCES, TOLERANCES, TextScores, chunked_next_token_logits, greedy_agreement,
                                      load_texts, next_token_logits, perplexity, score_texts, top1_agreement)
-from sloserve.engine.quant import (DenseLinear, GroupAffine4, Int4Linear, Int8Linear, RowDispatchLinear,
-                                   can_prepack, resolve_quantization)
+from sloserve.engine.quant import (DenseLinear, GroupAffine4, Int4Linear, Int8Linear, RowDispatchLinear, W8A8Linear,
+                                   can_prepack, resolve_quantization, w8a8_available)
 from sloserve.engine.weights import load_model
 from sloserve.core.types import SamplingParams
 from test_weights import random_hf_weights, write_tiny_gguf
@@ -235,6 +235,49 @@ def test_prepacked_float32_linear_is_another_kernel_with_the_same_product_and_ba
             assert torch.equal(packed(x[:rows]), whole[:rows]), (rows, bias is None)
 
 
+@pytest.mark.skipif(not w8a8_available(torch.device("cpu")), reason="torch built without oneDNN's int8 GEMM")
+@pytest.mark.parametrize("rows", [1, 3, 16, 130])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_w8a8_linear_is_int8_activations_per_token_times_the_int8_codes(rows, dtype):
+    """W8A8Linear holds Int8Linear's codes and bf16 scales, and computes what compressed-tensors'
+    W8A8 scheme defines: each row rounded to int8 with its own scale (max |x| / 127), integer
+    products with the codes, both scales applied; only the output's rounding separates them."""
+    gen = torch.Generator().manual_seed(rows)
+    w = torch.randn(96, 64, generator=gen) * 0.05
+    bias = torch.randn(96, generator=gen).to(dtype)
+    x = (torch.randn(rows, 64, generator=gen) * torch.linspace(0.1, 4, rows).unsqueeze(1)).to(dtype)
+    linear, int8 = W8A8Linear(w, bias), Int8Linear(w)
+    assert torch.equal(linear.scale, int8.scale)
+    assert torch.equal(linear.dequantized(torch.float32), int8.dequantized(torch.float32))
+    xf = x.float()
+    row_scale = xf.abs().amax(1, keepdim=True) / 127
+    codes = (xf / row_scale).round()
+    want = (codes @ int8.codes.float().t()) * row_scale * int8.scale.float() + bias.float()
+    got = linear(x)
+    assert got.dtype == dtype and got.shape == (rows, 96)
+    assert (got.float() - want).norm() / want.norm() < (4e-3 if dtype == torch.bfloat16 else 1e-6)
+    exact = xf @ w.t() + bias.float()  # the int8 activations cost a little, not more
+    assert (got.float() - exact).norm() / exact.norm() < 0.02
+    linear.drop_codes()
+    assert torch.equal(linear(x), got)  # it computes from oneDNN's packing alone
+    with pytest.raises(RuntimeError, match="dropped its codes"):
+        linear.dequantized(torch.float32)
+
+
+@pytest.mark.skipif(not w8a8_available(torch.device("cpu")), reason="torch built without oneDNN's int8 GEMM")
+def test_the_w8a8_engine_quantizes_the_layers_and_keeps_the_head_dense():
+    """`--quantization w8a8` (vLLM's W8A8 int8): every layer linear a W8A8Linear (int8 activations),
+    the LM head and the tied embedding dense, no dense copy of the layers (the integer GEMM is the
+    fast kernel at every step size), and it generates."""
+    llm = LLM(config=EngineConfig(dtype="bfloat16", quantization="w8a8"))
+    model = llm.engine.model
+    assert llm.engine.quantization == "w8a8" and model.layers_a8 and not model.head_w8a8
+    assert all(isinstance(layer[part], W8A8Linear) for layer in model.layers for part in ("qkv", "o", "gate_up", "down"))
+    assert isinstance(model.lm_head, DenseLinear)
+    out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    assert len(out[0].token_ids) == 8
+
+
 def test_quantization_names_resolve_per_device():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert resolve_quantization("auto", "int4", cpu) == "int4"
@@ -243,6 +286,8 @@ def test_quantization_names_resolve_per_device():
     assert resolve_quantization("int8", None, cpu) == "int8"
     with pytest.raises(ValueError, match="CPU only"):
         resolve_quantization("int4", None, cuda)
+    with pytest.raises(ValueError, match="CPU only"):
+        resolve_quantization("w8a8", None, cuda)
     with pytest.raises(ValueError, match="unsupported quantization"):
         resolve_quantization("fp8", None, cpu)
 
@@ -321,6 +366,7 @@ PRECISIONS = {
     "bfloat16": dict(dtype="bfloat16", quantization="none"),
     "int8": dict(dtype="bfloat16", quantization="int8", quantized_dense_copy=False),
     "int4": dict(dtype="bfloat16", quantization="int4", quantized_dense_copy=False),
+    "w8a8": dict(dtype="bfloat16", quantization="w8a8"),
     # torch's weight-only kernels (bf16 activations), which the above replace where the native ones build
     "int4 weight-only": dict(dtype="bfloat16", quantization="int4", quantized_dense_copy=False, layers_a8=False,
                              head_w8a8=False),
@@ -342,7 +388,7 @@ def test_each_precision_stays_within_its_quality_tolerance(llm, heldout_ids, ref
     # A tied table prepacked as the LM head is held twice: the embedding reads the plain rows.
     head = model.lm_head
     twice = head.nbytes / 2 if getattr(head, "packed", None) is not None and head.weight is not None else 0
-    assert model.weight_bytes - twice < {"bfloat16": 0.51, "int8": 0.3, "int4": 0.2}[name.split()[0]] * exact
+    assert model.weight_bytes - twice < {"bfloat16": 0.51, "int8": 0.3, "int4": 0.2, "w8a8": 0.45}[name.split()[0]] * exact
 
 
 @pytest.mark.slow

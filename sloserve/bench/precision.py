@@ -9,7 +9,7 @@
     SPEC@K           any of these with bf16 attention on native path K (amx|avx512_bf16|portable;
                      `attention_kernel=K`, `sloserve serve --attention-kernel K`), e.g. `default@portable`
 
-D is one of auto|float32|bfloat16, Q one of auto|none|int8|int4 (the choices of `sloserve serve
+D is one of auto|float32|bfloat16, Q one of auto|none|int8|int4|w8a8 (the choices of `sloserve serve
 --dtype/--quantization`). No torch import here: the benchmarks' parents parse specs before any
 engine exists (sloserve.core.config imports no torch).
 """
@@ -21,9 +21,9 @@ from typing import Any
 from sloserve.core.config import ATTENTION_KERNELS
 
 DTYPES = ("auto", "float32", "bfloat16")
-QUANTIZATIONS = ("auto", "none", "int8", "int4")
+QUANTIZATIONS = ("auto", "none", "int8", "int4", "w8a8")
 DEFAULT = "default"
-SYNTAX = ("default, D, D+Q or D+Q/only, each optionally @K (D: auto|float32|bfloat16, Q: auto|none|int8|int4, "
+SYNTAX = ("default, D, D+Q or D+Q/only, each optionally @K (D: auto|float32|bfloat16, Q: auto|none|int8|int4|w8a8, "
           "K: amx|avx512_bf16|portable)")
 
 
@@ -94,3 +94,26 @@ def parse_precision_list(text: str) -> list[Precision]:
     if not out:
         raise ValueError(f"no precision given (each item: {SYNTAX})")
     return list(out.values())
+
+
+def checkpoint_quantization(model_dir) -> str:
+    """How a Hugging Face-format checkpoint (a peer's copy of the weights) stores them: "none", or
+    its config.json's quantization in short, e.g. "int8 W8A8 (compressed-tensors)" for int8
+    weights with int8 activations per token; "?" where config.json cannot be read."""
+    import json
+    from pathlib import Path
+
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return "?"
+    quant = config.get("quantization_config")
+    if not quant:
+        return "none"
+    method = quant.get("quant_method", "?")
+    for group in (quant.get("config_groups") or {}).values():
+        weights, acts = group.get("weights") or {}, group.get("input_activations") or {}
+        if weights.get("type") == "int":
+            scheme = f"W{weights.get('num_bits')}A{acts.get('num_bits', 16) if acts else 16}"
+            return f"int{weights.get('num_bits')} {scheme} ({method})"
+    return method

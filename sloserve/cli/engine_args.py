@@ -15,8 +15,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "several as NAME=PATH, each its own pool of workers behind one front, routed by `model`")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     g.add_argument("--device", default="auto", help="cpu, cuda or auto")
-    g.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"],
-                   help="weight-only quantization of the linears (auto: the model file's own class)")
+    g.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4", "w8a8"],
+                   help="quantization of the linears: int8/int4 weights (auto: the model file's own class), or w8a8: "
+                        "int8 weights and int8 activations per token in the layers, the head dense (vLLM's W8A8)")
     g.add_argument("--quantized-only", action="store_true",
                    help="keep no dense copy of quantized linears for large steps (least memory; slower prefill)")
     g.add_argument("--num-threads", type=int, default=None, help="torch threads (default: OMP_NUM_THREADS, else the cores available)")

@@ -187,8 +187,9 @@ class EngineConfig:
     model: Optional[str] = None
     dtype: str = "auto"  # "float32", "bfloat16" or "auto" (bfloat16 on CUDA; on a CPU the faster, measured)
     device: str = "auto"  # "cpu", "cuda" or "auto"
-    # Weight-only quantization of the linears: "none", "int8", "int4", or "auto" (the model
-    # file's own class: int4 for a 4-bit GGUF, int8 for an 8-bit one, none for float weights).
+    # Quantization of the linears: "none", "int8", "int4", or "auto" (the model file's own class:
+    # int4 for a 4-bit GGUF, int8 for an 8-bit one, none for float weights): weights only; or "w8a8":
+    # the layers' int8 weights times int8 activations (per token), the head dense (engine/quant.W8A8Linear).
     quantization: str = "auto"
     # Keep a dense copy of quantized linears for steps with more rows than the packed kernels
     # win at (measured per machine); False = least memory, every step on the packed kernels.

@@ -160,6 +160,8 @@ class LLMEngine:
             # the layers' kernel, and the LM head's (model.lm_head_kind), each as it will run
             head = lm_head_kind(loaded.config, loaded.weights, self.quantization, a8_ops, config.head_w8a8)
             for part, kind in (("layers", self.quantization), ("head", head)):
+                if kind == "none":  # w8a8's head: dense already
+                    continue
                 a8 = a8_ops if wanted[part] and takes_int8_activations(part, kind) else None
                 dense_above[part] = quantized_max_rows(hidden, intermediate, kind, self.dtype, prepack=prepack,
                                                        int8_activations=a8)

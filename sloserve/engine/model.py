@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from sloserve.core.config import ModelConfig
 from sloserve.engine.lora import LoraBatch
-from sloserve.engine.quant import (DenseLinear, GroupAffine4, Int4Linear, Int8Linear, Linear, RowDispatchLinear,
+from sloserve.engine.quant import (DenseLinear, GroupAffine4, Int4Linear, Int8Linear, Linear, RowDispatchLinear, W8A8Linear,
                                    as_dtype, can_prepack, head_kind, int8_activation_kernels, int8_linear,
                                    takes_int8_activations)
 
@@ -188,7 +188,7 @@ class LlamaModel:
                  quantization: str = "none", dense_above: Optional[dict[str, Optional[int]]] = None,
                  fused_ops=None, prepack: bool = False, attention_kernel: str = "auto", head_w8a8: bool = False,
                  layers_a8: bool = False):
-        """`quantization` is resolved ("none", "int8" or "int4"); `dense_above` maps "layers" and
+        """`quantization` is resolved ("none", "int8", "int4" or "w8a8": int8 activations too, the head dense); `dense_above` maps "layers" and
         "head" to the most rows their packed kernel serves before a dense copy takes over (None: no
         copy; a part absent from it keeps no copy either). The LM head is packed as int8 in both
         quantized modes: it is the most sensitive matrix. `prepack`: dense bf16 weights live in
@@ -233,10 +233,12 @@ class LlamaModel:
             # int8 activations come in whole 32-element blocks
             ops = a8_ops if a8 and takes_int8_activations(part, kind) and all(
                 weights[n].shape[1] % 32 == 0 for n in names) else None
-            if kind == "int4":
+            if kind == "w8a8":
+                packed: Union[Int4Linear, Int8Linear, W8A8Linear] = W8A8Linear(torch.cat([w(n) for n in names]), b)
+            elif kind == "int4":
                 parts = [v if isinstance(v, GroupAffine4) else GroupAffine4.quantize(v)
                          for v in (weights[n] for n in names)]
-                packed: Union[Int4Linear, Int8Linear] = Int4Linear(GroupAffine4.cat(parts), b,
+                packed = Int4Linear(GroupAffine4.cat(parts), b,
                                                                    w4a8=ops.int4_gemv if ops else None)
             else:
                 packed = int8_linear(torch.cat([w(n) for n in names]), b, ops)
@@ -244,7 +246,7 @@ class LlamaModel:
             # same numbers whichever kernel its step runs.
             dense = None if max_rows is None else DenseLinear(packed.dequantized(dtype).to(device), b, prepack,
                                                               keep_weight)
-            if isinstance(packed, Int4Linear):
+            if isinstance(packed, (Int4Linear, W8A8Linear)):
                 packed.drop_codes()
             return packed if dense is None else RowDispatchLinear(packed, dense, max_rows)
 
@@ -272,7 +274,8 @@ class LlamaModel:
                 "down": linear([p + "mlp.down_proj.weight"], a8=layers_a8),
             })
         down = getattr(self.layers[0]["down"], "small", self.layers[0]["down"]) if self.layers else None
-        self.layers_a8 = getattr(down, "w4a8", None) is not None or getattr(down, "w8a8", None) is not None
+        self.layers_a8 = getattr(down, "w4a8", None) is not None or getattr(down, "w8a8", None) is not None \
+            or isinstance(down, W8A8Linear)
         inv_freq = rope_inv_freq(config).to(device)
         t = torch.arange(config.max_position_embeddings, device=device, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)

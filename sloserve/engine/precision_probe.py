@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 
 from sloserve.engine.kernels import build_digest, cpu_tag
-from sloserve.engine.quant import DenseLinear, GroupAffine4, Int4Linear, can_prepack, int8_linear
+from sloserve.engine.quant import DenseLinear, GroupAffine4, Int4Linear, W8A8Linear, can_prepack, int8_linear
 from sloserve.user_cache import JsonCache, user_cache_path
 
 logger = logging.getLogger(__name__)
@@ -139,7 +139,7 @@ def quantized_max_rows(hidden: int, intermediate: int, quantization: str, dtype:
                        cache_path: Optional[Path] = None, prepack: bool = False,
                        int8_activations=None) -> Optional[int]:
     """The most rows for which dense `dtype` linears (prepacked if `prepack`) are not COPY_MARGIN
-    faster than `quantization` ("int8"/"int4") ones at any row count up to it (0: never), or None
+    faster than `quantization` ("int8", "int4", "w8a8") ones at any row count up to it (0: never), or None
     when they win at every probed size, so no dense copy is worth its memory (cached like the dtype).
     `int8_activations`: the native kernels (engine/kernels) the packed linears will run with int8
     activations (W4A8/W8A8), so that is what is timed (keyed by their ISA and sources: a VNNI build
@@ -210,6 +210,9 @@ class _QuantizedSet(_WeightSet):
         self.a8 = ops is not None
         if quantization == "int8":
             super().__init__(hidden, intermediate, 1, lambda w: int8_linear(w, ops=ops))
+        elif quantization == "w8a8":
+            self.a8 = True  # it quantizes the activations itself
+            super().__init__(hidden, intermediate, 1, W8A8Linear)
         elif quantization == "int4":
             super().__init__(hidden, intermediate, 0.5, lambda w: Int4Linear(GroupAffine4.quantize(w),
                                                                              w4a8=ops.int4_gemv if ops else None))

@@ -38,6 +38,10 @@ TOLERANCES = {
     "bfloat16": Tolerance(1.01, 0.95),
     "int8": Tolerance(1.02, 0.93),
     "int4": Tolerance(1.02, 0.93),
+    # int8 activations rounded per token (vLLM's W8A8 int8, no smoothing): written after measuring it on
+    # the 100 held-out texts (perplexity x1.033, agreement 0.893; per 32-element block instead: x1.007,
+    # 0.937), so it guards against regressions and says what the mode costs; it is why w8a8 is opt-in.
+    "w8a8": Tolerance(1.04, 0.88),
 }
 
 

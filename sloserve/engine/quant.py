@@ -7,6 +7,9 @@ eighth. Activations stay 16-bit (torch's CPU kernels `_weight_int8pack_mm` and
 
 4-bit GGUF tensors (Q4_0, Q4_1) are packed from their own codes, scales and minimums, so the
 weights the engine computes with are the file's, not a re-quantization of a dequantized copy.
+
+`w8a8` is the other kind: int8 weights and int8 activations (W8A8Linear), integer GEMMs where
+a step is compute-bound, as vLLM and compressed-tensors checkpoints run int8.
 """
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-QUANTIZATIONS = ("auto", "none", "int8", "int4")
+QUANTIZATIONS = ("auto", "none", "int8", "int4", "w8a8")
 INT4_GROUP = 32  # elements per scale/offset group along the input dimension (GGUF's block size)
 
 
@@ -246,6 +249,56 @@ class Int8Linear:
         return _nbytes(self._codes, self.tiles, self.starts, self.scale, self.bias)
 
 
+def w8a8_available(device: torch.device) -> bool:
+    """Whether oneDNN's int8 GEMM (u8 activations x s8 weights, through torch) runs here."""
+    return device.type == "cpu" and torch.backends.mkldnn.is_available() and \
+        hasattr(torch.ops.onednn, "qlinear_pointwise")
+
+
+class W8A8Linear:
+    """compressed-tensors' W8A8 int8 scheme: symmetric int8 weights with one scale per output
+    channel (the codes Int8Linear computes), activations quantized to int8 per row (token) at run
+    time, symmetric, and multiplied in integer arithmetic; what vLLM runs for such a checkpoint.
+
+    oneDNN's integer GEMM takes unsigned activations (its signed path is a slow reference loop),
+    so each row's codes are shifted by 128 and 128 is its zero point; the weight scales are fused
+    into the GEMM, each row's own scale multiplies its output row after. 1.5-2x the bf16 GEMM's
+    FLOP/s from 16 rows up on a Zen4 EPYC (BENCHMARKS.md)."""
+
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None):
+        int8 = Int8Linear(weight)
+        self.out_features, self.in_features = int8.codes.shape
+        self.scale = int8.scale  # bf16, as Int8Linear's: the same weights as --quantization int8
+        self._codes: Optional[torch.Tensor] = int8.codes
+        self._w_scale = int8.scale.float().contiguous()
+        self._w_zero = torch.zeros(self.out_features, dtype=torch.int64)
+        self.packed = torch.ops.onednn.qlinear_prepack(int8.codes, None)
+        self.bias = bias
+        self._bytes = int8.codes.numel() + _nbytes(self.scale)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        row_scale = xf.abs().amax(-1, keepdim=True).clamp_min(1e-12) / 127
+        codes = (xf / row_scale).round_().add_(128).to(torch.uint8)  # xf may be x itself: not in place
+        y = torch.ops.onednn.qlinear_pointwise(codes, 1.0, 128, self.packed, self._w_scale, self._w_zero, None,
+                                               1.0, 0, x.dtype, "none", [], "")
+        y.mul_(row_scale.to(y.dtype))
+        return y if self.bias is None else y + self.bias
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weights (codes times their bf16 scales) as a dense matrix, for a dense copy."""
+        if self._codes is None:
+            raise RuntimeError("this W8A8 linear dropped its codes (it keeps only oneDNN's packing)")
+        return (self._codes.float() * self.scale.float().unsqueeze(1)).to(dtype)
+
+    def drop_codes(self) -> None:
+        self._codes = None
+
+    @property
+    def nbytes(self) -> int:
+        return self._bytes + _nbytes(self._w_scale, self.bias)
+
+
 def int8_linear(weight: torch.Tensor, bias: Optional[torch.Tensor] = None, ops=None) -> Int8Linear:
     """An Int8Linear with the native W8A8 products of `ops` (int8_activation_kernels), where given:
     the tiled kernel where the build has it (1.7-2.2x the column kernel's speed at 1-200 rows on a
@@ -358,7 +411,7 @@ def head_kind(quantization: str, head: object, w4a8: bool) -> str:
     own head is 4-bit and the W4A8 kernel (`w4a8`) can read it as it is: re-encoding 4-bit values
     as int8 adds no precision and reads 1.6x the bytes every step (on a 128k vocabulary, more
     than 100 MB a token). Unquantized: "none"."""
-    if quantization == "none":
+    if quantization in ("none", "w8a8"):  # W8A8 checkpoints keep the head dense (compressed-tensors' ignore)
         return "none"
     return "int4" if quantization == "int4" and w4a8 and isinstance(head, GroupAffine4) else "int8"
 
@@ -391,4 +444,7 @@ def resolve_quantization(name: str, file_class: Optional[str], device: torch.dev
     if name != "none" and device.type != "cpu":
         raise ValueError(f"--quantization {name} runs on CPU only (torch's packed weight-only kernels); "
                          f"use --quantization none on {device.type}")
+    if name == "w8a8" and not w8a8_available(device):
+        raise ValueError("--quantization w8a8 needs oneDNN's int8 GEMM (a torch built with mkldnn); "
+                         "use --quantization int8 (int8 weights, 16-bit activations)")
     return name
