@@ -57,6 +57,8 @@ class Shape:
 SHAPES = {
     "qwen2.5-0.5b": Shape("qwen2", 896, 4864, 24, 14, 2, 151_936, 8192, 1_000_000.0, 1e-6, qkv_bias=True),
     "llama-3.2-1b": Shape("llama", 2048, 8192, 16, 32, 8, 128_256, 8192, 500_000.0, 1e-5, qkv_bias=False),
+    # the embedded model's dimensions (SmolLM2-135M), for gemm_ceiling.py and random-weight peers
+    "smollm2-135m": Shape("llama", 576, 1536, 30, 9, 3, 49_152, 8192, 100_000.0, 1e-5, qkv_bias=False),
     # for the tests: seconds to write and load
     "tiny-llama": Shape("llama", 64, 128, 2, 4, 2, 49_216, 512, 10_000.0, 1e-5, qkv_bias=False, init_std=0.3),
     "tiny-qwen2": Shape("qwen2", 64, 128, 2, 4, 2, 49_216, 512, 10_000.0, 1e-6, qkv_bias=True, init_std=0.3),
