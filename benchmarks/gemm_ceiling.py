@@ -95,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
         w = torch.randn(out, inp, generator=gen) * 0.02
         linears["bf16 oneDNN"].append((DenseLinear(w.to(torch.bfloat16), prepack=True), inp, count))
         if per_token:
-            linears["int8 per token, oneDNN"].append((W8A8Linear(w), inp, count))
+            linears["int8 per token, oneDNN"].append((W8A8Linear(w, quantize=getattr(ops, "quantize_rows_u8", None)),
+                                                      inp, count))
         if tiled:
             linears["int8 per 32, tiled"].append((int8_linear(w, ops=ops), inp, count))
         del w

@@ -20,7 +20,7 @@ from sloserve.engine.precision_probe import choose_cpu_dtype, crossover, prepack
 from sloserve.engine.quality import (KV_TOLERANCES, TOLERANCES, TextScores, chunked_next_token_logits, greedy_agreement,
                                      load_texts, next_token_logits, perplexity, score_texts, top1_agreement)
 from sloserve.engine.quant import (DenseLinear, GroupAffine4, Int4Linear, Int8Linear, RowDispatchLinear, W8A8Linear,
-                                   can_prepack, resolve_quantization, w8a8_available)
+                                   can_prepack, quantize_rows_u8, resolve_quantization, w8a8_available)
 from sloserve.engine.weights import load_model
 from sloserve.core.types import SamplingParams
 from test_weights import random_hf_weights, write_tiny_gguf
@@ -260,8 +260,31 @@ def test_the_w8a8_linear_is_int8_activations_per_token_times_the_int8_codes(rows
     assert (got.float() - exact).norm() / exact.norm() < 0.02
     linear.drop_codes()
     assert torch.equal(linear(x), got)  # it computes from oneDNN's packing alone
+    ops = load_fused_ops()
+    if ops is not None:  # the engine's form: the kernels' one-pass quantizer, the same bits
+        assert torch.equal(W8A8Linear(w, bias, quantize=ops.quantize_rows_u8)(x), got)
     with pytest.raises(RuntimeError, match="dropped its codes"):
         linear.dequantized(torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_native_row_quantizer_gives_the_aten_forms_bits(dtype):
+    """kernels' quantize_rows_u8 (one pass) against quant.quantize_rows_u8 (ATen): the same codes,
+    ties (k + 0.5 steps) rounded to even, and the same scales, zero rows included."""
+    ops = load_fused_ops()
+    if ops is None:
+        pytest.skip("no native kernels on this machine")
+    gen = torch.Generator().manual_seed(3)
+    for rows, width in ((1, 64), (7, 2048), (130, 96)):
+        x = (torch.randn(rows, width, generator=gen) * torch.linspace(0.01, 30, rows).unsqueeze(1)).to(dtype)
+        step = x[0].abs().max().float() / 127
+        x[0, :4] = (torch.tensor([0.5, -1.5, 2.5, 3.5]) * step).to(dtype)
+        x[-1] = 0
+        codes, scales = ops.quantize_rows_u8(x)
+        want_codes, want_scales = quantize_rows_u8(x)
+        assert codes.dtype == torch.uint8 and torch.equal(codes, want_codes)
+        assert torch.equal(scales, want_scales)
+        assert (codes[-1] == 128).all()
 
 
 @pytest.mark.skipif(not w8a8_available(torch.device("cpu")), reason="torch built without oneDNN's int8 GEMM")
@@ -274,6 +297,7 @@ def test_the_w8a8_engine_quantizes_the_layers_and_keeps_the_head_dense():
     assert llm.engine.quantization == "w8a8" and model.layers_a8 and not model.head_w8a8
     assert all(isinstance(layer[part], W8A8Linear) for layer in model.layers for part in ("qkv", "o", "gate_up", "down"))
     assert isinstance(model.lm_head, DenseLinear)
+    assert (model.layers[0]["down"].quantize is not None) == (load_fused_ops() is not None)
     out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
     assert len(out[0].token_ids) == 8
 

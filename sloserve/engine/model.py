@@ -234,7 +234,8 @@ class LlamaModel:
             ops = a8_ops if a8 and takes_int8_activations(part, kind) and all(
                 weights[n].shape[1] % 32 == 0 for n in names) else None
             if kind == "w8a8":
-                packed: Union[Int4Linear, Int8Linear, W8A8Linear] = W8A8Linear(torch.cat([w(n) for n in names]), b)
+                packed: Union[Int4Linear, Int8Linear, W8A8Linear] = W8A8Linear(
+                    torch.cat([w(n) for n in names]), b, quantize=getattr(fused_ops, "quantize_rows_u8", None))
             elif kind == "int4":
                 parts = [v if isinstance(v, GroupAffine4) else GroupAffine4.quantize(v)
                          for v in (weights[n] for n in names)]

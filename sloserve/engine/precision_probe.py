@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch
 
-from sloserve.engine.kernels import build_digest, cpu_tag
+from sloserve.engine.kernels import build_digest, cpu_tag, load_fused_ops
 from sloserve.engine.quant import DenseLinear, GroupAffine4, Int4Linear, W8A8Linear, can_prepack, int8_linear
 from sloserve.user_cache import JsonCache, user_cache_path
 
@@ -211,8 +211,9 @@ class _QuantizedSet(_WeightSet):
         if quantization == "int8":
             super().__init__(hidden, intermediate, 1, lambda w: int8_linear(w, ops=ops))
         elif quantization == "w8a8":
-            self.a8 = True  # it quantizes the activations itself
-            super().__init__(hidden, intermediate, 1, W8A8Linear)
+            self.a8 = True  # it quantizes the activations itself, with the kernels' pass where they build
+            quantize = getattr(load_fused_ops(), "quantize_rows_u8", None)
+            super().__init__(hidden, intermediate, 1, lambda w: W8A8Linear(w, quantize=quantize))
         elif quantization == "int4":
             super().__init__(hidden, intermediate, 0.5, lambda w: Int4Linear(GroupAffine4.quantize(w),
                                                                              w4a8=ops.int4_gemv if ops else None))

@@ -265,8 +265,11 @@ class W8A8Linear:
     into the GEMM, each row's own scale multiplies its output row after. 1.5-2x the bf16 GEMM's
     FLOP/s from 16 rows up on a Zen4 EPYC (BENCHMARKS.md)."""
 
-    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None):
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                 quantize: Optional[Callable[[torch.Tensor], list[torch.Tensor]]] = None):
+        """`quantize`: the kernels' quantize_rows_u8 (one pass, the same bits), else ATen ops."""
         int8 = Int8Linear(weight)
+        self.quantize = quantize
         self.out_features, self.in_features = int8.codes.shape
         self.scale = int8.scale  # bf16, as Int8Linear's: the same weights as --quantization int8
         self._codes: Optional[torch.Tensor] = int8.codes
@@ -277,9 +280,10 @@ class W8A8Linear:
         self._bytes = int8.codes.numel() + _nbytes(self.scale)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        row_scale = xf.abs().amax(-1, keepdim=True).clamp_min(1e-12) / 127
-        codes = (xf / row_scale).round_().add_(128).to(torch.uint8)  # xf may be x itself: not in place
+        if self.quantize is not None:
+            codes, row_scale = self.quantize(x.contiguous())
+        else:
+            codes, row_scale = quantize_rows_u8(x)
         y = torch.ops.onednn.qlinear_pointwise(codes, 1.0, 128, self.packed, self._w_scale, self._w_zero, None,
                                                1.0, 0, x.dtype, "none", [], "")
         y.mul_(row_scale.to(y.dtype))
@@ -297,6 +301,15 @@ class W8A8Linear:
     @property
     def nbytes(self) -> int:
         return self._bytes + _nbytes(self._w_scale, self.bias)
+
+
+def quantize_rows_u8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row of x [M, K] as int8 codes by its own scale max|x| / 127, shifted by 128 into uint8,
+    and the scales [M, 1] (float32): W8A8Linear's activations (the kernels' one-pass form gives the
+    same bits)."""
+    xf = x.float()
+    row_scale = xf.abs().amax(-1, keepdim=True).clamp_min(1e-12) / 127
+    return (xf / row_scale).round_().add_(128).to(torch.uint8), row_scale  # xf may be x itself: not in place
 
 
 def int8_linear(weight: torch.Tensor, bias: Optional[torch.Tensor] = None, ops=None) -> Int8Linear:

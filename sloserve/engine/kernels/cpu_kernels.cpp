@@ -23,6 +23,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("out"), pybind11::arg("kernel") = "auto", no_gil);
   m.def("write_kv_", &write_kv_, "store the new tokens' K and V into a layer's paged cache", no_gil);
   m.def("argmax_rows", &argmax_rows, "index of each row's largest value (first on ties)", no_gil);
+  m.def("quantize_rows_u8", &quantize_rows_u8, "W8A8 activations: each row to int8 by its own scale, + 128", no_gil);
   m.def("apply_token_bitmask_", &apply_token_bitmask_, "structured outputs: -inf where a row's bitmask disallows",
         pybind11::arg("logits"), pybind11::arg("bitmask"), pybind11::arg("rows"), pybind11::arg("vocab"), no_gil);
   m.def("int8_gemv_supported", &int8_gemv_supported, "whether this build has the W8A8 product (AVX2)");

@@ -257,6 +257,39 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
   return out;
 }
 
+// W8A8 activations (quant.W8A8Linear): each row of x [M, K] rounded to int8 with its own scale
+// s = max(|x|) / 127 (at least 1e-12 / 127), then shifted by 128 into uint8 for oneDNN's u8 x s8
+// GEMM. One pass per row where the ATen form takes seven; the same bits: the division and the
+// round-half-to-even are those of `(x.float() / s).round() + 128`.
+namespace {
+template <typename scalar_t>
+void quantize_row_u8(const scalar_t* xr, int64_t k, uint8_t* o, float* scale) {
+  float amax = 0.f;
+#pragma omp simd reduction(max : amax)
+  for (int64_t i = 0; i < k; ++i) amax = std::max(amax, std::fabs(load(xr[i])));
+  const float s = std::max(amax, 1e-12f) / 127.f;
+  *scale = s;
+#pragma omp simd
+  for (int64_t i = 0; i < k; ++i) o[i] = static_cast<uint8_t>(std::nearbyint(load(xr[i]) / s) + 128.f);
+}
+}  // namespace
+
+std::vector<at::Tensor> quantize_rows_u8(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "quantize_rows_u8: contiguous x [M, K] expected");
+  const int64_t rows = x.size(0), k = x.size(1);
+  auto codes = at::empty({rows, k}, x.options().dtype(at::kByte));
+  auto scales = at::empty({rows, 1}, x.options().dtype(at::kFloat));
+  uint8_t* cp = codes.data_ptr<uint8_t>();
+  float* sp = scales.data_ptr<float>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "quantize_rows_u8", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) quantize_row_u8<scalar_t>(xp + r * k, k, cp + r * k, sp + r);
+    });
+  });
+  return {codes, scales};
+}
+
 // Structured outputs: each listed row r of logits [R, V] (float32 or bf16) keeps the tokens
 // bitmask row r allows (bit j of word w allows token 32 w + j) and the others become -inf.
 // AVX-512: a word's 32 bits mask two 16-float vectors, or one 32-lane vector of bf16; a word of

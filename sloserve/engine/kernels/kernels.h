@@ -42,6 +42,8 @@ void rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t 
 void write_kv_(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots, const at::Tensor& k,
                const at::Tensor& v);
 at::Tensor argmax_rows(const at::Tensor& logits);
+// Per-row int8 activations for oneDNN's u8 x s8 GEMM: (codes + 128 as uint8 [M, K], scales float32 [M, 1]).
+std::vector<at::Tensor> quantize_rows_u8(const at::Tensor& x);
 void apply_token_bitmask_(at::Tensor& logits, const at::Tensor& bitmask, const at::Tensor& rows, int64_t vocab);
 
 // int8_gemv.cpp: products with int8 activations for few rows (W8A8: the LM head of a small decode
