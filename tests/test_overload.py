@@ -149,6 +149,8 @@ def test_shedder_refuses_what_cannot_meet_its_target_and_says_when_to_retry():
     err = shed.value
     assert err.status == 429 and err.code == "slo_unattainable"
     predicted = adm.shedder.predict(20, FAST)
+    # the message names the threshold it applied (a share of the target), so 4.6 s against 5 s reads right
+    assert f"({predicted:.1f}s) is past 90% of the 'fast' class's target ({FAST.ttft_target_s:g}s)" in str(err)
     assert int(err.headers["Retry-After"]) == max(1, math.ceil(predicted - FAST.ttft_target_s))
     adm.check_deadline(20, SLOW, max_tokens=100)  # a looser target still fits
     adm.check_deadline(20, QoSClass("none"), max_tokens=100)  # no TTFT target: counts only

@@ -290,7 +290,7 @@ class Shedder:
 
     def check(self, prompt_tokens: int, qos: QoSClass, priority: Optional[int] = None, count: int = 1,
               max_tokens: Optional[int] = None) -> None:
-        """APIError 429 `slo_unattainable` when the predicted TTFT exceeds the class's target.
+        """APIError 429 `slo_unattainable` when the predicted TTFT is past `headroom` of the class's target.
         `prompt_tokens` counts all `count` engine requests together; `max_tokens` is each one's."""
         count = max(1, count)
         per_request = max(1, prompt_tokens // count)
@@ -309,8 +309,9 @@ class Shedder:
                              qos.name)
                 raise APIError(
                     429,
-                    f"server is overloaded: the predicted time to first token ({predicted:.1f}s) exceeds the "
-                    f"{qos.name!r} class's target ({qos.ttft_target_s:g}s); retry later",
+                    f"server is overloaded: the predicted time to first token ({predicted:.1f}s) is past "
+                    f"{self.headroom:.0%} of the {qos.name!r} class's target ({qos.ttft_target_s:g}s), the most this "
+                    f"server admits; retry later",
                     code=SHED_CODE, headers={"Retry-After": str(retry)})
         decode = max_tokens if max_tokens is not None else self.core.max_model_len - per_request
         self._reserved = (Work(per_request, max(0, decode - 1), 0), rank, count, learn_from)
