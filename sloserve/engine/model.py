@@ -16,8 +16,8 @@ import torch.nn.functional as F
 
 from sloserve.core.config import ModelConfig
 from sloserve.engine.lora import LoraBatch
-from sloserve.engine.quant import (DenseLinear, GroupAffine4, Int4Linear, Int8Linear, Linear, RowDispatchLinear, W8A8Linear,
-                                   as_dtype, can_prepack, head_kind, int8_activation_kernels, int8_linear,
+from sloserve.engine.quant import (DenseLinear, GroupAffine4, Int4Linear, Int8Linear, Linear, RowDispatchLinear,
+                                   W8A8Linear, as_dtype, can_prepack, head_kind, int8_activation_kernels, int8_linear,
                                    takes_int8_activations)
 
 
@@ -188,13 +188,14 @@ class LlamaModel:
                  quantization: str = "none", dense_above: Optional[dict[str, Optional[int]]] = None,
                  fused_ops=None, prepack: bool = False, attention_kernel: str = "auto", head_w8a8: bool = False,
                  layers_a8: bool = False):
-        """`quantization` is resolved ("none", "int8", "int4" or "w8a8": int8 activations too, the head dense); `dense_above` maps "layers" and
-        "head" to the most rows their packed kernel serves before a dense copy takes over (None: no
-        copy; a part absent from it keeps no copy either). The LM head is packed as int8 in both
-        quantized modes: it is the most sensitive matrix. `prepack`: dense bf16 weights live in
-        oneDNN's layout (quant.can_prepack). `head_w8a8`: that int8 head quantizes its activations
-        too and runs the native W8A8 product (kernels' int8_gemv); `layers_a8`: the int4 layers
-        do (int4_gemv); each where `fused_ops` has the kernel."""
+        """`quantization` is resolved ("none", "int8", "int4", or "w8a8": int8 activations too, the
+        head dense); `dense_above` maps "layers" and "head" to the most rows their packed kernel
+        serves before a dense copy takes over (None: no copy; a part absent from it keeps no copy
+        either). The LM head is packed as int8 in both weight-only modes: it is the most sensitive
+        matrix. `prepack`: dense bf16 weights live in oneDNN's layout (quant.can_prepack).
+        `head_w8a8`: that int8 head quantizes its activations too and runs the native W8A8 product
+        (kernels' int8_gemv); `layers_a8`: the int4 layers do (int4_gemv); each where `fused_ops`
+        has the kernel."""
         self.config = config
         # A native kernel reading K/V in place (see engine/kernels); None = gather + SDPA.
         self.decode_attention = decode_attention
@@ -239,8 +240,7 @@ class LlamaModel:
             elif kind == "int4":
                 parts = [v if isinstance(v, GroupAffine4) else GroupAffine4.quantize(v)
                          for v in (weights[n] for n in names)]
-                packed = Int4Linear(GroupAffine4.cat(parts), b,
-                                                                   w4a8=ops.int4_gemv if ops else None)
+                packed = Int4Linear(GroupAffine4.cat(parts), b, w4a8=ops.int4_gemv if ops else None)
             else:
                 packed = int8_linear(torch.cat([w(n) for n in names]), b, ops)
             # The dense copy holds the packed form's own weights, so a request computes with the

@@ -139,8 +139,8 @@ def quantized_max_rows(hidden: int, intermediate: int, quantization: str, dtype:
                        cache_path: Optional[Path] = None, prepack: bool = False,
                        int8_activations=None) -> Optional[int]:
     """The most rows for which dense `dtype` linears (prepacked if `prepack`) are not COPY_MARGIN
-    faster than `quantization` ("int8", "int4", "w8a8") ones at any row count up to it (0: never), or None
-    when they win at every probed size, so no dense copy is worth its memory (cached like the dtype).
+    faster than `quantization` ("int8", "int4", "w8a8") ones at any row count up to it (0: never), or
+    None when they win at every probed size, so no dense copy is worth its memory (cached like the dtype).
     `int8_activations`: the native kernels (engine/kernels) the packed linears will run with int8
     activations (W4A8/W8A8), so that is what is timed (keyed by their ISA and sources: a VNNI build
     or a changed kernel moves the crossover); None = torch's weight-only kernels."""

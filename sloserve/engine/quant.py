@@ -262,8 +262,8 @@ class W8A8Linear:
 
     oneDNN's integer GEMM takes unsigned activations (its signed path is a slow reference loop),
     so each row's codes are shifted by 128 and 128 is its zero point; the weight scales are fused
-    into the GEMM, each row's own scale multiplies its output row after. 1.5-2x the bf16 GEMM's
-    FLOP/s from 16 rows up on a Zen4 EPYC (BENCHMARKS.md)."""
+    into the GEMM, each row's own scale multiplies its output row after. About 1.9x the bf16
+    GEMM's FLOP/s from 16 rows up on a Zen4 EPYC (BENCHMARKS.md)."""
 
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
                  quantize: Optional[Callable[[torch.Tensor], list[torch.Tensor]]] = None):
