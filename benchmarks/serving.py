@@ -115,13 +115,14 @@ def parse_args() -> argparse.Namespace:
         scheduling = [a for a in args.server_arg if a.split("=", 1)[0] in SCHEDULING_FLAGS]
         if scheduling:
             p.error(f"--server-arg {' '.join(scheduling)}: --sloserve-slo-scheduling sets these")
+    args.vllm_quantization = checkpoint_quantization(args.vllm_model)  # how vLLM's copy stores the weights
     return args
 
 
 def label(system: str, args: argparse.Namespace) -> str:
     precision: Precision = args.precision
     if system != "sloserve":
-        quant = checkpoint_quantization(args.vllm_model)
+        quant = args.vllm_quantization
         return f"{LABELS[system]} {args.vllm_dtype}" + ("" if quant == "none" else f", {quant}")
     return f"sloserve {precision.label}" + (", slo scheduler" if args.sloserve_slo_scheduling else "")
 
@@ -193,7 +194,7 @@ def system_record(system: str, args: argparse.Namespace) -> dict:
     and, for sloserve, its scheduling."""
     if system != "sloserve":
         return {"precision": args.vllm_dtype, "precision_args": ["--dtype", args.vllm_dtype],
-                "checkpoint_quantization": checkpoint_quantization(args.vllm_model)}
+                "checkpoint_quantization": args.vllm_quantization}
     return {"precision": args.precision.label, "precision_args": list(args.precision.serve_args),
             "scheduling": "slo, told the --slo targets" if args.sloserve_slo_scheduling else "server default"}
 

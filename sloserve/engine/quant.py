@@ -267,24 +267,20 @@ class W8A8Linear:
 
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
                  quantize: Optional[Callable[[torch.Tensor], list[torch.Tensor]]] = None):
-        """`quantize`: the kernels' quantize_rows_u8 (one pass, the same bits), else ATen ops."""
+        """`quantize`: the kernels' quantize_rows_u8 (one pass, the same bits); default the ATen form."""
         int8 = Int8Linear(weight)
-        self.quantize = quantize
+        self.quantize = quantize or quantize_rows_u8
         self.out_features, self.in_features = int8.codes.shape
-        self.scale = int8.scale  # bf16, as Int8Linear's: the same weights as --quantization int8
+        # Int8Linear's bf16 scales in float32 (what oneDNN takes): the same weights as --quantization int8
+        self.scale = int8.scale.float().contiguous()
         self._codes: Optional[torch.Tensor] = int8.codes
-        self._w_scale = int8.scale.float().contiguous()
         self._w_zero = torch.zeros(self.out_features, dtype=torch.int64)
         self.packed = torch.ops.onednn.qlinear_prepack(int8.codes, None)
         self.bias = bias
-        self._bytes = int8.codes.numel() + _nbytes(self.scale)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.quantize is not None:
-            codes, row_scale = self.quantize(x.contiguous())
-        else:
-            codes, row_scale = quantize_rows_u8(x)
-        y = torch.ops.onednn.qlinear_pointwise(codes, 1.0, 128, self.packed, self._w_scale, self._w_zero, None,
+        codes, row_scale = self.quantize(x.contiguous())
+        y = torch.ops.onednn.qlinear_pointwise(codes, 1.0, 128, self.packed, self.scale, self._w_zero, None,
                                                1.0, 0, x.dtype, "none", [], "")
         y.mul_(row_scale.to(y.dtype))
         return y if self.bias is None else y + self.bias
@@ -293,14 +289,14 @@ class W8A8Linear:
         """The weights (codes times their bf16 scales) as a dense matrix, for a dense copy."""
         if self._codes is None:
             raise RuntimeError("this W8A8 linear dropped its codes (it keeps only oneDNN's packing)")
-        return (self._codes.float() * self.scale.float().unsqueeze(1)).to(dtype)
+        return (self._codes.float() * self.scale.unsqueeze(1)).to(dtype)
 
     def drop_codes(self) -> None:
         self._codes = None
 
     @property
-    def nbytes(self) -> int:
-        return self._bytes + _nbytes(self._w_scale, self.bias)
+    def nbytes(self) -> int:  # oneDNN's packing holds the int8 codes, one byte each
+        return self.out_features * self.in_features + _nbytes(self.scale, self.bias)
 
 
 def quantize_rows_u8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
