@@ -109,12 +109,15 @@ def test_a_step_must_end_before_the_next_deadline_of_what_it_serves_and_of_the_p
     assert step_end_by(0.7, first, [], 0.05, ttft_share=1.0) == pytest.approx(0.7 + 0.3)
     # Its last chunk: only 100 tokens left to stretch into the same time.
     assert step_end_by(0.7, [ScheduledRequest(chunk, 200, 100, [], True)], [], 0.05) == pytest.approx(0.7 + 0.45)
-    # A queued 50-token request due at 1.0 waits behind the whole prompt: 350 tokens into 0.15 s.
+    # A request with a deadline waiting to be admitted: the instance is short of throughput, so the
+    # step ends as at the top clock, with or without prefill in it.
     queued = request("w", 0.0, 50, q)
-    assert step_end_by(0.7, first, [queued], 0.05) == pytest.approx(0.7 + 0.05 * 0.15 / 0.175)
-    # With no prefill in the step, a queued request gives half its slack after the step.
-    assert step_end_by(0.7, [], [queued], 0.01) == pytest.approx(0.71 + 0.5 * 0.29)
+    assert step_end_by(0.7, first, [queued], 0.05) == pytest.approx(0.75)
+    assert step_end_by(0.7, [], [queued], 0.01) == pytest.approx(0.71)
+    assert SLOSlackClock().choose(0.7, step_end_by(0.7, [], [queued], 0.01), OPTIONS).clock == 1.0
+    # One without a deadline leaves the step's own deadlines alone.
     assert step_end_by(0.7, [], [request("x", 0.0, 50, QoSClass())], 0.01) == math.inf
+    assert step_end_by(0.7, first, [request("x", 0.0, 50, QoSClass())], 0.05) == pytest.approx(0.85)
     assert make_clock_policy("slo-slack:0.3").ttft_share == 0.3
     for bad in ("max:0.3", "slo-slack:fast", "slo-slack:0"):
         with pytest.raises(ValueError):

@@ -43,21 +43,22 @@ class ClockPolicy(ABC):
 # first tokens are projected with all of that work at this step's pace (seconds per token at the
 # top clock, times the clock's stretch) and must land within this share of the time to their
 # TTFT deadline: the rest is kept for requests that arrive while the work runs (they queue behind it).
-# 0.5: on 6,000-token prompts at a 350 ms TTFT target, 0.3 / 0.5 / 0.7 kept 98.5 / 97.0 / 92.5% of
-# the top clock's 98.5% attainment for 20 / 32 / 37% less energy (tests/test_energy.py's case).
+# 0.5: on 6,000-token prompts at a 350 ms TTFT target, 0.3 / 0.5 / 0.7 kept 98.5 / 97.0 / 93.0% of
+# the top clock's 98.5% attainment for 20 / 32 / 36% less energy (tests/test_energy.py's case).
 TTFT_SHARE = 0.5
-# Waiting requests looked at, in queue order: the next admitted are the ones a slower step delays
-# first, and a long queue means the instance is saturated anyway (its first entries are then late).
-WAITING_LOOKAHEAD = 64
 
 
 def step_end_by(now: float, scheduled: Sequence[ScheduledRequest], waiting: Sequence[Request],
                 full_clock_s: float, ttft_share: float = TTFT_SHARE) -> float:
     """When a step that takes `full_clock_s` at the top clock must end: before the paced TBT
     deadline of every decode it samples, and early enough that every request before its first
-    token (in this step, then in the queue) still gets it in time if all the prefill work up to
-    its own ran at this step's stretch (`ttft_share` of the time to its deadline). A step without
-    prefill work delays queued requests by its own stretch only: it may take `ttft_share` of their slack."""
+    token in this step still gets it in time if all the prefill work up to its own ran at this
+    step's stretch (`ttft_share` of the time to its deadline). While a request with a deadline
+    waits to be admitted, the step ends as at the top clock: a queue means the instance is short of
+    throughput, and a slower step lengthens that queue's wait and that of every request behind it
+    (the clocks suite's dev cells at 90% load lost up to half their attainment to slack spent then)."""
+    if any(next_deadline(request) < math.inf for request in waiting):
+        return now + full_clock_s
     end_by = math.inf
     tokens = sum(s.num_new_tokens for s in scheduled if s.request.first_token_time is None)
     per_token = full_clock_s / tokens if tokens else 0.0
@@ -72,15 +73,6 @@ def step_end_by(now: float, scheduled: Sequence[ScheduledRequest], waiting: Sequ
         due = ttft_deadline(request)
         if due < math.inf:
             end_by = min(end_by, now + full_clock_s * ttft_share * (due - now) / (per_token * ahead))
-    for request in waiting[:WAITING_LOOKAHEAD]:
-        due = next_deadline(request)
-        if due == math.inf:
-            continue
-        if per_token:
-            ahead += request.num_tokens
-            end_by = min(end_by, now + full_clock_s * ttft_share * (due - now) / (per_token * ahead))
-        else:
-            end_by = min(end_by, now + full_clock_s + ttft_share * (due - now - full_clock_s))
     return end_by
 
 
