@@ -9,7 +9,8 @@ import random
 import pytest
 
 from sloserve.cli import main
-from sloserve.sched.clocks import ClockOption, EnergyMinClock, MaxClock, SLOSlackClock, make_clock_policy, step_end_by
+from sloserve.sched.clocks import (ClockOption, EnergyMinClock, MaxClock, SLOSlackClock, make_clock_policy, occupancy_end_by,
+                                   step_end_by)
 from sloserve.sched.costs import StepLoad
 from sloserve.sched.plan import ScheduledRequest
 from sloserve.sim.catalog import get_model
@@ -122,6 +123,19 @@ def test_a_step_must_end_before_the_next_deadline_of_what_it_serves_and_of_the_p
     for bad in ("max:0.3", "slo-slack:fast", "slo-slack:0"):
         with pytest.raises(ValueError):
             make_clock_policy(bad)
+
+
+def test_a_stretch_may_fill_the_instance_only_up_to_the_occupancy_target():
+    # A step stretched by s keeps requests resident s times longer: at 40% occupancy and a 0.8 target
+    # a step may take twice its top-clock time; at or past the target, no longer than at the top clock.
+    assert occupancy_end_by(1.0, 0.01, 0.4, 0.8) == pytest.approx(1.02)
+    assert occupancy_end_by(1.0, 0.01, 0.8, 0.8) == pytest.approx(1.01)
+    assert occupancy_end_by(1.0, 0.01, 0.95, 0.8) == pytest.approx(1.01)
+    assert occupancy_end_by(1.0, 0.01, 0.0, 0.8) == math.inf
+    assert SLOSlackClock().choose(1.0, occupancy_end_by(1.0, 0.010, 0.9), OPTIONS).clock == 1.0
+    assert SLOSlackClock().choose(1.0, occupancy_end_by(1.0, 0.010, 0.4), OPTIONS).clock == 0.6
+    with pytest.raises(ValueError, match="occupancy"):
+        SLOSlackClock(occupancy_target=0)
 
 
 def workload(n: int, rate: float, prompt: int, output: int, seed: int = 0) -> list[WorkloadRequest]:

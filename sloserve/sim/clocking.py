@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from sloserve.sched.clocks import ClockOption, ClockPolicy, decode_run_end_by, step_end_by
+from sloserve.sched.clocks import ClockOption, ClockPolicy, decode_run_end_by, occupancy_end_by, step_end_by
 from sloserve.sched.costs import StepLoad
 from sloserve.sched.plan import StepPlan
 from sloserve.sim.cost import CostModel, RooflineCostModel
@@ -58,23 +58,26 @@ class ClockControl:
             out.append(ClockOption(clock, seconds, self.gpus * self.power.step_energy(work, clock, seconds)))
         return out
 
-    def step(self, plan: StepPlan, waiting: Sequence[Request]) -> float:
-        """The step's duration at the clock the policy picks (its joules booked)."""
+    def step(self, plan: StepPlan, waiting: Sequence[Request], occupancy: float = 0.0) -> float:
+        """The step's duration at the clock the policy picks (its joules booked); `occupancy`: the
+        larger of the instance's KV and batch-slot shares in use (sched/clocks/base.occupancy_end_by)."""
         options = self._options(StepLoad.of_plan(plan))
-        end_by = step_end_by(plan.now, plan.scheduled, waiting, options[0].seconds, self.policy.ttft_share) \
-            if self.policy.reads_deadlines else math.inf
+        full = options[0].seconds
+        end_by = min(step_end_by(plan.now, plan.scheduled, waiting, full, self.policy.ttft_share),
+                     occupancy_end_by(plan.now, full, occupancy, self.policy.occupancy_target)) if self.policy.reads_deadlines else math.inf
         choice = self.policy.choose(plan.now, end_by, options)
         self.books.add(choice, self.power.mhz(choice.clock), any(s.is_prefill for s in plan.scheduled))
         return choice.seconds
 
     def decode_run(self, now: float, num_decodes: int, context: int, steps: int, running: Sequence[Request],
-                   waiting: Sequence[Request]) -> tuple[list[float], list[float], float]:
+                   waiting: Sequence[Request], occupancy: float = 0.0) -> tuple[list[float], list[float], float]:
         """Durations and joules of a run of pure-decode steps, all at one clock (returned too):
         the one the policy picks for the run's longest (last) step."""
         last = StepLoad.decodes(num_decodes, context + steps * num_decodes)
         options = self._options(last)
-        end_by = decode_run_end_by(now, running, waiting, options[0].seconds, self.policy.ttft_share) \
-            if self.policy.reads_deadlines else math.inf
+        full = options[0].seconds
+        end_by = min(decode_run_end_by(now, running, waiting, full, self.policy.ttft_share),
+                     occupancy_end_by(now, full, occupancy, self.policy.occupancy_target)) if self.policy.reads_deadlines else math.inf
         choice = self.policy.choose(now, end_by, options)
         durations = self.cost.decode_run_at(num_decodes, context, steps, choice.clock)  # type: ignore[attr-defined]
         joules = [self.gpus * self.power.step_energy(self.cost.work(StepLoad.decodes(num_decodes,

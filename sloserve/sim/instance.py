@@ -105,6 +105,11 @@ class SimInstance:
     def is_busy(self) -> bool:
         return self.current is not None or self.run is not None
 
+    @property
+    def occupancy(self) -> float:
+        """The larger of the KV blocks' and the batch slots' shares in use."""
+        return max(self.kv.usage, len(self.scheduler.running) / self.scheduler.config.max_num_seqs)
+
     def add_request(self, request: Request) -> None:
         self._note(request)
         self.scheduler.add_request(request)
@@ -133,7 +138,7 @@ class SimInstance:
         if plan.is_empty and not plan.has_kv_ops:  # a swap-out alone still takes its copy time
             return None
         duration = self.cost_model.plan_time(plan) if self.clock is None else \
-            self.clock.step(plan, self.scheduler.waiting)
+            self.clock.step(plan, self.scheduler.waiting, self.occupancy)
         if self._masked_seen:
             masked = sum(s.num_sampled for s in plan.scheduled if s.request.sampling_params.structured is not None)
             duration += self.masks.extra(masked, duration)
@@ -150,7 +155,8 @@ class SimInstance:
             durations = self.cost_model.decode_run(run.num_decodes, run.context, run.steps)
         else:
             durations, joules, clock = self.clock.decode_run(now, run.num_decodes, run.context, run.steps,
-                                                             self.scheduler.running, self.scheduler.waiting)
+                                                             self.scheduler.running, self.scheduler.waiting,
+                                                             self.occupancy)
         if run.masked:
             durations = [d + self.masks.extra(run.masked, d) for d in durations]
         ends, t = [], now

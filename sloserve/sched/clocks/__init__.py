@@ -1,7 +1,7 @@
 """SM clock policies (energy), selected by name. A new policy is one file plus one line here."""
 from __future__ import annotations
 
-from sloserve.sched.clocks.base import ClockOption, ClockPolicy, decode_run_end_by, step_end_by
+from sloserve.sched.clocks.base import ClockOption, ClockPolicy, decode_run_end_by, occupancy_end_by, step_end_by
 from sloserve.sched.clocks.energy_min import EnergyMinClock
 from sloserve.sched.clocks.max_clock import MaxClock
 from sloserve.sched.clocks.slo_slack import SLOSlackClock
@@ -28,4 +28,4 @@ def make_clock_policy(name: str) -> ClockPolicy:
 
 
 __all__ = ["CLOCK_POLICIES", "ClockOption", "ClockPolicy", "EnergyMinClock", "MaxClock", "SLOSlackClock",
-           "decode_run_end_by", "make_clock_policy", "step_end_by"]
+           "decode_run_end_by", "make_clock_policy", "occupancy_end_by", "step_end_by"]

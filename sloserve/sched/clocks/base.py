@@ -30,6 +30,7 @@ class ClockOption:
 class ClockPolicy(ABC):
     name: str = ""
     ttft_share: float = 0.5  # what step_end_by may give of a TTFT slack (see TTFT_SHARE)
+    occupancy_target: float = 0.8  # the occupancy a stretch may fill up to (see OCCUPANCY_TARGET)
     reads_deadlines: bool = False  # whether `choose` looks at `end_by` (else the caller passes inf, unpriced)
 
     @abstractmethod
@@ -74,6 +75,22 @@ def step_end_by(now: float, scheduled: Sequence[ScheduledRequest], waiting: Sequ
         if due < math.inf:
             end_by = min(end_by, now + full_clock_s * ttft_share * (due - now) / (per_token * ahead))
     return end_by
+
+
+# A slower clock keeps every request resident longer by the step's stretch, so at the same arrival
+# rate the KV blocks and batch slots the instance holds grow by that factor (Little's law): a step
+# may stretch only as far as OCCUPANCY_TARGET / occupancy, so that spare room is spent on energy
+# without turning into a queue. Near capacity (occupancy at the target) every step runs at the top clock.
+OCCUPANCY_TARGET = 0.8
+
+
+def occupancy_end_by(now: float, full_clock_s: float, occupancy: float, target: float = OCCUPANCY_TARGET) -> float:
+    """When a step that takes `full_clock_s` at the top clock must end so that the instance's
+    occupancy (the larger of its KV and batch-slot shares in use, 0-1) stretched by the step's
+    slowdown stays within `target`."""
+    if occupancy <= 0:
+        return math.inf
+    return now + full_clock_s * max(1.0, target / occupancy)
 
 
 def decode_run_end_by(now: float, running: Sequence[Request], waiting: Sequence[Request],

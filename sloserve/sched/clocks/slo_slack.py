@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from sloserve.sched.clocks.base import TTFT_SHARE, ClockOption, ClockPolicy
+from sloserve.sched.clocks.base import OCCUPANCY_TARGET, TTFT_SHARE, ClockOption, ClockPolicy
 
 
 class SLOSlackClock(ClockPolicy):
@@ -13,17 +13,21 @@ class SLOSlackClock(ClockPolicy):
 
     `margin`: the share of the step's slack it may spend, for estimates that are not exact
     (a real engine's step-time profile); the simulator prices exactly. `ttft_share`: how much of
-    a TTFT slack the step's end may use up (base.TTFT_SHARE); `slo-slack:0.3` by name."""
+    a TTFT slack the step's end may use up (base.TTFT_SHARE); `slo-slack:0.3` by name.
+    `occupancy_target`: how full (KV, batch slots) a stretch may leave the instance (base.OCCUPANCY_TARGET)."""
 
     name = "slo-slack"
     reads_deadlines = True
 
-    def __init__(self, margin: float = 0.9, ttft_share: float = TTFT_SHARE):
+    def __init__(self, margin: float = 0.9, ttft_share: float = TTFT_SHARE,
+                 occupancy_target: float = OCCUPANCY_TARGET):
         if not 0 < margin <= 1:
             raise ValueError(f"clock margin must be in (0, 1], got {margin}")
         if not 0 < ttft_share <= 1:
             raise ValueError(f"slo-slack's TTFT share must be in (0, 1], got {ttft_share}")
-        self.margin, self.ttft_share = margin, ttft_share
+        if not 0 < occupancy_target <= 1:
+            raise ValueError(f"slo-slack's occupancy target must be in (0, 1], got {occupancy_target}")
+        self.margin, self.ttft_share, self.occupancy_target = margin, ttft_share, occupancy_target
 
     def choose(self, now: float, end_by: float, options: Sequence[ClockOption]) -> ClockOption:
         full = options[0]
