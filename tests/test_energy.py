@@ -133,7 +133,7 @@ def test_a_stretch_may_fill_the_instance_only_up_to_the_occupancy_target():
     assert occupancy_end_by(1.0, 0.01, 0.95, 0.8) == pytest.approx(1.01)
     assert occupancy_end_by(1.0, 0.01, 0.0, 0.8) == math.inf
     assert SLOSlackClock().choose(1.0, occupancy_end_by(1.0, 0.010, 0.9), OPTIONS).clock == 1.0
-    assert SLOSlackClock().choose(1.0, occupancy_end_by(1.0, 0.010, 0.4), OPTIONS).clock == 0.6
+    assert SLOSlackClock().choose(1.0, occupancy_end_by(1.0, 0.010, 0.2), OPTIONS).clock == 0.6
     with pytest.raises(ValueError, match="occupancy"):
         SLOSlackClock(occupancy_target=0)
 

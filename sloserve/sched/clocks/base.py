@@ -30,7 +30,7 @@ class ClockOption:
 class ClockPolicy(ABC):
     name: str = ""
     ttft_share: float = 0.5  # what step_end_by may give of a TTFT slack (see TTFT_SHARE)
-    occupancy_target: float = 0.8  # the occupancy a stretch may fill up to (see OCCUPANCY_TARGET)
+    occupancy_target: float = 0.5  # the occupancy a stretch may fill up to (see OCCUPANCY_TARGET)
     reads_deadlines: bool = False  # whether `choose` looks at `end_by` (else the caller passes inf, unpriced)
 
     @abstractmethod
@@ -81,7 +81,7 @@ def step_end_by(now: float, scheduled: Sequence[ScheduledRequest], waiting: Sequ
 # rate the KV blocks and batch slots the instance holds grow by that factor (Little's law): a step
 # may stretch only as far as OCCUPANCY_TARGET / occupancy, so that spare room is spent on energy
 # without turning into a queue. Near capacity (occupancy at the target) every step runs at the top clock.
-OCCUPANCY_TARGET = 0.8
+OCCUPANCY_TARGET = 0.5
 
 
 def occupancy_end_by(now: float, full_clock_s: float, occupancy: float, target: float = OCCUPANCY_TARGET) -> float:
