@@ -9,8 +9,8 @@ import random
 import pytest
 
 from sloserve.cli import main
-from sloserve.sched.clocks import (ClockOption, EnergyMinClock, MaxClock, SLOSlackClock, make_clock_policy, occupancy_end_by,
-                                   step_end_by)
+from sloserve.sched.clocks import (ClockOption, EnergyMinClock, MaxClock, SLOSlackClock, make_clock_policy,
+                                   occupancy_end_by, step_end_by)
 from sloserve.sched.costs import StepLoad
 from sloserve.sched.plan import ScheduledRequest
 from sloserve.sim.catalog import get_model
@@ -226,8 +226,9 @@ def test_simulate_reports_energy_and_bench_compare_shows_it(tmp_path, capsys):
 
 def test_slo_slack_keeps_the_top_clocks_attainment_near_capacity():
     # The clocks suite's ShareGPT dev cell (8B on two H100s, TTFT 1 s / TPOT 100 ms) at 90% of its
-    # capacity: spending slack while requests queued (slo-slack at 304c233) kept 67% of them within the SLO against 100%;
-    # with the queue and occupancy guards it keeps the top clock's attainment and still saves energy.
+    # capacity: spending slack while requests queued (slo-slack at 304c233) kept 67% of them within
+    # the SLO against 100%; with the queue and occupancy guards it keeps the top clock's attainment
+    # and still saves energy.
     from sloserve.evaluation.decisions.clocks import ClocksDecision
     from sloserve.evaluation.fleet import Policy, Setting
     from sloserve.evaluation.metrics import PolicyRuns, probe_for
