@@ -95,7 +95,8 @@ def main() -> None:
                 progress.advance(task)
     out = RESULTS / f"tiers-reuse-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}"
     out.mkdir(parents=True, exist_ok=True)
-    (out / "tiers_reuse.json").write_text(json.dumps({"run": str(args.run), "tiers": args.tiers, "rows": rows}, indent=1))
+    doc = {"run": str(args.run), "tiers": args.tiers, "rows": rows}
+    (out / "tiers_reuse.json").write_text(json.dumps(doc, indent=1))
     head = ["cell", "seed", "rate", "requests", "prompt blocks", "distinct prefix blocks", "device blocks",
             "device hit rate", f"demoted to {args.tiers}", "loaded back"]
     table = Table(*head)

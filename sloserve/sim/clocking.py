@@ -64,7 +64,8 @@ class ClockControl:
         options = self._options(StepLoad.of_plan(plan))
         full = options[0].seconds
         end_by = min(step_end_by(plan.now, plan.scheduled, waiting, full, self.policy.ttft_share),
-                     occupancy_end_by(plan.now, full, occupancy, self.policy.occupancy_target)) if self.policy.reads_deadlines else math.inf
+                     occupancy_end_by(plan.now, full, occupancy, self.policy.occupancy_target)) \
+            if self.policy.reads_deadlines else math.inf
         choice = self.policy.choose(plan.now, end_by, options)
         self.books.add(choice, self.power.mhz(choice.clock), any(s.is_prefill for s in plan.scheduled))
         return choice.seconds
@@ -77,7 +78,8 @@ class ClockControl:
         options = self._options(last)
         full = options[0].seconds
         end_by = min(decode_run_end_by(now, running, waiting, full, self.policy.ttft_share),
-                     occupancy_end_by(now, full, occupancy, self.policy.occupancy_target)) if self.policy.reads_deadlines else math.inf
+                     occupancy_end_by(now, full, occupancy, self.policy.occupancy_target)) \
+            if self.policy.reads_deadlines else math.inf
         choice = self.policy.choose(now, end_by, options)
         durations = self.cost.decode_run_at(num_decodes, context, steps, choice.clock)  # type: ignore[attr-defined]
         joules = [self.gpus * self.power.step_energy(self.cost.work(StepLoad.decodes(num_decodes,
