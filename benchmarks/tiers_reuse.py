@@ -29,7 +29,7 @@ from rich.table import Table
 from sloserve.evaluation.decisions.tiers import ROUTER, TiersDecision
 from sloserve.evaluation.fleet import Policy, Setting, fleet_config
 from sloserve.evaluation.metrics import probe_for
-from sloserve.evaluation.suite import Cell, load_grid, split_of
+from sloserve.evaluation.suite import Cell, Measure, load_grid, split_of
 from sloserve.simulation import build_fleet, make_predictions, sim_requests, simulate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,9 +47,9 @@ def capacities(run: Path) -> dict[tuple[str, int], float]:
             for c in doc["cells"] for m in c["metrics"][ROUTER]}
 
 
-def measure(cell: Cell, seed: int, rate: float, tiers: str) -> dict:
+def measure(cell: Cell, seed: int, rate: float, tiers: str, how: Measure) -> dict:
     setting = Setting.of(cell.params)
-    probe = probe_for(setting, seed, load_grid("tiers").measure_as(TiersDecision.measure_type))
+    probe = probe_for(setting, seed, how)
     tried = probe(rate)
     cfg = fleet_config(setting, Policy(ROUTER, tiers=tiers))
     predictions = make_predictions(cfg)
@@ -62,10 +62,9 @@ def measure(cell: Cell, seed: int, rate: float, tiers: str) -> dict:
         device_blocks += kv.num_blocks
         queries += kv.stats.queries
         hits += kv.stats.hits
-        if kv.tiers is not None:
-            for stats in kv.tiers.stats().values():
-                saved += stats.saved
-                loaded += stats.loaded
+        for stats in kv.tiers.stats().values():
+            saved += stats.saved
+            loaded += stats.loaded
     shared = {h for r in tried for h in (r.hash_ids or ())}
     hashed = {r.hash_block_size for r in tried if r.hash_ids}
     distinct = len(shared) * hashed.pop() // block if len(hashed) == 1 else None  # the prefixes' blocks
@@ -83,7 +82,9 @@ def main() -> None:
     args = ap.parse_args()
     caps = capacities(args.run)
     seeds = [int(s) for s in args.seeds.split(",")]
-    dev = [c for c in load_grid("tiers").cells if split_of(c) == "dev"]
+    grid = load_grid("tiers")
+    how = grid.measure_as(TiersDecision.measure_type)
+    dev = [c for c in grid.cells if split_of(c) == "dev"]
     rows = []
     with Progress(console=Console(stderr=True)) as progress:
         task = progress.add_task("tiers dev cells", total=len(dev) * len(seeds))
@@ -91,7 +92,7 @@ def main() -> None:
             for seed in seeds:
                 rate = caps.get((cell.description, seed))
                 if rate:
-                    rows.append(measure(cell, seed, rate, args.tiers))
+                    rows.append(measure(cell, seed, rate, args.tiers, how))
                 progress.advance(task)
     out = RESULTS / f"tiers-reuse-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}"
     out.mkdir(parents=True, exist_ok=True)

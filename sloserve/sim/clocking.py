@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from sloserve.sched.clocks import ClockOption, ClockPolicy, decode_run_end_by, occupancy_end_by, step_end_by
+from sloserve.sched.clocks import ClockOption, ClockPolicy, decode_run_end_by, step_end_by
 from sloserve.sched.costs import StepLoad
 from sloserve.sched.plan import StepPlan
 from sloserve.sim.cost import CostModel, RooflineCostModel
@@ -62,10 +62,8 @@ class ClockControl:
         """The step's duration at the clock the policy picks (its joules booked); `occupancy`: the
         larger of the instance's KV and batch-slot shares in use (sched/clocks/base.occupancy_end_by)."""
         options = self._options(StepLoad.of_plan(plan))
-        full = options[0].seconds
-        end_by = min(step_end_by(plan.now, plan.scheduled, waiting, full, self.policy.ttft_share),
-                     occupancy_end_by(plan.now, full, occupancy, self.policy.occupancy_target)) \
-            if self.policy.reads_deadlines else math.inf
+        end_by = step_end_by(plan.now, plan.scheduled, waiting, options[0].seconds, self.policy.ttft_share,
+                             occupancy, self.policy.occupancy_target) if self.policy.reads_deadlines else math.inf
         choice = self.policy.choose(plan.now, end_by, options)
         self.books.add(choice, self.power.mhz(choice.clock), any(s.is_prefill for s in plan.scheduled))
         return choice.seconds
@@ -76,10 +74,8 @@ class ClockControl:
         the one the policy picks for the run's longest (last) step."""
         last = StepLoad.decodes(num_decodes, context + steps * num_decodes)
         options = self._options(last)
-        full = options[0].seconds
-        end_by = min(decode_run_end_by(now, running, waiting, full, self.policy.ttft_share),
-                     occupancy_end_by(now, full, occupancy, self.policy.occupancy_target)) \
-            if self.policy.reads_deadlines else math.inf
+        end_by = decode_run_end_by(now, running, waiting, options[0].seconds, self.policy.ttft_share,
+                                   occupancy, self.policy.occupancy_target) if self.policy.reads_deadlines else math.inf
         choice = self.policy.choose(now, end_by, options)
         durations = self.cost.decode_run_at(num_decodes, context, steps, choice.clock)  # type: ignore[attr-defined]
         joules = [self.gpus * self.power.step_energy(self.cost.work(StepLoad.decodes(num_decodes,

@@ -49,34 +49,6 @@ class ClockPolicy(ABC):
 TTFT_SHARE = 0.5
 
 
-def step_end_by(now: float, scheduled: Sequence[ScheduledRequest], waiting: Sequence[Request],
-                full_clock_s: float, ttft_share: float = TTFT_SHARE) -> float:
-    """When a step that takes `full_clock_s` at the top clock must end: before the paced TBT
-    deadline of every decode it samples, and early enough that every request before its first
-    token in this step still gets it in time if all the prefill work up to its own ran at this
-    step's stretch (`ttft_share` of the time to its deadline). While a request with a deadline
-    waits to be admitted, the step ends as at the top clock: a queue means the instance is short of
-    throughput, and a slower step lengthens that queue's wait and that of every request behind it
-    (the clocks suite's dev cells at 90% load lost up to half their attainment to slack spent then)."""
-    if any(next_deadline(request) < math.inf for request in waiting):
-        return now + full_clock_s
-    end_by = math.inf
-    tokens = sum(s.num_new_tokens for s in scheduled if s.request.first_token_time is None)
-    per_token = full_clock_s / tokens if tokens else 0.0
-    ahead = 0
-    for s in scheduled:
-        request = s.request
-        if request.first_token_time is not None:
-            if s.samples:
-                end_by = min(end_by, tbt_deadline(request))
-            continue
-        ahead += max(0, request.num_tokens - s.start)
-        due = ttft_deadline(request)
-        if due < math.inf:
-            end_by = min(end_by, now + full_clock_s * ttft_share * (due - now) / (per_token * ahead))
-    return end_by
-
-
 # A slower clock keeps every request resident longer by the step's stretch, so at the same arrival
 # rate the KV blocks and batch slots the instance holds grow by that factor (Little's law): a step
 # may stretch only as far as OCCUPANCY_TARGET / occupancy, so that spare room is spent on energy
@@ -95,12 +67,43 @@ def occupancy_end_by(now: float, full_clock_s: float, occupancy: float, target: 
     return now + full_clock_s * max(1.0, target / occupancy)
 
 
+def step_end_by(now: float, scheduled: Sequence[ScheduledRequest], waiting: Sequence[Request],
+                full_clock_s: float, ttft_share: float = TTFT_SHARE, occupancy: float = 0.0,
+                occupancy_target: float = OCCUPANCY_TARGET) -> float:
+    """When a step that takes `full_clock_s` at the top clock must end: before the paced TBT
+    deadline of every decode it samples, and early enough that every request before its first
+    token in this step still gets it in time if all the prefill work up to its own ran at this
+    step's stretch (`ttft_share` of the time to its deadline); no later than the instance's
+    `occupancy` allows (occupancy_end_by). While a request with a deadline waits to be admitted,
+    the step ends as at the top clock: a queue means the instance is short of throughput, and a
+    slower step lengthens that queue's wait and that of every request behind it (the clocks
+    suite's dev cells at 90% load lost up to half their attainment to slack spent then)."""
+    if any(next_deadline(request) < math.inf for request in waiting):
+        return now + full_clock_s
+    end_by = occupancy_end_by(now, full_clock_s, occupancy, occupancy_target)
+    tokens = sum(s.num_new_tokens for s in scheduled if s.request.first_token_time is None)
+    per_token = full_clock_s / tokens if tokens else 0.0
+    ahead = 0
+    for s in scheduled:
+        request = s.request
+        if request.first_token_time is not None:
+            if s.samples:
+                end_by = min(end_by, tbt_deadline(request))
+            continue
+        ahead += max(0, request.num_tokens - s.start)
+        due = ttft_deadline(request)
+        if due < math.inf:
+            end_by = min(end_by, now + full_clock_s * ttft_share * (due - now) / (per_token * ahead))
+    return end_by
+
+
 def decode_run_end_by(now: float, running: Sequence[Request], waiting: Sequence[Request],
-                      full_clock_s: float, ttft_share: float = TTFT_SHARE) -> float:
+                      full_clock_s: float, ttft_share: float = TTFT_SHARE, occupancy: float = 0.0,
+                      occupancy_target: float = OCCUPANCY_TARGET) -> float:
     """When each step of a run of pure-decode steps of all `running` requests must end, as the
-    run's first step: its next deadlines, and no step longer than the tightest paced TBT (the
-    run's later steps have no banked time to draw on)."""
-    end_by = step_end_by(now, (), waiting, full_clock_s, ttft_share)
+    run's first step: its next deadlines, what `occupancy` allows, and no step longer than the
+    tightest paced TBT (the run's later steps have no banked time to draw on)."""
+    end_by = step_end_by(now, (), waiting, full_clock_s, ttft_share, occupancy, occupancy_target)
     for request in running:
         end_by = min(end_by, next_deadline(request), now + request.qos.tbt_target_s * TBT_PACE_HEADROOM)
     return end_by
