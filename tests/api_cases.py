@@ -76,6 +76,24 @@ BAD_REQUESTS = [
     ("prompt-token-out-of-vocab", C, {"prompt": [10**7]}, {}, 400, "prompt"),
     ("prompt-mixed-list", C, {"prompt": [1, "a"]}, {}, 400, "prompt"),
     ("prompt-empty-list", C, {"prompt": []}, {}, 400, "prompt"),
+    # token-id prompts and batches of every shape: each prompt of a batch is judged and named
+    ("prompt-batch-one-empty-ids", C, {"prompt": [[1, 2], []]}, {}, 400, "prompt"),
+    ("prompt-batch-first-empty-ids", C, {"prompt": [[], [1, 2]]}, {}, 400, "prompt"),
+    ("prompt-batch-only-empty-ids", C, {"prompt": [[]]}, {}, 400, "prompt"),
+    ("prompt-batch-all-empty-ids", C, {"prompt": [[], []]}, {}, 400, "prompt"),
+    ("prompt-batch-one-empty-string", C, {"prompt": ["hi", ""]}, {}, 400, "prompt"),
+    ("prompt-batch-only-empty-string", C, {"prompt": [""]}, {}, 400, "prompt"),
+    ("prompt-batch-text-and-ids", C, {"prompt": ["hi", [1, 2]]}, {}, 400, "prompt"),
+    ("prompt-ids-nested-deeper", C, {"prompt": [[[1]]]}, {}, 400, "prompt"),
+    ("prompt-ids-nested-mixed", C, {"prompt": [[1, [2]]]}, {}, 400, "prompt"),
+    ("prompt-ids-null", C, {"prompt": [None]}, {}, 400, "prompt"),
+    ("prompt-batch-ids-null", C, {"prompt": [[1, None]]}, {}, 400, "prompt"),
+    ("prompt-ids-float", C, {"prompt": [[1.5, 2]]}, {}, 400, "prompt"),
+    ("prompt-ids-negative", C, {"prompt": [-1, 2]}, {}, 400, "prompt"),
+    ("prompt-batch-ids-negative", C, {"prompt": [[1, 2], [-1]]}, {}, 400, "prompt"),
+    ("prompt-batch-ids-out-of-vocab", C, {"prompt": [[1, 2], [10**7]]}, {}, 400, "prompt"),
+    ("prompt-batch-ids-out-of-vocab-n2", C, {"prompt": [[1], [10**7]], "n": 2}, {}, 400, "prompt"),
+    ("prompt-batch-beyond-context", C, {"prompt": ["hi", LONG_PROMPT], "max_tokens": 4}, {}, 400, "prompt"),
     ("lone-surrogate-prompt", C, b'{"prompt": "abc\\udc80def", "max_tokens": 2}', {}, 400, "prompt"),
     ("lone-surrogate-prompt-list", C, b'{"prompt": ["ok", "\\ud800"], "max_tokens": 2}', {}, 400, "prompt"),
     ("lone-surrogate-message", CH, b'{"messages": [{"role": "user", "content": "x\\udfff"}]}', {}, 400,
@@ -127,9 +145,25 @@ BAD_REQUESTS = [
 ]
 
 
+# The words a case's error message must hold (which prompt of a batch it names), at both servers.
+NAMED_IN_MESSAGE = {
+    "prompt-batch-one-empty-ids": "prompt[1] is empty",
+    "prompt-batch-first-empty-ids": "prompt[0] is empty",
+    "prompt-batch-only-empty-ids": "prompt is empty",
+    "prompt-batch-all-empty-ids": "prompt[0] is empty",
+    "prompt-batch-one-empty-string": "prompt[1] is empty",
+    "prompt-batch-only-empty-string": "prompt is empty",
+    "prompt-batch-ids-negative": "prompt[1]: ",
+    "prompt-batch-ids-out-of-vocab": "prompt[1]: ",
+    "prompt-batch-ids-out-of-vocab-n2": "prompt[1]: ",
+    "prompt-batch-beyond-context": "prompt[1]: ",
+}
+
+
 def send_bad_request(http: httpx.Client, case: tuple) -> dict:
     """Send one case of BAD_REQUESTS (as KEY, unless its headers say otherwise); assert the
-    status, the OpenAI error schema and the parameter named; the error object."""
+    status, the OpenAI error schema, the parameter named and the words NAMED_IN_MESSAGE asks
+    for; the error object."""
     _, path, body, headers, status, param = case
     if body is None:
         response = http.get(path, headers=headers)
@@ -140,4 +174,5 @@ def send_bad_request(http: httpx.Client, case: tuple) -> dict:
     err = assert_error_schema(response, status)
     if param is not None:
         assert err["param"] == param, err
+    assert NAMED_IN_MESSAGE.get(case[0], "") in err["message"], err
     return err

@@ -70,7 +70,8 @@ from sloserve.front import responses as front_responses
 from sloserve.front.fanout import MergedStream, Part, merge, split
 from sloserve.front.whole import answers_whole, as_stream, collect_whole
 from sloserve.front.stream import Interrupted, SSESplitter, Stop, carries_output
-from sloserve.server.protocol import FRONT_IDS_FIELD, GenerationRequest, check_call, header_priority, refuse_front_ids
+from sloserve.server.protocol import (FRONT_IDS_FIELD, GenerationRequest, check_call, header_priority, prompt_label,
+                                      refuse_front_ids)
 from sloserve.server.qos import CacheSalter, QoSRegistry, cache_secret
 from sloserve.workers.contract import FLEET_SECRET_HEADER, QOS_HEADER, qos_header
 from sloserve.timeline import DRAIN, UNDRAIN, FleetTimeline
@@ -127,6 +128,20 @@ def _token_ids(value: object) -> Optional[list[int]]:
     if isinstance(value, list) and value and all(type(t) is int for t in value):
         return list(value)
     return None
+
+
+def _naming_prompt(err: Response, index: int, count: int) -> Response:
+    """A worker's refusal of one prompt of a batch, naming that prompt as the single server
+    does (`prompt[i]: ...`, protocol.prompt_label)."""
+    try:
+        body = json.loads(err.body)
+        body["error"]["message"] = f"{prompt_label(index, count)}: {body['error']['message']}"
+    except (ValueError, KeyError, TypeError):
+        return err
+    if count == 1:
+        return err
+    kept = {k: v for k, v in err.headers.items() if k.lower() not in ("content-length", "content-type")}
+    return JSONResponse(body, status_code=err.status_code, headers=kept)
 
 
 def _judge(raw: bytes, chat: bool, headers) -> tuple[dict, GenerationRequest, SamplingParams]:
@@ -411,13 +426,11 @@ class Front:
             payload = {"messages": body["messages"], "add_generation_prompt": True}
             if body.get("tools"):  # rendered into the prompt as the worker will
                 payload["tools"] = body["tools"]
-        else:
+        else:  # one prompt: a split call's part holds one (front/fanout.py), a whole call is judged by its first
             prompt = body["prompt"]
-            if isinstance(prompt, list) and isinstance(prompt[0], (str, list)):
+            if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
                 prompt = prompt[0]
-            if isinstance(prompt, list):
-                return prompt, None  # token ids: their range and length are the worker's to judge
-            payload = {"prompt": prompt}
+            payload = {"prompt": prompt}  # text or token ids: the worker judges their range and length
         payload["max_tokens"] = max_tokens
         if isinstance(body.get("model"), str):
             payload["model"] = body["model"]
@@ -521,9 +534,9 @@ class Front:
         firsts = [part for part in parts if part.sample == 0]
         tokenized = await stop.run(asyncio.gather(*(self._prompt_ids(p.body, chat, headers, max_tokens)
                                                      for p in firsts)))
-        for _, err in tokenized:
+        for part, (_, err) in zip(firsts, tokenized):
             if err is not None:
-                return err
+                return err if chat else _naming_prompt(err, part.prompt_index, len(firsts))
         ids_of = {part.prompt_index: ids for part, (ids, _) in zip(firsts, tokenized)}
         ended = asyncio.Event()
         failed: list[Response] = []

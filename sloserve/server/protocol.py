@@ -225,6 +225,12 @@ class SamplingFields(_Strict):
 PromptInput = Union[str, list[int], list[str], list[list[int]]]
 
 
+def prompt_label(index: int, count: int) -> str:
+    """How an error names one prompt of a completions call: `prompt`, or `prompt[i]` in a batch
+    (the single server and the front word it alike)."""
+    return "prompt" if count == 1 else f"prompt[{index}]"
+
+
 class CompletionRequest(SamplingFields):
     prompt: PromptInput
     max_tokens: Optional[int] = 16
@@ -238,10 +244,14 @@ class CompletionRequest(SamplingFields):
         within MAX_CHOICES choices in all."""
         p = self.prompt
         if isinstance(p, str):
-            return [p]
-        if not p:
+            prompts = [p]
+        elif not p:
             raise bad_request("prompt must not be empty", "prompt")
-        prompts = [p] if isinstance(p[0], int) else list(p)
+        else:
+            prompts = [p] if isinstance(p[0], int) else list(p)
+        for i, one in enumerate(prompts):
+            if not one:
+                raise bad_request(f"{prompt_label(i, len(prompts))} is empty", "prompt")
         total = len(prompts) * self.num_choices
         if total > MAX_CHOICES:
             raise bad_request(f"{len(prompts)} prompts x n={self.num_choices} = {total} choices; the limit is "
@@ -431,8 +441,9 @@ class TokenizeRequest(_Strict):
 
 class RoutingProbe(TokenizeRequest):
     """What a fleet front asks a worker before it routes a call (worker.py's /internal/tokenize):
-    the call's prompt or messages, and the max_tokens it asks for."""
+    the call's prompt (text or token ids) or messages, and the max_tokens it asks for."""
 
+    prompt: Optional[Union[str, list[int]]] = None
     max_tokens: Optional[int] = None
 
 

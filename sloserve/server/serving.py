@@ -35,6 +35,7 @@ from sloserve.tracing import OFF, Tracing, trace_headers, wall_ns
 from sloserve.server.metrics import FinishedRequest, ServerMetrics
 from sloserve.server.protocol import (
     choice_seed,
+    prompt_label,
     refuse_front_ids,
     ChatChoice,
     ChatChunkChoice,
@@ -159,7 +160,7 @@ class OpenAIServing:
         if given is not None and len(prompts) == 1:
             prompt_ids = await self._off_loop(lambda: [self._check_length(given)], "prompt")
         else:
-            prompt_ids = await self._off_loop(lambda: [self._tokenize(p) for p in prompts], "prompt")
+            prompt_ids = await self._off_loop(lambda: self._tokenize_batch(prompts), "prompt")
         choices = self._choices(ctx, prompt_ids, params, body.num_choices)
         streams = self._submit(ctx, choices)
         if body.stream:
@@ -381,6 +382,18 @@ class OpenAIServing:
 
     def _tokenize(self, prompt: Union[str, list[int]]) -> list[int]:
         return self._check_length(self.engine.engine.tokenize_prompt(prompt))
+
+    def _tokenize_batch(self, prompts: list[Union[str, list[int]]]) -> list[list[int]]:
+        """Every prompt's ids; an error in a batch names its prompt (`prompt[i]: ...`)."""
+        ids = []
+        for i, prompt in enumerate(prompts):
+            try:
+                ids.append(self._tokenize(prompt))
+            except _TOKENIZER_ERRORS as exc:
+                if len(prompts) == 1:
+                    raise
+                raise type(exc)(f"{prompt_label(i, len(prompts))}: {exc}") from None
+        return ids
 
     def _check_length(self, ids: list[int]) -> list[int]:
         """Refuse an over-long prompt in the worker, so its ids never reach the event loop."""
