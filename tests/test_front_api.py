@@ -82,15 +82,27 @@ def test_bad_requests_never_reached_a_worker_and_left_nothing_behind(front, http
     assert got.choices[0].text == want
 
 
-def test_health_and_metrics_answer_while_huge_prompts_are_judged(front):
-    """Three clients send prompts far past the context window at once: each gets a 400
-    context_length_exceeded from the front (no worker generates), and /health and /metrics are
-    answered throughout (they never wait behind the bodies or their tokenization)."""
-    prompt = ("lorem ipsum dolor sit amet " * (HUGE_PROMPT_BYTES // 27 + 1))[:HUGE_PROMPT_BYTES]
+HOSTILE_BODIES = {
+    "text": (C, {"prompt": ("lorem ipsum dolor sit amet " * (HUGE_PROMPT_BYTES // 27 + 1))[:HUGE_PROMPT_BYTES],
+                 "max_tokens": 1}, "prompt"),
+    # ~40,000 short turns: every one validated and joined before the conversation is known too long
+    "conversation": (CH, {"messages": [{"role": "user", "content": "hi there "}] * (HUGE_PROMPT_BYTES // 42),
+                          "max_tokens": 1}, "messages"),
+}
+
+
+@pytest.mark.parametrize("shape", HOSTILE_BODIES)
+def test_health_and_metrics_answer_while_huge_prompts_are_judged(front, shape):
+    """Three clients send bodies far past the context window at once: each gets a 400
+    context_length_exceeded from the front (no worker generates), /health and /metrics are
+    answered throughout (they never wait behind the bodies or their judging), and every worker
+    answers each of the front's polls of its state (none is taken out of routing)."""
+    path, body, param = HOSTILE_BODIES[shape]
 
     async def main():
         async with httpx.AsyncClient(base_url=front.base_url, headers=AUTH, timeout=300) as client:
             polls: list[tuple[int, int]] = []
+            fleet: list[list[tuple[str, int]]] = []
             done = asyncio.Event()
 
             async def poll() -> None:
@@ -98,25 +110,29 @@ def test_health_and_metrics_answer_while_huge_prompts_are_judged(front):
                     health = await client.get("/health")
                     metrics = await client.get("/metrics")
                     polls.append((health.status_code, metrics.status_code))
+                    listed = (await client.get("/v1/instances")).json()["data"]
+                    fleet.append([(w["status"], w["consecutive_poll_failures"]) for w in listed])
                     await asyncio.sleep(0.05)
 
             async def hostile() -> httpx.Response:
-                return await client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1})
+                return await client.post(path, json=body)
 
             poller = asyncio.create_task(poll())
             try:
                 answers = await asyncio.wait_for(asyncio.gather(*(hostile() for _ in range(3))), 240)
+                await asyncio.sleep(0.6)  # the polls that were in flight meanwhile have answered
             finally:
                 done.set()
                 await poller
-            return answers, polls
+            return answers, polls, fleet
 
-    answers, polls = asyncio.run(main())
+    answers, polls, fleet = asyncio.run(main())
     for r in answers:
         assert r.status_code == 400, r.text[:300]
         err = r.json()["error"]
-        assert err["param"] == "prompt" and err["code"] == "context_length_exceeded", err
+        assert err["param"] == param and err["code"] == "context_length_exceeded", err
     assert polls and all(p == (200, 200) for p in polls), polls
+    assert fleet and all(seen == [("healthy", 0)] * 2 for seen in fleet), fleet
     assert all(metric(scrape(front.base_url), "sloserve:instance_requests_in_flight", instance=str(i)) == 0
                for i in range(2))
 

@@ -226,6 +226,7 @@ class Front:
         cfg = fleet.config
         self.gate = FrontGate(cfg.max_in_flight, cfg.retry_after_s)
         self.sessions: set[RelaySession] = set()  # the streams being relayed now
+        self._tokenize_turn = 0  # which healthy worker judges the next prompt first (_prompt_ids)
         self.migration = MigrationDriver(fleet, self.sessions, fleet.controller, cfg.migration_interval_s)
         self.handoff = HandoffDriver(fleet, self.migration, cfg.pd_transfer)
         self.adapters = AdapterFanout(fleet, lora_modules)
@@ -437,7 +438,10 @@ class Front:
         forwarded = {k: v for k, v in headers.items() if k != "content-type"}
         if self.fleet.fleet_secret:
             forwarded[FLEET_SECRET_HEADER] = self.fleet.fleet_secret
-        for inst in self.fleet.healthy():
+        healthy = self.fleet.healthy()
+        self._tokenize_turn += 1  # each worker asked first in turn: no one worker judges every body
+        for k in range(len(healthy)):
+            inst = healthy[(self._tokenize_turn + k) % len(healthy)]
             try:
                 resp = await self.fleet.client.post(inst.handle.url + "/internal/tokenize", json=payload,
                                                     headers=forwarded, timeout=30.0)

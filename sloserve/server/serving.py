@@ -22,6 +22,7 @@ from typing import AsyncIterator, Callable, Optional, Sequence, Union
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
 
 from sloserve.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestMigratedError, RequestStream
 from sloserve.engine.migration import ResumeState
@@ -29,7 +30,7 @@ from sloserve.engine.llm_engine import ContextLengthError
 from sloserve.engine.structured import StructuredOutputError
 from sloserve.engine.outputs import CompletedOutput, OutputAccumulator, RequestOutput
 from sloserve.server.admission import Admission
-from sloserve.server.errors import STATUS_CLIENT_GONE, APIError, bad_request, error_body
+from sloserve.server.errors import STATUS_CLIENT_GONE, APIError, bad_request, error_body, validation_message
 from sloserve.server.logprobs import TokenStrings, chat_logprobs, completion_logprobs
 from sloserve.tracing import OFF, Tracing, trace_headers, wall_ns
 from sloserve.server.metrics import FinishedRequest, ServerMetrics
@@ -273,26 +274,41 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------ request set-up
 
-    async def admitted_prompt_ids(self, body: RoutingProbe) -> list[int]:
-        """The ids of a call's prompt (or its conversation, rendered for generation) judged as a
-        generation call judges them: an unknown model is a 404, invalid text a 400, and a prompt
-        the context window cannot hold (with the max_tokens asked for) a 400
-        `context_length_exceeded`. A fleet front routes on these (worker.py's
-        /internal/tokenize), so it refuses what its workers would before forwarding anything,
-        and never reads more ids than the window holds."""
+    async def admitted_prompt_ids(self, raw: bytes) -> list[int]:
+        """The ids of a call's prompt (or its conversation, rendered for generation), from the
+        JSON body of a `RoutingProbe`, judged as a generation call judges them: an unknown model
+        is a 404, invalid text a 400, and a prompt the context window cannot hold (with the
+        max_tokens asked for) a 400 `context_length_exceeded`. A fleet front routes on these
+        (worker.py's /internal/tokenize), so it refuses what its workers would before forwarding
+        anything, and never reads more ids than the window holds.
+
+        The whole judgement runs in the tokenizer pool, the body's validation included: the
+        front sends whatever its clients sent (a 4 MB conversation of 90,000 turns validates in
+        ~0.2 s), and the event loop that does it must also answer the front's polls of
+        /internal/state (three slow polls in a row take a worker out of routing)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenize_pool, self._admitted_ids, raw)
+
+    def _admitted_ids(self, raw: bytes) -> list[int]:
+        try:  # decoded as FastAPI decodes a route's body (json.loads), then validated
+            body = RoutingProbe.model_validate(json.loads(raw))
+        except (ValueError, RecursionError) as exc:
+            if not isinstance(exc, ValidationError):
+                raise bad_request("request body is not valid JSON", code="invalid_json") from None
+            message, param = validation_message(exc.errors())
+            raise bad_request(message, param) from None
         self.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("give exactly one of prompt or messages", "prompt")
         if body.messages is None:
             prompt = body.prompt
-            ids = await self._off_loop(lambda: self._tokenize(prompt), "prompt")
+            ids = self._judged(lambda: self._tokenize(prompt), "prompt")
         else:
             tools = tool_definitions(body)
             messages, tools = self.template_input([m.plain(i) for i, m in enumerate(body.messages)], tools)
             render = body.add_generation_prompt
-            ids = await self._off_loop(
-                lambda: self._check_length(self.engine.engine.tokenize_chat(messages, render, tools)),
-                "messages")
+            ids = self._judged(lambda: self._check_length(self.engine.engine.tokenize_chat(messages, render, tools)),
+                               "messages")
         try:
             return self.engine.engine.check_context(ids, body.max_tokens)
         except ContextLengthError as exc:
@@ -373,8 +389,14 @@ class OpenAIServing:
     async def _off_loop(self, work, param: str):
         """Run tokenizer work in the pool; its bad-input errors become a 400 on `param`."""
         loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenize_pool, self._judged, work, param)
+
+    @staticmethod
+    def _judged(work, param: str):
+        """`work()`, its bad-input errors a 400 on `param` (`context_length_exceeded` for a
+        prompt the window cannot hold)."""
         try:
-            return await loop.run_in_executor(self._tokenize_pool, work)
+            return work()
         except _TOKENIZER_ERRORS as exc:
             if isinstance(exc, ContextLengthError):
                 raise bad_request(str(exc), param, "context_length_exceeded") from None

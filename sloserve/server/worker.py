@@ -22,13 +22,12 @@ import logging
 import os
 from typing import Any, Optional
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from sloserve.core.config import EngineConfig
-from sloserve.server.protocol import RoutingProbe
 from sloserve.timeline import READING_FIELDS, read_instance
 from sloserve.workers.contract import (
     API_KEYS_ENV,
@@ -110,9 +109,11 @@ def add_worker_routes(app: FastAPI, engine: Any, fleet_secret: Optional[str]) ->
         await migrations.expire()  # the front polls this several times a second
         return JSONResponse(state_payload(engine.engine))
 
+    # The body is read raw and judged in the tokenizer pool (serving.admitted_prompt_ids): a
+    # route declaring a RoutingProbe would have FastAPI validate it on the event loop.
     @app.post("/internal/tokenize")
-    async def internal_tokenize(body: RoutingProbe) -> Response:
-        ids = await app.state.sloserve.serving.admitted_prompt_ids(body)
+    async def internal_tokenize(request: Request) -> Response:
+        ids = await app.state.sloserve.serving.admitted_prompt_ids(await request.body())
         return Response(json.dumps({"tokens": ids, "count": len(ids)}), media_type="application/json")
 
 
