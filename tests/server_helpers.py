@@ -99,7 +99,8 @@ def scrape(base_url: str, api_key: Optional[str] = None) -> dict[tuple[str, tupl
     """/metrics as {(sample name, sorted labels without model_name): value}, parsed by prometheus_client."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = httpx.get(base_url + "/metrics", timeout=10.0).text
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    text = httpx.get(base_url + "/metrics", headers=headers, timeout=10.0).text
     samples: dict[tuple[str, tuple], float] = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:

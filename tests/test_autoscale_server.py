@@ -127,7 +127,7 @@ def nothing_to_move(events: list[dict], since: int) -> bool:
     detail = events[drains[-1]]["detail"]
     moves = [e["detail"] for e in events[drains[-1]:] if e["kind"] == "migration" and "(drain)" in e["detail"]]
     return (detail.endswith(" 0 in flight") and not moves) or (
-        bool(moves) and all("stream ended" in m or "not_movable" in m or "finished" in m for m in moves))
+        bool(moves) and all("stream ended" in m or "not_movable" in m or "not_running" in m or "finished" in m for m in moves))
 
 
 def test_a_burst_adds_a_worker_and_the_lull_drains_one(tmp_path):

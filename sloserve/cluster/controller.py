@@ -92,6 +92,16 @@ class FleetController:
         k = self.decode_router.route(request, others)
         return k if self.mixed_handoff.pays(source, others[k]) else None
 
+    @staticmethod
+    def handoff_pays(remaining_tokens: Optional[int], token_time_s: float, handoff_time_s: float) -> bool:
+        """Whether a request that has its first token on a prefill instance should move to a
+        decode instance: not when what it may still decode (at most `remaining_tokens`, its
+        max_tokens less what it has; None: unbounded) takes no longer where it is, at
+        `token_time_s` a token, than the hand-off's own pause (`handoff_time_s`: from its first
+        token there to its next on the decode instance). Moving it would only delay it, and race
+        its end on the prefill instance."""
+        return remaining_tokens is None or remaining_tokens * token_time_s > handoff_time_s
+
     @property
     def handoff_counters(self) -> dict[str, float]:
         return self._handoffs.as_dict()

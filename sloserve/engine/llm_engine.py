@@ -5,6 +5,7 @@ check stop strings for the requests that produced a token.
 """
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import math
@@ -109,6 +110,9 @@ class _Tracked:
     stop_reason: Optional[Union[str, int]] = None
     final_text: Optional[str] = None
     stop_matcher: Optional[StopMatcher] = None  # None when the request has no stop strings
+
+
+ENDED_REMEMBERED = 4096  # ended requests whose ids a late migration can still be told about
 
 
 class ContextLengthError(ValueError):
@@ -217,6 +221,8 @@ class LLMEngine:
         self._grammar: Optional[GrammarBackend] = None
         self._grammar_lock = threading.Lock()
         self._tracked: dict[str, _Tracked] = {}
+        # the newest ended requests and how ("finished", "moved"): a migration that comes too late names why
+        self._ended: collections.OrderedDict[str, str] = collections.OrderedDict()
         self._ids = itertools.count()
         self._trace = StepTraceWriter(config.step_trace) if config.step_trace else None
         logger.info(
@@ -452,6 +458,26 @@ class LLMEngine:
         if request is None or request.status is RequestStatus.MIGRATING:
             return None
         return request, min(request.num_computed_tokens // self.kv.block_size, self.kv.num_blocks_of(request_id))
+
+    def why_not_movable(self, request_id: str) -> tuple[str, str]:
+        """(code, words) of a migration's refusal of `request_id`, for the moment it was refused:
+        `finished` (it ended here, or is ending: the move came too late, nothing is wrong),
+        `not_running` (queued, preempted, still prefilling, moving or moved away), or
+        `unknown_request` (never here, or ended long ago)."""
+        tracked = self._tracked.get(request_id)
+        if tracked is not None and (tracked.request.is_finished or tracked.final_text is not None):
+            return "finished", "is finishing here"
+        request = self.scheduler.requests.get(request_id)
+        if request is not None:
+            if request.status is RequestStatus.RUNNING and request.num_tokens - request.num_computed_tokens > 1:
+                return "not_running", "is still prefilling here"
+            return "not_running", f"is {request.status.value} here"
+        ended = self._ended.get(request_id)
+        if ended == "finished":
+            return "finished", "finished here before it could move"
+        if ended == "moved":
+            return "not_running", "has moved away from here"
+        return "unknown_request", "is not known here"
 
     def suspend(self, request_id: str) -> Optional[tuple[ResumeState, list[int]]]:
         """The stop-and-copy: stop scheduling the request, keep (and pin) its blocks. Returns
@@ -766,6 +792,9 @@ class LLMEngine:
     def _forget(self, request: Request) -> None:
         """A request ended here (finished, aborted or migrated away): drop its state."""
         self._tracked.pop(request.request_id, None)
+        self._ended[request.request_id] = "finished" if request.is_finished else "moved"
+        if len(self._ended) > ENDED_REMEMBERED:
+            self._ended.popitem(last=False)
         self.runner.release(request.request_id)
         if request.lora is not None:
             self.loras.release(request.lora)

@@ -776,6 +776,7 @@ class Front:
     def forget(self, session: RelaySession) -> None:
         """A relayed stream ended (RelaySession.release)."""
         self.sessions.discard(session)
+        self.handoff.observe_stream(session)
         if self.fleet.predictions is not None:
             self.fleet.predictions.observe(session.routed, completed=False)
         if session.finished and session.first_token_at is not None:
@@ -875,8 +876,21 @@ class Front:
                     c = CounterMetricFamily(f"sloserve:{name}", help_text)
                     c.add_metric([], handoffs[key])
                     yield c
-                c = CounterMetricFamily("sloserve:pd_decoded_on_prefill", "streams no decode instance took")
+                c = CounterMetricFamily("sloserve:pd_decoded_on_prefill",
+                                        "fallbacks: streams no decode instance took (they decoded where prefilled)")
                 c.add_metric([], handoff.decoded_on_prefill)
+                yield c
+                c = CounterMetricFamily("sloserve:pd_handoff_aborts", "hand-off tries abandoned, by reason (the "
+                                        "refusing worker's error code, or the front's: client_gone, stream_ended)",
+                                        labels=["reason"])
+                for reason, n in sorted(handoff.aborted.items()):
+                    c.add_metric([reason], n)
+                yield c
+                c = CounterMetricFamily("sloserve:pd_handoffs_kept", "streams left to decode where they were "
+                                        "prefilled, by why (finishes_within_handoff: fewer tokens left than the "
+                                        "hand-off's pause is worth)", labels=["reason"])
+                for reason, n in sorted(handoff.kept.items()):
+                    c.add_metric([reason], n)
                 yield c
                 c = CounterMetricFamily("sloserve:pd_handoff_pipelined_bytes",
                                         "KV bytes hand-offs sent while the prompt was computed (--pd-transfer pipelined)")

@@ -25,16 +25,26 @@ Without prefill/decode pools, a mixed instance may play the prefill side for one
 first token on the instance it started on, whether it decodes on another mixed instance (the
 decode router's pick); the move is the same hand-off. A stream that stays decodes where it is.
 
+Which streams move: one whose max_tokens leaves it no more to decode than the hand-off's own
+pause would cost (controller.handoff_pays: its remaining tokens at the fleet's measured time a
+token, against the hand-offs' measured pause) stays and finishes where it was prefilled; moving
+it would only delay it and race its end there.
+
 Failures: a decode instance that refuses (no room) or fails is left out and the next one tried
 (up to the fleet's `max_attempts`); when none takes the request it decodes where it is, on the
-prefill instance, and nothing is lost. A stream whose decode instance dies later fails over
-like any other (its prompt is computed again on a prefill instance) and is handed off again.
+prefill instance (a fallback), and nothing is lost. A hand-off that finds its request finished,
+not running at its source, or its stream ended is over: no other decode instance is tried. A
+stream whose decode instance dies later fails over like any other (its prompt is computed again
+on a prefill instance) and is handed off again. Every abort is counted by its reason (the
+refusing worker's error code, or the front's own: `client_gone`, `stream_ended`, ...).
 """
 from __future__ import annotations
 
 import asyncio
 import bisect
+import collections
 import logging
+import re
 import uuid
 from typing import TYPE_CHECKING, Optional
 
@@ -43,6 +53,7 @@ from sloserve.front.relay import EarlyTarget
 
 if TYPE_CHECKING:
     from sloserve.front.migration import MigrationDriver
+    from sloserve.front.relay import MigrationOutcome
     from sloserve.front.relay import RelaySession
     from sloserve.core.types import Request
     from sloserve.workers.fleet import Instance, WorkerFleet
@@ -51,8 +62,32 @@ logger = logging.getLogger(__name__)
 
 TRANSFERS = ("blocking", "live", "pipelined")
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
-# outcomes that mean the stream ended or changed hands meanwhile: nothing to retry
-_OVER = ("not movable", "client gone", "stream ended", "token count mismatch", "already migrating")
+# outcomes (by label) that mean the request ended, changed hands or cannot leave its source now:
+# no other decode instance is tried
+_OVER = {"not_movable", "client_gone", "stream_ended", "token_count_mismatch", "already_migrating", "finished",
+         "not_running", "unknown_request"}
+# before any is measured: a token where a stream decodes, and a hand-off's pause (this host's loopback)
+TOKEN_TIME_PRIOR_S = 0.03
+HANDOFF_TIME_PRIOR_S = 0.1
+KEPT_SHORT = "finishes_within_handoff"
+
+
+def outcome_label(outcome: "MigrationOutcome") -> str:
+    """A hand-off's outcome as a metric label: the refusing worker's error code, else the
+    front's reason up to its detail (`source unreachable: ConnectError` -> `source_unreachable`)."""
+    if outcome.code:
+        return outcome.code
+    return re.sub(r"[^a-z0-9]+", "_", outcome.reason.split(":")[0].strip().lower()).strip("_") or "unknown"
+
+
+class Ewma:
+    """An exponentially weighted mean that starts from a prior."""
+
+    def __init__(self, prior: float, weight: float = 0.2) -> None:
+        self.value, self.weight = prior, weight
+
+    def observe(self, x: float) -> None:
+        self.value += self.weight * (x - self.value)
 
 
 class HandoffLatency:
@@ -88,9 +123,13 @@ class HandoffDriver:
         self.migration = migration
         self.transfer = transfer
         self.latency = HandoffLatency()
-        self.decoded_on_prefill = 0  # streams no decode instance took: they finished where they started
+        self.decoded_on_prefill = 0  # fallbacks: streams no decode instance took; they finished where they started
         self.pipelined = 0  # completed hand-offs that went on from KV sent during the prefill
         self.pipelined_bytes = 0  # of their bytes, those sent during the prefill
+        self.aborted: collections.Counter[str] = collections.Counter()  # tries abandoned, by outcome_label
+        self.kept: collections.Counter[str] = collections.Counter()  # streams not offered a move, by why
+        self.token_time = Ewma(TOKEN_TIME_PRIOR_S)  # seconds a token where streams decode (measured at their end)
+        self.handoff_time = Ewma(HANDOFF_TIME_PRIOR_S)  # seconds of a completed hand-off's pause
         self._tasks: set[asyncio.Task] = set()
 
     def early_target(self, routed: "Request", inst: "Instance") -> Optional[EarlyTarget]:
@@ -110,8 +149,12 @@ class HandoffDriver:
         if not (role == "prefill" or mixed) or not session.movable:
             return
         limit = session.max_tokens
-        if limit is not None and len(session.tokens) >= limit:
+        remaining = None if limit is None else limit - len(session.tokens)
+        if remaining is not None and remaining <= 0:
             return  # nothing left to decode
+        if not self.fleet.controller.handoff_pays(remaining, self.token_time.value, self.handoff_time.value):
+            self.kept[KEPT_SHORT] += 1
+            return
         task = asyncio.get_running_loop().create_task(self._hand_off(session, self.fleet.clock(), mixed))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -138,12 +181,16 @@ class HandoffDriver:
             outcome = await self.migration.carry_out(session, target, move, precopy=self.transfer == "live",
                                                      migration_id=migration_id)
             if outcome.ok:
-                self.latency.observe(self.fleet.clock() - offered_at)
+                took = self.fleet.clock() - offered_at
+                self.latency.observe(took)
+                self.handoff_time.observe(took)
                 if outcome.early_bytes:
                     self.pipelined += 1
                     self.pipelined_bytes += outcome.early_bytes
                 return
-            if outcome.reason in _OVER or not source.handle.is_running():
+            label = outcome_label(outcome)
+            self.aborted[label] += 1
+            if label in _OVER or not source.handle.is_running():
                 return
             reason = f"instance {target.slot}: {outcome.reason}"
         if mixed:
@@ -151,6 +198,12 @@ class HandoffDriver:
         self.decoded_on_prefill += 1
         logger.warning("request %s decodes on prefill instance %d: no decode instance took it (%s)",
                        session.routed.request_id, source.slot, reason)
+
+    def observe_stream(self, session: "RelaySession") -> None:
+        """A stream ended: its time a token where it decoded feeds the hand-off decision."""
+        tbt = session.recent_tbt_s()
+        if tbt > 0:
+            self.token_time.observe(tbt)
 
     async def close(self) -> None:
         for task in list(self._tasks):
@@ -166,5 +219,7 @@ class HandoffDriver:
         return {"transfer": self.transfer, "mixed_handoff": self.fleet.controller.mixed_handoff.name,
                 **self.fleet.controller.handoff_counters,
                 "decoded_on_prefill": self.decoded_on_prefill,
+                "aborted_by_reason": dict(self.aborted), "kept": dict(self.kept),
+                "token_time_s": round(self.token_time.value, 6), "handoff_time_s": round(self.handoff_time.value, 6),
                 "pipelined": self.pipelined, "pipelined_bytes": self.pipelined_bytes,
                 "mean_latency_s": round(self.latency.sum / n, 6) if n else None}

@@ -95,6 +95,7 @@ class MigrationOutcome:
     rounds: int = 0  # pre-copy rounds
     copy_s: float = 0.0  # the whole copy, pre-copy rounds included (the request decoded meanwhile)
     early_bytes: int = 0  # of kv_bytes, those a pipelined hand-off sent while the prompt was computed
+    code: str = ""  # the refusing worker's error code (`finished`, `no_room`, ...), when a worker refused
 
 
 @dataclass
@@ -393,7 +394,7 @@ class RelaySession:
                 await self._release_target(target, mid)
                 return MigrationOutcome(False, f"source unreachable: {type(e).__name__}")
             if resp.status_code != 200:
-                return MigrationOutcome(False, _reason(resp))
+                return MigrationOutcome(False, _reason(resp), code=_code(resp))
             try:
                 snapshot = MigrationSnapshot.from_json(resp.json())
             except (ContractError, ValueError) as e:
@@ -511,6 +512,14 @@ class RelaySession:
 
 class _Refused(Exception):
     pass
+
+
+def _code(resp: httpx.Response) -> str:
+    """A worker's error code (`error.code`), or the status when it sent none."""
+    try:
+        return str(resp.json()["error"]["code"] or resp.status_code)
+    except (ValueError, KeyError, TypeError):
+        return str(resp.status_code)
 
 
 def _reason(resp: httpx.Response) -> str:

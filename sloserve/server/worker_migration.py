@@ -266,7 +266,7 @@ class Migrations:
             while True:
                 pinned = await self.engine.call(lambda e: e.pin_full_blocks(request_id, sent))
                 if pinned is None:
-                    raise APIError(409, f"request {request_id} is not running here", code="not_movable")
+                    raise await self._not_movable(request_id)
                 ids, hashes = pinned
                 block = self.layout.block_size
                 try:
@@ -287,7 +287,7 @@ class Migrations:
             stop_started = self.clock()
             suspended = await self.engine.call(lambda e: e.suspend(request_id))
             if suspended is None:
-                raise APIError(409, f"request {request_id} finished or cannot move now", code="not_movable")
+                raise await self._not_movable(request_id)
             state, all_ids = suspended
             self.suspended[request_id] = _Held(all_ids, self.clock() + HOLD_S)
             try:
@@ -307,6 +307,12 @@ class Migrations:
                                      early.overlapped_bytes if early is not None else 0)
         self.stats.last = snapshot.timings()
         return snapshot.to_json()
+
+    async def _not_movable(self, request_id: str) -> APIError:
+        """The 409 for a request this worker cannot move now, its code saying why
+        (LLMEngine.why_not_movable: `finished`, `not_running` or `unknown_request`)."""
+        code, words = await self.engine.call(lambda e: e.why_not_movable(request_id))
+        return APIError(409, f"request {request_id} {words}", code=code)
 
     async def _reserve_remote(self, target: str, mid: str, request_id: str, hashes: list[int]) -> int:
         """Ask the target to hold blocks for the request's KV; how many leading blocks it has."""
