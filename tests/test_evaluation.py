@@ -128,6 +128,17 @@ def test_grids_load_with_their_exclusions_and_quick_overrides(tmp_path):
             load_grid("toy", root=write_grid(tmp_path / "bad", bad)).measure_as(Measure)
 
 
+def test_a_quick_grid_withholds_the_full_grids_test_cells(tmp_path):
+    full = load_grid("toy", root=write_grid(tmp_path, GRID))
+    held_out = next(c for c in full.cells if c.split == "test")
+    kept = next(c for c in full.cells if c.split == "dev")
+    picks = {k: sorted({held_out.params[k], kept.params[k]}, key=str) for k in full.axes}
+    leaking = GRID.split("quick:")[0] + "quick:\n" + "".join(f"  {k}: {json.dumps(v)}\n" for k, v in picks.items())
+    quick = load_grid("toy", quick=True, root=write_grid(tmp_path / "leaking", leaking))
+    assert held_out.description not in {c.description for c in quick.cells}  # withheld
+    assert kept.description in {c.description for c in quick.cells}  # a dev cell of the full grid may be run
+
+
 def test_shipped_grids_are_moderate_and_their_quick_grids_hold_both_splits():
     goodput = [d for d, cls in DECISIONS.items() if issubclass(cls, GoodputDecision)]
     assert {"routing", "migration"} <= set(goodput) and "autoscaling" in DECISIONS
@@ -136,6 +147,8 @@ def test_shipped_grids_are_moderate_and_their_quick_grids_hold_both_splits():
         assert measure_of(decision) != measure_of(decision, quick=True)  # both read by the decision's own type
         assert 20 <= len(full.cells) <= 120
         assert 2 <= len(quick.cells) <= 4 and {c.split for c in quick.cells} == {"dev", "test"}
+        held_out = {c.description for c in full.cells if c.split == "test"}
+        assert not held_out & {c.description for c in quick.cells}  # smoke runs never measure a claim's cell
         for cell in full.cells + quick.cells:  # every cell names every setting its runs need
             if decision in goodput:
                 Setting.of(cell.params)

@@ -14,7 +14,9 @@ def add_evaluate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--split", default="dev", metavar="dev|test|both",
                    help="which cells: dev (default; what tuning, plots and iteration read), test (the claims: run "
                         "once the policy is frozen) or both")
-    p.add_argument("--quick", action="store_true", help="each decision's tiny quick grid (seconds): a smoke test")
+    p.add_argument("--quick", action="store_true",
+                   help="each decision's tiny quick grid, never one of the full grid's test cells: a smoke test "
+                        "(1-20 s a decision, ~80 s for all eight on 2 cores)")
     p.add_argument("--seeds", type=int, default=2, help="windows of each trace every policy runs on (>= 2: a tie "
                    "is judged against how much the per-seed ratios disagree)")
     p.add_argument("--jobs", type=int, default=1, help="worker processes (each runs one cell and seed at a time)")
