@@ -8,6 +8,7 @@ import inspect
 import json
 import math
 import re
+import struct
 import subprocess
 from dataclasses import replace
 from pathlib import Path
@@ -275,8 +276,11 @@ def test_quick_dev_run_end_to_end(tmp_path):
     assert "| predicted-load |" in md and "not run" in md and "balance,defrag" in md
     page = (folder / "report.html").read_text()
     assert "data:image/png;base64," in page and "not run" in page and "trace=azure-conv" in page
-    png = (folder / "summary.png").read_bytes()
-    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    assert page.count("data:image/png;base64,") == 3  # a figure per decision
+    for decision in ("routing", "migration", "qos"):
+        png = (folder / f"summary-{decision}.png").read_bytes()
+        assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+        assert struct.unpack(">II", png[16:24]) == (1200, 750)  # width, height: one screen, not a strip
 
 
 def test_a_two_class_cell_judges_each_class_on_its_own_targets():

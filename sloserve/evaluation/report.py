@@ -1,6 +1,6 @@
 """What an evaluation run says: per decision, the candidates' wins, ties and losses in dev and in
 test side by side (a split the run did not cover reads "not run"), as a rich table, as markdown
-for BENCHMARKS.md (report.md), as a summary PNG and as report.html (the tables, the figure and
+for BENCHMARKS.md (report.md), as a PNG per decision and as report.html (the tables, the figures and
 every cell's numbers)."""
 from __future__ import annotations
 
@@ -19,7 +19,6 @@ from sloserve.evaluation.suite import SPLITS
 from sloserve.evaluation.verdict import OUTCOMES, Verdict
 
 NOT_RUN = "not run"
-FIGURE = "summary.png"
 
 
 @dataclass
@@ -142,67 +141,89 @@ def print_summary(run: Evaluation, console) -> None:
         console.print(table)
 
 
-def plot(run: Evaluation, path: Path) -> Path:
-    """Per decision: the candidates' win/tie/loss counts per split (top), and every cell's ratio over
-    its tie band (bottom, gray: within the noise; dev circles, test squares)."""
+def figure_name(decision: str) -> str:
+    return f"summary-{decision}.png"
+
+
+def plot(run: Evaluation, folder: Path) -> dict[str, Path]:
+    """One figure per decision, `summary-<decision>.png` (1200 x 750 px, every label 9 pt or more):
+    the candidates' win/tie/loss counts per split (top), and every cell's ratio over its tie band
+    (bottom: a mark per candidate, hollow in dev and filled in test, colored by the verdict; gray:
+    within the noise). The decision -> path of each."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    paths = {}
+    all_tallies = tallies(run)
+    for decision in run.decisions:
+        fig, (top, bottom) = plt.subplots(2, 1, figsize=(12, 7.5), height_ratios=(1, 1.3), layout="constrained")
+        _plot_tallies(top, run, decision, all_tallies[decision])
+        _plot_ratios(bottom, run, decision, list(all_tallies[decision]))
+        fig.suptitle(f"{decision} — {provenance(run)}", fontsize=10)
+        paths[decision] = folder / figure_name(decision)
+        fig.savefig(paths[decision], dpi=100)
+        plt.close(fig)
+    return paths
+
+
+_COLORS = {"win": "tab:green", "tie": "tab:gray", "loss": "tab:red", "trade": "tab:orange"}
+
+
+def _plot_tallies(ax, run: Evaluation, decision: str, per: dict) -> None:
     from matplotlib.ticker import MaxNLocator
 
-    colors = {"win": "tab:green", "tie": "tab:gray", "loss": "tab:red", "trade": "tab:orange"}
     ran = splits_run(run)
-    n = len(run.decisions)
-    fig, axes = plt.subplots(2, n, figsize=(max(9, 6 * n), 7), squeeze=False)
-    all_tallies = tallies(run)
-    for col, decision in enumerate(run.decisions):
-        ax = axes[0][col]
-        labels, lefts = [], []
-        per = all_tallies[decision]
-        for candidate in per:
-            for split in SPLITS:
-                labels.append(f"{candidate} [{split}]" + ("" if split in ran else f" {NOT_RUN}"))
-                lefts.append(per[candidate].get(split, Tally()))
-        y = list(range(len(labels)))
-        start = [0.0] * len(labels)
-        for outcome in OUTCOMES:
-            widths = [t.outcomes[outcome] for t in lefts]
-            ax.barh(y, widths, left=start, color=colors[outcome], label=outcome)
-            start = [a + b for a, b in zip(start, widths)]
-        ax.set_yticks(y, labels, fontsize=8)
-        ax.invert_yaxis()
-        ax.set_xlabel("cells")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        metric = decision_of(run, decision).metric
-        ax.set_title(f"{decision}: verdicts on {metric}", fontsize=10)
-        ax.legend(fontsize=8, loc="lower right")
-        ax = axes[1][col]
-        results = [c for c in run.cells if c.cell.decision == decision]
-        names = list(per)
-        for x, result in enumerate(results):
-            for v in result.verdicts:
-                k = names.index(v.candidate)
-                xpos = x + (k - (len(names) - 1) / 2) * 0.2
-                ratio = v.ratio if math.isfinite(v.ratio) else 2.0  # only the candidate meets the SLO: drawn at 2
-                ax.vlines(xpos, 1 / (1 + v.noise), 1 + v.noise, color="lightgray", linewidth=4)  # the tie band
-                ax.plot([xpos], [ratio], "o" if result.split == "dev" else "s", color=colors[v.outcome], markersize=5)
-        ax.axhline(1.0, color="black", linewidth=0.8)
-        ax.set_xlim(-0.5, max(1, len(results)) - 0.5)
-        ax.set_yscale("log")
-        ax.set_xticks(range(len(results)), [f"{r.split}\n{i}" for i, r in enumerate(results)], fontsize=6)
-        compared = next((v.metric for c in results for v in c.verdicts), metric)
-        ax.set_ylabel(f"{compared}\n(candidate ÷ baseline, > 1 better)", fontsize=8)
-        ax.set_xlabel("cell (report.html lists them in this order)")
-        ax.grid(alpha=0.3)
-    fig.suptitle(f"sloserve evaluate: {provenance(run)}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    labels, lefts = [], []
+    for candidate in per:
+        for split in SPLITS:
+            labels.append(f"{candidate} [{split}]" + ("" if split in ran else f" {NOT_RUN}"))
+            lefts.append(per[candidate].get(split, Tally()))
+    y = list(range(len(labels)))
+    start = [0.0] * len(labels)
+    for outcome in OUTCOMES:
+        widths = [t.outcomes[outcome] for t in lefts]
+        ax.barh(y, widths, left=start, color=_COLORS[outcome], label=outcome)
+        start = [a + b for a, b in zip(start, widths)]
+    ax.set_yticks(y, labels, fontsize=9)
+    ax.invert_yaxis()
+    ax.set_xlabel("cells", fontsize=10)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.tick_params(labelsize=9)
+    ax.set_title(f"verdicts on {decision_of(run, decision).metric}", fontsize=11, loc="left")
+    ax.legend(fontsize=9, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
 
 
-def html_page(run: Evaluation, figure: Optional[Path]) -> str:
+def _plot_ratios(ax, run: Evaluation, decision: str, names: list[str]) -> None:
+    results = [c for c in run.cells if c.cell.decision == decision]
+    markers = "osD^vP*X"
+    for x, result in enumerate(results):
+        for v in result.verdicts:
+            k = names.index(v.candidate)
+            xpos = x + (k - (len(names) - 1) / 2) * 0.2
+            ratio = v.ratio if math.isfinite(v.ratio) else 2.0  # only the candidate meets the SLO: drawn at 2
+            ax.vlines(xpos, 1 / (1 + v.noise), 1 + v.noise, color="lightgray", linewidth=4)  # the tie band
+            ax.plot([xpos], [ratio], markers[k % len(markers)], markersize=6, color=_COLORS[v.outcome],
+                    markerfacecolor=_COLORS[v.outcome] if result.split == "test" else "white")
+    for k, name in enumerate(names):  # the legend: which mark is which candidate
+        ax.plot([], [], markers[k % len(markers)], color="black", markerfacecolor="white", label=name)
+    if names:
+        ax.legend(fontsize=9, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xlim(-0.5, max(1, len(results)) - 0.5)
+    ax.set_yscale("log")
+    step = max(1, math.ceil(len(results) / 30))  # at most 30 cell labels: each stays readable
+    ax.set_xticks(range(0, len(results), step), [str(i) for i in range(0, len(results), step)], fontsize=9)
+    compared = next((v.metric for c in results for v in c.verdicts), decision_of(run, decision).metric)
+    ax.set_ylabel(f"{compared}\n(candidate ÷ baseline, > 1 better)", fontsize=10)
+    ax.set_xlabel("cell, in report.html's order\n(hollow: dev, filled: test; color: the verdict; gray: the tie band)",
+                  fontsize=10)
+    ax.tick_params(labelsize=9)
+    ax.grid(alpha=0.3)
+
+
+def html_page(run: Evaluation, figures: dict[str, Path]) -> str:
     def table(header: list[str], rows: list[list[str]]) -> str:
         head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
         body = "".join("<tr>" + "".join(f'<td class="{html.escape(c) if c in OUTCOMES else ""}">{html.escape(c)}</td>'
@@ -210,12 +231,13 @@ def html_page(run: Evaluation, figure: Optional[Path]) -> str:
         return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
     parts = [f"<h1>sloserve evaluate</h1><p>{html.escape(provenance(run))}</p>"]
-    if figure is not None and figure.is_file():
-        data = base64.b64encode(figure.read_bytes()).decode("ascii")
-        parts.append(f'<img alt="summary" src="data:image/png;base64,{data}">')
     for decision in run.decisions:
         d = decision_of(run, decision)
         parts.append(f"<h2>{html.escape(decision)}</h2>")
+        figure = figures.get(decision)
+        if figure is not None and figure.is_file():
+            data = base64.b64encode(figure.read_bytes()).decode("ascii")
+            parts.append(f'<img alt="{html.escape(decision)}: verdicts" src="data:image/png;base64,{data}">')
         parts.append(f"<p>{html.escape(d.rule)}</p><p>{html.escape(d.describe_measure())}</p>")
         parts.append(table(SUMMARY_HEADER, summary_rows(run, decision)))
         for split, reached in targets(run, decision):
@@ -232,13 +254,13 @@ def html_page(run: Evaluation, figure: Optional[Path]) -> str:
 
 
 def write_report(run: Evaluation, folder: Path) -> list[Path]:
-    """report.md, summary.png and report.html in `folder`; their paths."""
+    """report.md, a summary-<decision>.png per decision and report.html in `folder`; their paths."""
     md = folder / "report.md"
     md.write_text(markdown(run))
-    figure = plot(run, folder / FIGURE)
+    figures = plot(run, folder)
     page = folder / "report.html"
-    page.write_text(html_page(run, figure))
-    return [md, figure, page]
+    page.write_text(html_page(run, figures))
+    return [md, *figures.values(), page]
 
 
 def verdicts_of(run: Evaluation, decision: str, split: Optional[str] = None) -> list[Verdict]:
