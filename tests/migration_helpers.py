@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import time
 from typing import Callable, Iterator, Optional
 
 import httpx
@@ -152,3 +153,81 @@ def stream(base: str, prompt: str, params: dict) -> tuple[str, dict]:
 
 def handoffs(base: str) -> dict:
     return instances(base)["handoffs"]
+
+
+# ---- a front in this process, on a clock the test moves (test_autoscale_server.py) ----
+class ShiftedClock:
+    """time.monotonic plus an offset the test moves forward: the fleet's timers (autoscaling
+    windows, the scale-down delay) pass when the test says, not by sleeping through them."""
+
+    def __init__(self) -> None:
+        self.offset = 0.0
+
+    def __call__(self) -> float:
+        return time.monotonic() + self.offset
+
+    def advance(self, seconds: float) -> None:
+        self.offset += seconds
+
+
+@contextlib.contextmanager
+def front_in_thread(argv: list[str], clock: Callable[[], float], startup_timeout: float = 300.0) -> Iterator[str]:
+    """`sloserve serve ARGV` (one thread a worker, the exact precision, 127.0.0.1) as run_multi
+    assembles it, its front on a thread of this process reading `clock`, its workers processes;
+    yields its base URL, and stops the front and its workers on the way out."""
+    import asyncio
+    import threading
+
+    import uvicorn
+
+    from engine_helpers import EXACT
+    from server_helpers import free_port
+    from sloserve.cli import build_parser
+    from sloserve.cli.engine_args import engine_config_from_args
+    from sloserve.cli.fleet_args import resolve_fleet_args
+    from sloserve.cli.serve import server_settings
+    from sloserve.front.multi import _secrets, build_front, check_fleet_spec
+
+    port = free_port()
+    exact = [flag for key, value in EXACT.items() for flag in (f"--{key}", value)]
+    args = build_parser().parse_args(["serve", "--host", "127.0.0.1", "--port", str(port), "--num-threads", "1",
+                                      *exact, *argv])
+    resolve_fleet_args(args)
+    settings, keys = server_settings(args)
+    engine, spec = engine_config_from_args(args), args.fleet_spec
+    check_fleet_spec(engine, spec, None, None, args.hang_timeout)
+    fleet_secret, salt_secret = _secrets(settings)
+    front = build_front(engine, settings, spec, threads_per_worker=1, fleet_secret=fleet_secret,
+                        salt_secret=salt_secret, api_keys=keys, admin_keys=settings.admin_keys,
+                        hang_timeout_s=args.hang_timeout, cold_start_s=args.cold_start, clock=clock)
+    server = uvicorn.Server(uvicorn.Config(front.build_app(), host="127.0.0.1", port=port, lifespan="off",
+                                           log_config=None, access_log=False))
+    failed: list[BaseException] = []
+
+    async def serve() -> None:
+        await front.fleet.start()
+        await front.start()
+        try:
+            await front.fleet.wait_ready(startup_timeout, count=1)
+            await server.serve()
+        finally:
+            await front.close()
+            await front.fleet.close()
+
+    def run() -> None:
+        try:
+            asyncio.run(serve())
+        except BaseException as e:  # noqa: BLE001 - reported to the test below
+            failed.append(e)
+
+    thread = threading.Thread(target=run, name="front", daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(lambda: failed or server.started, startup_timeout, interval=0.2, what="the front serving")
+        assert not failed, failed
+        yield base
+    finally:
+        server.should_exit = True
+        thread.join(120)
+        assert not thread.is_alive(), "the front did not stop"

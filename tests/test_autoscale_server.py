@@ -1,26 +1,32 @@
 """Autoscaling a real fleet (`sloserve serve --instances 1:2 --autoscale reactive`, the embedded
 model, worker processes on 127.0.0.1): a burst makes the front start a second worker; when the
 burst is over one worker drains (its running stream moves to the other by live migration) and
-stops; every request of the run completes with the text it has unscaled; no KV block is left."""
+stops; every request of the run completes with the text it has unscaled; no KV block is left.
+
+The front runs in this process on a clock the test moves (migration_helpers.ShiftedClock): the
+scale-down's stable window and delay pass when the lull's streams are running on both workers,
+not by sleeping through them. Worker starts, streams and the drain's migration are real time."""
 from __future__ import annotations
 
 import json
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 
-from migration_helpers import ADMIN, admin, instances
-from server_helpers import ServerProcess, wait_for
+from migration_helpers import ADMIN, ShiftedClock, admin, front_in_thread, instances
+from server_helpers import wait_for
 
 pytestmark = pytest.mark.slow
 
-# A lower target must hold 10 s before a worker is drained. The burst goes on until the started worker is
-# healthy, so the start is never cancelled however long a cold start takes on a busy machine, and the lull's streams
-# are on both workers within a second of the burst's end, well before the drain (6 s window + 10 s delay).
+# A lower target must hold 10 s (of the front's clock) before a worker is drained. The burst goes on until the
+# started worker is healthy, so the start is never cancelled however long a cold start takes on a busy machine; the
+# test moves the clock past the 6 s window and the 10 s delay once the lull's streams run on both workers.
+STABLE_WINDOW_S, SCALE_DOWN_DELAY_S = 6, 10
 ARGS = ["--instances", "1:2", "--autoscale", "reactive", "--capacity", "1.25", "--scaling-interval", "1",
-        "--scale-down-delay", "10", "--stable-window", "6", "--router", "least-requests", "--max-num-seqs", "8",
+        "--scale-down-delay", str(SCALE_DOWN_DELAY_S), "--stable-window", str(STABLE_WINDOW_S), "--router", "least-requests", "--max-num-seqs", "8",
         "--kv-cache-gib", "0.1", "--admin-key", ADMIN, "--log-level", "warning"]
 BURST_CLIENTS = 8  # each sends short streams back to back: >= 8 req/s, far above one worker's 1 req/s
 SHORT = 16
@@ -56,10 +62,11 @@ def stream_text(base: str, prompt: str, max_tokens: int) -> str:
     return "".join(texts)
 
 
-def burst_then_lull(base: str, prompts: list[str], expected: dict[str, str], lull: list[str],
+def burst_then_lull(base: str, clock: ShiftedClock, prompts: list[str], expected: dict[str, str], lull: list[str],
                     errors: list[BaseException]) -> int:
     """Short streams back to back from BURST_CLIENTS clients until the fleet has grown to two
-    healthy workers; then three clients keep a long stream each running until a worker has
+    healthy workers; then three clients keep a long stream each running, the front's clock moves
+    past the stable window and the scale-down delay, and they stream on until a worker has
     drained and stopped. Returns the index in the dashboard's event log from which this round's
     events start."""
     events_before = len(admin("GET", base + "/dashboard/data").json()["events"])
@@ -109,6 +116,11 @@ def burst_then_lull(base: str, prompts: list[str], expected: dict[str, str], lul
 
         stops_before = wait_for(both_busy, 60, interval=0.2, what="a lull stream running on each worker")[
             "autoscale"]["stops"]
+        # The burst's arrivals leave the stable window; a round of the autoscaler (every second) sees the lower
+        # target, then the delay passes: the next round drains a worker while both still stream.
+        clock.advance(STABLE_WINDOW_S + 1)
+        time.sleep(1.5)
+        clock.advance(SCALE_DOWN_DELAY_S + 1)
         wait_for(lambda: instances(base)["autoscale"]["stops"] > stops_before, 150, interval=0.5,
                  what="one worker drained and stopped")
     finally:
@@ -130,10 +142,9 @@ def nothing_to_move(events: list[dict], since: int) -> bool:
         bool(moves) and all("stream ended" in m or "not_movable" in m or "not_running" in m or "finished" in m for m in moves))
 
 
-def test_a_burst_adds_a_worker_and_the_lull_drains_one(tmp_path):
-    server = ServerProcess(ARGS, tmp_path / "front.log", startup_timeout=300)
-    base = server.base_url
-    try:
+def test_a_burst_adds_a_worker_and_the_lull_drains_one():
+    clock = ShiftedClock()
+    with front_in_thread(ARGS, clock) as base:
         info = instances(base)
         assert [d["status"] for d in info["data"]] == ["healthy", "stopped"]
         assert info["autoscale"]["policy"] == "reactive" and info["autoscale"]["max"] == 2
@@ -151,7 +162,7 @@ def test_a_burst_adds_a_worker_and_the_lull_drains_one(tmp_path):
         # nothing about migration, and the burst and the lull run again (twice at most: a clean clone's CI
         # run on 2026-12-04 found nothing to move in two rounds in a row).
         for _ in range(3):
-            drain_at = burst_then_lull(base, prompts, expected, lull, errors)
+            drain_at = burst_then_lull(base, clock, prompts, expected, lull, errors)
             if errors or not nothing_to_move(admin("GET", base + "/dashboard/data").json()["events"], drain_at):
                 break
         assert not errors, errors
@@ -190,5 +201,3 @@ def test_a_burst_adds_a_worker_and_the_lull_drains_one(tmp_path):
         # The migrations counted above are logged, each after the drain of the instance it left.
         moved = [i for i, e in enumerate(events) if e["kind"] == "migration" and "(drain)" in e["detail"]]
         assert moved and all(("drain", kinds[i][1]) in kinds[:i] for i in moved), events
-    finally:
-        server.kill()

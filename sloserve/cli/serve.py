@@ -16,42 +16,12 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import os
-
     from sloserve.core.config import PoolSettings
     from sloserve.server.launcher import run_server
-    from sloserve.server.qos import QoSRegistry, load_qos_config
-    from sloserve.server.settings import ServerSettings
 
     level = logging.DEBUG if args.verbose else getattr(logging, args.log_level.upper())
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
-    registry = load_qos_config(args.qos_config) if args.qos_config else QoSRegistry()
-    if args.cache_isolation:
-        registry = registry.with_cache_isolation(args.cache_isolation)
-    keys = list(args.api_key or [])
-    if os.environ.get("SLOSERVE_API_KEY"):
-        keys.append(os.environ["SLOSERVE_API_KEY"])
-    settings = ServerSettings(
-        served_model_names=list(args.served_model_name or []),
-        registry=registry.with_keys(keys),
-        max_queue=args.max_queue,
-        max_body_bytes=args.max_body_bytes,
-        grace_period_s=args.grace_period,
-        header_timeout_s=args.header_timeout,
-        body_timeout_s=args.body_timeout,
-        max_connections=args.max_connections,
-        keep_alive_s=args.keep_alive,
-        shed_unattainable=not args.no_shed_unattainable,
-        stall_timeout_s=args.client_stall_timeout,
-        cache_salt_secret=args.cache_salt_secret,
-        admin_keys=list(args.admin_key or []),
-        timeline_interval_s=args.dashboard_interval,
-        event_loop=args.event_loop,
-        tool_call_parser=args.tool_call_parser,
-        grammar_compile_timeout_s=args.grammar_compile_timeout,
-        otlp_traces_endpoint=args.otlp_traces_endpoint,
-    )
-    settings.validate()
+    settings, keys = server_settings(args)
     spec = args.fleet_spec
     from sloserve.front.models import parse_model_args
 
@@ -84,6 +54,44 @@ def cmd_serve(args: argparse.Namespace) -> int:
                          admin_keys=settings.admin_keys, max_in_flight=args.front_max_in_flight,
                          hang_timeout_s=args.hang_timeout, cold_start_s=args.cold_start, scaling_history=_history(args))
     return run_server(engine_config_from_args(args), settings, host=args.host, port=args.port)
+
+
+def server_settings(args: argparse.Namespace):
+    """(the ServerSettings `sloserve serve`'s options give, validated; the API keys: the options'
+    and SLOSERVE_API_KEY's)."""
+    import os
+
+    from sloserve.server.qos import QoSRegistry, load_qos_config
+    from sloserve.server.settings import ServerSettings
+
+    registry = load_qos_config(args.qos_config) if args.qos_config else QoSRegistry()
+    if args.cache_isolation:
+        registry = registry.with_cache_isolation(args.cache_isolation)
+    keys = list(args.api_key or [])
+    if os.environ.get("SLOSERVE_API_KEY"):
+        keys.append(os.environ["SLOSERVE_API_KEY"])
+    settings = ServerSettings(
+        served_model_names=list(args.served_model_name or []),
+        registry=registry.with_keys(keys),
+        max_queue=args.max_queue,
+        max_body_bytes=args.max_body_bytes,
+        grace_period_s=args.grace_period,
+        header_timeout_s=args.header_timeout,
+        body_timeout_s=args.body_timeout,
+        max_connections=args.max_connections,
+        keep_alive_s=args.keep_alive,
+        shed_unattainable=not args.no_shed_unattainable,
+        stall_timeout_s=args.client_stall_timeout,
+        cache_salt_secret=args.cache_salt_secret,
+        admin_keys=list(args.admin_key or []),
+        timeline_interval_s=args.dashboard_interval,
+        event_loop=args.event_loop,
+        tool_call_parser=args.tool_call_parser,
+        grammar_compile_timeout_s=args.grammar_compile_timeout,
+        otlp_traces_endpoint=args.otlp_traces_endpoint,
+    )
+    settings.validate()
+    return settings, keys
 
 
 def _history(args: argparse.Namespace):

@@ -15,7 +15,7 @@ import dataclasses
 import logging
 import os
 import secrets
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 import uvicorn
 
@@ -180,9 +180,11 @@ def build_front(engine_config: EngineConfig, settings, spec: FleetSpec, *, threa
                 fleet_secret: str, salt_secret: str, backend: str = "process", qos_config: Optional[str] = None,
                 api_keys: Sequence[str] = (), ray_address: Optional[str] = None, log_level: str = "warning",
                 admin_keys: Sequence[str] = (), max_in_flight: Optional[int] = None, hang_timeout_s: float = 60.0,
-                cold_start_s: float = 30.0, scaling_history=None):
+                cold_start_s: float = 30.0, scaling_history=None, clock: Optional[Callable[[], float]] = None):
     """The front of one model (a Front over its WorkerFleet, not started): the fleet `spec`
-    describes, each worker `engine_config` on `threads_per_worker` threads."""
+    describes, each worker `engine_config` on `threads_per_worker` threads. `clock` (default
+    time.monotonic) is the time the fleet and its controller loops read: autoscaling windows,
+    delays, health and start timeouts."""
     from sloserve.front.app import Front
     from sloserve.tracing import Tracing
     from sloserve.server.qos import CacheSalter, cache_secret
@@ -206,7 +208,7 @@ def build_front(engine_config: EngineConfig, settings, spec: FleetSpec, *, threa
                           max_body_bytes=settings.max_body_bytes, body_timeout_s=settings.body_timeout_s,
                           retry_after_s=settings.retry_after_s, admin_keys=tuple(admin_keys),
                           timeline_interval_s=settings.timeline_interval_s)
-    fleet = build_worker_fleet(spawn, instances, config, fleet_secret=fleet_secret)
+    fleet = build_worker_fleet(spawn, instances, config, clock=clock, fleet_secret=fleet_secret)
     front = Front(fleet, settings.registry, CacheSalter(cache_secret(salt_secret)), engine_config.lora_modules,
                   Tracing(settings.otlp_traces_endpoint, "sloserve-front"))
 
