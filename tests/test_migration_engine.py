@@ -153,3 +153,24 @@ def test_a_failover_recomputes_and_continues_exactly(exact_engines):
     assert sent.token_ids + rest.token_ids == expected.token_ids
     assert sent.text + rest.text == expected.text
     assert_free(a, b)
+
+
+def test_a_refused_move_says_why_the_request_cannot_move(engines):
+    """What a worker's 409 names (worker_migration: the error's code): a request still prefilling
+    or queued is `not_running`, one that finished or moved away is told apart from one never
+    here, so a hand-off that comes too late is not mistaken for a bug."""
+    a, b = engines
+    assert a.why_not_movable("never-here")[0] == "unknown_request"
+    fold = OutputAccumulator()
+    a.add_request(PROMPT, GREEDY, request_id="soon")
+    assert a.why_not_movable("soon") == ("not_running", "is waiting here")
+    _run(a, fold)
+    assert a.pin_full_blocks("soon", 0) is None and a.suspend("soon") is None
+    assert a.why_not_movable("soon") == ("finished", "finished here before it could move")
+    a.add_request(PROMPT, GREEDY, request_id="leaves")
+    for _ in range(10):
+        _step(a, fold)
+    move(a, b, "leaves", GREEDY, fold)
+    assert a.why_not_movable("leaves") == ("not_running", "has moved away from here")
+    _run(b, fold)
+    assert_free(a, b)
