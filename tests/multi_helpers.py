@@ -75,6 +75,8 @@ def build_fake_worker(tokens: int, delay: float, capacity: int = 1000, die_on_ch
         return {**WorkerState(state).to_json(), "aborted": active["aborted"], "pid": os.getpid()}
 
     def words(body: dict) -> list[int]:
+        if isinstance(body.get("prompt"), list):  # token ids, as the real worker takes them
+            return list(body["prompt"])
         text = body.get("prompt") or " ".join(m.get("content", "") for m in body.get("messages") or [])
         return list(range(1, len(text.split()) + 1)) or [1]
 

@@ -83,7 +83,7 @@ def test_a_mixed_load_hands_off_what_pays_and_answers_every_client_as_one_instan
 
     counts = handoffs(base)
     aborted = counts["aborted_by_reason"]
-    assert not {"unknown_request", "not_running"} & set(aborted), (aborted, fleet.log()[-4000:])
+    assert aborted["unknown_request"] == aborted["not_running"] == 0, (aborted, fleet.log()[-4000:])
     assert counts["started"] == counts["completed"] + counts["aborted"] and counts["completed"] > 0, counts
     assert sum(aborted.values()) == counts["aborted"], counts
     assert counts["kept"].get("finishes_within_handoff", 0) >= 3, counts  # most 4-token calls, at least

@@ -116,8 +116,12 @@ def test_the_openai_client_gets_a_response_whole_and_streamed(client):
     events = list(client.responses.create(model=model, input="Name three colours.", max_output_tokens=24,
                                           temperature=0, stream=True))
     text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
-    assert events[-1].type in ("response.completed", "response.incomplete") and text == whole.output_text
-    assert events[-1].response.output_text == whole.output_text
+    # Compared with the same call whole again: like the stream, it finds the prompt's prefix cached. (In the
+    # default precision a step of few rows runs the 4-bit kernels and one of many their dense copy, so the first
+    # call's full prefill and the cached calls' short one may round differently: docs/configuration.md.)
+    again = client.responses.create(model=model, input="Name three colours.", max_output_tokens=24, temperature=0)
+    assert events[-1].type in ("response.completed", "response.incomplete") and text == again.output_text
+    assert events[-1].response.output_text == again.output_text
     import openai
 
     with pytest.raises(openai.BadRequestError) as info:

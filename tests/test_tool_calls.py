@@ -179,11 +179,13 @@ def test_forced_calls_through_the_openai_client_whole_and_streamed(client):
     model = client.models.list().data[0].id
     for choice, names, finish in [("required", {"get_weather", "get_time"}, "tool_calls"),
                                   ({"type": "function", "function": {"name": "get_time"}}, {"get_time"}, "stop")]:
-        whole = client.chat.completions.create(model=model, messages=ASK, tools=TOOLS, tool_choice=choice,
-                                               max_tokens=200, temperature=0)
-        c = whole.choices[0]
-        assert c.finish_reason == finish and c.message.tool_calls, c
-        calls = check_calls(c.message.tool_calls, names)
+        for _ in range(2):  # the second call finds the prompt cached, as the stream does (docs/configuration.md:
+            # in the default precision a full prefill and a cached one's few rows may round differently)
+            whole = client.chat.completions.create(model=model, messages=ASK, tools=TOOLS, tool_choice=choice,
+                                                   max_tokens=200, temperature=0)
+            c = whole.choices[0]
+            assert c.finish_reason == finish and c.message.tool_calls, c
+            calls = check_calls(c.message.tool_calls, names)
         stream = client.chat.completions.create(model=model, messages=ASK, tools=TOOLS, tool_choice=choice,
                                                 max_tokens=200, temperature=0, stream=True)
         content, streamed, streamed_finish = assembled(stream)
@@ -234,9 +236,11 @@ def test_the_bench_client_runs_an_agents_round_trip_against_the_server(default_s
     cfg = ClientConfig(default_server.base_url, endpoint="chat", structured="agent")
     asks = ["Find documents about solar panels.", "What is the weather in Oslo this week?",
             "Open a high-priority ticket: the login page is down."]
-    run = asyncio.run(BenchClient(cfg).run([WorkloadRequest(0.1 * i, 20, 60, prompt_text=a, request_id=f"s{i}",
+    # 160 output tokens: room for a forced call's arguments (on some machines the model writes a 60-token query)
+    run = asyncio.run(BenchClient(cfg).run([WorkloadRequest(0.1 * i, 20, 160, prompt_text=a, request_id=f"s{i}",
                                                             structured=True) for i, a in enumerate(asks)]))
-    assert len(run.records) == 6 and all(r.success for r in run.records), [r.error for r in run.records]
+    assert len(run.records) == 6 and all(r.success for r in run.records), [(r.request_id, r.finish_reason, r.error)
+                                                                           for r in run.records]
     by_id = {r.request_id: r for r in run.records}
     for i in range(3):
         call, answer = by_id[f"s{i}"], by_id[f"s{i}/answer"]

@@ -239,6 +239,12 @@ FLEET = [
         (increase("sloserve:pd_handoffs_aborted_total"), "aborted"),
         (increase("sloserve:pd_decoded_on_prefill_total"), "decoded on prefill"),
     ], description="Prefill -> decode hand-offs; decoded on prefill: streams no decode instance took. Only with --pd."),
+    panel("P/D hand-off aborts and streams kept (per 5 min)", [
+        (f"sum by (reason) (increase(sloserve:pd_handoff_aborts_total[{EVENTS}]))", "aborted: {{reason}}"),
+        (f"sum by (reason) (increase(sloserve:pd_handoffs_kept_total[{EVENTS}]))", "kept: {{reason}}"),
+    ], description="Why hand-offs were abandoned (finished: the request ended before its move, nothing lost; the "
+                   "refusing worker's code; client_gone, stream_ended), and streams left to decode where they were "
+                   "prefilled (finishes_within_handoff: too few tokens left to pay for the move). Only with --pd."),
     panel("P/D hand-off latency", quantiles("sloserve:pd_handoff_seconds", by="", labels=""), unit="s",
           description="First token on the prefill instance to the next on the decode instance."),
     panel("P/D hand-off KV bytes", [

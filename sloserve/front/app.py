@@ -448,8 +448,8 @@ class Front:
             except _TRANSPORT_ERRORS as e:
                 self.fleet.suspect(inst, inst.handle, e)
                 continue
-            if resp.status_code in _RETRY_STATUSES:  # that worker is full: ask another, else route blind
-                continue
+            if resp.status_code in _RETRY_STATUSES or resp.status_code >= 500:
+                continue  # that worker is full or failed: ask another, else route blind (the proxy decides)
             if resp.status_code == 401:  # a worker that does not know this front's secret: no hint
                 return None, None
             if resp.status_code != 200:

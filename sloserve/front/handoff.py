@@ -70,6 +70,9 @@ _OVER = {"not_movable", "client_gone", "stream_ended", "token_count_mismatch", "
 TOKEN_TIME_PRIOR_S = 0.03
 HANDOFF_TIME_PRIOR_S = 0.1
 KEPT_SHORT = "finishes_within_handoff"
+# reasons /metrics shows from the start (at 0): a worker's `finished`, `not_running`, `unknown_request`
+# (worker_migration), the target's `no_room`, the front's own; others appear as they happen
+ABORT_REASONS = ("finished", "not_running", "unknown_request", "no_room", "client_gone", "stream_ended")
 
 
 def outcome_label(outcome: "MigrationOutcome") -> str:
@@ -126,8 +129,8 @@ class HandoffDriver:
         self.decoded_on_prefill = 0  # fallbacks: streams no decode instance took; they finished where they started
         self.pipelined = 0  # completed hand-offs that went on from KV sent during the prefill
         self.pipelined_bytes = 0  # of their bytes, those sent during the prefill
-        self.aborted: collections.Counter[str] = collections.Counter()  # tries abandoned, by outcome_label
-        self.kept: collections.Counter[str] = collections.Counter()  # streams not offered a move, by why
+        self.aborted = collections.Counter(dict.fromkeys(ABORT_REASONS, 0))  # tries abandoned, by outcome_label
+        self.kept = collections.Counter({KEPT_SHORT: 0})  # streams not offered a move, by why
         self.token_time = Ewma(TOKEN_TIME_PRIOR_S)  # seconds a token where streams decode (measured at their end)
         self.handoff_time = Ewma(HANDOFF_TIME_PRIOR_S)  # seconds of a completed hand-off's pause
         self._tasks: set[asyncio.Task] = set()
