@@ -13,6 +13,7 @@ from typing import Optional, Sequence
 import httpx
 
 from engine_helpers import EXACT
+from sloserve.workers.handles import die_with_parent
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -37,12 +38,16 @@ class ServerProcess:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
+        # Half a GiB of KV (8,192 tokens fit even in float32) unless the test says otherwise: two test workers'
+        # servers and fleets share the machine's memory with their models.
         cmd = [sys.executable, "-m", "sloserve.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
-               "--num-threads", "1", *(EXACT_FLAGS if exact else []), *args]
+               "--num-threads", "1", "--kv-cache-gib", "0.5", *(EXACT_FLAGS if exact else []), *args]
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
         env.pop("SLOSERVE_API_KEY", None)
         self._log = open(log_path, "wb")
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        # a test process that dies (killed for memory, say) takes its server along: nothing is left running
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, env=env,
+                                     preexec_fn=die_with_parent)
         try:
             self._wait_ready(startup_timeout)
         except BaseException:

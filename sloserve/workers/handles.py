@@ -32,9 +32,10 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def _die_with_parent() -> None:
-    """In the child, before exec: Linux sends it SIGTERM when the front dies, so a killed
-    front never leaves workers holding a model's memory behind."""
+def die_with_parent() -> None:
+    """In the child, before exec (`preexec_fn`): Linux sends it SIGTERM when the thread that
+    started it dies, so a killed front never leaves workers holding a model's memory behind (the
+    tests start their servers so too)."""
     if sys.platform.startswith("linux"):
         import ctypes
         import signal
@@ -122,7 +123,7 @@ class ProcessWorker(WorkerHandle):
             env[FLEET_SECRET_ENV] = spec.fleet_secret
         if spec.cache_secret:
             env[CACHE_SECRET_ENV] = spec.cache_secret
-        self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+        self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, preexec_fn=die_with_parent)
         logger.info("started worker pid %d on port %d", self.proc.pid, self.port)
 
     @property
