@@ -5,7 +5,7 @@ One set of defaults: a policy tuned in the simulator is the policy the real flee
 flag says otherwise. The spec holds only the controller's side (routing, migration, P/D roles and
 hand-off, autoscaling); what each backend adds (hardware and links for the simulator, worker
 processes and the HTTP edge for the real fleet) stays in that backend's config, which is built
-from a spec (`simulation.FleetConfig.from_spec`, `server.multi.run_multi`).
+from a spec (`simulation.FleetConfig.from_spec`, `front.multi.run_multi`).
 
 A spec comes from one set of CLI flags (`cli/fleet_args.py`, shared by both commands) or a YAML
 file with the same names (`--fleet fleet.yaml`; the flags given on the command line win)."""

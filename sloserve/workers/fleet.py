@@ -50,7 +50,7 @@ _SPEC = FleetSpec()  # the controller's defaults, shared with the simulated flee
 @dataclass
 class FrontConfig:
     """The real fleet's settings: the controller's (cluster/spec.FleetSpec, whose defaults these
-    are; server/multi.front_config builds one from a spec), then the front's own."""
+    are; front/multi.front_config builds one from a spec), then the front's own."""
 
     router: str = _SPEC.router
     poll_interval_s: float = 0.25
@@ -180,7 +180,7 @@ class WorkerFleet:
                  controller: Any, predictions: Any = None, clock: Callable[[], float] = time.monotonic,
                  fleet_secret: Optional[str] = None):
         """`controller`: the fleet controller (`cluster.controller.FleetController`, built by
-        `server.multi.build_worker_fleet`); `predictions`: the output-length prediction book the
+        `front.multi.build_worker_fleet`); `predictions`: the output-length prediction book the
         router reads (None: no predictor)."""
         self.spawn = spawn
         self.config = config
