@@ -144,6 +144,11 @@ def test_simulate_runs_hours_of_demand_at_flow_level_from_the_command_line(tmp_p
     assert 0 < run["instance_hours"] < run["static_peak_instance_hours"]
     assert len(run["response_curve"]["loads"]) == len(run["response_curve"]["attainment"]) > 3
     assert (out / "scaling.png").is_file() and "instance-hours" in capsys.readouterr().out
+    # the oracle reads the demand it is given: a user holds a policy against it on their own series
+    assert main(args + ["--autoscale", "oracle"]) == 0
+    oracle = json.loads((out / "fluid.json").read_text())
+    assert oracle["attainment"] >= 0.9 and 0 < oracle["instance_hours"] < run["static_peak_instance_hours"]
+    capsys.readouterr()
     assert main(args[:3] + args[5:] + ["--autoscale", "reactive"]) == 2  # no --demand
     assert "needs --demand" in capsys.readouterr().err
     assert main(["simulate", "--demand", "servegen:m-large", "--workload", "azure-conv", "--instances", "2"]) == 2

@@ -92,6 +92,8 @@ def fluid_inputs(args: argparse.Namespace, fleet) -> tuple:
             raise ValueError("predictive/hybrid need demand before the window: a later --start, or --scaling-history")
         fleet.scaling_history = history  # the demand before the window, scaled as the window is
         fleet.demand_step_s = min(fleet.demand_step_s, history.step_s)
+    if fleet.autoscale == "oracle":
+        fleet.scaling_future = run  # the yardstick knows the demand it is given: a user's own series included
     return SLO.parse(args.slo), spec, run
 
 
@@ -196,8 +198,10 @@ def simulate_services(args: argparse.Namespace, fleet, prepare_autoscaling) -> i
     fleet.validate()
     curve = measure_curve(fleet, spec, slo, console)
     fleets = {}
-    for i, (name, (history, _)) in enumerate(windows.items()):
+    for i, (name, (history, window)) in enumerate(windows.items()):
         own = replace(fleet)
+        if own.autoscale == "oracle":
+            own.scaling_future = window  # this service's own demand, known in advance
         if own.autoscale in ("predictive", "hybrid") and args.scaling_history is None:
             if len(history) < 2:
                 raise ValueError("predictive/hybrid need each service's demand before the window: a later --start")
