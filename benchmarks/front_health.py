@@ -207,7 +207,8 @@ def main() -> None:
                         progress.advance(task)
 
     table = Table(title=f"/health, /metrics and the workers' /internal/state with {args.clients} hostile bodies of "
-                        f"~{args.prompt_bytes:,} bytes in flight (median of {args.rounds} rounds; max = largest of any)")
+                        f"~{args.prompt_bytes:,} bytes in flight (median of {args.rounds} rounds; max = largest of "
+                        "any)")
     for col in ("target", "shape", "source", "statuses", "clients s", "health p99 ms", "health max ms",
                 "metrics max ms", "state p99 ms", "state max ms"):
         table.add_column(col)

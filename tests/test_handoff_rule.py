@@ -21,7 +21,8 @@ def test_a_stream_moves_only_when_what_it_has_left_outlasts_the_hand_off(remaini
 
 
 def test_an_abort_is_named_by_the_refusing_workers_code_else_by_the_fronts_reason():
-    assert outcome_label(MigrationOutcome(False, "409 finished: request r finished here", code="finished")) == "finished"
+    refused = MigrationOutcome(False, "409 finished: request r finished here", code="finished")
+    assert outcome_label(refused) == "finished"
     assert outcome_label(MigrationOutcome(False, "client gone")) == "client_gone"
     assert outcome_label(MigrationOutcome(False, "source unreachable: ConnectError")) == "source_unreachable"
     assert outcome_label(MigrationOutcome(False, "")) == "unknown"

@@ -89,7 +89,8 @@ def test_a_mixed_load_hands_off_what_pays_and_answers_every_client_as_one_instan
     assert counts["kept"].get("finishes_within_handoff", 0) >= 3, counts  # most 4-token calls, at least
     assert counts["decoded_on_prefill"] == 0, counts
     metrics = scrape(base, ADMIN)
-    kept = {dict(labels)["reason"]: v for (name, labels), v in metrics.items() if name == "sloserve:pd_handoffs_kept_total"}
+    kept = {dict(labels)["reason"]: v for (name, labels), v in metrics.items()
+            if name == "sloserve:pd_handoffs_kept_total"}
     assert kept == counts["kept"]
     for reason, n in aborted.items():
         assert metrics[("sloserve:pd_handoff_aborts_total", (("reason", reason),))] == n

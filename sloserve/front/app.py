@@ -133,12 +133,12 @@ def _token_ids(value: object) -> Optional[list[int]]:
 def _naming_prompt(err: Response, index: int, count: int) -> Response:
     """A worker's refusal of one prompt of a batch, naming that prompt as the single server
     does (`prompt[i]: ...`, protocol.prompt_label)."""
+    if count == 1:
+        return err
     try:
         body = json.loads(err.body)
         body["error"]["message"] = f"{prompt_label(index, count)}: {body['error']['message']}"
     except (ValueError, KeyError, TypeError):
-        return err
-    if count == 1:
         return err
     kept = {k: v for k, v in err.headers.items() if k.lower() not in ("content-length", "content-type")}
     return JSONResponse(body, status_code=err.status_code, headers=kept)

@@ -394,7 +394,7 @@ class RelaySession:
                 await self._release_target(target, mid)
                 return MigrationOutcome(False, f"source unreachable: {type(e).__name__}")
             if resp.status_code != 200:
-                return MigrationOutcome(False, _reason(resp), code=_code(resp))
+                return _refused(resp)
             try:
                 snapshot = MigrationSnapshot.from_json(resp.json())
             except (ContractError, ValueError) as e:
@@ -514,20 +514,15 @@ class _Refused(Exception):
     pass
 
 
-def _code(resp: httpx.Response) -> str:
-    """A worker's error code (`error.code`), or the status when it sent none."""
-    try:
-        return str(resp.json()["error"]["code"] or resp.status_code)
-    except (ValueError, KeyError, TypeError):
-        return str(resp.status_code)
-
-
-def _reason(resp: httpx.Response) -> str:
+def _refused(resp: httpx.Response) -> MigrationOutcome:
+    """A worker's refusal as an outcome: its status, error code and message as the reason, its
+    code (else the status) as the outcome's code."""
     try:
         err = resp.json()["error"]
-        return f"{resp.status_code} {err.get('code')}: {err.get('message', '')}"[:300]
-    except (ValueError, KeyError, TypeError):
-        return f"{resp.status_code}"
+        reason = f"{resp.status_code} {err.get('code')}: {err.get('message', '')}"[:300]
+        return MigrationOutcome(False, reason, code=str(err.get("code") or resp.status_code))
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return MigrationOutcome(False, f"{resp.status_code}", code=str(resp.status_code))
 
 
 def _sse_error(message: str, code: str) -> bytes:

@@ -2,15 +2,15 @@
 fleet's worker.
 
 Layout: `protocol` (wire format), `errors` (OpenAI error schema), `settings` (ServerSettings),
-`qos` (classes, API keys, cache salts), `tenants` (per-tenant admission limits and request-id namespaces), `admission` (in-flight
-bound, draining), `shedding` (deadline admission: refuse what cannot meet its TTFT), `middleware`
-(auth, body limit, counting), `connections` (connection cap, body and header timeouts, the
-draining uvicorn server), `serving` (requests to the engine and back), `logprobs`,
-`responses` (the Responses API), `tool_calls` and `tool_parsers` (tool use), `metrics`
-(Prometheus), `dashboard` (the live page), `app` (routes), `launcher` (uvicorn with
-drain-on-signal); a fleet worker adds `worker` (its internal routes: state, tokenize) and
-`worker_migration` (moving a request's KV to another worker). The multi-instance front is
-`sloserve/front/`.
+`qos` (classes, API keys, cache salts), `tenants` (per-tenant admission limits and request-id
+namespaces), `admission` (in-flight bound, draining), `shedding` (deadline admission: refuse
+what cannot meet its TTFT), `middleware` (auth, body limit, counting), `connections`
+(connection cap, body and header timeouts, the draining uvicorn server), `serving` (requests to
+the engine and back), `logprobs`, `responses` (the Responses API), `tool_calls` and
+`tool_parsers` (tool use), `metrics` (Prometheus), `dashboard` (the live page), `app` (routes),
+`launcher` (uvicorn with drain-on-signal); a fleet worker adds `worker` (its internal routes:
+state, tokenize) and `worker_migration` (moving a request's KV to another worker). The
+multi-instance front is `sloserve/front/`.
 """
 from sloserve.server.settings import ServerSettings
 
