@@ -38,6 +38,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from sloserve.bench.metrics import SLO  # noqa: E402
+from sloserve.cluster.spec import FleetSpec  # noqa: E402
 from sloserve.core.config import SchedulerConfig  # noqa: E402
 from sloserve.evaluation.decisions.autoscaling import poisson_requests  # noqa: E402
 from sloserve.planning import (CURVE_DURATION_S, CURVE_INSTANCES, CURVE_LOADS, instance_capacity,  # noqa: E402
@@ -112,8 +113,8 @@ def main() -> int:
         args.hours, args.peak, args.cold_starts = 3.0, 8, "30,120"
     console = Console()
     slo = SLO.parse(args.slo)
-    base = FleetConfig(instances=args.peak, hardware=args.hardware, model=args.model, tp=args.tp,
-                       router="least-requests", migration="drain", migration_interval_s=0.1,
+    base = FleetConfig(FleetSpec(args.peak, router="least-requests", migration="drain", migration_interval_s=0.1),
+                       hardware=args.hardware, model=args.model, tp=args.tp,
                        scheduler=SchedulerConfig(max_num_batched_tokens=args.budget, max_num_seqs=256))
     lengths = load_file(shared_path(args.lengths), source=args.lengths)
     context = get_model(args.model).max_position_embeddings
@@ -137,21 +138,21 @@ def main() -> int:
         curve_probe = requests(Series("curve", np.ones(math.ceil(need / 60)), 60.0), 1.0, lengths, args.seed + 2)
         console.print(f"response curve: {CURVE_INSTANCES} instances at {len(CURVE_LOADS)} loads, "
                       f"{CURVE_DURATION_S:g} s each ({len(curve_probe)} requests) ...")
-        curve = response_curve(curve_probe, replace(base, router="least-requests"), slo, capacity)
+        curve = response_curve(curve_probe, base.with_fleet(router="least-requests"), slo, capacity)
         console.print("attainment by load: " + ", ".join(f"{x:g}: {100 * a:.1f}%" for x, a in
                                                          zip(curve.loads, curve.attainment))
                       + f"; saturation {curve.saturation_rps:.2f} req/s per instance")
     hist = Series("history", history.values * scale, history.step_s, history.start_s)
     mean_need = math.ceil(float(run.values.mean()) * scale / (capacity * 0.8))
     peak_need = math.ceil(float(run.values.max()) * scale / (capacity * 0.8))  # = --peak unless --demand-capacity
-    base = replace(base, instances=max(args.peak, peak_need))
+    base = base.with_fleet(instances=max(args.peak, peak_need))
     expected = float(run.values.sum() * run.step_s * scale)
     console.print(f"capacity {capacity:.2f} req/s per instance; {len(reqs) or expected:.0f} requests over {args.hours:g} h; demand "
                   f"{run.values.min() * scale:.1f}-{run.values.max() * scale:.1f} req/s (mean needs {mean_need}, "
                   f"peak {peak_need} instances)")
     pools = None
     if args.pd:
-        pools = pool_capacity(probe, replace(base, pd="1:1", decode_router=DECODE_ROUTER), slo, sample=len(probe))
+        pools = pool_capacity(probe, base.with_fleet(pd=(1, 1), decode_router=DECODE_ROUTER), slo, sample=len(probe))
         console.print(f"P/D pools: one prefill instance carries {pools[0]:.2f} req/s, one decode instance "
                       f"{pools[1]:.2f} req/s")
     cold_starts = [float(x) for x in args.cold_starts.split(",")]
@@ -171,24 +172,24 @@ def main() -> int:
                 rate = float(run.values.max() if policy == "static-peak" else run.values.mean()) * scale
                 need = [max(1, math.ceil(rate / (c * 0.8))) for c in pools]  # type: ignore[union-attr]
                 if policy.startswith("static"):
-                    sizes = "{}:{}".format(*need)
-                    cfg = replace(base, pd=sizes, decode_router=DECODE_ROUTER, pd_min=sizes, pd_initial=sizes,
-                                  autoscale="static")
+                    sizes = (need[0], need[1])
+                    cfg = replace(base.with_fleet(pd=sizes, decode_router=DECODE_ROUTER, pd_min=sizes,
+                                                  autoscale="static"), pd_initial=sizes)
                 else:
                     most = [max(args.peak, 2 * math.ceil(float(run.values.max()) * scale / (c * 0.8)))
                             for c in pools]  # type: ignore[union-attr]
-                    cfg = replace(base, pd="{}:{}".format(*most), decode_router=DECODE_ROUTER, pd_min="1:1",
-                                  pd_initial="{}:{}".format(*need), autoscale=policy)
-                cfg = replace(cfg, pd_capacity=pools)
+                    cfg = replace(base.with_fleet(pd=(most[0], most[1]), decode_router=DECODE_ROUTER, pd_min=(1, 1),
+                                                  autoscale=policy), pd_initial=(need[0], need[1]))
+                cfg = cfg.with_fleet(pd_capacity=pools)
             elif policy.startswith("static"):
                 n = peak_need if policy == "static-peak" else mean_need
-                cfg = replace(base, instances=n, autoscale="static", min_instances=n, initial_instances=n)
+                cfg = replace(base.with_fleet(instances=n, autoscale="static", min_instances=n), initial_instances=n)
             else:
-                cfg = replace(base, autoscale=policy, min_instances=1, initial_instances=mean_need)
-            cfg = replace(cfg, capacity_rps=capacity, cold_start_s=cold, scaling_interval_s=60.0,
-                          demand_step_s=60.0, scale_down_delay_s=300.0, forecaster=args.forecaster,
-                          forecast_level=args.forecast_level, target_utilization=utilization,
-                          scaling_history=hist)
+                cfg = replace(base.with_fleet(autoscale=policy, min_instances=1), initial_instances=mean_need)
+            cfg = replace(cfg.with_fleet(capacity_rps=capacity, scaling_interval_s=60.0, scale_down_delay_s=300.0,
+                                         forecaster=args.forecaster, forecast_level=args.forecast_level,
+                                         target_utilization=utilization),
+                          cold_start_s=cold, demand_step_s=60.0, scaling_history=hist)
             t_run = time.perf_counter()
             spread = None
             if fidelity == "fluid":

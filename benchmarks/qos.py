@@ -103,7 +103,7 @@ def mixed_stream(pools: Pools, rate: float, duration_s: float, inter_share: floa
 
 
 def sim_point(stream: list[WorkloadRequest], mix: Mix, policy: str, budget: int, preemption: str) -> Summary:
-    cfg = FleetConfig(instances=1, hardware="h100-80g", model="llama-3.1-8b",
+    cfg = FleetConfig(hardware="h100-80g", model="llama-3.1-8b",
                       scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=256, policy=policy,
                                                 preemption_mode=preemption),
                       cache=CacheConfig(block_size=16))

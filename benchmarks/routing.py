@@ -26,12 +26,13 @@ import json
 import logging
 import math
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable, Optional
 
 from sloserve.bench.metrics import SLO, jsonable, percentile
+from sloserve.cluster.spec import FleetSpec
 from sloserve.core.config import SchedulerConfig
 from sloserve.planning import SUSTAIN_S, Goodput, Sustained, at_rate, search_rate, sustained
 from sloserve.simulation import FleetConfig, build_fleet, make_predictions, sim_requests, simulate
@@ -44,6 +45,7 @@ POLICIES = ("round-robin", "least-requests", "least-kv", "power-of-two", "prefix
 LOADS = (0.5, 0.8, 0.9, 1.0, 1.1)
 CAPACITY_ROUTER = "least-requests"
 CAPACITY_ATTAINMENT = 0.9
+SPEC_FIELDS = {f.name for f in fields(FleetSpec)}  # run's options that go to the fleet's spec
 
 
 @dataclass(frozen=True)
@@ -72,11 +74,13 @@ def window(trace: Trace) -> list[WorkloadRequest]:
 
 
 def run(reqs: list[WorkloadRequest], policy: str, slo: SLO, instances: int, seed: int = 0, **fleet_options) -> dict:
-    """One simulated run; `fleet_options` override FleetConfig fields (hardware, model, migration, ...)."""
+    """One simulated run; `fleet_options` override FleetSpec fields (migration, pd, ...; a `pd` fleet has P + D
+    instances) and FleetConfig ones (hardware, model, link, ...)."""
     options = {"hardware": "h100-80g", "model": "llama-3.1-8b", **fleet_options}
-    fleet = FleetConfig(instances=instances, router=policy,
-                        scheduler=SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=256),
-                        predictor="default", router_seed=seed, **options)
+    spec_options = {name: options.pop(name) for name in SPEC_FIELDS & set(options)}
+    spec = FleetSpec(instances, router=policy, predictor="default", router_seed=seed)
+    fleet = FleetConfig(spec.with_pd(spec_options.pop("pd", None), **spec_options),
+                        scheduler=SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=256), **options)
     predictions = make_predictions(fleet)
     sim = build_fleet(fleet, predictions)
     t0 = time.perf_counter()

@@ -75,7 +75,7 @@ def main() -> int:
         for setting, workload, slo_name in cells:
             reqs = list(build_stream(WorkloadSpec(name=workload, rate=1.0, num_requests=args.requests)))
             slo = SLO.parse(SLOS[slo_name])
-            base = FleetConfig(instances=1, hardware="h100-80g", **SETTINGS[setting])
+            base = FleetConfig(hardware="h100-80g", **SETTINGS[setting])
             capacity = burst_rate(reqs, base, slo)
             for load in loads:
                 rate = load * capacity

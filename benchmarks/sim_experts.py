@@ -94,8 +94,8 @@ def main() -> int:
         for model, skew in cells:
             # Attention is data-parallel over the 8 GPUs: each rank batches as one vLLM instance would
             # (256 sequences, 2,048 tokens), so the group's step is 8 times that.
-            base = FleetConfig(instances=1, model=model, tp=8, experts="static", expert_skew=skew,
-                               expert_drift_s=args.drift, expert_interval_s=args.interval,
+            base = FleetConfig(model=model, tp=8, experts="static", expert_skew=skew, expert_drift_s=args.drift,
+                               expert_interval_s=args.interval,
                                scheduler=SchedulerConfig(max_num_batched_tokens=8 * 2048, max_num_seqs=8 * 256))
             fresh = run(base, steady_then_burst(shapes, 1e-9, 1.0, args.burst), 1.0)  # a burst at time ~0
             progress.advance(task)

@@ -128,8 +128,8 @@ def main() -> int:
     rates = [float(r) for r in args.rates.split(",")]
     base = WorkloadSpec("sharegpt", seed=args.seed, num_requests=args.num_requests,
                         max_prompt_len=args.max_prompt_len, max_output_len=args.max_output_len)
-    fleet = FleetConfig(instances=1, hardware="cpu", model="smollm2-135m", profile=str(profile),
-                        num_blocks=args.num_blocks, dtype_bytes=4, max_model_len=8192,
+    fleet = FleetConfig(hardware="cpu", model="smollm2-135m", profile=str(profile), num_blocks=args.num_blocks,
+                        dtype_bytes=4, max_model_len=8192,
                         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
                                                   max_num_seqs=args.max_num_seqs),
                         cache=CacheConfig(block_size=16))

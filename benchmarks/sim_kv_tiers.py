@@ -40,6 +40,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from sloserve.bench.metrics import SLO, percentile
+from sloserve.cluster.spec import FleetSpec
 from sloserve.core.config import CacheConfig, SchedulerConfig
 from sloserve.planning import at_rate, goodput
 from sloserve.simulation import FleetConfig, build_fleet, sim_requests, simulate
@@ -66,7 +67,7 @@ LAYOUTS = (Layout("device"), Layout("+host", 200.0), Layout("+disk", 200.0, 2048
 
 def fleet(model: str, layout: Layout) -> FleetConfig:
     instances, tp = FLEETS[model]
-    return FleetConfig(instances=instances, hardware="h100-80g", model=model, tp=tp, router="prefix-affinity",
+    return FleetConfig(FleetSpec(instances, router="prefix-affinity"), hardware="h100-80g", model=model, tp=tp,
                        scheduler=SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=256),
                        cache=CacheConfig(host_tier_gib=layout.host_gib_per_gpu * tp, disk_tier_gib=layout.disk_gib,
                                          tier_write_back=layout.write_back),

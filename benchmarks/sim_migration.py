@@ -47,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from routing import TRACES, at_rate, measure_capacity, window  # noqa: E402  (the routing study's workload)
 
 from sloserve.bench.metrics import SLO, jsonable, percentile  # noqa: E402
+from sloserve.cluster.spec import FleetSpec  # noqa: E402
 from sloserve.core.config import SchedulerConfig  # noqa: E402
 from sloserve.simulation import FleetConfig, build_fleet, make_predictions, sim_requests, simulate  # noqa: E402
 from sloserve.core.types import QoSClass  # noqa: E402
@@ -87,9 +88,10 @@ def label(router: str, migration: str) -> str:
 
 def run(reqs: list[WorkloadRequest], setting: Setting, router: str, migration: str, instances: int,
         classes: Optional[dict[str, QoSClass]] = None, policy: str = "fcfs") -> dict:
-    fleet = FleetConfig(instances=instances, hardware=setting.hardware, model=setting.model, router=router,
+    spec = FleetSpec(instances, router=router, predictor="default", migration=migration, migration_interval_s=0.1)
+    fleet = FleetConfig(spec, hardware=setting.hardware, model=setting.model,
                         scheduler=SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=256, policy=policy),
-                        predictor="default", migration=migration, link=setting.link, migration_interval_s=0.1)
+                        link=setting.link)
     predictions = make_predictions(fleet)
     sim = build_fleet(fleet, predictions)
     t0 = time.perf_counter()

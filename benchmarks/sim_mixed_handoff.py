@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from routing import TRACES, Trace, measure_capacity, window  # noqa: E402  (the routing study's workload)
 
 from sloserve.bench.metrics import SLO, jsonable, percentile  # noqa: E402
+from sloserve.cluster.spec import FleetSpec  # noqa: E402
 from sloserve.core.config import SchedulerConfig  # noqa: E402
 from sloserve.planning import at_rate  # noqa: E402
 from sloserve.simulation import FleetConfig, build_fleet, sim_requests, simulate  # noqa: E402
@@ -56,9 +57,10 @@ def label(policy: str, tokens: int) -> str:
 
 
 def run(reqs: list[WorkloadRequest], router: str, policy: str, tokens: int, instances: int, slo: SLO) -> dict:
-    fleet = FleetConfig(instances=instances, router=router, mixed_handoff=policy,
-                        mixed_handoff_tokens=max(1, tokens),
-                        scheduler=SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=256), **FLEET)
+    spec = FleetSpec(instances, router=router, decode_router=FLEET["decode_router"], mixed_handoff=policy,
+                     mixed_handoff_tokens=max(1, tokens))
+    fleet = FleetConfig(spec, scheduler=SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=256),
+                        **{k: v for k, v in FLEET.items() if k != "decode_router"})
     sim = build_fleet(fleet)
     t0 = time.perf_counter()
     records, result = simulate(sim, sim_requests(reqs))

@@ -66,7 +66,7 @@ def main() -> int:
             if rate not in streams:
                 streams[rate] = list(assign_mix(build_stream(WorkloadSpec(name="sharegpt", rate=rate,
                                                                           num_requests=args.requests)), MIX))
-            cfg = FleetConfig(instances=1, num_blocks=nblocks, scheduler=SchedulerConfig(
+            cfg = FleetConfig(num_blocks=nblocks, scheduler=SchedulerConfig(
                 max_num_batched_tokens=2048, max_num_seqs=256, policy=policy, preemption_mode=mode,
                 preemption_victim=victim))
             sim = build_fleet(cfg)

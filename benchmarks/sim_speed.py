@@ -24,6 +24,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from sloserve.cluster.spec import FleetSpec
 from sloserve.core.config import SchedulerConfig
 from sloserve.simulation import FleetConfig, build_fleet, sim_requests, simulate
 from sloserve.timeline import FleetTimeline
@@ -47,8 +48,8 @@ def run_case(name: str, spec: WorkloadSpec, fleet: FleetConfig, progress: Progre
     wall = time.perf_counter() - t1
     ttfts = sorted(r.ttft_s for r in records if r.ttft_s is not None)
     return {
-        "case": name, "requests": len(stream), "completed": result.num_finished, "instances": fleet.instances,
-        "router": fleet.router, "sim_time_s": result.end_time, "wall_s": wall, "workload_build_s": build_s,
+        "case": name, "requests": len(stream), "completed": result.num_finished, "instances": fleet.fleet.instances,
+        "router": fleet.fleet.router, "sim_time_s": result.end_time, "wall_s": wall, "workload_build_s": build_s,
         "speedup": result.end_time / wall, "events": result.num_events,
         "p50_ttft_ms": 1e3 * ttfts[len(ttfts) // 2] if ttfts else None,
         "p99_ttft_ms": 1e3 * ttfts[int(len(ttfts) * 0.99)] if ttfts else None,
@@ -65,13 +66,15 @@ def main() -> int:
     args = p.parse_args()
     sched = SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=256)
     azure = ("azure-conv full trace, 16 x H100", WorkloadSpec("azure-conv", replay=True, duration_s=1e9),
-             FleetConfig(16, "h100-80g", "llama-3.1-8b", router=args.router, scheduler=sched))
+             FleetConfig(FleetSpec(16, router=args.router, predictor="none"), "h100-80g", "llama-3.1-8b",
+                         scheduler=sched))
     cases = [(*azure, 0.0)]
     if not args.skip_million:
         cases.append((f"{args.million:,} synthetic, 64 x H100",
                       WorkloadSpec("synthetic", rate=args.million_rate, num_requests=args.million, input_len=512,
                                    output_len=128),
-                      FleetConfig(64, "h100-80g", "llama-3.1-8b", router=args.router, scheduler=sched), 0.0))
+                      FleetConfig(FleetSpec(64, router=args.router, predictor="none"), "h100-80g", "llama-3.1-8b",
+                                  scheduler=sched), 0.0))
     cases.append((azure[0] + ", timeline every 6 s", azure[1], azure[2], 6.0))
     console = Console()
     rows = []

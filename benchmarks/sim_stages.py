@@ -79,9 +79,8 @@ def main() -> int:
         task = progress.add_task("runs", total=len(work) * len(POLICIES))
         for case in work:
             for policy in POLICIES:
-                cfg = FleetConfig(instances=1, hardware=args.hardware, model=case["model"], pp=case["pp"],
-                                  stages=policy, stage_link=args.link, stage_window_s=args.window,
-                                  stage_threshold=args.threshold)
+                cfg = FleetConfig(hardware=args.hardware, model=case["model"], pp=case["pp"], stages=policy,
+                                  stage_link=args.link, stage_window_s=args.window, stage_threshold=args.threshold)
                 records, result = simulate(build_fleet(cfg), sim_requests(case["reqs"]))
                 ok = [r for r in records if r.success]
                 e2e = np.array([r.e2e_s for r in ok])

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Mapping, Optional, Sequence
 
 import numpy as np
@@ -163,8 +163,8 @@ class Problem:
         return blocks * self.base.cache.block_size >= self.min_context
 
     def fleet(self, option: Option, count: int) -> FleetConfig:
-        return self.base.fixed(instances=count, model=option.model, hardware=option.hardware, tp=option.tp,
-                               pd=None, migration="none")
+        return replace(self.base.fixed(instances=count, pd=None, migration="none"), model=option.model,
+                       hardware=option.hardware, tp=option.tp)
 
 
 @dataclass(frozen=True)

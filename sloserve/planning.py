@@ -334,16 +334,16 @@ def _measure_pools(first: list[WorkloadRequest], cfg: FleetConfig, slo: SLO, ite
     def decode_keeps_up(tried: list[WorkloadRequest], rate: float) -> bool:
         """TPOT met, and the decode instance had room for the hand-offs: a request it cannot
         take keeps decoding on its prefill instance, which must not count as decode capacity."""
-        records, result = simulate(build_fleet(replace(base, pd=f"{sized(rate, prefill)}:1")), sim_requests(tried))
+        records, result = simulate(build_fleet(base.with_fleet(pd=(sized(rate, prefill), 1))), sim_requests(tried))
         met = sum(tpot_only.met(r) for r in records) / len(tried)
         decoding = sum(r.output_len > 1 for r in tried)  # a one-token request has nothing to hand off
         return met >= ATTAINMENT and result.handoffs.get("completed", 0) >= ATTAINMENT * decoding
 
-    prefill = search_goodput(first, replace(base, pd=f"1:{POOL_HEADROOM}"), ttft_only, iters, requests_at=probe).rps
-    start = burst_rate(first, replace(base, pd=f"{POOL_HEADROOM}:1"), tpot_only)
+    prefill = search_goodput(first, base.with_fleet(pd=(1, POOL_HEADROOM)), ttft_only, iters, requests_at=probe).rps
+    start = burst_rate(first, base.with_fleet(pd=(POOL_HEADROOM, 1)), tpot_only)
     decode_search = search_rate(decode_keeps_up, probe, start, iters)
     decode = bounded(decode_search.rps, prefill, "decode")
-    prefill_search = search_goodput(first, lambda rate: replace(base, pd=f"1:{sized(rate, decode)}"), ttft_only,
+    prefill_search = search_goodput(first, lambda rate: base.with_fleet(pd=(1, sized(rate, decode))), ttft_only,
                                     iters, requests_at=probe)
     prefill = bounded(prefill_search.rps, decode, "prefill")
     return prefill, decode, [prefill_search, decode_search]
@@ -430,10 +430,11 @@ def _capacity_key(head: Sequence[WorkloadRequest], cfg: FleetConfig, slo: SLO, i
                   sample: int, min_duration_s: float, most: Optional[int] = None) -> str:
     shape = (round(sum(r.prompt_len for r in head) / len(head), -1), round(sum(r.output_len for r in head) / len(head), -1))
     profile = source_fingerprint([Path(cfg.profile)]) if cfg.profile else None
-    pools = [asdict(cfg.prefill_pool), asdict(cfg.decode_pool), cfg.link, cfg.pd_transfer, cfg.decode_router] \
+    spec = cfg.fleet
+    pools = [asdict(spec.prefill_pool), asdict(spec.decode_pool), cfg.link, spec.pd_transfer, spec.decode_router] \
         if what != "mixed" else []
     return json.dumps([cfg.hardware, cfg.model, cfg.tp, profile, asdict(cfg.scheduler), asdict(cfg.cache),
-                       cfg.num_blocks, cfg.max_model_len, cfg.dtype_bytes, cfg.predictor, cfg.kv_store_gib,
+                       cfg.num_blocks, cfg.max_model_len, cfg.dtype_bytes, spec.resolved_predictor, cfg.kv_store_gib,
                        cfg.kv_store_link, slo.ttft_s, slo.tpot_s, slo.e2e_s, shape, len(head), min(sample, len(head)),
                        min_duration_s, iters, simulator_fingerprint(), what, most or len(head), *pools], sort_keys=True,
                       default=str)
@@ -457,8 +458,8 @@ class Layout:
 
     def apply(self, cfg: FleetConfig, gpus: int) -> FleetConfig:
         if self.pd is None:
-            return replace(cfg, instances=gpus // cfg.tp, pd=None)
-        return replace(cfg, pd=self.pd, prefill_pool=self.prefill_pool, decode_pool=self.decode_pool)
+            return cfg.with_fleet(instances=gpus // cfg.tp, pd=None)
+        return cfg.with_fleet(pd=self.pd, prefill_pool=self.prefill_pool, decode_pool=self.decode_pool)
 
 
 @dataclass(frozen=True)

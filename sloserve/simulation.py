@@ -11,12 +11,12 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional, S
 
 from sloserve.core.records import RequestRecord, error_kind_for_status
 from sloserve.timeline import FleetTimeline
+from sloserve.cluster.assembly import build_controller
 from sloserve.cluster.controller import FleetController
 from sloserve.cluster.migration import MoveCosts, make_migration_policy
-from sloserve.cluster.mixed_handoff import DEFAULT_QUEUED_TOKENS, make_mixed_handoff
 from sloserve.cluster.routers import RouterOptions, make_router
 from sloserve.cluster.spec import FleetSpec
-from sloserve.core.config import CacheConfig, ModelConfig, PoolSettings, SchedulerConfig, parse_pd, pd_pool_bounds, pd_roles  # noqa: F401 (parse_pd: re-exported)
+from sloserve.core.config import CacheConfig, ModelConfig, PoolSettings, SchedulerConfig
 from sloserve.kv.tiers import DISK, STORE, KVTiers
 from sloserve.cluster.experts import make_expert_placer
 from sloserve.cluster.stages import make_stage_policy
@@ -39,16 +39,15 @@ if TYPE_CHECKING:
     from sloserve.cluster.predict import PredictionBook
     from sloserve.sim.fluid import FluidFleet, ResponseCurve
 
-_SPEC = FleetSpec()  # the controller's defaults, shared with the real fleet (cluster/spec.py)
-
-
-@dataclass
+@dataclass(slots=True)  # slots: setting a field it does not have (one of its spec's) fails
 class FleetConfig:
-    instances: int = 1
+    """A simulated fleet: the controller's side (`fleet`, the FleetSpec the real fleet runs too),
+    then what only a simulated fleet has: hardware, model, links, cost model, start times."""
+
+    fleet: FleetSpec = field(default_factory=FleetSpec)
     hardware: str = "h100-80g"
     model: str = "llama-3.1-8b"
     tp: int = 1
-    router: str = _SPEC.router
     scheduler: SchedulerConfig = field(default_factory=lambda: SchedulerConfig(max_num_batched_tokens=2048,
                                                                                max_num_seqs=256))
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -57,56 +56,19 @@ class FleetConfig:
     max_model_len: Optional[int] = None
     dtype_bytes: int = 2
     fast_forward: bool = True
-    # Output-length predictor: None (requests carry no prediction; the scheduler's snapshot then
-    # falls back to max_tokens, which in simulation is the recorded length, i.e. an oracle),
-    # "default" (the packaged one) or a file from `sloserve train-predictor`.
-    predictor: Optional[str] = None
     online_predictor: bool = True  # completed requests update the predictor as the run goes
-    router_seed: int = 0
-    router_epsilon: float = 0.25  # prefix-affinity's load bound
-    # Live migration: policy names ("none", "balance", "balance,defrag", ...; see cluster/migration),
-    # the link KV crosses between instances (sim/hardware.py LINKS; default InfiniBand NDR: instances
-    # on different hosts, one 400 Gb/s NIC per GPU; pass e.g. nvlink-h100 for instances in one NVLink
-    # domain), and how often the controller plans moves (simulated seconds).
-    migration: str = _SPEC.migration
+    # The link KV crosses between instances, for migration and P/D hand-offs (sim/hardware.py
+    # LINKS; default InfiniBand NDR: instances on different hosts, one 400 Gb/s NIC per GPU; pass
+    # e.g. nvlink-h100 for instances in one NVLink domain).
     link: str = DEFAULT_LINK
-    migration_interval_s: float = _SPEC.migration_interval_s
-    # Prefill/decode disaggregation: "P:D" instance counts (overrides `instances`), or None for a
-    # colocated fleet. The KV of each prefilled request crosses `link` to the decode instance that
-    # `decode_router` picks (None: `router`), sent `pd_transfer` = "pipelined" (layer by layer during
-    # the prefill) or "blocking" (after it).
-    pd: Optional[str] = None
-    pd_transfer: str = _SPEC.pd_transfer
-    decode_router: Optional[str] = _SPEC.decode_router
-    # Llumnix-style hand-off from mixed instances (cluster/mixed_handoff): a request prefilled on
-    # one may decode on another (`decode_router` picks it) when the policy says it pays.
-    mixed_handoff: str = _SPEC.mixed_handoff
-    mixed_handoff_tokens: int = DEFAULT_QUEUED_TOKENS  # prefill-pressure's queued prompt tokens
-    prefill_pool: PoolSettings = field(default_factory=PoolSettings)  # per-pool overrides (P/D only)
-    decode_pool: PoolSettings = field(default_factory=PoolSettings)
-    # Autoscaling (cluster/autoscale, sim/scaling.py): a policy name, or None for a fixed fleet.
-    # `instances` is then the most that may run and `min_instances` the fewest; `initial` run at
-    # time 0. `capacity_rps` is what one instance sustains within the SLOs (the capacity model).
-    autoscale: Optional[str] = None
-    min_instances: int = 1
-    initial_instances: Optional[int] = None  # default: min_instances
-    capacity_rps: Optional[float] = None
-    # A disaggregated fleet scales its pools apart: `pd` is then the most of each, `pd_min` the
-    # fewest ("P:D", default 1:1; those run at time 0), `pd_capacity` the req/s one prefill and
-    # one decode instance sustain within the SLOs (planning.pool_capacity).
-    pd_min: Optional[str] = None
-    pd_initial: Optional[str] = None  # "P:D" ready at time 0 (default: pd_min)
-    pd_capacity: Optional[tuple[float, float]] = None
-    scaling_interval_s: float = _SPEC.scaling_interval_s
-    stable_window_s: float = _SPEC.stable_window_s
+    # Autoscaling (sim/scaling.py): instances ready at time 0 (default: the spec's fewest; a P/D
+    # fleet's (P, D), default its `pd_min`), start times, and the demand the scalers read.
+    initial_instances: Optional[int] = None
+    pd_initial: Optional[tuple[int, int]] = None
     cold_start_s: float = 120.0
     warm_start_s: Optional[float] = None
     keep_alive_s: float = 0.0
     demand_step_s: float = 60.0
-    scale_down_delay_s: float = _SPEC.scale_down_delay_s
-    target_utilization: float = _SPEC.target_utilization
-    forecaster: str = _SPEC.forecaster
-    forecast_level: float = _SPEC.forecast_level  # predictive/hybrid plan for the top of this band
     scaling_history: Optional[object] = None  # a workload.series.Series of demand before the run (predictive)
     scaling_future: Optional[object] = None  # a Series of the run's own demand from its start (the oracle only)
     # The fleet's shared KV store (kv/tiers.py, sim/kv_store.py): its size (0: none) and the link
@@ -138,51 +100,33 @@ class FleetConfig:
     stage_threshold: float = 0.05
     stage_link: str = "nvlink-h100"
 
-    @classmethod
-    def from_spec(cls, spec: FleetSpec, **backend) -> "FleetConfig":
-        """The simulated fleet `spec` describes; `backend`: this config's own fields (hardware,
-        model, link, scheduler, cold_start_s, ...)."""
-        return cls(instances=spec.instances, min_instances=spec.fewest, router=spec.router,
-                   decode_router=spec.decode_router, predictor=spec.resolved_predictor, migration=spec.migration,
-                   migration_interval_s=spec.migration_interval_s, pd=spec.pd, pd_transfer=spec.pd_transfer,
-                   prefill_pool=spec.prefill_pool, decode_pool=spec.decode_pool, mixed_handoff=spec.mixed_handoff,
-                   mixed_handoff_tokens=spec.handoff_tokens, autoscale=spec.autoscale, capacity_rps=spec.capacity_rps,
-                   pd_min=spec.pd_min, pd_capacity=spec.pd_capacity, scaling_interval_s=spec.scaling_interval_s,
-                   scale_down_delay_s=spec.scale_down_delay_s, target_utilization=spec.target_utilization,
-                   stable_window_s=spec.stable_window_s, forecaster=spec.forecaster,
-                   forecast_level=spec.forecast_level, **backend)
-
-    @property
-    def spec(self) -> FleetSpec:
-        """The controller's side of this fleet, as cluster/spec.py describes it (a P/D fleet's pool
-        bounds are `pd` and `pd_min`, so its spec has no `min_instances`)."""
-        flat_autoscaled = self.autoscale is not None and self.pd is None
-        return FleetSpec.of(self, self.instances, self.min_instances if flat_autoscaled else None,
-                            self.predictor or "none")
+    def with_fleet(self, **changes: Any) -> "FleetConfig":
+        """This fleet with `changes` to its spec (a new `pd` brings its P + D instances)."""
+        if "pd" in changes:
+            return replace(self, fleet=self.fleet.with_pd(changes.pop("pd"), **changes))
+        return replace(self, fleet=replace(self.fleet, **changes))
 
     def fixed(self, **changes: Any) -> "FleetConfig":
-        """This fleet without autoscaling (its bounds and capacities dropped), with `changes`; a
-        result without `pd` also drops what only a hand-off uses (pool overrides, the decode router
-        unless mixed instances hand off). What planning measures a fleet's parts on."""
-        out = replace(self, autoscale=None, pd_min=None, pd_initial=None, pd_capacity=None, **changes)
-        if out.pd is None:
-            out = replace(out, prefill_pool=PoolSettings(), decode_pool=PoolSettings(),
-                          decode_router=out.decode_router if out.mixed_handoff != "never" else None)
+        """This fleet without autoscaling (its bounds and capacities dropped), with `changes` to its
+        spec; a result without `pd` also drops what only a hand-off uses (pool overrides, the decode
+        router unless mixed instances hand off). What planning measures a fleet's parts on."""
+        out = self.with_fleet(autoscale=None, min_instances=None, pd_min=None, pd_capacity=None, **changes)
+        out.pd_initial = None
+        if out.fleet.pd is None:
+            out = out.with_fleet(prefill_pool=PoolSettings(), decode_pool=PoolSettings(),
+                                 decode_router=out.fleet.decode_router if out.fleet.mixed_handoff != "never" else None)
         return out
 
     def validate(self) -> None:
         """ValueError (one line) on a fleet the simulator cannot run: the controller's settings by
         FleetSpec.validate (the real fleet's check), then what only the simulator has."""
-        if self.pd_transfer == "live":
+        spec = self.fleet
+        if spec.pd_transfer == "live":
             raise ValueError("--pd-transfer live is the real fleet's (pre-copy while the prefill instance decodes); "
                              "the simulator sends pipelined or blocking")
-        if self.pd is not None:
-            self.instances = sum(parse_pd(self.pd))
-        self.spec.validate()
+        spec.validate()
         if self.tp < 1:
             raise ValueError("--tp must be >= 1")
-        if self.router_epsilon < 0:
-            raise ValueError("--router-epsilon must be >= 0")
         get_link(self.link)
         get_link(self.kv_store_link)
         if self.kv_store_gib < 0:
@@ -201,7 +145,7 @@ class FleetConfig:
         if self.pp > 1:
             make_stage_policy(self.stages, window_s=self.stage_window_s, threshold=self.stage_threshold)
             get_link(self.stage_link)
-            if self.pd is not None or self.experts is not None or self.clock_policy is not None or self.profile:
+            if spec.pd is not None or self.experts is not None or self.clock_policy is not None or self.profile:
                 raise ValueError("--pp prices steps with its own stage model: drop --pd, --experts, --clock-policy "
                                  "and --profile")
         if self.clock_policy is not None:
@@ -209,51 +153,50 @@ class FleetConfig:
             get_power(self.hardware)
             if self.profile:
                 raise ValueError("--clock-policy needs the roofline cost model; drop --profile")
-        if self.pd is not None:
+        if spec.pd is not None:
             for role in ("prefill", "decode"):
                 pool_config(self, role).scheduler.validate()
-        if self.autoscale is not None and self.pd is not None:
-            low, high = pd_pool_bounds(self.pd, self.pd_min)
+        if spec.autoscale is not None and spec.pd is not None:
+            bounds = spec.pool_bounds
             if self.pd_initial is not None and not all(
-                    lo <= n <= hi for lo, n, hi in zip(low, parse_pd(self.pd_initial), high)):
-                raise ValueError(f"pd_initial {self.pd_initial} must lie between {self.pd_min} and {self.pd}")
-            if self.pd_capacity is None or not all(c > 0 for c in self.pd_capacity):
+                    low <= n <= high for (low, high), n in zip(bounds.values(), self.pd_initial)):
+                raise ValueError(f"pd_initial {self.pd_initial} must lie between {bounds['prefill'][0]}:"
+                                 f"{bounds['decode'][0]} and {spec.pd_text}")
+            if spec.pd_capacity is None or not all(c > 0 for c in spec.pd_capacity):
                 raise ValueError("autoscaling a P/D fleet needs the capacity of one prefill and one decode instance")
-        elif self.autoscale is not None:
-            if self.capacity_rps is None or not self.capacity_rps > 0:
+        elif spec.autoscale is not None:
+            if spec.capacity_rps is None or not spec.capacity_rps > 0:
                 raise ValueError("autoscaling needs the capacity of one instance (capacity_rps > 0)")
 
 
-def scaling_parts(cfg: FleetConfig):
-    """The controller's scale planners (by pool) and the simulator's scaling spec for `cfg`
-    ({}, None: a fixed fleet). A P/D fleet gets a planner, and an autoscaler, per pool."""
-    if cfg.autoscale is None:
-        return {}, None
-    from sloserve.cluster.autoscale.planner import pool_planners, scaling_options
+def scaling_spec(cfg: FleetConfig):
+    """The simulator's scaling books for `cfg` (None: a fixed fleet); a P/D fleet scales each pool
+    apart, from its fewest (or `pd_initial`) at time 0."""
+    spec = cfg.fleet
+    if spec.autoscale is None:
+        return None
     from sloserve.sim.scaling import ScalingSpec
 
-    options = scaling_options(cfg)
-    if cfg.pd is not None:
-        (p_low, d_low), (p_high, d_high) = pd_pool_bounds(cfg.pd, cfg.pd_min)
-        planners = pool_planners(cfg.autoscale, options, {"prefill": (p_low, p_high), "decode": (d_low, d_high)},
-                                 cfg.scale_down_delay_s)
-        p_cap, d_cap = cfg.pd_capacity  # type: ignore[misc]
-        spec = ScalingSpec(p_cap, 1, cfg.scaling_interval_s, cfg.cold_start_s, cfg.warm_start_s, cfg.keep_alive_s,
+    if spec.pd is not None:
+        p_cap, d_cap = spec.pd_capacity  # type: ignore[misc]
+        lows = {pool: low for pool, (low, _) in spec.pool_bounds.items()}
+        return ScalingSpec(p_cap, 1, spec.scaling_interval_s, cfg.cold_start_s, cfg.warm_start_s, cfg.keep_alive_s,
                            cfg.demand_step_s, pool_capacity={"prefill": p_cap, "decode": d_cap},
-                           pool_initial=dict(zip(("prefill", "decode"), parse_pd(cfg.pd_initial)))
-                           if cfg.pd_initial else {"prefill": p_low, "decode": d_low})
-        return planners, spec
-    planners = pool_planners(cfg.autoscale, options, {"mixed": (cfg.min_instances, cfg.instances)},
-                             cfg.scale_down_delay_s)
-    initial = cfg.min_instances if cfg.initial_instances is None else cfg.initial_instances
-    spec = ScalingSpec(cfg.capacity_rps, initial, cfg.scaling_interval_s, cfg.cold_start_s,  # type: ignore[arg-type]
+                           pool_initial=dict(zip(("prefill", "decode"), cfg.pd_initial)) if cfg.pd_initial else lows)
+    initial = spec.fewest if cfg.initial_instances is None else cfg.initial_instances
+    return ScalingSpec(spec.capacity_rps, initial, spec.scaling_interval_s, cfg.cold_start_s,  # type: ignore[arg-type]
                        cfg.warm_start_s, cfg.keep_alive_s, cfg.demand_step_s)
-    return planners, spec
+
+
+def controller_of(cfg: FleetConfig, predictions: Optional["PredictionBook"] = None) -> FleetController:
+    """The simulated fleet's controller: cluster.assembly's, as the real fleet builds it."""
+    return build_controller(cfg.fleet, predictions=predictions, history=cfg.scaling_history,
+                            future=cfg.scaling_future)
 
 
 def pool_config(cfg: FleetConfig, role: str) -> FleetConfig:
     """The fleet's settings as one pool of it runs them (a `mixed` instance keeps them all)."""
-    pool = {"prefill": cfg.prefill_pool, "decode": cfg.decode_pool}.get(role)
+    pool = {"prefill": cfg.fleet.prefill_pool, "decode": cfg.fleet.decode_pool}.get(role)
     if pool is None or pool == PoolSettings():
         return cfg
     return replace(cfg, tp=pool.tp or cfg.tp, scheduler=pool.apply(cfg.scheduler))
@@ -265,7 +208,7 @@ def fleet_gpus(cfg: FleetConfig) -> int:
 
 
 def fleet_roles(cfg: FleetConfig) -> list[str]:
-    return pd_roles(cfg.pd, cfg.instances)
+    return list(cfg.fleet.roles)
 
 
 def build_cost_model(cfg: FleetConfig) -> tuple[CostModel, ModelConfig, int]:
@@ -344,11 +287,12 @@ def shared_store_for(cfg: FleetConfig) -> Optional[SimKVStore]:
 
 def make_predictions(cfg: FleetConfig) -> Optional["PredictionBook"]:
     """The run's prediction book (one per run: online updates must not leak across runs)."""
-    if cfg.predictor is None or cfg.predictor == "none":
+    predictor = cfg.fleet.resolved_predictor
+    if predictor is None:
         return None
     from sloserve.cluster.predict import PredictionBook, load_predictor
 
-    return PredictionBook(load_predictor(cfg.predictor), online=cfg.online_predictor)  # type: ignore[arg-type]
+    return PredictionBook(load_predictor(predictor), online=cfg.online_predictor)  # type: ignore[arg-type]
 
 
 def build_fleet(cfg: FleetConfig, predictions: Optional["PredictionBook"] = None) -> Simulator:
@@ -358,16 +302,9 @@ def build_fleet(cfg: FleetConfig, predictions: Optional["PredictionBook"] = None
     roles = fleet_roles(cfg)
     instances = sim_instances(cfg, roles, shared_store_for(cfg))
     model = get_model(cfg.model)
-    options = RouterOptions(seed=cfg.router_seed, epsilon=cfg.router_epsilon,
-                            predictions=predictions.lookup if predictions is not None else None)
-    handoff = make_mixed_handoff(cfg.mixed_handoff, cfg.mixed_handoff_tokens)
-    decode_router = make_router(cfg.decode_router or cfg.router, options) \
-        if cfg.pd is not None or handoff.hands_off_anything else None
-    planners, scaling = scaling_parts(cfg)
-    controller = FleetController(make_router(cfg.router, options), make_migration_policy(cfg.migration),
-                                 decode_router=decode_router, scalers=planners, mixed_handoff=handoff)
-    return Simulator(instances, controller, move_costs(cfg, model), cfg.migration_interval_s,
-                     roles=roles, pd_transfer=cfg.pd_transfer, num_layers=model.num_layers, scaling=scaling)
+    return Simulator(instances, controller_of(cfg, predictions), move_costs(cfg, model), cfg.fleet.migration_interval_s,
+                     roles=roles, pd_transfer=cfg.fleet.pd_transfer, num_layers=model.num_layers,
+                     scaling=scaling_spec(cfg))
 
 
 def build_fluid(cfg: FleetConfig, curve: "ResponseCurve", ttft_s: float, tick_s: float = 1.0, drain_s: float = 10.0,
@@ -378,11 +315,10 @@ def build_fluid(cfg: FleetConfig, curve: "ResponseCurve", ttft_s: float, tick_s:
     from sloserve.sim.scaling import SimScaling
 
     cfg.validate()
-    if cfg.autoscale is None or cfg.pd is not None:
+    if cfg.fleet.autoscale is None or cfg.fleet.pd is not None:
         raise ValueError("the fluid fleet runs an autoscaled colocated fleet (--autoscale, no --pd)")
-    planners, spec = scaling_parts(cfg)
-    controller = FleetController(make_router(cfg.router, RouterOptions(seed=cfg.router_seed)), scalers=planners)
-    return FluidFleet(controller, SimScaling(spec, fleet_roles(cfg)), curve, ttft_s, tick_s, drain_s, seed)
+    return FluidFleet(controller_of(cfg), SimScaling(scaling_spec(cfg), fleet_roles(cfg)), curve, ttft_s, tick_s,
+                      drain_s, seed)
 
 
 def sim_instances(cfg: FleetConfig, roles: Sequence[str], store: Optional[SimKVStore],
@@ -407,17 +343,18 @@ def build_mixed_fleet(groups: Sequence[FleetConfig], router: str = "least-reques
     (each group a FleetConfig: its `instances` on its `hardware` at its `tp`), behind one
     router: a heterogeneous deployment. Groups of zero instances are left out; no migration,
     autoscaling or disaggregation (build_fleet has those, for one group)."""
-    groups = [g for g in groups if g.instances > 0]
+    groups = [g for g in groups if g.fleet.instances > 0]
     if not groups:
         raise ValueError("a fleet needs at least one instance")
     if len({g.model for g in groups}) != 1:
         raise ValueError("the groups of one fleet must serve one model: " + ", ".join(sorted({g.model for g in groups})))
     instances: list[SimInstance] = []
     for g in groups:
-        if g.pd is not None or g.autoscale is not None or g.migration != "none" or g.kv_store_gib > 0:
+        if g.fleet.pd is not None or g.fleet.autoscale is not None or g.fleet.migration != "none" \
+                or g.kv_store_gib > 0:
             raise ValueError("a mixed fleet's groups take no P/D, autoscaling, migration or shared store")
         g.validate()
-        instances.extend(sim_instances(g, ["mixed"] * g.instances, None, first_id=len(instances)))
+        instances.extend(sim_instances(g, ["mixed"] * g.fleet.instances, None, first_id=len(instances)))
     return Simulator(instances, FleetController(make_router(router, RouterOptions(seed=router_seed)),
                                                 make_migration_policy("none")))
 

@@ -13,3 +13,29 @@ class StandInHandle:
 
     def describe(self) -> dict:
         return {}
+
+
+def front_config(**settings):
+    """A real fleet's FrontConfig from flat keywords, as tests write them: FleetSpec's fields go to
+    its spec (with no predictor unless one is named), the others to the front."""
+    from dataclasses import fields
+
+    from sloserve.cluster.spec import FleetSpec
+    from sloserve.workers.fleet import FrontConfig
+
+    names = {f.name for f in fields(FleetSpec)}
+    spec = {"predictor": "none", **{k: v for k, v in settings.items() if k in names}}
+    return FrontConfig(FleetSpec(**spec), **{k: v for k, v in settings.items() if k not in names})
+
+
+def sim_config(**settings):
+    """A simulated fleet's FleetConfig from flat keywords, as tests write them: FleetSpec's fields
+    go to its spec (with no predictor unless one is named), the others to the simulated fleet."""
+    from dataclasses import fields
+
+    from sloserve.cluster.spec import FleetSpec
+    from sloserve.simulation import FleetConfig
+
+    names = {f.name for f in fields(FleetSpec)}
+    spec = {"predictor": "none", **{k: v for k, v in settings.items() if k in names}}
+    return FleetConfig(FleetSpec(**spec), **{k: v for k, v in settings.items() if k not in names})

@@ -216,8 +216,8 @@ class FakeWorker:
 
 
 @contextlib.asynccontextmanager
-async def serving_front(workers, num: int, config, keys=(), run_loops: bool = False, registry=None):
-    """A front on 127.0.0.1 over `num` stand-in workers (`workers(slot) -> FakeWorker`), ready:
+async def serving_front(workers, config, keys=(), run_loops: bool = False, registry=None):
+    """A front on 127.0.0.1 over `config.fleet.instances` stand-in workers (`workers(slot) -> FakeWorker`), ready:
     (fleet, front, port). `run_loops` also runs the front's controller loops (migration,
     autoscaling, the dashboard's sampler). Everything is stopped on the way out."""
     import uvicorn
@@ -227,7 +227,7 @@ async def serving_front(workers, num: int, config, keys=(), run_loops: bool = Fa
     from sloserve.server.qos import QoSRegistry
     from sloserve.workers.handles import free_port
 
-    fleet = build_worker_fleet(workers, num, config, fleet_secret=FAKE_SECRET)
+    fleet = build_worker_fleet(workers, config, fleet_secret=FAKE_SECRET)
     await fleet.start()
     front = Front(fleet, (registry or QoSRegistry()).with_keys(list(keys)))
     port = free_port()

@@ -5,13 +5,14 @@ request; scale to zero holds arrivals until the first instance is up."""
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 
 import numpy as np
 import pytest
 
+from fleet_helpers import sim_config
 from sloserve.cluster.autoscale import ScalingOptions, make_autoscaler
 from sloserve.cluster.autoscale.planner import ScalePlanner
+from sloserve.cluster.spec import FleetSpec
 from sloserve.core.config import SchedulerConfig
 from sloserve.fleet_view import DRAINING, READY, STARTING, STOPPED, InstanceSlot, ScalingSignals
 from sloserve.sched.state import InstanceState
@@ -112,9 +113,9 @@ def burst_workload(phases=((2.0, 300.0), (16.0, 600.0), (1.0, 1500.0)), seed: in
 
 
 def fleet(**kw) -> FleetConfig:
-    return FleetConfig(instances=6, model="llama-3.1-8b", hardware="a10-24g", router="least-requests",
-                       autoscale="reactive", min_instances=1, capacity_rps=2.5, scaling_interval_s=30,
-                       cold_start_s=60, demand_step_s=10, scale_down_delay_s=120, **kw)
+    return sim_config(**{**dict(instances=6, model="llama-3.1-8b", hardware="a10-24g", router="least-requests",
+                                autoscale="reactive", min_instances=1, capacity_rps=2.5, scaling_interval_s=30,
+                                cold_start_s=60, demand_step_s=10, scale_down_delay_s=120), **kw})
 
 
 @pytest.mark.slow
@@ -175,8 +176,7 @@ def sim_run_instances(cfg: FleetConfig, reqs):
 
 
 def test_scale_to_zero_holds_arrivals_until_an_instance_is_up():
-    cfg = fleet(initial_instances=0)
-    cfg.min_instances = 0
+    cfg = fleet(initial_instances=0, min_instances=0)
     reqs = [WorkloadRequest(5.0 + i, prompt_len=300, output_len=20) for i in range(5)]
     records, result = simulate(build_fleet(cfg), sim_requests(reqs))
     assert all(r.success for r in records) and result.scaling["cold_starts"] == 1
@@ -185,8 +185,7 @@ def test_scale_to_zero_holds_arrivals_until_an_instance_is_up():
 
 
 def test_static_fleet_costs_its_size_for_the_whole_run():
-    cfg = fleet(initial_instances=3)
-    cfg.autoscale = "static"
+    cfg = fleet(initial_instances=3, autoscale="static")
     records, result = simulate(build_fleet(cfg), sim_requests(burst_workload()[:200]))
     assert all(r.success for r in records)
     assert result.scaling["instance_seconds"] == pytest.approx(3 * result.end_time)
@@ -268,7 +267,7 @@ def test_the_capacity_model_holds_rates_long_enough_to_see_a_queue_grow(tmp_path
     from sloserve.user_cache import JsonCache
 
     reqs = burst_workload(phases=((1.0, 12000.0),), seed=3)  # only the lengths and the order matter
-    cfg = FleetConfig(instances=1, model="llama-3.1-8b", hardware="h100-80g", router="least-requests")
+    cfg = sim_config(instances=1, model="llama-3.1-8b", hardware="h100-80g", router="least-requests")
     slo = SLO(ttft_s=3.0, tpot_s=0.1)
     cache = JsonCache(tmp_path / "capacity.json")
     squeezed = planning.instance_capacity(reqs, cfg, slo, cache=cache, min_duration_s=0.0)
@@ -286,7 +285,7 @@ def pd_fleet(**kw) -> FleetConfig:
     settings = dict(pd="4:4", pd_min="1:1", pd_capacity=(1.0, 8.0), model="llama-3.1-8b", hardware="a10-24g",
                     router="least-requests", autoscale="reactive", scaling_interval_s=30, cold_start_s=60,
                     demand_step_s=10, scale_down_delay_s=120, migration="drain")
-    return FleetConfig(**{**settings, **kw})
+    return sim_config(**{**settings, **kw})
 
 
 def test_a_disaggregated_fleet_scales_its_pools_apart():
@@ -376,7 +375,7 @@ def test_the_forecast_band_planned_for_is_a_setting():
 
     noisy = daily(4) * np.random.default_rng(3).uniform(0.8, 1.2, len(daily(4)))
     history = Series("history", noisy, 600.0)
-    wide, narrow = (build_fleet(replace(fleet(scaling_history=history, forecast_level=level), autoscale="predictive"))
+    wide, narrow = (build_fleet(fleet(scaling_history=history, forecast_level=level, autoscale="predictive"))
                     for level in (0.9, 0.5))
     policies = [sim.controller.scalers["mixed"].autoscaler for sim in (wide, narrow)]
     assert [p.options.level for p in policies] == [0.9, 0.5]
@@ -384,11 +383,10 @@ def test_the_forecast_band_planned_for_is_a_setting():
     top_wide, top_narrow = (p.forecast_peak(sig)[0] for p in policies)
     assert top_narrow < top_wide
     # the real server's front builds its planners from the same setting (`sloserve serve --forecast-level`)
-    from sloserve.front.multi import scale_planners
-    from sloserve.workers.fleet import FrontConfig
+    from sloserve.cluster.assembly import scale_planners
 
-    served = scale_planners(FrontConfig(predictor=None, autoscale="predictive", forecast_level=0.5,
-                                        scaling_history=history, capacity_rps=10.0), 4)
+    served = scale_planners(FleetSpec(instances=4, predictor="none", autoscale="predictive", forecast_level=0.5,
+                                      capacity_rps=10.0), history)
     assert served["mixed"].autoscaler.options.level == 0.5
 
 

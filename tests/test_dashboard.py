@@ -197,12 +197,12 @@ class FrontThread:
             self.ready.set()
 
     async def _main(self, num: int, admin_key: str) -> None:
+        from fleet_helpers import front_config
         from multi_helpers import FakeWorker, serving_front
-        from sloserve.front.app import FrontConfig
 
-        cfg = FrontConfig(router="round-robin", poll_interval_s=0.1, predictor=None, admin_keys=(admin_key,),
-                          timeline_interval_s=0.5)
-        async with serving_front(lambda slot: FakeWorker(5, 0.02), num, cfg, run_loops=True) as (_, _, port):
+        cfg = front_config(instances=num, router="round-robin", poll_interval_s=0.1, admin_keys=(admin_key,),
+                           timeline_interval_s=0.5)
+        async with serving_front(lambda slot: FakeWorker(5, 0.02), cfg, run_loops=True) as (_, _, port):
             self.url = f"http://127.0.0.1:{port}"
             self.ready.set()
             while not self.stop.is_set():

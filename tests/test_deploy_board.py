@@ -143,14 +143,13 @@ def scrape_front() -> str:
     """/metrics of an in-process front (1 prefill + 1 decode stand-in worker, reactive
     autoscaling that never acts in this test's lifetime) after one routed request."""
     from multi_helpers import FakeWorker, serving_front
-    from sloserve.front.app import FrontConfig
+    from fleet_helpers import front_config
 
     async def main() -> str:
-        cfg = FrontConfig(router="round-robin", poll_interval_s=0.1, predictor=None, roles=("prefill", "decode"),
-                          autoscale="reactive", capacity_rps=10.0, min_instances=2, initial_instances=2,
-                          scaling_interval_s=3600.0)
+        cfg = front_config(router="round-robin", poll_interval_s=0.1, pd=(1, 1), autoscale="reactive",
+                           pd_capacity=(10.0, 10.0), pd_min=(1, 1), scaling_interval_s=3600.0)
         workers = lambda slot: FakeWorker(tokens=2, delay=0.01)  # noqa: E731
-        async with serving_front(workers, 2, cfg, run_loops=True) as (_, _, port):
+        async with serving_front(workers, cfg, run_loops=True) as (_, _, port):
             async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=60) as client:
                 r = await client.post("/v1/completions", json={"prompt": "a b c", "max_tokens": 2})
                 assert r.status_code == 200, r.text

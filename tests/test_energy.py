@@ -8,6 +8,7 @@ import random
 
 import pytest
 
+from fleet_helpers import sim_config
 from sloserve.cli import main
 from sloserve.sched.clocks import (ClockOption, EnergyMinClock, MaxClock, SLOSlackClock, make_clock_policy,
                                    occupancy_end_by, step_end_by)
@@ -18,7 +19,7 @@ from sloserve.sim.cost import RooflineCostModel
 from sloserve.sim.hardware import get_hardware
 from sloserve.sim.power import get_power
 from sloserve.evaluation.fleet import simulate_policy
-from sloserve.simulation import FleetConfig, build_fleet, sim_requests, simulate
+from sloserve.simulation import build_fleet, sim_requests, simulate
 from sloserve.core.types import QoSClass, Request, SamplingParams
 from sloserve.workload.types import WorkloadRequest
 
@@ -150,7 +151,7 @@ def workload(n: int, rate: float, prompt: int, output: int, seed: int = 0) -> li
 
 
 def run(policy, stream, qos: QoSClass, fast_forward: bool = True, **kw):
-    cfg = FleetConfig(instances=1, clock_policy=policy, fast_forward=fast_forward, **kw)
+    cfg = sim_config(instances=1, clock_policy=policy, fast_forward=fast_forward, **kw)
     records, result = simulate(build_fleet(cfg), sim_requests(stream, {"default": qos}))
     met = sum(r.ttft_s <= qos.ttft_target_s and (r.tpot_s is None or r.tpot_s <= qos.tbt_target_s)
               for r in records) / len(records)

@@ -9,6 +9,7 @@ import math
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from fleet_helpers import sim_config
 from sloserve.cli import main
 from sloserve.cluster.experts import make_expert_placer, pack, replicate
 from sloserve.expert_layout import ExpertPlacement
@@ -16,7 +17,7 @@ from sloserve.sched.costs import StepLoad
 from sloserve.sim.catalog import get_model
 from sloserve.sim.experts import ExpertParallelCostModel, ExpertPopularity
 from sloserve.sim.hardware import get_hardware
-from sloserve.simulation import FleetConfig, build_fleet, sim_requests, simulate
+from sloserve.simulation import build_fleet, sim_requests, simulate
 from sloserve.workload.build import WorkloadSpec, build_stream
 
 # One layer of 8 experts: expert 0 takes half the tokens, the rest share the other half.
@@ -120,7 +121,7 @@ def test_the_straggler_sets_a_compute_bound_step_and_offloaded_experts_cost_host
 
 def run(policy: str, drift_s: float, duration: float = 240.0, **kw):
     stream = list(build_stream(WorkloadSpec(name="sharegpt", rate=3.0, num_requests=int(3 * duration))))
-    cfg = FleetConfig(instances=1, model="mixtral-8x7b", tp=8, experts=policy, expert_skew=0.8,
+    cfg = sim_config(instances=1, model="mixtral-8x7b", tp=8, experts=policy, expert_skew=0.8,
                       expert_drift_s=drift_s, expert_epoch_s=20.0, expert_interval_s=60.0, **kw)
     sim = build_fleet(cfg)
     records, result = simulate(sim, sim_requests(stream))

@@ -2,11 +2,11 @@
 the relays that ended since (no workers started: a fleet of stand-in handles and a hand-set clock)."""
 from __future__ import annotations
 
-from fleet_helpers import StandInHandle
+from fleet_helpers import StandInHandle, front_config
 from sloserve.sched.state import InstanceState
 from sloserve.front.multi import build_worker_fleet
 from sloserve.core.types import Request, SamplingParams
-from sloserve.workers.fleet import HEALTHY, FrontConfig
+from sloserve.workers.fleet import HEALTHY
 
 
 def _snapshot(running: int, waiting: int = 0) -> InstanceState:
@@ -15,7 +15,7 @@ def _snapshot(running: int, waiting: int = 0) -> InstanceState:
 
 def test_a_stream_that_ended_since_the_poll_no_longer_counts_and_least_requests_sees_it():
     now = [10.0]
-    fleet = build_worker_fleet(lambda slot: StandInHandle(), 2, FrontConfig(router="least-requests", predictor=None),
+    fleet = build_worker_fleet(lambda slot: StandInHandle(), front_config(instances=2, router="least-requests"),
                                clock=lambda: now[0])
     a, b = fleet.instances
     for inst in (a, b):
@@ -32,7 +32,7 @@ def test_a_stream_that_ended_since_the_poll_no_longer_counts_and_least_requests_
 
 
 def test_departures_never_make_counts_negative():
-    fleet = build_worker_fleet(lambda slot: StandInHandle(), 1, FrontConfig(router="least-requests", predictor=None))
+    fleet = build_worker_fleet(lambda slot: StandInHandle(), front_config(router="least-requests"))
     inst = fleet.instances[0]
     inst.state = _snapshot(0, 1)  # one waiting; then two relays end (one the snapshot never saw)
     inst.in_flight = 2

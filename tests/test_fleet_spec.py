@@ -1,35 +1,35 @@
-"""One description of a fleet (cluster/spec.FleetSpec): `serve` and `simulate` define the
-controller's options once and resolve them to the same spec, the real fleet's FrontConfig and the
-simulated fleet's FleetConfig built from one spec run the controller with the same settings (and
-their defaults are the same), a YAML file describes the same spec, and flags given win over it."""
+"""One description of a fleet (cluster/spec.FleetSpec) and one assembly of its controller
+(cluster/assembly.build_controller): `serve` and `simulate` define the controller's options once
+and resolve them to the same spec; the real fleet's FrontConfig, the simulated fleet's FleetConfig
+and the evaluation suite's fleet hold that spec (no flat copies) and build the same controller from
+it; a YAML file describes the same spec, and flags given win over it."""
 from __future__ import annotations
 
-from dataclasses import fields
+import ast
+from pathlib import Path
 
 import pytest
 
+from fleet_helpers import StandInHandle
 from sloserve.cli import build_parser
 from sloserve.cluster.spec import FleetSpec
 from sloserve.cli.fleet_args import resolve_fleet_args
 from sloserve.core.config import PoolSettings
-from sloserve.front.multi import front_config
-from sloserve.simulation import FleetConfig
+from sloserve.front.multi import build_worker_fleet
+from sloserve.simulation import FleetConfig, build_fleet, make_predictions
 from sloserve.workers.fleet import FrontConfig
-
-# FleetSpec fields both backend configs carry flat, under the same name and meaning.
-# Left out, with why: instances/min_instances/pd/prefill_pool/decode_pool (the real fleet holds them
-# as slots, roles and worker specs), predictor (each config holds the resolved one: compared below),
-# capacity_rps/pd_min/pd_capacity (the real front keeps them as 0.0 and tuples).
-SHARED = ("router", "decode_router", "migration", "migration_interval_s", "pd_transfer", "mixed_handoff",
-          "mixed_handoff_tokens", "autoscale", "scaling_interval_s", "scale_down_delay_s", "target_utilization",
-          "stable_window_s", "forecaster", "forecast_level")
 
 NON_DEFAULT = ["--instances", "2:6", "--router", "predicted-load", "--migration", "balance,defrag",
                "--migration-interval", "0.25", "--autoscale", "reactive", "--capacity", "3",
                "--scaling-interval", "20", "--scale-down-delay", "120", "--target-utilization", "0.7",
-               "--stable-window", "30", "--forecaster", "gbm", "--forecast-level", "0.8"]
+               "--stable-window", "30", "--forecaster", "gbm", "--forecast-level", "0.8", "--router-epsilon", "0.1"]
 PD = ["--pd", "2:3", "--pd-transfer", "blocking", "--decode-router", "least-kv", "--pd-prefill", "budget=4096",
-      "--pd-decode", "seqs=64"]
+      "--pd-decode", "seqs=64", "--autoscale", "reactive", "--pd-min", "1:2", "--pd-capacity", "2:5"]
+HANDOFF = ["--instances", "3", "--mixed-handoff", "prefill-pressure", "--decode-router", "least-kv",
+           "--router", "prefix-affinity"]
+CASES = [[], NON_DEFAULT, PD, HANDOFF]
+IDS = ["defaults", "autoscaled", "disaggregated", "mixed-handoff"]
+SRC = Path(__file__).resolve().parents[1] / "sloserve"
 
 
 def resolved(command: str, argv: list[str]) -> FleetSpec:
@@ -39,37 +39,80 @@ def resolved(command: str, argv: list[str]) -> FleetSpec:
     return spec
 
 
-def test_every_config_field_the_spec_shares_exists_on_both_backends():
-    names = {f.name for f in fields(FleetSpec)}
-    for name in SHARED:
-        assert name in names and hasattr(FrontConfig(), name) and hasattr(FleetConfig(), name), name
+def controller_shape(controller) -> dict:
+    """What a controller decides with: its policies by type and their settings."""
+    def router(r):
+        return (type(r).__name__, getattr(r, "epsilon", None), getattr(r, "predictions", None) is not None)
+
+    migration = controller.migration
+    return {"router": router(controller.router), "decode_router": router(controller.decode_router),
+            "separate_decode_router": controller.decode_router is not controller.router,
+            "migration": sorted(type(p).__name__ for p in getattr(migration, "policies", [migration])),
+            "mixed_handoff": type(controller.mixed_handoff).__name__,
+            "scalers": {pool: (type(p.autoscaler).__name__, p.min_instances, p.max_instances, p.scale_down_delay_s)
+                        for pool, p in controller.scalers.items()}}
 
 
-@pytest.mark.parametrize("argv", [[], NON_DEFAULT, PD], ids=["defaults", "autoscaled", "disaggregated"])
+@pytest.mark.parametrize("argv", CASES, ids=IDS)
 def test_serve_and_simulate_resolve_the_same_flags_to_the_same_spec(argv):
     served, simulated = resolved("serve", argv), resolved("simulate", argv)
     assert served == simulated
     served.validate()
 
 
-@pytest.mark.parametrize("argv", [[], NON_DEFAULT, PD], ids=["defaults", "autoscaled", "disaggregated"])
-def test_one_spec_builds_both_fleets_with_the_same_controller_settings(argv):
+@pytest.mark.parametrize("argv", CASES, ids=IDS)
+def test_one_spec_assembles_the_same_controller_for_the_real_and_the_simulated_fleet(argv):
     spec = resolved("serve", argv)
-    real, simulated = front_config(spec), FleetConfig.from_spec(spec)
-    diff = {name: (getattr(real, name), getattr(simulated, name)) for name in SHARED
-            if getattr(real, name) != getattr(simulated, name)}
-    assert not diff, diff
-    assert real.predictor == simulated.predictor == spec.resolved_predictor
-    assert simulated.spec.instances == spec.instances and simulated.spec.pd == spec.pd
+    real = build_worker_fleet(lambda slot: StandInHandle(), FrontConfig(spec))
+    simulated_cfg = FleetConfig(spec, hardware="h100-80g", model="llama-3.1-8b")
+    simulated = build_fleet(simulated_cfg, make_predictions(simulated_cfg))
+    assert real.config.fleet is spec and simulated_cfg.fleet is spec
+    ours, theirs = controller_shape(real.controller), controller_shape(simulated.controller)
+    # The one difference, by design: an operator may drain a real worker whatever --migration says.
+    assert ours.pop("migration") == sorted({"DrainPolicy", *theirs.pop("migration")} - {"NoMigration"})
+    assert ours == theirs
+    assert [i.role for i in real.instances] == simulated.roles == list(spec.roles)
+    assert simulated.migration_interval_s == spec.migration_interval_s
 
 
-def test_the_two_configs_default_alike():
-    real, simulated, spec = FrontConfig(), FleetConfig(), FleetSpec()
-    diff = {name: (getattr(real, name), getattr(simulated, name)) for name in SHARED
-            if getattr(real, name) != getattr(simulated, name)}
-    assert not diff, diff
-    assert real.predictor == simulated.predictor == spec.resolved_predictor is None
-    assert real.router == "least-requests" and real.pd_transfer == "pipelined"
+def test_the_evaluation_suite_runs_the_controller_the_spec_describes():
+    from sloserve.evaluation.fleet import DECODE_ROUTER, MIGRATION_INTERVAL_S, PREDICTOR, Policy, Setting, fleet_config
+
+    setting = Setting("sharegpt", "h100-80g", "llama-3.1-8b", tp=1, instances=4, slo=1.0, link="infiniband-ndr")
+    cfg = fleet_config(setting, Policy("predicted-load", "balance", pd="1:3"))
+    spec = FleetSpec(instances=4, router="predicted-load", migration="balance", pd=(1, 3), decode_router=DECODE_ROUTER,
+                     predictor=PREDICTOR, migration_interval_s=MIGRATION_INTERVAL_S)
+    assert cfg.fleet == spec
+    direct = FleetConfig(spec, hardware=cfg.hardware, model=cfg.model, tp=cfg.tp, link=cfg.link)
+    assert controller_shape(build_fleet(cfg, make_predictions(cfg)).controller) == \
+        controller_shape(build_fleet(direct, make_predictions(direct)).controller)
+
+
+def test_no_module_outside_the_spec_parses_p_d_and_no_config_copies_the_spec():
+    """"P:D" is parsed once, by cluster/spec.py; the backend configs hold a FleetSpec, not its fields."""
+    spec_fields = set(FleetSpec.__dataclass_fields__) - {"instances"}  # FleetConfig keeps `initial_instances`
+    assert not spec_fields & set(FrontConfig.__dataclass_fields__)
+    assert not spec_fields & set(FleetConfig.__dataclass_fields__)
+    for path in SRC.rglob("*.py"):
+        if path.name == "spec.py" and path.parent.name == "cluster":
+            continue
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and isinstance(node.func, (ast.Name, ast.Attribute)):
+                name = node.func.id if isinstance(node.func, ast.Name) else node.func.attr
+                assert name not in ("parse_pd", "parse_pd_capacity"), f"{path.relative_to(SRC)}:{node.lineno}"
+
+
+def test_p_d_is_a_typed_pair_from_either_spelling():
+    assert FleetSpec(pd="1:3") == FleetSpec(pd=(1, 3)) == FleetSpec(instances=4, pd=(1, 3))
+    assert FleetSpec(pd="1:3").instances == 4 and FleetSpec(pd="1:3").pd_text == "1:3"
+    assert FleetSpec(instances=6, pd=(1, 3)).with_pd("2:4").instances == 6
+    with pytest.raises(ValueError, match="--pd takes P:D"):
+        FleetSpec(pd="3")
+    with pytest.raises(ValueError, match="at least one prefill"):
+        FleetSpec(pd="0:2")
+    with pytest.raises(ValueError, match="--pd-min"):
+        FleetSpec(pd="2:2", pd_min="0:1")
 
 
 def test_the_predictor_is_loaded_where_a_policy_reads_it():
@@ -127,27 +170,26 @@ def test_a_spec_no_fleet_can_run_is_one_clear_error(spec, message):
 ])
 def test_the_simulated_fleet_checks_the_controller_settings_as_the_spec_does(spec, message):
     with pytest.raises(ValueError, match=message):
-        FleetConfig.from_spec(spec).validate()
+        FleetConfig(spec).validate()
 
 
 def test_a_fixed_part_of_a_fleet_drops_what_only_scaling_and_hand_offs_use():
-    pd = FleetConfig.from_spec(FleetSpec(instances=4, pd="2:2", decode_router="least-kv", autoscale="reactive",
-                                         prefill_pool=PoolSettings(max_num_seqs=8), pd_min="1:1",
-                                         pd_capacity=(2.0, 3.0)))
+    pd = FleetConfig(FleetSpec(instances=4, pd="2:2", decode_router="least-kv", autoscale="reactive",
+                               prefill_pool=PoolSettings(max_num_seqs=8), pd_min="1:1", pd_capacity=(2.0, 3.0)))
     pd.validate()
-    colocated = pd.fixed(instances=1, pd=None)
-    colocated.validate()  # no decode router, pool overrides or P/D bounds left to refuse
+    colocated = pd.fixed(instances=1, pd=None).fleet
+    FleetConfig(colocated).validate()  # no decode router, pool overrides or P/D bounds left to refuse
     assert (colocated.autoscale, colocated.pd_min, colocated.pd_capacity, colocated.decode_router) == \
         (None, None, None, None)
     assert colocated.prefill_pool == PoolSettings()
     pools = pd.fixed()
     pools.validate()
-    assert (pools.pd, pools.decode_router, pools.prefill_pool.max_num_seqs) == ("2:2", "least-kv", 8)
+    assert (pools.fleet.pd, pools.fleet.decode_router, pools.fleet.prefill_pool.max_num_seqs) == ((2, 2), "least-kv", 8)
 
 
 def test_the_simulator_refuses_the_real_fleets_live_transfer():
     with pytest.raises(ValueError, match="real fleet's"):
-        FleetConfig.from_spec(FleetSpec(instances=2, pd="1:1", pd_transfer="live")).validate()
+        FleetConfig(FleetSpec(instances=2, pd="1:1", pd_transfer="live")).validate()
 
 
 def test_a_fleet_file_with_an_unknown_setting_is_refused(tmp_path):
@@ -164,6 +206,6 @@ def test_a_simulated_fleet_is_written_as_a_file_serve_reads(tmp_path):
     assert main(["simulate", "--workload", "sharegpt", "--num-requests", "30", "--rate", "5", "--instances", "3",
                  "--router", "predicted-load", "--migration", "balance", "--out", str(out), "--no-progress"]) == 0
     written = FleetSpec.load(out / "fleet.yaml")
-    assert (written.instances, written.router, written.migration, written.predictor) == \
+    assert (written.instances, written.router, written.migration, written.resolved_predictor) == \
         (3, "predicted-load", "balance", "default")
     assert resolved("serve", ["--fleet", str(out / "fleet.yaml")]) == written

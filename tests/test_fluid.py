@@ -3,11 +3,11 @@ as the discrete-event fleet, priced by a response curve the discrete simulator m
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 
 import numpy as np
 import pytest
 
+from fleet_helpers import sim_config
 from sloserve.bench.metrics import SLO
 from sloserve.planning import response_curve
 from sloserve.sim.fluid import ResponseCurve, window_attainment
@@ -22,7 +22,7 @@ def fleet(**kw) -> FleetConfig:
     base = dict(instances=8, model="llama-3.1-8b", hardware="a10-24g", router="least-requests", autoscale="reactive",
                 min_instances=1, initial_instances=1, capacity_rps=10.0, scaling_interval_s=30, cold_start_s=60,
                 demand_step_s=10, scale_down_delay_s=120)
-    return FleetConfig(**{**base, **kw})
+    return sim_config(**{**base, **kw})
 
 
 def test_a_response_curve_never_rises_with_load_and_counts_load_past_its_last_point_as_misses():
@@ -80,7 +80,7 @@ def test_reactive_scaling_follows_a_step_up_and_back_down_by_draining():
 
 def test_the_fluid_fleet_refuses_what_it_does_not_model():
     with pytest.raises(ValueError, match="autoscaled colocated"):
-        build_fluid(fleet(autoscale=None), CURVE, 1.0)
+        build_fluid(fleet(autoscale=None, min_instances=None), CURVE, 1.0)
     with pytest.raises(ValueError, match="whole numbers of ticks"):
         build_fluid(fleet(demand_step_s=2.5), CURVE, 1.0, tick_s=1.0)
 
@@ -107,7 +107,7 @@ def test_a_measured_curve_makes_the_fluid_fleet_agree_with_the_discrete_one(tmp_
     capacity = 2.5  # req/s of these requests one 8B instance on an A10 carries (about: the curve measures the truth)
     cfg = fleet(capacity_rps=capacity, migration="drain", instances=6)
     calibration = poisson([1.0] * 20, 60.0, seed=7)
-    curve = response_curve(calibration, replace(cfg, autoscale=None), slo, capacity, loads=(0.5, 1.0, 1.5),
+    curve = response_curve(calibration, cfg.with_fleet(autoscale=None, min_instances=None), slo, capacity, loads=(0.5, 1.0, 1.5),
                            instances=2, duration_s=60.0, cache=JsonCache(tmp_path / "capacity.json"))
     assert curve.attainment[0] >= curve.attainment[-1] and curve.saturation_rps > 0
     rates = [2.0] * 30 + [8.0] * 30 + [2.0] * 30  # 5 minutes, 5 at 4x, 5 back

@@ -19,7 +19,8 @@ import pytest
 import uvicorn
 
 from multi_helpers import FAKE_SECRET, RETRY_AFTER, FakeWorker, serving_front, sse_events
-from sloserve.front.app import DEAD, HEALTHY, UNRESPONSIVE, Front, FrontConfig
+from fleet_helpers import front_config
+from sloserve.front.app import DEAD, HEALTHY, UNRESPONSIVE, Front
 from sloserve.front.multi import build_worker_fleet
 from sloserve.workers.handles import free_port
 
@@ -30,8 +31,8 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 @contextlib.asynccontextmanager
 async def front(workers, router: str = "round-robin", keys=(), num: int = 2, **config):
     """A front on 127.0.0.1 over `num` workers (`workers(slot) -> FakeWorker`), and a client for it."""
-    cfg = FrontConfig(router=router, poll_interval_s=0.1, predictor=None, **config)
-    async with serving_front(workers, num, cfg, keys) as (fleet, _, port):
+    cfg = front_config(instances=num, router=router, poll_interval_s=0.1, **config)
+    async with serving_front(workers, cfg, keys) as (fleet, _, port):
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=60) as client:
             yield fleet, client, port
 
@@ -217,8 +218,8 @@ def test_killing_a_worker_does_not_block_the_event_loop():
             super().kill()
 
     async def main():
-        fleet = build_worker_fleet(lambda slot: SlowToReap(), 1, FrontConfig(poll_interval_s=0.1, predictor=None,
-                                                                replace_dead=False), fleet_secret=FAKE_SECRET)
+        fleet = build_worker_fleet(lambda slot: SlowToReap(), front_config(poll_interval_s=0.1, replace_dead=False),
+                                   fleet_secret=FAKE_SECRET)
         await fleet.start(wait_ready_s=60)
         try:
             gaps, last = [], time.monotonic()
@@ -261,8 +262,8 @@ def test_the_front_serves_with_one_worker_up_and_drains_on_a_signal():
 
     async def main():
         spawn = lambda slot: FakeWorker(tokens=10, delay=0.05, crash=slot == 1)  # noqa: E731 - slot 1 crash-loops
-        fleet = build_worker_fleet(spawn, 2, FrontConfig(router="round-robin", poll_interval_s=0.1, predictor=None),
-                      fleet_secret=FAKE_SECRET)
+        fleet = build_worker_fleet(spawn, front_config(instances=2, router="round-robin", poll_interval_s=0.1),
+                                   fleet_secret=FAKE_SECRET)
         front_ = Front(fleet)
         port = free_port()
         config = uvicorn.Config(front_.build_app(), host="127.0.0.1", port=port, lifespan="off", log_config=None)
@@ -306,8 +307,8 @@ def test_workers_need_the_fleet_secret_and_admin_routes_an_admin_key():
                 assert r.status_code == 200
             assert (await client.get("/v1/models")).status_code == 401
         # a worker with another secret never answers the front's polls
-        fleet = build_worker_fleet(lambda slot: FakeWorker(secret="other"), 1, FrontConfig(poll_interval_s=0.1, predictor=None),
-                      fleet_secret=FAKE_SECRET)
+        fleet = build_worker_fleet(lambda slot: FakeWorker(secret="other"), front_config(poll_interval_s=0.1),
+                                   fleet_secret=FAKE_SECRET)
         await fleet.start()
         try:
             with pytest.raises(TimeoutError):

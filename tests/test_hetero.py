@@ -8,8 +8,9 @@ import json
 import numpy as np
 import pytest
 
+from fleet_helpers import sim_config
 from sloserve import hetero
-from sloserve.simulation import FleetConfig, build_mixed_fleet, sim_requests, simulate
+from sloserve.simulation import build_mixed_fleet, sim_requests, simulate
 from sloserve.workload.build import WorkloadSpec, build_stream
 from sloserve.workload.types import WorkloadRequest
 
@@ -70,21 +71,21 @@ def test_a_deployment_costs_its_gpus_and_breaks_constraints_without_being_run():
 
 def test_a_mixed_fleet_sends_more_work_to_its_faster_instances():
     reqs = azure(6.0, 60.0)
-    h100 = FleetConfig(instances=1, model="llama-3.1-8b", hardware="h100-80g")
-    a10 = FleetConfig(instances=1, model="llama-3.1-8b", hardware="a10-24g")
-    groups = [h100, a10, FleetConfig(instances=0, model="llama-3.1-8b", hardware="a100-80g")]
+    h100 = sim_config(instances=1, model="llama-3.1-8b", hardware="h100-80g")
+    a10 = sim_config(instances=1, model="llama-3.1-8b", hardware="a10-24g")
+    groups = [h100, a10, sim_config(instances=0, model="llama-3.1-8b", hardware="a100-80g")]
     records, _ = simulate(build_mixed_fleet(groups), sim_requests(reqs))
     assert len(records) == len(reqs) and all(r.success for r in records)
     finished = build_mixed_fleet(groups).run(list(sim_requests(reqs))).finished
     per_instance = [sum(f.instance_id == i for f in finished) for i in (0, 1)]
     assert per_instance[0] > 1.2 * per_instance[1]  # least-requests: the H100 empties its queue faster
-    slow, _ = simulate(build_mixed_fleet([FleetConfig(instances=2, model="llama-3.1-8b", hardware="a10-24g")]),
+    slow, _ = simulate(build_mixed_fleet([sim_config(instances=2, model="llama-3.1-8b", hardware="a10-24g")]),
                        sim_requests(reqs))
     assert np.percentile([r.e2e_s for r in records], 95) < np.percentile([r.e2e_s for r in slow], 95)
     with pytest.raises(ValueError, match="one model"):
-        build_mixed_fleet([h100, FleetConfig(instances=1, model="llama-2-7b", hardware="a10-24g")])
+        build_mixed_fleet([h100, sim_config(instances=1, model="llama-2-7b", hardware="a10-24g")])
     with pytest.raises(ValueError, match="at least one instance"):
-        build_mixed_fleet([FleetConfig(instances=0)])
+        build_mixed_fleet([sim_config(instances=0)])
 
 
 @pytest.mark.parametrize("sampler, trials", [("gp", 40), ("tpe", 50)])

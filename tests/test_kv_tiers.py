@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from sched_helpers import VOCAB
+from fleet_helpers import sim_config
 from sloserve.core.config import SchedulerConfig
 from sloserve.kv.manager import KVCacheManager
 from sloserve.kv.tiers import DISK, HOST, STORE, KVTiers, LocalTier, TierHit
@@ -325,13 +326,13 @@ def test_load_or_recompute_is_priced_per_tier():
 # ---- the simulator: the same tiers, priced on the hardware's links -------------------------------
 def test_simulated_fleet_serves_mooncake_prefixes_from_the_shared_store():
     from sloserve.core.config import CacheConfig
-    from sloserve.simulation import FleetConfig, build_fleet, sim_requests, simulate
+    from sloserve.simulation import build_fleet, sim_requests, simulate
     from sloserve.workload.build import WorkloadSpec, build_stream
 
     stream = build_stream(WorkloadSpec(name="mooncake-conv", replay=True, duration_s=60.0))
 
     def run_fleet(**kw):
-        cfg = FleetConfig(instances=2, router="round-robin", num_blocks=2000,
+        cfg = sim_config(instances=2, router="round-robin", num_blocks=2000,
                           scheduler=SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=64), **kw)
         sim = build_fleet(cfg)
         records, _ = simulate(sim, sim_requests(stream))

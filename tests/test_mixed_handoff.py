@@ -4,7 +4,6 @@ the instance that prefilled it; the move is a prefill/decode hand-off's; nothing
 workers: test_pd_live.py."""
 from __future__ import annotations
 
-import dataclasses
 import random
 
 import pytest
@@ -128,6 +127,6 @@ def test_prefill_pressure_moves_few_requests_and_cuts_the_token_gap_tail():
 
 def test_fleet_config_refuses_mixed_handoff_on_a_pd_fleet():
     with pytest.raises(ValueError, match="a --pd fleet has none"):
-        dataclasses.replace(FleetConfig(), pd="1:1", mixed_handoff="always").validate()
+        FleetConfig().with_fleet(pd="1:1", mixed_handoff="always").validate()
     with pytest.raises(ValueError, match="unknown mixed hand-off"):
-        dataclasses.replace(FleetConfig(), mixed_handoff="nope").validate()
+        FleetConfig().with_fleet(mixed_handoff="nope").validate()

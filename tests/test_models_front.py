@@ -138,16 +138,16 @@ def test_models_under_one_budget_never_hold_more_workers_than_it_together():
     from multi_helpers import FakeWorker, serving_front
     from sloserve.fleet_view import DRAINING, READY, STARTING
     from sloserve.front.budget import ModelsBudget
-    from sloserve.workers.fleet import FrontConfig
+    from fleet_helpers import front_config
 
     def config():
-        return FrontConfig(router="round-robin", poll_interval_s=0.1, predictor=None, autoscale="reactive",
-                           min_instances=1, initial_instances=1, capacity_rps=1.0, scaling_interval_s=0.2,
-                           scale_down_delay_s=0.3, stable_window_s=0.5, cold_start_guess_s=1.0)
+        return front_config(instances=3, router="round-robin", poll_interval_s=0.1, autoscale="reactive",
+                            min_instances=1, initial_instances=1, capacity_rps=1.0, scaling_interval_s=0.2,
+                            scale_down_delay_s=0.3, stable_window_s=0.5, cold_start_guess_s=1.0)
 
     async def main():
-        async with serving_front(lambda slot: FakeWorker(5, 0.02), 3, config()) as (_, busy, port), \
-                serving_front(lambda slot: FakeWorker(5, 0.02), 3, config()) as (_, idle, _):
+        async with serving_front(lambda slot: FakeWorker(5, 0.02), config()) as (_, busy, port), \
+                serving_front(lambda slot: FakeWorker(5, 0.02), config()) as (_, idle, _):
             budget = ModelsBudget({"busy": busy.autoscale, "idle": idle.autoscale}, 3, 0.2)
             with pytest.raises(ValueError, match="below the models' minimums"):
                 ModelsBudget({"busy": busy.autoscale, "idle": idle.autoscale}, 1, 0.2)

@@ -14,15 +14,16 @@ import httpx
 import pytest
 
 from multi_helpers import FakeWorker, serving_front, sse_events
-from sloserve.front.app import DEAD, HEALTHY, FrontConfig
+from fleet_helpers import front_config
+from sloserve.front.app import DEAD, HEALTHY
 from sloserve.front.multi import build_worker_fleet
 from sloserve.workers.contract import WorkerState
 
 
 @contextlib.asynccontextmanager
 async def front(num: int, router: str, tokens: int = 20, delay: float = 0.05, **config):
-    cfg = FrontConfig(router=router, poll_interval_s=0.1, predictor=None, **config)
-    async with serving_front(lambda slot: FakeWorker(tokens, delay), num, cfg) as (fleet, _, port):
+    cfg = front_config(instances=num, router=router, poll_interval_s=0.1, **config)
+    async with serving_front(lambda slot: FakeWorker(tokens, delay), cfg) as (fleet, _, port):
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=60) as client:
             yield fleet, client
 
@@ -205,7 +206,7 @@ def test_a_slot_whose_workers_die_while_starting_backs_off():
             return {"kind": self.kind, "url": None}
 
     async def main():
-        fleet = build_worker_fleet(lambda slot: Gone(), 1, FrontConfig(poll_interval_s=0.05, predictor=None))
+        fleet = build_worker_fleet(lambda slot: Gone(), front_config(poll_interval_s=0.05))
         await fleet.start()
         await asyncio.sleep(1.6)  # dies at once (retry in 1 s), dies again at ~1 s (retry in 2 s)
         inst = fleet.instances[0]

@@ -5,18 +5,19 @@ from __future__ import annotations
 
 import pytest
 
-from fleet_helpers import StandInHandle
+from fleet_helpers import StandInHandle, front_config
 from sloserve.cli import main
-from sloserve.core.config import PoolSettings, SchedulerConfig, pd_roles
+from sloserve.cluster.spec import FleetSpec
+from sloserve.core.config import PoolSettings, SchedulerConfig
 from sloserve.front.handoff import HandoffLatency
 from sloserve.front.multi import build_worker_fleet
 from sloserve.core.types import Request, SamplingParams
-from sloserve.workers.fleet import HEALTHY, FrontConfig
+from sloserve.workers.fleet import HEALTHY
 
 
-def _fleet(roles: tuple[str, ...], router: str = "round-robin", decode_router=None):
-    cfg = FrontConfig(router=router, predictor=None, roles=roles, decode_router=decode_router)
-    fleet = build_worker_fleet(lambda slot: StandInHandle(), len(roles), cfg)
+def _fleet(pd, router: str = "round-robin", decode_router=None, instances: int = 1):
+    cfg = front_config(instances=instances, router=router, pd=pd, decode_router=decode_router)
+    fleet = build_worker_fleet(lambda slot: StandInHandle(), cfg)
     for inst in fleet.instances:
         inst.status = HEALTHY
     return fleet
@@ -27,7 +28,7 @@ def _request(i: int) -> Request:
 
 
 def test_arrivals_go_to_prefill_and_handoffs_to_decode_instances():
-    fleet = _fleet(("prefill", "decode", "decode"))
+    fleet = _fleet((1, 2))
     assert fleet.disaggregated and [i.role for i in fleet.instances] == ["prefill", "decode", "decode"]
     assert {fleet.pick(_request(i), set()).slot for i in range(6)} == {0}
     targets = [fleet.pick_decode(_request(i), set()).slot for i in range(6)]
@@ -37,7 +38,7 @@ def test_arrivals_go_to_prefill_and_handoffs_to_decode_instances():
 
 
 def test_a_fleet_without_its_prefill_instance_still_serves():
-    fleet = _fleet(("prefill", "decode"))
+    fleet = _fleet((1, 1))
     fleet.instances[0].status = "dead"
     assert fleet.pick(_request(0), set()).slot == 1
     assert fleet.counters["pd_fallback"] == 1
@@ -45,18 +46,17 @@ def test_a_fleet_without_its_prefill_instance_still_serves():
     assert fleet.pick(_request(1), set()).slot == 0
 
 
-def test_mixed_fleets_are_unchanged_and_roles_must_fit():
-    fleet = _fleet(("mixed", "mixed"))
+def test_mixed_fleets_are_unchanged_and_roles_come_from_the_spec():
+    fleet = _fleet(None, instances=2)
     assert not fleet.disaggregated
     assert {fleet.pick(_request(i), set()).slot for i in range(4)} == {0, 1}
     assert fleet.pick_decode(_request(5), set()) is None  # no decode pool: nothing is handed off
-    with pytest.raises(ValueError, match="roles"):
-        _fleet(("prefill", "decode", "bogus"))
-    assert pd_roles("2:1", 3) == ["prefill", "prefill", "decode"] and pd_roles(None, 2) == ["mixed", "mixed"]
+    assert FleetSpec(pd=(2, 1)).roles == ("prefill", "prefill", "decode")
+    assert FleetSpec(instances=2).roles == ("mixed", "mixed")
 
 
 def test_decode_router_is_its_own_policy():
-    fleet = _fleet(("prefill", "decode", "decode"), router="least-requests", decode_router="round-robin")
+    fleet = _fleet((1, 2), router="least-requests", decode_router="round-robin")
     assert type(fleet.controller.decode_router).__name__ != type(fleet.controller.router).__name__
 
 
@@ -104,10 +104,9 @@ def test_an_autoscaled_pd_fleet_scales_each_pool_on_its_own_capacity():
     from sloserve.workers.fleet import STARTING, STOPPED
 
     now = [0.0]
-    cfg = FrontConfig(router="round-robin", predictor=None, roles=("prefill", "prefill", "decode", "decode"),
-                      autoscale="reactive", pd_min=(1, 1), pd_capacity=(1.0, 100.0), stable_window_s=10.0,
-                      scale_down_delay_s=0.0)
-    fleet = build_worker_fleet(lambda slot: StandInHandle(), 4, cfg, clock=lambda: now[0])
+    cfg = front_config(router="round-robin", pd=(2, 2), autoscale="reactive", pd_min=(1, 1),
+                       pd_capacity=(1.0, 100.0), stable_window_s=10.0, scale_down_delay_s=0.0)
+    fleet = build_worker_fleet(lambda slot: StandInHandle(), cfg, clock=lambda: now[0])
     assert [i.status != STOPPED for i in fleet.instances] == [True, False, True, False]
     for inst in fleet.instances:
         if inst.status != STOPPED:

@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from fleet_helpers import sim_config
 from sloserve.bench.metrics import SLO
 from sloserve.planning import Layout, at_rate, layouts, max_rate, plan
 from sloserve.simulation import FleetConfig, PoolSettings
@@ -40,7 +41,7 @@ def long_prompts(n: int = 120) -> list[WorkloadRequest]:
     return out
 
 
-FLEET = FleetConfig(hardware="h100-80g", model="llama-3.1-8b", router="least-requests")
+FLEET = sim_config(hardware="h100-80g", model="llama-3.1-8b", router="least-requests")
 
 
 @pytest.mark.slow
@@ -105,7 +106,7 @@ def test_a_sustained_search_finds_a_rate_that_holds_and_a_squeezed_sample_does_n
 
     # the stream is a function of n only: the same first n requests every time
     assert [r.prompt_len for r in first(50)] == [r.prompt_len for r in first(80)[:50]]
-    fleet = FleetConfig(hardware="a10-24g", model="llama-3.1-8b", instances=1)
+    fleet = FleetConfig(hardware="a10-24g", model="llama-3.1-8b")
     slo = SLO(ttft_s=5.0, tpot_s=0.2)
     sample = first(60)
     squeezed = goodput(sample, fleet, slo, iters=4)
@@ -162,7 +163,7 @@ def test_a_capacity_the_sample_cannot_hold_is_a_lower_bound_and_more_of_the_work
             out.append(WorkloadRequest(arrival_s=t, prompt_len=1500, output_len=32))
         return out
 
-    cfg = FleetConfig(hardware="a10-24g", model="llama-3.1-8b", instances=1)
+    cfg = FleetConfig(hardware="a10-24g", model="llama-3.1-8b")
     slo = SLO(ttft_s=2.0, tpot_s=0.2)
     cache = JsonCache(tmp_path / "capacity.json")
     with caplog.at_level("WARNING", logger="sloserve.planning"):

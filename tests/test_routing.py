@@ -9,6 +9,7 @@ from collections import Counter
 
 import pytest
 
+from fleet_helpers import sim_config
 from sloserve.cluster.lengths import LengthPrediction
 from sloserve.cluster.routers import ROUTERS, RouterOptions, make_router
 from sloserve.cluster.routers.predicted_load import PredictedLoadRouter
@@ -228,7 +229,7 @@ def test_every_router_runs_in_sloserve_simulate(name, tmp_path):
 def test_prefix_affinity_raises_the_hit_rate_in_a_simulated_fleet():
     """Conversations of several turns, each turn's prompt extending the last: following the
     cache saves prefill that round-robin recomputes."""
-    from sloserve.simulation import FleetConfig, build_fleet, sim_requests, simulate
+    from sloserve.simulation import build_fleet, sim_requests, simulate
     from sloserve.workload.types import WorkloadRequest
 
     rng = random.Random(0)
@@ -241,7 +242,7 @@ def test_prefix_affinity_raises_the_hit_rate_in_a_simulated_fleet():
                                           request_id=f"c{conv}-t{turn}"))
     hit = {}
     for name in ("round-robin", "prefix-affinity", "predicted-load"):
-        sim = build_fleet(FleetConfig(instances=4, router=name, num_blocks=20000))
+        sim = build_fleet(sim_config(instances=4, router=name, num_blocks=20000))
         records, result = simulate(sim, sim_requests(stream))
         assert result.num_finished == len(stream)
         hits = sum(i.kv.stats.hits for i in sim.instances)

@@ -11,15 +11,16 @@ import time
 import httpx
 
 from multi_helpers import FakeWorker, serving_front
-from sloserve.workers.fleet import HEALTHY, STOPPED, FrontConfig
+from fleet_helpers import front_config
+from sloserve.workers.fleet import HEALTHY, STOPPED
 
 
 def test_an_idle_fleet_scales_to_zero_and_the_next_request_waits_for_a_worker():
     async def main():
-        cfg = FrontConfig(router="round-robin", poll_interval_s=0.1, predictor=None, autoscale="reactive",
-                          min_instances=0, initial_instances=1, capacity_rps=1.0, scaling_interval_s=0.2,
-                          scale_down_delay_s=0.3, stable_window_s=0.5, cold_start_guess_s=1.0)
-        async with serving_front(lambda slot: FakeWorker(5, 0.02), 2, cfg, run_loops=True) as (fleet, front, port):
+        cfg = front_config(instances=2, router="round-robin", poll_interval_s=0.1, autoscale="reactive",
+                           min_instances=0, initial_instances=1, capacity_rps=1.0, scaling_interval_s=0.2,
+                           scale_down_delay_s=0.3, stable_window_s=0.5, cold_start_guess_s=1.0)
+        async with serving_front(lambda slot: FakeWorker(5, 0.02), cfg, run_loops=True) as (fleet, front, port):
             driver = front.autoscale
             deadline = time.monotonic() + 20
             while any(i.status != STOPPED for i in fleet.instances):  # nothing asked: everything stops
@@ -60,10 +61,10 @@ def test_a_request_whose_ttft_target_a_cold_start_cannot_meet_is_refused_at_once
     registry = QoSRegistry(classes={"default": DEFAULT_QOS, "interactive": QoSClass("interactive", 0.05, 0.1)})
 
     async def main():
-        cfg = FrontConfig(router="round-robin", poll_interval_s=0.1, predictor=None, autoscale="reactive",
-                          min_instances=0, initial_instances=1, capacity_rps=1.0, scaling_interval_s=0.2,
-                          scale_down_delay_s=0.3, stable_window_s=0.5, cold_start_guess_s=1.0)
-        async with serving_front(lambda slot: FakeWorker(5, 0.02), 2, cfg, run_loops=True,
+        cfg = front_config(instances=2, router="round-robin", poll_interval_s=0.1, autoscale="reactive",
+                           min_instances=0, initial_instances=1, capacity_rps=1.0, scaling_interval_s=0.2,
+                           scale_down_delay_s=0.3, stable_window_s=0.5, cold_start_guess_s=1.0)
+        async with serving_front(lambda slot: FakeWorker(5, 0.02), cfg, run_loops=True,
                                  registry=registry) as (fleet, front, port):
             driver = front.autoscale
             deadline = time.monotonic() + 20

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from fleet_helpers import sim_config
 from sloserve.sim.fluid import ResponseCurve
 from sloserve.sim.services import ServiceFleets
-from sloserve.simulation import FleetConfig, build_fluid
+from sloserve.simulation import build_fluid
 
 CURVE = ResponseCurve((0.5, 1.0, 1.5), (1.0, 0.9, 0.4), saturation_rps=12.0, capacity_rps=10.0)
 STEP_S = 10.0
@@ -16,7 +17,7 @@ def pool(**kw):
     base = dict(instances=8, model="llama-3.1-8b", hardware="a10-24g", router="least-requests", autoscale="reactive",
                 min_instances=1, initial_instances=1, capacity_rps=10.0, scaling_interval_s=30, cold_start_s=60,
                 demand_step_s=10, scale_down_delay_s=120)
-    return build_fluid(FleetConfig(**{**base, **kw}), CURVE, ttft_s=1.0)
+    return build_fluid(sim_config(**{**base, **kw}), CURVE, ttft_s=1.0)
 
 
 def held(result, name: str) -> dict[float, int]:

@@ -17,7 +17,8 @@ from sloserve.sim.cost import RooflineCostModel
 from sloserve.sim.hardware import get_hardware
 from sloserve.sim.instance import SimInstance
 from sloserve.sim.simulator import Simulator
-from sloserve.simulation import FleetConfig, build_fleet, parse_pd, sim_requests, simulate
+from sloserve.cluster.spec import FleetSpec
+from sloserve.simulation import FleetConfig, build_fleet, sim_requests, simulate
 from sloserve.core.types import Request, SamplingParams
 from sloserve.workload.types import WorkloadRequest
 
@@ -125,15 +126,15 @@ def test_roles_are_validated():
     with pytest.raises(ValueError, match="roles must name"):
         Simulator(two, make_router("round-robin"), costs, roles=["prefill", "gpu"])
     with pytest.raises(ValueError, match="P:D"):
-        parse_pd("3")
+        FleetSpec(pd="3")
     with pytest.raises(ValueError, match="at least one"):
-        parse_pd("0:2")
+        FleetSpec(pd="0:2")
 
 
 def test_fleet_config_builds_a_disaggregated_fleet():
-    cfg = FleetConfig(hardware="h100-80g", model="llama-3.1-8b", pd="1:2", link="infiniband-ndr")
+    cfg = FleetConfig(FleetSpec(pd="1:2"), hardware="h100-80g", model="llama-3.1-8b", link="infiniband-ndr")
     sim = build_fleet(cfg)
-    assert cfg.instances == 3 and sim.roles == ["prefill", "decode", "decode"]
+    assert cfg.fleet.instances == 3 and sim.roles == ["prefill", "decode", "decode"]
     stream = [WorkloadRequest(arrival_s=0.1 * i, prompt_len=300 + 50 * i, output_len=20) for i in range(12)]
     records, result = simulate(sim, sim_requests(stream))
     assert len(records) == 12 and all(r.error is None for r in records)
@@ -143,16 +144,15 @@ def test_fleet_config_builds_a_disaggregated_fleet():
 def test_pools_take_their_own_settings():
     from sloserve.simulation import PoolSettings, fleet_gpus
 
-    cfg = FleetConfig(hardware="h100-80g", model="llama-3.1-8b", pd="1:2",
-                      prefill_pool=PoolSettings.parse("tp=2,budget=8192,seqs=16,chunk=4096"),
-                      decode_pool=PoolSettings.parse("seqs=512"))
+    cfg = FleetConfig(FleetSpec(pd="1:2", prefill_pool=PoolSettings.parse("tp=2,budget=8192,seqs=16,chunk=4096"),
+                                decode_pool=PoolSettings.parse("seqs=512")), hardware="h100-80g", model="llama-3.1-8b")
     sim = build_fleet(cfg)
     prefill, decode = sim.instances[0], sim.instances[1]
     assert prefill.scheduler.config.max_num_batched_tokens == 8192 and prefill.scheduler.config.max_num_seqs == 16
     assert prefill.scheduler.config.long_prefill_token_threshold == 4096
     assert decode.scheduler.config.max_num_seqs == 512 and decode.scheduler.config.max_num_batched_tokens == 2048
     assert prefill.cost_model.tp == 2 and decode.cost_model.tp == 1
-    assert fleet_gpus(cfg) == 4 and fleet_gpus(FleetConfig(instances=3)) == 3
+    assert fleet_gpus(cfg) == 4 and fleet_gpus(FleetConfig(FleetSpec(instances=3))) == 3
     stream = [WorkloadRequest(arrival_s=0.05 * i, prompt_len=2000, output_len=30) for i in range(10)]
     records, result = simulate(sim, sim_requests(stream))
     assert all(r.error is None for r in records) and result.handoffs["completed"] == 10

@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from fleet_helpers import sim_config
 from sloserve.cluster.stages import STAGE_POLICIES, make_stage_policy
 from sloserve.sched.costs import StepLoad
 from sloserve.sim.catalog import get_model
@@ -73,7 +74,7 @@ def test_a_step_runs_the_slowest_stage_once_per_micro_batch():
     # each GPU holds a quarter of the weights, so an instance of four stages has room for much more KV
     _, _, one = build_cost_model(FleetConfig(hardware="l40s"))
     _, _, four = build_cost_model(FleetConfig(hardware="l40s", pp=4))
-    assert four > 4 * one and fleet_gpus(FleetConfig(hardware="l40s", pp=4, tp=2, instances=3)) == 24
+    assert four > 4 * one and fleet_gpus(sim_config(hardware="l40s", pp=4, tp=2, instances=3)) == 24
 
 
 def run_windows(model: PipelineCostModel, loads: list[StepLoad], start: float, window: float) -> float:
@@ -122,7 +123,7 @@ def test_a_pipeline_parallel_fleet_serves_everything_and_the_balanced_split_is_f
     reqs = azure(5.0, 120.0)
     out = {}
     for policy in ("even", "profiled", "dynamic"):
-        cfg = FleetConfig(instances=1, hardware="l40s", pp=4, stages=policy, stage_link="pcie-gen4",
+        cfg = sim_config(instances=1, hardware="l40s", pp=4, stages=policy, stage_link="pcie-gen4",
                           stage_window_s=20.0)
         records, result = simulate(build_fleet(cfg), sim_requests(reqs))
         assert len(records) == len(reqs) and all(r.success for r in records)

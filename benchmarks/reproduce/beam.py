@@ -32,7 +32,7 @@ def main() -> None:
     reqs = list(build_stream(WorkloadSpec(name="azure-code", rate=1.0, num_requests=args.requests)))
     slo = SLO(ttft_s=5.0, tpot_s=0.15)
     qos = {"default": QoSClass("default", slo.ttft_s or math.inf, slo.tpot_s or math.inf)}
-    base = FleetConfig(instances=1, hardware="h100-80g", model="llama-3.1-8b")
+    base = FleetConfig(hardware="h100-80g", model="llama-3.1-8b")
     stream = at_rate(reqs, 0.6 * burst_rate(reqs, base, slo))
     out = {}
     for policy in ("max", "slo-slack"):

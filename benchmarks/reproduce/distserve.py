@@ -18,6 +18,7 @@ from dataclasses import replace
 from common import Claim, report
 
 from sloserve.bench.metrics import SLO
+from sloserve.cluster.spec import FleetSpec
 from sloserve.core.config import SchedulerConfig
 from sloserve.planning import Layout, goodput, layouts, plan, sustained
 from sloserve.simulation import FleetConfig
@@ -40,8 +41,8 @@ def main() -> None:
     reqs = first(args.requests)
     at = sustained(first, len(reqs), args.sustain, 20000) if args.sustain > 0 else None
     slo = SLO(ttft_s=0.25, tpot_s=0.1)
-    base = FleetConfig(instances=GPUS, hardware="a100-80g", model="llama-2-13b", router="round-robin",
-                       decode_router="least-kv")
+    base = FleetConfig(FleetSpec(GPUS, router="round-robin", decode_router="least-kv"), hardware="a100-80g",
+                       model="llama-2-13b")
     rows = plan(reqs, base, slo, GPUS, [c for c in layouts(GPUS) if c.pd is not None], iters=3, requests_at=at)
     best = rows[0]
     whole = replace(base, scheduler=SchedulerConfig(max_num_batched_tokens=4096, max_num_seqs=256,

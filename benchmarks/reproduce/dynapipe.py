@@ -28,8 +28,7 @@ def main() -> None:
                                      arrival_process="poisson"))
     out = {}
     for policy in ("even", "dynamic"):
-        cfg = FleetConfig(instances=1, hardware="l40s", model="llama-3.1-8b", pp=4, stages=policy,
-                          stage_link="pcie-gen4")
+        cfg = FleetConfig(hardware="l40s", model="llama-3.1-8b", pp=4, stages=policy, stage_link="pcie-gen4")
         records, result = simulate(build_fleet(cfg), sim_requests(reqs))
         out[policy] = {"e2e_mean_s": float(np.mean([r.e2e_s for r in records])),
                        "e2e_p95_s": float(np.percentile([r.e2e_s for r in records], 95)),

@@ -18,6 +18,7 @@ import argparse
 
 from common import Claim, report
 
+from sloserve.cluster.spec import FleetSpec
 from sloserve.core.config import SchedulerConfig
 from sloserve.planning import max_rate
 from sloserve.simulation import FleetConfig, build_fleet, sim_requests, simulate
@@ -50,13 +51,13 @@ def siloed(reqs) -> bool:
     records = []
     for name in CLASSES:
         mine = [r for r in reqs if r.qos_class == name]
-        cfg = FleetConfig(instances=1, scheduler=SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=256))
+        cfg = FleetConfig(scheduler=SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=256))
         records += simulate(build_fleet(cfg), sim_requests(mine, CLASSES))[0]
     return attained(records)
 
 
 def shared(reqs) -> bool:
-    cfg = FleetConfig(instances=2, router="least-requests",
+    cfg = FleetConfig(FleetSpec(2, router="least-requests"),
                       scheduler=SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=256, policy="slo"))
     return attained(simulate(build_fleet(cfg), sim_requests(reqs, CLASSES))[0])
 

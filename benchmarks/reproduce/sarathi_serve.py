@@ -60,7 +60,7 @@ def main() -> None:
     args = ap.parse_args()
     pool = fitting(args.max_requests)
     requests_at = sustained(lambda n: pool[:n], 400, SUSTAIN_S, len(pool))
-    base = FleetConfig(instances=1, hardware="a100-80g", model="llama-3.1-8b")
+    base = FleetConfig(hardware="a100-80g", model="llama-3.1-8b")
     decode_s = RooflineCostModel(get_hardware("a100-80g"), get_model("llama-3.1-8b")).step_time(
         StepLoad.decodes(1, 1024))
     whole = SchedulerConfig(max_num_batched_tokens=8192, max_num_seqs=256, enable_chunked_prefill=False)

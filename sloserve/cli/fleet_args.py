@@ -11,14 +11,14 @@ import argparse
 from dataclasses import replace
 from typing import Any, Optional
 
-from sloserve.cluster.spec import FLAG_FIELDS, PD_TRANSFERS, FleetSpec
-from sloserve.core.config import PoolSettings, parse_instance_range, parse_pd, parse_pd_capacity
+from sloserve.cluster.spec import FLAG_FIELDS, PD_TRANSFERS, FleetSpec, pair_text
+from sloserve.core.config import PoolSettings, parse_instance_range
 
 _DEFAULT = FleetSpec()
 
 # flag -> FleetSpec field, for the options that map one to one
 _FLAGS = {flag: FLAG_FIELDS.get(flag, flag) for flag in (
-    "router", "decode_router", "predictor", "migration", "migration_interval", "pd", "pd_transfer", "mixed_handoff",
+    "router", "decode_router", "router_seed", "router_epsilon", "predictor", "migration", "migration_interval", "pd", "pd_transfer", "mixed_handoff",
     "mixed_handoff_tokens", "autoscale", "capacity", "pd_min", "scaling_interval", "scale_down_delay",
     "target_utilization", "stable_window", "forecaster", "forecast_level")}
 
@@ -46,6 +46,10 @@ def add_fleet_spec_args(p: argparse.ArgumentParser) -> None:
     f.add_argument("--router", help=f"routing policy: one of {sorted(ROUTERS)} (default {_default('router')})")
     f.add_argument("--decode-router", metavar="POLICY",
                    help="picks the decode instance of a hand-off (--pd or --mixed-handoff; default: --router)")
+    f.add_argument("--router-seed", type=int, help=f"seed of randomized routers (power-of-two; default "
+                                                   f"{_default('router_seed')})")
+    f.add_argument("--router-epsilon", type=float, help=f"prefix-affinity's load bound: an instance takes up to "
+                                                        f"(1 + e) x the mean load (default {_default('router_epsilon')})")
     f.add_argument("--predictor", metavar="auto|default|none|FILE",
                    help="output-length predictor: auto (the packaged one where a policy reads it, i.e. "
                         "predicted-load routing; default), the packaged `default`, a `sloserve train-predictor` "
@@ -108,18 +112,17 @@ def spec_from_args(args: argparse.Namespace, base: Optional[FleetSpec] = None) -
         if value is not None:
             changes[name] = value
     if getattr(args, "pd_capacity", None) is not None:
-        changes["pd_capacity"] = parse_pd_capacity(args.pd_capacity)
+        changes["pd_capacity"] = args.pd_capacity  # "P_RPS:D_RPS", parsed by the spec
     for flag, name in (("pd_prefill", "prefill_pool"), ("pd_decode", "decode_pool")):
         if getattr(args, flag, None) is not None:
             changes[name] = PoolSettings.parse(getattr(args, flag))
-    spec = replace(base, **changes)
     instances = getattr(args, "instances", None)
     if instances is not None:
         low, high = parse_instance_range(instances)
-        spec = replace(spec, instances=high, min_instances=low if ":" in str(instances) else None)
-    if spec.pd is not None and (instances is None or parse_instance_range(instances)[1] == 1):
-        spec = replace(spec, instances=sum(parse_pd(spec.pd)))  # --pd 1:2 alone means 3 instances
-    return spec
+        changes.update(instances=high, min_instances=low if ":" in str(instances) else None)
+    if "pd" in changes and "instances" not in changes:  # --pd 1:2 alone means 3 instances
+        return base.with_pd(changes.pop("pd"), **changes)
+    return replace(base, **changes)
 
 
 def resolve_fleet_args(args: argparse.Namespace) -> Optional[FleetSpec]:
@@ -131,6 +134,7 @@ def resolve_fleet_args(args: argparse.Namespace) -> Optional[FleetSpec]:
     args.fleet_spec = spec
     for flag, name in _FLAGS.items():
         setattr(args, flag, getattr(spec, name))
+    args.pd, args.pd_min = spec.pd_text, None if spec.pd_min is None else pair_text(spec.pd_min)
     args.capacity = spec.capacity_rps
     args.pd_capacity = None if spec.pd_capacity is None else ":".join(f"{c:g}" for c in spec.pd_capacity)
     from sloserve.cluster.spec import pool_text

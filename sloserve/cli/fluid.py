@@ -60,7 +60,7 @@ def check_fluid(args: argparse.Namespace, fleet) -> None:
     """ValueError (one line) on what a fluid run cannot take."""
     if not args.slo:
         raise ValueError("--fidelity fluid needs --slo: the response curve prices requests against it")
-    if fleet.autoscale is None or fleet.pd:
+    if fleet.fleet.autoscale is None or fleet.fleet.pd:
         raise ValueError("--fidelity fluid runs autoscaled colocated fleets: give --autoscale, drop --pd")
     if args.rate is not None and len(args.rate) > 1:
         raise ValueError("--fidelity fluid takes one --rate (the demand window's mean), not a sweep")
@@ -87,12 +87,12 @@ def fluid_inputs(args: argparse.Namespace, fleet) -> tuple:
     series = load_series(args.demand[0], "requests", 600.0)
     history, run = demand_window(series, args.start, args.duration, args.rate[0] if args.rate else None)
     spec = request_shapes(args)
-    if args.scaling_history is None and fleet.autoscale in ("predictive", "hybrid"):
+    if args.scaling_history is None and fleet.fleet.autoscale in ("predictive", "hybrid"):
         if len(history) < 2:
             raise ValueError("predictive/hybrid need demand before the window: a later --start, or --scaling-history")
         fleet.scaling_history = history  # the demand before the window, scaled as the window is
         fleet.demand_step_s = min(fleet.demand_step_s, history.step_s)
-    if fleet.autoscale == "oracle":
+    if fleet.fleet.autoscale == "oracle":
         fleet.scaling_future = run  # the yardstick knows the demand it is given: a user's own series included
     return SLO.parse(args.slo), spec, run
 
@@ -102,21 +102,22 @@ def run_fluid(args: argparse.Namespace, fleet, spec, run, slo, console) -> tuple
     record, a title and a one-paragraph summary. `fleet` has its capacity (simulate.prepare_autoscaling)."""
     from sloserve.simulation import build_fluid
 
-    capacity = float(fleet.capacity_rps)
+    fs = fleet.fleet
+    capacity = float(fs.capacity_rps)
     curve = measure_curve(fleet, spec, slo, console)
     wall0 = time.perf_counter()
     result = build_fluid(fleet, curve, slo.ttft_s, seed=args.seed).run(run.values, run.step_s)
     wall = time.perf_counter() - wall0
     sc = result.scaling
     hours = len(run) * run.step_s / 3600
-    peak_need = math.ceil(float(run.values.max()) / (capacity * fleet.target_utilization))
+    peak_need = math.ceil(float(run.values.max()) / (capacity * fs.target_utilization))
     record = {
         "fidelity": "fluid", "demand": args.demand[0], "start_s": args.start, "duration_s": hours * 3600,
         "mean_rps": float(run.values.mean()), "peak_rps": float(run.values.max()), "workload": spec.name,
         "slo": args.slo, "model": fleet.model, "hardware": fleet.hardware, "tp": fleet.tp,
-        "autoscale": fleet.autoscale, "forecaster": fleet.forecaster if fleet.autoscale in ("predictive", "hybrid")
-        else None, "min_instances": fleet.min_instances, "max_instances": fleet.instances,
-        "cold_start_s": fleet.cold_start_s, "target_utilization": fleet.target_utilization,
+        "autoscale": fs.autoscale, "forecaster": fs.forecaster if fs.autoscale in ("predictive", "hybrid")
+        else None, "min_instances": fs.fewest, "max_instances": fs.instances,
+        "cold_start_s": fleet.cold_start_s, "target_utilization": fs.target_utilization,
         "capacity_rps": capacity, "response_curve": curve.as_dict(),
         "requests": result.requests, "attainment": result.attainment, "unserved": result.unserved,
         "instance_hours": sc["instance_hours"], "gpu_hours": sc["instance_hours"] * fleet.tp,
@@ -126,7 +127,7 @@ def run_fluid(args: argparse.Namespace, fleet, spec, run, slo, console) -> tuple
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "fluid.json").write_text(json.dumps(record, indent=1))
-    label = (f"fluid · {fleet.autoscale} · {args.demand[0]} ({hours:g} h, mean {record['mean_rps']:.1f} req/s) · "
+    label = (f"fluid · {fs.autoscale} · {args.demand[0]} ({hours:g} h, mean {record['mean_rps']:.1f} req/s) · "
              f"{fleet.model} on {fleet.hardware} · cold start {fleet.cold_start_s:g} s")
     peak = max((row[1] for row in sc["timeline"]), default=0)
     summary = (f"{sc['instance_hours']:.2f} instance-hours ({sc['instance_hours'] / max(1e-9, peak_need * hours):.3f}x "
@@ -141,7 +142,7 @@ def measure_curve(fleet, spec, slo, console):
     from sloserve.planning import CURVE_DURATION_S, CURVE_INSTANCES, CURVE_LOADS, response_curve
     from sloserve.workload.build import build_stream
 
-    capacity = float(fleet.capacity_rps)
+    capacity = float(fleet.fleet.capacity_rps)
     need = math.ceil(max(CURVE_LOADS) * capacity * CURVE_INSTANCES * CURVE_DURATION_S * 1.05)
     console.print(f"response curve: {CURVE_INSTANCES} instances at {len(CURVE_LOADS)} loads, {CURVE_DURATION_S:g} s "
                   f"each ({need} requests of {spec.name}) ...")
@@ -194,15 +195,15 @@ def simulate_services(args: argparse.Namespace, fleet, prepare_autoscaling) -> i
     spec = request_shapes(args)
     console = Console(stderr=True)
     console.print(f"capacity of one {fleet.model} instance on {fleet.hardware} at {args.slo} ...")
-    prepare_autoscaling(fleet, args, spec, slo)
+    fleet = prepare_autoscaling(fleet, args, spec, slo)
     fleet.validate()
     curve = measure_curve(fleet, spec, slo, console)
     fleets = {}
     for i, (name, (history, window)) in enumerate(windows.items()):
         own = replace(fleet)
-        if own.autoscale == "oracle":
+        if own.fleet.autoscale == "oracle":
             own.scaling_future = window  # this service's own demand, known in advance
-        if own.autoscale in ("predictive", "hybrid") and args.scaling_history is None:
+        if own.fleet.autoscale in ("predictive", "hybrid") and args.scaling_history is None:
             if len(history) < 2:
                 raise ValueError("predictive/hybrid need each service's demand before the window: a later --start")
             own.scaling_history = history  # this service's own past: its forecaster is its own
@@ -215,13 +216,13 @@ def simulate_services(args: argparse.Namespace, fleet, prepare_autoscaling) -> i
     record = {"fidelity": "fluid", "demand": {n: s for n, s in services}, "budget": args.budget,
               "start_s": args.start, "duration_s": len(next(iter(windows.values()))[1]) * step_s,
               "workload": spec.name, "slo": args.slo, "model": fleet.model, "hardware": fleet.hardware,
-              "autoscale": fleet.autoscale, "capacity_rps": float(fleet.capacity_rps),
+              "autoscale": fleet.fleet.autoscale, "capacity_rps": float(fleet.fleet.capacity_rps),
               "response_curve": curve.as_dict(), "wall_s": wall, **result.as_dict()}
     record["timelines"] = {name: r.scaling["timeline"] for name, r in result.services.items()}
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "services.json").write_text(json.dumps(record, indent=1))
-    table = Table(title=f"{len(services)} services · {fleet.autoscale} · budget "
+    table = Table(title=f"{len(services)} services · {fleet.fleet.autoscale} · budget "
                         f"{args.budget if args.budget is not None else 'none'} · {fleet.model} on {fleet.hardware}")
     for column in ("service", "demand", "requests", "SLO attainment", "instance-hours", "cold starts"):
         table.add_column(column, justify="right")

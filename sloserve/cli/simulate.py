@@ -86,8 +86,6 @@ def add_fleet_args(p: argparse.ArgumentParser) -> None:
     f.add_argument("--model", default="llama-3.1-8b", help=f"one of {sorted(MODELS)}")
     f.add_argument("--tp", type=int, default=1, help="tensor-parallel degree per instance")
     f.add_argument("--no-online-predictor", action="store_true", help="do not learn from completed requests")
-    f.add_argument("--router-seed", type=int, default=0, help="seed of randomized routers (power-of-two)")
-    f.add_argument("--router-epsilon", type=float, default=0.25, help="prefix-affinity load bound: (1+e) x mean")
     f.add_argument("--link", default=DEFAULT_LINK, help=f"link KV migrates over between instances: one of {sorted(LINKS)}")
     f.add_argument("--scheduler", default="fcfs", help=f"instance scheduling policy: one of {sorted(POLICIES)}")
     f.add_argument("--profile", help="price steps with a `sloserve profile` file instead of the roofline model")
@@ -160,7 +158,7 @@ def fleet_config_from_args(args: argparse.Namespace):
 
     spec = getattr(args, "fleet_spec", None) or spec_from_args(args)
     spec.validate()
-    return FleetConfig.from_spec(
+    return FleetConfig(
         spec, hardware=args.hardware, model=args.model, tp=args.tp,
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                                   policy=args.scheduler, preemption_mode=args.preemption_mode,
@@ -171,8 +169,7 @@ def fleet_config_from_args(args: argparse.Namespace):
                           tier_write_back=not getattr(args, "kv_write_through", False)),
         kv_store_gib=getattr(args, "kv_store_gib", 0.0), kv_store_link=getattr(args, "kv_store_link", DEFAULT_LINK),
         profile=args.profile, num_blocks=args.num_blocks, fast_forward=not args.no_fast_forward,
-        online_predictor=not args.no_online_predictor, router_seed=args.router_seed,
-        router_epsilon=args.router_epsilon, link=args.link,
+        online_predictor=not args.no_online_predictor, link=args.link,
         cold_start_s=getattr(args, "cold_start", 120.0), warm_start_s=getattr(args, "warm_start", None),
         keep_alive_s=getattr(args, "keep_alive", 0.0),
         clock_policy=getattr(args, "clock_policy", None), experts=getattr(args, "experts", None),
@@ -206,9 +203,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     spec = workload_spec_from_args(args)
     rates = resolve_rates(args, spec)
     fleet = fleet_config_from_args(args)
+    fs = fleet.fleet  # the controller's side
     slo = SLO.parse(args.slo) if args.slo else SLO()
-    if fleet.autoscale is not None:
-        prepare_autoscaling(fleet, args, spec, slo)
+    if fs.autoscale is not None:
+        fleet = prepare_autoscaling(fleet, args, spec, slo)
+        fs = fleet.fleet
     fleet.validate()
     build_fleet(fleet, make_predictions(fleet))  # fail on bad names (and a bad predictor file) before any work
     classes = {c.name: c.qos for c in spec.mix.classes} if spec.mix else {}
@@ -228,8 +227,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             sim = build_fleet(fleet, predictions)
             timeline = FleetTimeline(timeline_interval(args.timeline_interval, stream), "simulated",
                                      max_frames=1_000_000, max_events=100_000)
-            timeline.meta.update(model=fleet.model, hardware=fleet.hardware, instances=fleet.instances,
-                                 router=fleet.router, workload=run_spec.name, rate=fmt_rate(rate))
+            timeline.meta.update(model=fleet.model, hardware=fleet.hardware, instances=fs.instances,
+                                 router=fs.router, workload=run_spec.name, rate=fmt_rate(rate))
             met = slo_checker(slo, class_slos(spec.mix))
             wall0 = time.perf_counter()
             records, result = simulate(
@@ -240,16 +239,17 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             summary = summarize(records, None, slo, class_slos(spec.mix))
             config = {
                 "simulated": True, "workload": run_spec.name, "rate": fmt_rate(rate), "replay": run_spec.replay,
-                "instances": fleet.instances, "hardware": fleet.hardware, "model": fleet.model, "tp": fleet.tp,
-                "router": fleet.router, "predictor": fleet.predictor, "scheduler": fleet.scheduler.policy,
-                "profile": fleet.profile, "migration": fleet.migration, "link": fleet.link,
-                "pd": fleet.pd, "pd_transfer": fleet.pd_transfer,
-                "mixed_handoff": fleet.mixed_handoff, "prefill_pool": vars(fleet.prefill_pool),
-                "decode_pool": vars(fleet.decode_pool), "autoscale": fleet.autoscale,
-                "min_instances": fleet.min_instances if fleet.autoscale else None,
-                "capacity_rps": fleet.capacity_rps, "cold_start_s": fleet.cold_start_s if fleet.autoscale else None,
-                "pd_min": fleet.pd_min or ("1:1" if fleet.pd and fleet.autoscale else None),
-                "pd_capacity": fleet.pd_capacity, "clock_policy": fleet.clock_policy, "experts": fleet.experts,
+                "instances": fs.instances, "hardware": fleet.hardware, "model": fleet.model, "tp": fleet.tp,
+                "router": fs.router, "predictor": fs.resolved_predictor, "scheduler": fleet.scheduler.policy,
+                "profile": fleet.profile, "migration": fs.migration, "link": fleet.link,
+                "pd": fs.pd_text, "pd_transfer": fs.pd_transfer,
+                "mixed_handoff": fs.mixed_handoff, "prefill_pool": vars(fs.prefill_pool),
+                "decode_pool": vars(fs.decode_pool), "autoscale": fs.autoscale,
+                "min_instances": fs.fewest if fs.autoscale else None,
+                "capacity_rps": fs.capacity_rps, "cold_start_s": fleet.cold_start_s if fs.autoscale else None,
+                "pd_min": "{}:{}".format(*(low for low, _ in fs.pool_bounds.values()))
+                if fs.pd and fs.autoscale else None,
+                "pd_capacity": fs.pd_capacity, "clock_policy": fleet.clock_policy, "experts": fleet.experts,
                 "pp": fleet.pp, "stages": fleet.stages if fleet.pp > 1 else None,
                 "kv_tiers": {"host_gib": fleet.cache.host_tier_gib, "disk_gib": fleet.cache.disk_tier_gib,
                              "store_gib": fleet.kv_store_gib},
@@ -268,12 +268,12 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                 "sim_end_s": result.end_time, "wall_s": wall, "events": result.num_events,
                 "speedup_vs_real_time": result.end_time / wall if wall > 0 else None,
             }
-            label = f"sim {fleet.instances}x {fleet.model} on {fleet.hardware} · {run_spec.name} · {desc}"
+            label = f"sim {fs.instances}x {fleet.model} on {fleet.hardware} · {run_spec.name} · {desc}"
             results.append(BenchResult(label, summary, records, rate, config, timeline=timeline.to_dict(),
                                        outcome=outcome))
     paths = write_outputs(results, Path(args.out))
-    paths.append(write_fleet_file(fleet.spec, Path(args.out)))
-    if fleet.autoscale is not None:
+    paths.append(write_fleet_file(fs, Path(args.out)))
+    if fs.autoscale is not None:
         paths.append(plot_scaling(results, Path(args.out) / "scaling.png"))
     out = Console()
     if len(results) > 1:
@@ -350,7 +350,7 @@ def simulate_fluid(args: argparse.Namespace) -> int:
     slo, spec, run = fluid_inputs(args, fleet)
     console = Console(stderr=True)
     console.print(f"capacity of one {fleet.model} instance on {fleet.hardware} at {args.slo} ...")
-    prepare_autoscaling(fleet, args, spec, slo)
+    fleet = prepare_autoscaling(fleet, args, spec, slo)
     fleet.validate()
     record, label, summary = run_fluid(args, fleet, spec, run, slo, console)
     figure = plot_scaling([SimpleNamespace(label=label, outcome={"scaling": record["scaling"]})],
@@ -397,14 +397,16 @@ def timeline_interval(asked, stream) -> float:
 CAPACITY_PROBE_REQUESTS = 4000
 
 
-def prepare_autoscaling(fleet, args: argparse.Namespace, spec, slo) -> None:
-    """The capacity model's answer (unless --capacity) and the forecaster's history, before the runs."""
+def prepare_autoscaling(fleet, args: argparse.Namespace, spec, slo):
+    """`fleet` with the capacity model's answer (unless --capacity) and the forecaster's history,
+    before the runs."""
     from sloserve.planning import instance_capacity, pool_capacity
     from sloserve.workload.build import build_stream
 
-    measured = fleet.pd_capacity is None if fleet.pd else fleet.capacity_rps is None
+    fs = fleet.fleet
+    measured = fs.pd_capacity is None if fs.pd else fs.capacity_rps is None
     if measured and slo.empty:
-        given = "--pd-capacity P_RPS:D_RPS" if fleet.pd else "--capacity RPS"
+        given = "--pd-capacity P_RPS:D_RPS" if fs.pd else "--capacity RPS"
         raise ValueError(f"autoscaling needs {given}, or --slo to measure it on the workload")
     # rates are held for planning.CAPACITY_SUSTAIN_S of arrivals: 4,000 requests last a minute up to ~66 req/s,
     # and a faster instance's search draws more of the workload (`more`, up to planning.CAPACITY_MOST_REQUESTS).
@@ -416,22 +418,23 @@ def prepare_autoscaling(fleet, args: argparse.Namespace, spec, slo) -> None:
         return build_stream(replace(shaped, num_requests=n, duration_s=None))
 
     head = more(CAPACITY_PROBE_REQUESTS) if measured else []
-    if fleet.pd and fleet.pd_capacity is None:
-        fleet.pd_capacity = pool_capacity(head, fleet, slo, more=more)
-        if not all(c > 0 for c in fleet.pd_capacity):  # type: ignore[union-attr]
+    if fs.pd and fs.pd_capacity is None:
+        fleet = fleet.with_fleet(pd_capacity=pool_capacity(head, fleet, slo, more=more))
+        if not all(c > 0 for c in fleet.fleet.pd_capacity):  # type: ignore[union-attr]
             raise ValueError("one pool's instance meets the SLO at no rate on this workload: loosen --slo or "
                              "give --pd-capacity")
-    elif not fleet.pd and fleet.capacity_rps is None:
-        fleet.capacity_rps = instance_capacity(head, fleet.fixed(), slo, more=more)
-        if not fleet.capacity_rps > 0:
+    elif not fs.pd and fs.capacity_rps is None:
+        fleet = fleet.with_fleet(capacity_rps=instance_capacity(head, fleet.fixed(), slo, more=more))
+        if not fleet.fleet.capacity_rps > 0:
             raise ValueError("one instance meets the SLO at no rate on this workload: loosen --slo or give --capacity")
     if args.scaling_history:
         from sloserve.workload.series import load_series
 
         fleet.scaling_history = load_series(args.scaling_history, "requests", fleet.demand_step_s)
         fleet.demand_step_s = min(fleet.demand_step_s, fleet.scaling_history.step_s)  # type: ignore[attr-defined]
-    elif fleet.autoscale in ("predictive", "hybrid") and fleet.scaling_history is None:
-        raise ValueError(f"--autoscale {fleet.autoscale} needs --scaling-history (the demand that trains its forecaster)")
+    elif fs.autoscale in ("predictive", "hybrid") and fleet.scaling_history is None:
+        raise ValueError(f"--autoscale {fs.autoscale} needs --scaling-history (the demand that trains its forecaster)")
+    return fleet
 
 
 def plot_scaling(results, path: Path) -> Path:
@@ -494,7 +497,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     requests_at = sustained(lambda n: build_stream(replace(source, num_requests=n, duration_s=None)), len(stream),
                             args.sustain, args.max_requests) if args.sustain > 0 else None
     fleet = fleet_config_from_args(args)
-    if fleet.autoscale is not None:
+    if fleet.fleet.autoscale is not None:
         raise ValueError("plan sizes fixed fleets; drop --autoscale")
     fleet.validate()
     slo = SLO.parse(args.slo)
@@ -563,7 +566,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     record = {"workload": spec.name, "requests": len(stream), "sustain_s": args.sustain,
               "max_requests": args.max_requests, "gpus": args.gpus, "slo": args.slo,
-              "hardware": fleet.hardware, "model": fleet.model, "link": fleet.link, "pd_transfer": fleet.pd_transfer,
+              "hardware": fleet.hardware, "model": fleet.model, "link": fleet.link, "pd_transfer": fleet.fleet.pd_transfer,
               "rows": [{"layout": r.layout.label, "pd": r.layout.pd, "prefill_pool": vars(r.layout.prefill_pool),
                         "decode_pool": vars(r.layout.decode_pool), "gpus": r.gpus, "goodput_rps": r.goodput,
                         "per_gpu": r.per_gpu, "held_s": r.found.held_s if r.goodput > 0 else None,

@@ -1,5 +1,6 @@
 """Cluster scheduler. The fleet controller (`controller.py`) decides and never executes, for the
-real fleet and the simulated one alike, from one description (`spec.py`, FleetSpec): which
+real fleet and the simulated one alike, from one description (`spec.py`, FleetSpec) assembled
+in one place (`assembly.py`, build_controller): which
 instance serves a request (`routers/`), when a running request moves and where (`migration/`),
 whether a prefilled request hands off to a decode instance (`handoff_pays`) or to another mixed
 one (`mixed_handoff/`), how many instances each pool runs (`autoscale/`, reading `forecast/`),

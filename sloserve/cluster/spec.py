@@ -4,8 +4,11 @@
 One set of defaults: a policy tuned in the simulator is the policy the real fleet runs unless a
 flag says otherwise. The spec holds only the controller's side (routing, migration, P/D roles and
 hand-off, autoscaling); what each backend adds (hardware and links for the simulator, worker
-processes and the HTTP edge for the real fleet) stays in that backend's config, which is built
-from a spec (`simulation.FleetConfig.from_spec`, `front.multi.run_multi`).
+processes and the HTTP edge for the real fleet) stays in that backend's config, which holds a
+spec (`simulation.FleetConfig.fleet`, `workers.fleet.FrontConfig.fleet`); both fleets and the
+evaluation assemble their controller from it with `cluster.assembly.build_controller`.
+
+"P:D" pairs (`pd`, `pd_min`) are parsed here and nowhere else: the spec holds them as (P, D).
 
 A spec comes from one set of CLI flags (`cli/fleet_args.py`, shared by both commands) or a YAML
 file with the same names (`--fleet fleet.yaml`; the flags given on the command line win)."""
@@ -15,7 +18,9 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
-from sloserve.core.config import PoolSettings, parse_instance_range, parse_pd, parse_pd_capacity, pd_pool_bounds
+from sloserve.core.config import PoolSettings, parse_instance_range
+
+Pair = tuple[int, int]  # (prefill instances, decode instances)
 
 PD_TRANSFERS = ("blocking", "live", "pipelined")
 # CLI flag (dashes as underscores) -> FleetSpec field, where the two names differ; a fleet file
@@ -36,14 +41,17 @@ class FleetSpec:
     min_instances: Optional[int] = None  # None: `instances` (fixed), or 1 with `autoscale`
     router: str = "least-requests"
     decode_router: Optional[str] = None  # picks a hand-off's decode instance; None: `router`
+    router_seed: int = 0  # seeds the randomized routers (power-of-two)
+    router_epsilon: float = 0.25  # prefix-affinity's load bound: an instance takes up to (1 + e) x the mean
     predictor: str = PREDICTOR_AUTO  # auto | default | none | a `sloserve train-predictor` file
     migration: str = "none"  # comma-separated policies (cluster/migration)
     migration_interval_s: float = 0.5  # how often the controller plans moves
-    # Prefill/decode disaggregation: "P:D" instance counts (then `instances` is P + D); the copy of a
+    # Prefill/decode disaggregation: (P, D) instance counts (then `instances` is P + D; a spec
+    # given only `pd` gets P + D instances; "P:D" text is parsed on construction); the copy of a
     # hand-off (pipelined: the decode instance is picked at arrival and gets each KV block as the
     # prefill computes it; blocking: all of it after the first token; live: pre-copy rounds while
     # the prefill instance keeps decoding, real fleet only); per-pool scheduler overrides.
-    pd: Optional[str] = None
+    pd: Optional[Pair] = None
     pd_transfer: str = "pipelined"
     prefill_pool: PoolSettings = field(default_factory=PoolSettings)
     decode_pool: PoolSettings = field(default_factory=PoolSettings)
@@ -54,7 +62,7 @@ class FleetSpec:
     # with `pd_capacity` (prefill, decode) req/s per instance.
     autoscale: Optional[str] = None
     capacity_rps: Optional[float] = None
-    pd_min: Optional[str] = None
+    pd_min: Optional[Pair] = None
     pd_capacity: Optional[tuple[float, float]] = None
     scaling_interval_s: float = 10.0
     scale_down_delay_s: float = 300.0  # a lower target holds this long before an instance drains
@@ -63,12 +71,24 @@ class FleetSpec:
     forecaster: str = "seasonal-naive"
     forecast_level: float = 0.9  # predictive/hybrid plan for the top of this band of the forecast
 
-    @classmethod
-    def of(cls, cfg: Any, instances: int, min_instances: Optional[int], predictor: str) -> "FleetSpec":
-        """The spec of a backend config that carries the spec's fields flat (simulation.FleetConfig)."""
-        return cls(instances=instances, min_instances=min_instances, predictor=predictor,
-                   **{f.name: getattr(cfg, f.name) for f in fields(cls)
-                      if f.name not in ("instances", "min_instances", "predictor")})
+    def __post_init__(self) -> None:
+        for name in ("pd", "pd_min"):
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, parse_pd(value, "--pd-min" if name == "pd_min" else "--pd"))
+        if isinstance(self.pd_capacity, str):
+            object.__setattr__(self, "pd_capacity", parse_pd_capacity(self.pd_capacity))
+        elif self.pd_capacity is not None:
+            object.__setattr__(self, "pd_capacity", tuple(float(c) for c in self.pd_capacity))
+        if self.pd is not None and self.instances == 1:  # `pd` alone: P + D instances
+            object.__setattr__(self, "instances", sum(self.pd))
+
+    def with_pd(self, pd: "Optional[Pair | str]", **changes: Any) -> "FleetSpec":
+        """This spec as a fleet of `pd` (None: colocated, keeping its instance count), with `changes`."""
+        if pd is None:
+            return replace(self, pd=None, **changes)
+        pair = parse_pd(pd)
+        return replace(self, pd=pair, **{"instances": sum(pair), **changes})
 
     # ---- derived ---------------------------------------------------------------------
     @property
@@ -76,8 +96,22 @@ class FleetSpec:
         """Each instance's role: P prefill then D decode, or all `mixed`."""
         if self.pd is None:
             return ("mixed",) * self.instances
-        p, d = parse_pd(self.pd)
+        p, d = self.pd
         return ("prefill",) * p + ("decode",) * d
+
+    @property
+    def pd_text(self) -> Optional[str]:
+        """`pd` as the flag writes it ("P:D"), None for a colocated fleet."""
+        return None if self.pd is None else pair_text(self.pd)
+
+    @property
+    def pool_bounds(self) -> dict[str, tuple[int, int]]:
+        """(fewest, most) instances of each pool the autoscaler plans: "mixed", or "prefill" and
+        "decode" (a P/D fleet scales each between `pd_min`, default 1:1, and `pd`)."""
+        if self.pd is None:
+            return {"mixed": (self.fewest, self.instances)}
+        low = self.pd_min or (1, 1)
+        return {"prefill": (low[0], self.pd[0]), "decode": (low[1], self.pd[1])}
 
     @property
     def fewest(self) -> int:
@@ -119,9 +153,11 @@ class FleetSpec:
         for name in (self.router, self.decode_router):
             if name is not None and name not in ROUTERS:
                 raise ValueError(f"unknown router {name!r}; choose from {sorted(ROUTERS)}")
-        if self.pd is not None and sum(parse_pd(self.pd)) != self.instances:
-            raise ValueError(f"--pd {self.pd} makes {sum(parse_pd(self.pd))} instances but --instances is "
+        if self.pd is not None and sum(self.pd) != self.instances:
+            raise ValueError(f"--pd {self.pd_text} makes {sum(self.pd)} instances but --instances is "
                              f"{self.instances}")
+        if self.router_epsilon < 0:
+            raise ValueError("--router-epsilon must be >= 0")
         if self.pd_transfer not in PD_TRANSFERS:
             raise ValueError(f"unknown --pd-transfer {self.pd_transfer!r}; use one of {', '.join(PD_TRANSFERS)}")
         if not self.migration_interval_s > 0:
@@ -154,7 +190,9 @@ class FleetSpec:
             if self.min_instances is not None:
                 raise ValueError("a --pd fleet takes its pools' bounds from --pd (the most) and --pd-min (the "
                                  "fewest), not --instances MIN:MAX")
-            pd_pool_bounds(self.pd, self.pd_min)
+            if not all(1 <= low <= high for low, high in self.pool_bounds.values()):
+                raise ValueError(f"--pd-min {pair_text(self.pd_min)} needs 1 <= min <= --pd {self.pd_text} in "
+                                 "each pool")
             if self.pd_capacity is not None and not all(c > 0 for c in self.pd_capacity):
                 raise ValueError("--pd-capacity needs two positive rates, P_RPS:D_RPS")
         else:
@@ -169,6 +207,8 @@ class FleetSpec:
     def as_dict(self) -> dict[str, Any]:
         """The spec as a YAML file writes it (pools as their SPEC strings)."""
         out = asdict(self)
+        for key in ("pd", "pd_min"):
+            out[key] = None if getattr(self, key) is None else pair_text(getattr(self, key))
         for key in ("prefill_pool", "decode_pool"):
             out[key] = pool_text(getattr(self, key))
         if self.pd_capacity is not None:
@@ -195,11 +235,7 @@ class FleetSpec:
                 raise ValueError(f"{where}: unknown setting {key!r}; known: {', '.join(sorted(known))}")
             if name in ("prefill_pool", "decode_pool"):
                 value = PoolSettings.parse(str(value or ""))
-            elif name == "pd_capacity" and isinstance(value, str):
-                value = parse_pd_capacity(value)
-            elif name == "pd_capacity" and value is not None:
-                value = tuple(float(v) for v in value)
-            changes[name] = value
+            changes[name] = value  # "P:D" texts are parsed by the constructor
         return replace(base or cls(), **changes)
 
     @classmethod
@@ -212,6 +248,34 @@ class FleetSpec:
             raise ValueError(f"{path}: a fleet file is a mapping of settings, got {type(raw).__name__}")
         return cls.from_mapping(raw.get("fleet", raw) if isinstance(raw.get("fleet"), Mapping) else raw,
                                 base, where=str(path))
+
+
+def parse_pd(text: "str | Pair", flag: str = "--pd") -> Pair:
+    """`--pd P:D` -> (prefill instances, decode instances), both at least 1 (a pair passes through,
+    checked)."""
+    try:
+        p, d = (int(x) for x in (text.split(":") if isinstance(text, str) else text))
+    except (TypeError, ValueError):
+        raise ValueError(f"{flag} takes P:D (prefill:decode instance counts), got {text!r}") from None
+    if p < 1 or d < 1:
+        raise ValueError(f"{flag} needs at least one prefill and one decode instance, got {pair_text((p, d))}")
+    return p, d
+
+
+def pair_text(pair: tuple) -> str:
+    """(P, D) as the flags write it: "P:D"."""
+    return ":".join(f"{x:g}" if isinstance(x, float) else str(x) for x in pair)
+
+
+def parse_pd_capacity(text: Optional[str]) -> Optional[tuple[float, float]]:
+    """`--pd-capacity P_RPS:D_RPS` -> (req/s of one prefill instance, of one decode instance)."""
+    if text is None:
+        return None
+    try:
+        p, d = (float(x) for x in text.split(":"))
+    except ValueError:
+        raise ValueError(f"--pd-capacity takes P_RPS:D_RPS (two numbers), got {text!r}") from None
+    return p, d
 
 
 def pool_text(pool: PoolSettings) -> str:

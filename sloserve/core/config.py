@@ -256,44 +256,6 @@ class PoolSettings:
         return replace(scheduler, **changes) if changes else scheduler
 
 
-def parse_pd(text: str) -> tuple[int, int]:
-    """`--pd P:D` -> (prefill instances, decode instances), both at least 1."""
-    try:
-        p, d = (int(x) for x in text.split(":"))
-    except ValueError:
-        raise ValueError(f"--pd takes P:D (prefill:decode instance counts), got {text!r}") from None
-    if p < 1 or d < 1:
-        raise ValueError(f"--pd needs at least one prefill and one decode instance, got {text!r}")
-    return p, d
-
-
-def pd_pool_bounds(pd: str, pd_min: Optional[str]) -> tuple[tuple[int, int], tuple[int, int]]:
-    """An autoscaled `--pd` fleet's ((fewest prefill, fewest decode), (most prefill, most decode))."""
-    low, high = parse_pd(pd_min or "1:1"), parse_pd(pd)
-    if not all(1 <= lo <= hi for lo, hi in zip(low, high)):
-        raise ValueError(f"--pd-min {pd_min} needs 1 <= min <= --pd {pd} in each pool")
-    return low, high
-
-
-def parse_pd_capacity(text: Optional[str]) -> Optional[tuple[float, float]]:
-    """`--pd-capacity P_RPS:D_RPS` -> (req/s of one prefill instance, of one decode instance)."""
-    if text is None:
-        return None
-    try:
-        p, d = (float(x) for x in text.split(":"))
-    except ValueError:
-        raise ValueError(f"--pd-capacity takes P_RPS:D_RPS (two numbers), got {text!r}") from None
-    return p, d
-
-
-def pd_roles(pd: Optional[str], instances: int) -> list[str]:
-    """Each instance's role (`fleet_view.ROLES`): P prefill then D decode, or all `mixed`."""
-    if pd is None:
-        return ["mixed"] * instances
-    p, d = parse_pd(pd)
-    return ["prefill"] * p + ["decode"] * d
-
-
 def parse_instance_range(text: str) -> tuple[int, int]:
     """`--instances N` or `MIN:MAX` -> (min, max)."""
     try:

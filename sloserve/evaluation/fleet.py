@@ -12,6 +12,7 @@ from functools import lru_cache
 from typing import Any, Mapping, Optional, Sequence
 
 from sloserve.bench.metrics import SLO
+from sloserve.cluster.spec import FleetSpec
 from sloserve.cluster.migration import MIGRATION_POLICIES, CombinedPolicy, parse_migration
 from sloserve.core.config import SchedulerConfig
 from sloserve.evaluation.workloads import Fit, slo_for
@@ -129,12 +130,12 @@ TIERS = {"device": Tiers(), "+host": Tiers(200.0), "+disk": Tiers(200.0, 2048.0)
 
 
 def fleet_config(setting: Setting, policy: Policy) -> FleetConfig:
-    cfg = FleetConfig(instances=setting.instances, hardware=setting.hardware, model=setting.model, tp=setting.tp,
-                      router=policy.router, migration=policy.migration, link=setting.link, pd=policy.pd,
-                      scheduler=replace(scheduler(), policy=policy.scheduler), predictor=PREDICTOR,
-                      migration_interval_s=MIGRATION_INTERVAL_S,
-                      decode_router=DECODE_ROUTER if policy.pd is not None else None,
-                      clock_policy=policy.clock)
+    spec = FleetSpec(instances=setting.instances, router=policy.router, migration=policy.migration,
+                     predictor=PREDICTOR, migration_interval_s=MIGRATION_INTERVAL_S)
+    if policy.pd is not None:
+        spec = spec.with_pd(policy.pd, decode_router=DECODE_ROUTER)
+    cfg = FleetConfig(spec, hardware=setting.hardware, model=setting.model, tp=setting.tp, link=setting.link,
+                      scheduler=replace(scheduler(), policy=policy.scheduler), clock_policy=policy.clock)
     if policy.tiers != "device":
         try:
             tiers = TIERS[policy.tiers]
@@ -167,7 +168,7 @@ def simulate_policy(reqs: Sequence[WorkloadRequest], cfg: FleetConfig,
     predictions = make_predictions(cfg)
     sim = build_fleet(cfg, predictions)
     if thresholds:
-        sim.controller.migration = migration_policy(cfg.migration, thresholds)  # type: ignore[attr-defined]
+        sim.controller.migration = migration_policy(cfg.fleet.migration, thresholds)  # type: ignore[attr-defined]
     return simulate(sim, sim_requests(reqs, dict(classes) if classes else None, predictions=predictions),
                     predictions=predictions)
 

@@ -223,24 +223,25 @@ class Front:
         self.tracing = tracing
         self.registry = registry or QoSRegistry()
         self.salter = salter or CacheSalter(cache_secret())
-        cfg = fleet.config
+        cfg, spec = fleet.config, fleet.config.fleet
         self.gate = FrontGate(cfg.max_in_flight, cfg.retry_after_s)
         self.sessions: set[RelaySession] = set()  # the streams being relayed now
         self._tokenize_turn = 0  # which healthy worker judges the next prompt first (_prompt_ids)
-        self.migration = MigrationDriver(fleet, self.sessions, fleet.controller, cfg.migration_interval_s)
-        self.handoff = HandoffDriver(fleet, self.migration, cfg.pd_transfer)
+        self.migration = MigrationDriver(fleet, self.sessions, fleet.controller, spec.migration_interval_s)
+        self.handoff = HandoffDriver(fleet, self.migration, spec.pd_transfer)
         self.adapters = AdapterFanout(fleet, lora_modules)
         self.autoscale: Optional[AutoscaleDriver] = None
-        if cfg.autoscale:
-            capacity = dict(zip(("prefill", "decode"), cfg.pd_capacity)) if cfg.pd_min else cfg.capacity_rps
-            self.autoscale = AutoscaleDriver(fleet, capacity, cfg.scaling_interval_s,
-                                             min(10.0, cfg.scaling_interval_s), cfg.cold_start_guess_s, fleet.clock,
+        if spec.autoscale:
+            capacity = dict(zip(("prefill", "decode"), spec.pd_capacity or (0.0, 0.0))) if spec.pd \
+                else spec.capacity_rps or 0.0
+            self.autoscale = AutoscaleDriver(fleet, capacity, spec.scaling_interval_s,
+                                             min(10.0, spec.scaling_interval_s), cfg.cold_start_guess_s, fleet.clock,
                                              on_drain=self.migration.tick)
         # The dashboard: requests as the clients saw them (TTFT, TPOT per class), the workers'
         # last polled state, and what happened to the fleet (on the wall clock, as the page shows).
         self.timeline = FleetTimeline(cfg.timeline_interval_s)
-        self.timeline.meta.update(instances=len(fleet.instances), router=cfg.router, migration=cfg.migration,
-                                  autoscale=cfg.autoscale or "off",
+        self.timeline.meta.update(instances=len(fleet.instances), router=spec.router, migration=spec.migration,
+                                  autoscale=spec.autoscale or "off",
                                   roles=",".join(i.role for i in fleet.instances) if fleet.disaggregated else "mixed")
         fleet.on_event = lambda kind, slot, detail: self.timeline.event(time.time(), kind, slot, detail)
         self.sampler = TimelineSampler(self.timeline, lambda: [i.timeline_reading() for i in fleet.instances])
@@ -294,15 +295,15 @@ class Front:
 
         @app.get("/v1/instances")
         async def instances() -> JSONResponse:
-            return JSONResponse({"router": fleet.config.router, "migration": fleet.config.migration,
+            spec = fleet.config.fleet
+            return JSONResponse({"router": spec.router, "migration": spec.migration,
                                  "counters": fleet.counters, "migrations": fleet.controller.counters,
                                  "handoffs": self.handoff.describe() if fleet.hands_off else None,
                                  "autoscale": None if self.autoscale is None else {
-                                     "policy": fleet.config.autoscale,
-                                     **({"forecaster": fleet.config.forecaster,
-                                         "forecast_level": fleet.config.forecast_level}
-                                        if fleet.config.autoscale in ("predictive", "hybrid") else {}),
-                                     "min": sum(fleet.config.pd_min) or fleet.config.min_instances,
+                                     "policy": spec.autoscale,
+                                     **({"forecaster": spec.forecaster, "forecast_level": spec.forecast_level}
+                                        if spec.autoscale in ("predictive", "hybrid") else {}),
+                                     "min": sum(low for low, _ in spec.pool_bounds.values()),
                                      "max": len(fleet.instances), **self.autoscale.describe()},
                                  "in_flight": self.gate.num_in_flight, "max_in_flight": self.gate.capacity,
                                  "data": [i.describe() for i in fleet.instances]})
@@ -480,7 +481,7 @@ class Front:
             status = response.status_code if response is not None else 500
             self.tracing.end(span, attributes={"http.route": path, "http.response.status_code": status,
                                                "sloserve.streamed": isinstance(response, _RelayResponse),
-                                               "sloserve.router": self.fleet.config.router},
+                                               "sloserve.router": self.fleet.config.fleet.router},
                              error=str(status) if status >= 400 else None)
 
     async def _generate(self, request: HTTPRequest, path: str, chat: bool, raw: Optional[bytes],

@@ -210,7 +210,7 @@ class AutoscaleDriver:
                 **({"pools": {pool: {"target": self.targets.get(pool), "capacity_rps": self.capacity[pool],
                                      "ready": sum(self.status_of(i) == READY for i in self._pool(pool)),
                                      "min": low, "max": len(self._pool(pool))}
-                              for pool, low in zip(self.pools, self.fleet.config.pd_min)}}
+                              for pool, (low, _) in self.fleet.config.fleet.pool_bounds.items()}}
                    if self.pools != ["mixed"] else {}),
                 "measured_start_s": round(self.fleet.measured_start_s(float("nan")), 2) if self.fleet.start_times
                 else None, **self.counters, "decisions": self.decisions}

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Callable, Optional, Sequence
 import uvicorn
 
 from sloserve.cluster.spec import FleetSpec
-from sloserve.core.config import CacheConfig, EngineConfig, PoolSettings, parse_pd
+from sloserve.core.config import CacheConfig, EngineConfig, PoolSettings
 from sloserve.server.connections import DrainingServer
 
 if TYPE_CHECKING:
@@ -69,74 +69,30 @@ async def serve_front(fleet, front, config: uvicorn.Config, grace_s: float, star
         await fleet.wait_ready(start_timeout_s, count=1)
         server = server_cls(config, front.drain, front.stop_now, grace_s)
         logger.info("serving %d instances behind %s routing on http://%s:%d; the fleet at http://%s:%d/dashboard",
-                    len(fleet.instances), fleet.config.router, config.host, config.port, config.host, config.port)
+                    len(fleet.instances), fleet.config.fleet.router, config.host, config.port, config.host, config.port)
         await server.serve()
     finally:
         await front.close()
         await fleet.close()
 
 
-def build_worker_fleet(spawn, num_instances: int, config, clock=None, fleet_secret: Optional[str] = None):
-    """The real fleet with its controller: the configured router (reading the output-length
-    predictor) and migration policies, plus `drain`, which is an operator's request honoured
+def build_worker_fleet(spawn, config: "FrontConfig", clock=None, fleet_secret: Optional[str] = None):
+    """The real fleet of `config.fleet` with its controller (cluster.assembly.build_controller, as
+    the simulator assembles it), which also runs `drain`: an operator's request is honoured
     whatever `--migration` says."""
     import time
 
-    from sloserve.cluster.controller import FleetController
-    from sloserve.cluster.migration import make_migration_policy
-    from sloserve.cluster.mixed_handoff import make_mixed_handoff
-    from sloserve.cluster.routers import RouterOptions, make_router
+    from sloserve.cluster.assembly import build_controller
     from sloserve.workers.fleet import WorkerFleet
 
+    spec = config.fleet
     predictions = None
-    if config.predictor:
+    if spec.resolved_predictor:
         from sloserve.cluster.predict import PredictionBook, load_predictor
 
-        predictions = PredictionBook(load_predictor(config.predictor))  # type: ignore[arg-type]
-    options = RouterOptions(seed=config.seed, predictions=predictions.lookup if predictions is not None else None)
-    router = make_router(config.router, options)
-    decode_router = make_router(config.decode_router, options) if config.decode_router else None
-    names = [n for n in config.migration.split(",") if n.strip() and n.strip() != "none"]
-    controller = FleetController(router, make_migration_policy(",".join(dict.fromkeys(["drain", *names]))),
-                                 decode_router=decode_router, scalers=scale_planners(config, num_instances),
-                                 mixed_handoff=make_mixed_handoff(config.mixed_handoff, config.mixed_handoff_tokens))
-    return WorkerFleet(spawn, num_instances, config, controller, predictions, clock or time.monotonic, fleet_secret)
-
-
-def scale_planners(config, num_instances: int) -> dict:
-    """The controller's scale planner for `config`, by pool (none: a fixed fleet)."""
-    if not config.autoscale:
-        return {}
-    from sloserve.cluster.autoscale.planner import pool_planners, scaling_options
-
-    options = scaling_options(config)
-    if config.pd_min:  # each pool between its fewest and its slots
-        bounds = {role: (low, sum(r == role for r in config.roles))
-                  for role, low in zip(("prefill", "decode"), config.pd_min)}
-    else:
-        bounds = {"mixed": (config.min_instances, num_instances)}
-    return pool_planners(config.autoscale, options, bounds, config.scale_down_delay_s)
-
-
-def front_config(spec: FleetSpec, **front) -> "FrontConfig":
-    """The real fleet's FrontConfig for `spec`; `front`: its own fields (the edge, health polls)."""
-    from sloserve.workers.fleet import FrontConfig
-
-    autoscaled = spec.autoscale is not None
-    return FrontConfig(
-        router=spec.router, predictor=spec.resolved_predictor, migration=spec.migration,
-        migration_interval_s=spec.migration_interval_s, roles=spec.roles if spec.pd else (),
-        pd_transfer=spec.pd_transfer, decode_router=spec.decode_router, mixed_handoff=spec.mixed_handoff,
-        mixed_handoff_tokens=spec.handoff_tokens, autoscale=spec.autoscale, min_instances=spec.fewest,
-        # MIN 0 still starts one worker: it proves the model loads and times the cold start
-        # before the fleet may scale to zero.
-        initial_instances=max(1, spec.fewest) if autoscaled else None,
-        capacity_rps=spec.capacity_rps or 0.0, scaling_interval_s=spec.scaling_interval_s,
-        scale_down_delay_s=spec.scale_down_delay_s, target_utilization=spec.target_utilization,
-        stable_window_s=spec.stable_window_s,
-        pd_min=parse_pd(spec.pd_min or "1:1") if spec.pd and autoscaled else (),
-        pd_capacity=tuple(spec.pd_capacity) if spec.pd and autoscaled and spec.pd_capacity else (),
-        forecaster=spec.forecaster, forecast_level=spec.forecast_level, **front)
+        predictions = PredictionBook(load_predictor(spec.resolved_predictor))  # type: ignore[arg-type]
+    controller = build_controller(spec, predictions=predictions, history=config.scaling_history, operator_drain=True)
+    return WorkerFleet(spawn, config, controller, predictions, clock or time.monotonic, fleet_secret)
 
 
 def worker_cache(cache: CacheConfig, index: int) -> CacheConfig:
@@ -189,6 +145,7 @@ def build_front(engine_config: EngineConfig, settings, spec: FleetSpec, *, threa
     from sloserve.tracing import Tracing
     from sloserve.server.qos import CacheSalter, cache_secret
     from sloserve.server.worker import worker_options
+    from sloserve.workers.fleet import FrontConfig
     from sloserve.workers.handles import WorkerSpec
 
     instances = spec.instances
@@ -202,13 +159,13 @@ def build_front(engine_config: EngineConfig, settings, spec: FleetSpec, *, threa
     for worker in worker_specs:
         worker.engine.scheduler.validate()
     spawn = make_spawner(worker_specs, backend, threads_per_worker, ray_address)
-    config = front_config(spec, hang_timeout_s=hang_timeout_s, cold_start_guess_s=cold_start_s,
-                          scaling_history=scaling_history,
-                          max_in_flight=max_in_flight or front_capacity(engine_config, settings.max_queue, instances),
-                          max_body_bytes=settings.max_body_bytes, body_timeout_s=settings.body_timeout_s,
-                          retry_after_s=settings.retry_after_s, admin_keys=tuple(admin_keys),
-                          timeline_interval_s=settings.timeline_interval_s)
-    fleet = build_worker_fleet(spawn, instances, config, clock=clock, fleet_secret=fleet_secret)
+    config = FrontConfig(spec, hang_timeout_s=hang_timeout_s, cold_start_guess_s=cold_start_s,
+                         scaling_history=scaling_history,
+                         max_in_flight=max_in_flight or front_capacity(engine_config, settings.max_queue, instances),
+                         max_body_bytes=settings.max_body_bytes, body_timeout_s=settings.body_timeout_s,
+                         retry_after_s=settings.retry_after_s, admin_keys=tuple(admin_keys),
+                         timeline_interval_s=settings.timeline_interval_s)
+    fleet = build_worker_fleet(spawn, config, clock=clock, fleet_secret=fleet_secret)
     front = Front(fleet, settings.registry, CacheSalter(cache_secret(salt_secret)), engine_config.lora_modules,
                   Tracing(settings.otlp_traces_endpoint, "sloserve-front"))
 
@@ -256,7 +213,7 @@ def run_multi(engine_config: EngineConfig, settings, spec: FleetSpec, *, backend
     uv_config = uvicorn_config(front.build_app(), host=host, port=port, limits=settings.connection_limits(),
                                loop=settings.event_loop)
     logger.info("starting %d %s workers (%d threads each%s); serving once one is healthy", instances, backend,
-                per_worker, f"; {spec.pd} prefill:decode, {spec.pd_transfer} hand-off" if spec.pd else "")
+                per_worker, f"; {spec.pd_text} prefill:decode, {spec.pd_transfer} hand-off" if spec.pd else "")
     with asyncio.Runner(loop_factory=uv_config.get_loop_factory()) as runner:  # uvloop, as one instance runs
         runner.run(serve_front(front.fleet, front, uv_config, settings.grace_period_s, front.fleet.config.start_timeout_s))
     return 0

@@ -30,7 +30,6 @@ from typing import Any, Callable, Optional
 import httpx
 
 from sloserve.cluster.spec import FleetSpec
-from sloserve.fleet_view import ROLES
 from sloserve.timeline import (DEAD as SHOWN_DEAD, DRAINING as SHOWN_DRAINING, FAILURE, INSTANCE_READY,
                                READING_FIELDS, READY as SHOWN_READY, START, STOP, InstanceReading)
 from sloserve.sched.state import InstanceState, KeySetIndex
@@ -44,15 +43,12 @@ STARTING, HEALTHY, UNRESPONSIVE, DEAD = "starting", "healthy", "unresponsive", "
 STOPPED = "stopped"  # an autoscaled slot with no worker: nothing is polled, routed or replaced
 
 
-_SPEC = FleetSpec()  # the controller's defaults, shared with the simulated fleet
-
-
-@dataclass
+@dataclass(slots=True)  # slots: setting a field it does not have (one of its spec's) fails
 class FrontConfig:
-    """The real fleet's settings: the controller's (cluster/spec.FleetSpec, whose defaults these
-    are; front/multi.front_config builds one from a spec), then the front's own."""
+    """The real fleet's settings: the controller's (`fleet`, the FleetSpec the simulator runs
+    too), then the front's own."""
 
-    router: str = _SPEC.router
+    fleet: FleetSpec = field(default_factory=FleetSpec)
     poll_interval_s: float = 0.25
     fail_after: int = 3  # polls in a row without an answer before a live worker leaves routing
     poll_timeout_s: float = 2.0
@@ -61,32 +57,12 @@ class FrontConfig:
     max_attempts: int = 3  # instances one request may be tried on before it fails
     replace_dead: bool = True
     max_backoff_s: float = 30.0  # a slot whose workers keep dying while starting waits 1, 2, 4, ... s up to this
-    predictor: Optional[str] = _SPEC.resolved_predictor  # output-length predictor for the router; None = off
-    migration: str = _SPEC.migration  # migration policies, comma-separated (cluster/migration); drain always works
-    migration_interval_s: float = _SPEC.migration_interval_s  # how often the controller looks for moves
-    roles: tuple[str, ...] = ()  # each slot's role (fleet_view.ROLES); empty: all `mixed`
-    pd_transfer: str = _SPEC.pd_transfer  # how a prefill instance hands KV to a decode one: blocking | live | pipelined
-    decode_router: Optional[str] = _SPEC.decode_router  # picks the decode instance of a hand-off (None: `router`)
-    mixed_handoff: str = _SPEC.mixed_handoff  # when a mixed instance hands a stream it prefilled to another
-    mixed_handoff_tokens: int = _SPEC.handoff_tokens  # prefill-pressure's queued prompt tokens
-    initial_instances: Optional[int] = None  # autoscaling: slots started at first (the rest stay stopped)
-    # Autoscaling (front/autoscale.py): a policy name (cluster/autoscale), or None for a fixed fleet
-    autoscale: Optional[str] = _SPEC.autoscale
-    min_instances: int = 1
-    capacity_rps: float = 0.0  # requests/s one worker sustains within the SLOs
-    # A disaggregated fleet scales its pools apart: the fewest (prefill, decode) workers, which
-    # run at first, and the req/s one prefill and one decode worker sustain. Empty: one pool.
-    pd_min: tuple[int, ...] = ()
-    pd_capacity: tuple[float, ...] = ()
-    scaling_interval_s: float = _SPEC.scaling_interval_s
-    scale_down_delay_s: float = _SPEC.scale_down_delay_s
-    target_utilization: float = _SPEC.target_utilization
-    stable_window_s: float = _SPEC.stable_window_s  # reactive/hybrid: the demand averaging window
+    # Autoscaling (front/autoscale.py): slots started at first (None: all of a fixed fleet; the
+    # fewest of an autoscaled one, and at least one, which proves the model loads and times the
+    # cold start before the fleet may scale to zero); the rest stay stopped.
+    initial_instances: Optional[int] = None
     cold_start_guess_s: float = 30.0  # until a worker of this fleet has started and been timed
-    forecaster: str = _SPEC.forecaster
-    forecast_level: float = _SPEC.forecast_level  # predictive/hybrid plan for the top of this band of the forecast
     scaling_history: Optional[Any] = None  # workload.series.Series of past demand (predictive, hybrid)
-    seed: int = 0
     # The front's edge (front/edge.py)
     max_in_flight: Optional[int] = None  # requests proxied at once; beyond: 429 at the front. None = no bound
     max_body_bytes: int = 4 * 2**20
@@ -176,24 +152,26 @@ class Instance:
 class WorkerFleet:
     """The worker processes (or Ray actors): their health and their load; the controller decides."""
 
-    def __init__(self, spawn: Callable[[int], WorkerHandle], num_instances: int, config: FrontConfig,
-                 controller: Any, predictions: Any = None, clock: Callable[[], float] = time.monotonic,
+    def __init__(self, spawn: Callable[[int], WorkerHandle], config: FrontConfig, controller: Any,
+                 predictions: Any = None, clock: Callable[[], float] = time.monotonic,
                  fleet_secret: Optional[str] = None):
-        """`controller`: the fleet controller (`cluster.controller.FleetController`, built by
-        `front.multi.build_worker_fleet`); `predictions`: the output-length prediction book the
-        router reads (None: no predictor)."""
+        """A slot per instance of `config.fleet`; `controller`: the fleet controller
+        (cluster.assembly.build_controller, from the same spec); `predictions`: the output-length
+        prediction book the router reads (None: no predictor)."""
         self.spawn = spawn
         self.config = config
         self.clock = clock
         self.fleet_secret = fleet_secret
-        roles = list(config.roles) or ["mixed"] * num_instances
-        if len(roles) != num_instances or not set(roles) <= set(ROLES):
-            raise ValueError(f"roles {roles} do not fit {num_instances} instances (each one of {ROLES})")
-        first = num_instances if config.initial_instances is None else config.initial_instances
+        spec = config.fleet
+        roles = spec.roles
+        if config.initial_instances is not None:
+            first = config.initial_instances
+        else:
+            first = max(1, spec.fewest) if spec.autoscale else spec.instances
         started = set(range(first))
-        if config.pd_min:  # the first pd_min of each pool
+        if spec.pd is not None and spec.autoscale:  # the fewest of each pool
             started = set()
-            for role, count in zip(("prefill", "decode"), config.pd_min):
+            for role, (count, _) in spec.pool_bounds.items():
                 started |= set([i for i, r in enumerate(roles) if r == role][:count])
         self.instances = [Instance(i, spawn(i), role, started_at=clock()) if i in started
                           else Instance(i, NoWorker(), role, status=STOPPED) for i, role in enumerate(roles)]

@@ -12,13 +12,10 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import Optional, Sequence
 
 from sloserve.cluster.autoscale.base import Autoscaler, ScalingDecision
 from sloserve.fleet_view import DRAINING, READY, STARTING, STOPPED, InstanceSlot, ScalingPlan, ScalingSignals
-
-if TYPE_CHECKING:
-    from sloserve.cluster.autoscale.base import ScalingOptions
 
 logger = logging.getLogger(__name__)
 
@@ -75,21 +72,6 @@ class ScalePlanner:
         if plan.changes:  # the fleets keep the books of their changes; here they are logged
             logger.info("autoscale at %.0f s: %d -> %d instances (%s)", signals.now, active, target, decision.reason)
         return plan
-
-
-def scaling_options(cfg) -> "ScalingOptions":
-    """The autoscalers' options from a fleet config, real or simulated (both carry FleetSpec's
-    autoscaling fields flat, a demand history and, simulated only, the run's own future)."""
-    from sloserve.cluster.autoscale.base import ScalingOptions
-
-    history, future = cfg.scaling_history, getattr(cfg, "scaling_future", None)
-    return ScalingOptions(target_utilization=cfg.target_utilization, forecaster=cfg.forecaster,
-                          level=cfg.forecast_level, history=None if history is None else history.values,
-                          history_step_s=None if history is None else history.step_s,
-                          history_start_s=0.0 if history is None else history.start_s,
-                          future=None if future is None else future.values,
-                          future_step_s=None if future is None else future.step_s,
-                          extra={"interval_s": cfg.scaling_interval_s, "stable_window_s": cfg.stable_window_s})
 
 
 def pool_planners(policy: str, options, bounds: dict[str, tuple[int, int]],

@@ -172,15 +172,16 @@ class Day:
 def prepare(setting: ScalingSetting, measure: ScalingMeasure) -> Day:
     """The fleet's capacity model and response curve (the discrete simulator, cached) and the day's
     demand scaled to the cell's peak."""
+    from sloserve.cluster.spec import FleetSpec
     from sloserve.planning import CURVE_DURATION_S, CURVE_INSTANCES, CURVE_LOADS, instance_capacity, response_curve
     from sloserve.sim.catalog import get_model
     from sloserve.simulation import FleetConfig
     from sloserve.workload.series import Series, servegen_series
 
     slo = slo_for(setting.lengths, setting.slo)
-    base = FleetConfig(instances=setting.peak, hardware=setting.hardware, model=setting.model, tp=setting.tp,
-                       router="least-requests", migration="drain", scheduler=scheduler(),
-                       migration_interval_s=MIGRATION_INTERVAL_S)
+    base = FleetConfig(FleetSpec(instances=setting.peak, router="least-requests", migration="drain",
+                                 migration_interval_s=MIGRATION_INTERVAL_S),
+                       hardware=setting.hardware, model=setting.model, tp=setting.tp, scheduler=scheduler())
     shapes = request_shapes(setting.lengths, get_model(setting.model).max_position_embeddings)
     probe = poisson_requests(np.ones(60), 60.0, shapes, 1)  # shaped like the runs' arrivals, not the trace's
     capacity = instance_capacity(probe, base, slo, sample=len(probe))
@@ -205,17 +206,20 @@ def prepare(setting: ScalingSetting, measure: ScalingMeasure) -> Day:
 
 def fleet_for(day: Day, setting: ScalingSetting, measure: ScalingMeasure, policy: str):
     """The FleetConfig `policy` runs the day with."""
-    common = dict(capacity_rps=day.capacity, cold_start_s=setting.cold_start_s, scaling_interval_s=measure.interval_s,
-                  demand_step_s=measure.demand_step_s, scale_down_delay_s=measure.scale_down_delay_s,
-                  target_utilization=measure.utilization, forecast_level=measure.level,
-                  scaling_history=day.history, scaling_future=day.run)
+    scaling = dict(capacity_rps=day.capacity, scaling_interval_s=measure.interval_s,
+                   scale_down_delay_s=measure.scale_down_delay_s, target_utilization=measure.utilization,
+                   forecast_level=measure.level)
+    books = dict(cold_start_s=setting.cold_start_s, demand_step_s=measure.demand_step_s,
+                 scaling_history=day.history, scaling_future=day.run)
     if policy == STATIC:
         n = day.peak_need
-        return replace(day.base, instances=n, autoscale="static", min_instances=n, initial_instances=n, **common)
+        return replace(day.base.with_fleet(instances=n, autoscale="static", min_instances=n, **scaling),
+                       initial_instances=n, **books)
     kind, _, forecaster = policy.partition("[")
     first = max(1, math.ceil(float(day.run.values[0]) / (day.capacity * measure.utilization)))
-    return replace(day.base, instances=2 * day.peak_need, autoscale=kind, min_instances=1, initial_instances=first,
-                   forecaster=forecaster.rstrip("]") or day.base.forecaster, **common)
+    fleet = day.base.with_fleet(instances=2 * day.peak_need, autoscale=kind, min_instances=1,
+                                forecaster=forecaster.rstrip("]") or day.base.fleet.forecaster, **scaling)
+    return replace(fleet, initial_instances=first, **books)
 
 
 class AutoscalingDecision(Decision):
