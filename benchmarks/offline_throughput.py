@@ -47,11 +47,12 @@ from typing import Any, Optional, Sequence
 
 from sloserve.bench.precision import SYNTAX as PRECISION_SYNTAX
 from sloserve.bench.precision import Precision, checkpoint_quantization, parse_precision, parse_precision_list
+from sloserve.workers import vllm_process
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_DATASET = REPO_ROOT.parent / "shared" / "data" / "sharegpt_v3_first_turn.jsonl.gz"
 DEFAULT_OUTPUT_DIR = REPO_ROOT / "benchmarks" / "results"
-VLLM_PYTHON = REPO_ROOT / ".venv-vllm" / "bin" / "python"
+VLLM_PYTHON = vllm_process.VLLM_PYTHON  # `make vllm` sets it up
 VLLM_SCRIPT = REPO_ROOT / "benchmarks" / "peers" / "vllm_offline.py"
 VLLM_MODEL_DIR = REPO_ROOT / "benchmarks" / "results" / "smollm2-135m-hf"
 VLLM_SETUP = "benchmarks/peers/setup_vllm_cpu.sh"

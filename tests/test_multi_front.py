@@ -18,6 +18,7 @@ from fleet_helpers import front_config
 from sloserve.front.app import DEAD, HEALTHY
 from sloserve.front.multi import build_worker_fleet
 from sloserve.workers.contract import WorkerState
+from sloserve.workers.handles import WorkerHandle
 
 
 @contextlib.asynccontextmanager
@@ -192,7 +193,7 @@ def test_a_worker_message_of_another_contract_version_is_refused_with_both_versi
 
 
 def test_a_slot_whose_workers_die_while_starting_backs_off():
-    class Gone:
+    class Gone(WorkerHandle):
         kind = "gone"
         url = None
 

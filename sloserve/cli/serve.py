@@ -6,6 +6,7 @@ import argparse
 import logging
 
 from sloserve.cli.engine_args import add_engine_args, engine_config_from_args
+from sloserve.workers.source import BACKENDS, ENGINES, WorkerSource
 
 
 def add_serve_parser(sub: argparse._SubParsersAction) -> None:
@@ -40,20 +41,33 @@ def cmd_serve(args: argparse.Namespace) -> int:
         entries, budget = load_models_file(args.models, base, spec) if args.models else \
             ([ModelEntry(name, replace(base, model=path), spec) for name, path in models], None)
         return run_models(entries, settings, budget=budget,
-                          backend=args.backend, host=args.host, port=args.port, qos_config=args.qos_config,
-                          api_keys=keys, ray_address=args.ray_address, admin_keys=settings.admin_keys,
+                          source=worker_source(args), host=args.host, port=args.port, qos_config=args.qos_config,
+                          api_keys=keys, admin_keys=settings.admin_keys,
                           max_in_flight=args.front_max_in_flight, hang_timeout_s=args.hang_timeout,
                           cold_start_s=args.cold_start, scaling_history=_history(args))
+    source = worker_source(args)
+    if source.attach and args.instances is None:
+        from dataclasses import replace
+
+        spec = replace(spec, instances=len(source.attach))  # --workers URL,URL alone: one instance each
     if spec.instances > 1 or spec.fewest != spec.instances or args.backend != "process" or spec.pd \
+            or source != WorkerSource() \
             or spec.decode_router or spec.mixed_handoff != "never" or spec.autoscale \
             or spec.prefill_pool != PoolSettings() or spec.decode_pool != PoolSettings():  # run_multi checks them
         from sloserve.front.multi import run_multi
 
-        return run_multi(engine_config_from_args(args), settings, spec, backend=args.backend, host=args.host,
-                         port=args.port, qos_config=args.qos_config, api_keys=keys, ray_address=args.ray_address,
+        return run_multi(engine_config_from_args(args), settings, spec, source=source, host=args.host,
+                         port=args.port, qos_config=args.qos_config, api_keys=keys,
                          admin_keys=settings.admin_keys, max_in_flight=args.front_max_in_flight,
                          hang_timeout_s=args.hang_timeout, cold_start_s=args.cold_start, scaling_history=_history(args))
     return run_server(engine_config_from_args(args), settings, host=args.host, port=args.port)
+
+
+def worker_source(args: argparse.Namespace) -> "WorkerSource":
+    """Where the fleet's workers come from (workers/source.py), as the options say."""
+    return WorkerSource(engine=args.engine, backend=args.backend, ray_address=args.ray_address,
+                        vllm_python=args.vllm_python, vllm_args=tuple(args.vllm_arg or ()),
+                        attach=WorkerSource.parse_urls(args.workers))
 
 
 def server_settings(args: argparse.Namespace):
@@ -157,7 +171,19 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "http://127.0.0.1:4318 (its /v1/traces); needs the tracing extra (default: no tracing)")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     m = p.add_argument_group("multi-instance (the real fleet's own settings)")
-    m.add_argument("--backend", default="process", choices=["process", "ray"], help="workers as local processes or Ray actors")
+    m.add_argument("--engine", default="sloserve", choices=list(ENGINES),
+                   help="what each worker runs: sloserve's engine (default), or a stock vLLM server (`make vllm` sets "
+                        "one up; --model is then a Hugging Face directory; docs/fleet.md, 'Driving vLLM')")
+    m.add_argument("--backend", default="process", choices=list(BACKENDS),
+                   help="sloserve's workers as local processes or Ray actors")
+    m.add_argument("--workers", metavar="URL,URL",
+                   help="attach to servers started elsewhere (sloserve workers, or vLLM with --engine vllm), one "
+                        "instance each, instead of starting any")
+    m.add_argument("--vllm-python", metavar="PATH",
+                   help="the interpreter of the venv vLLM is installed in (default: the one `make vllm` sets up)")
+    m.add_argument("--vllm-arg", action="append", metavar="ARG",
+                   help="one more of vLLM's own flags for every vLLM worker (repeatable; e.g. "
+                        "--vllm-arg=--enforce-eager)")
     m.add_argument("--front-max-in-flight", type=int, default=None, metavar="N",
                    help="requests the front proxies at once; more get 429 (default: the workers' combined capacity)")
     m.add_argument("--hang-timeout", type=float, default=60.0, metavar="S",

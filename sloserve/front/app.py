@@ -226,6 +226,7 @@ class Front:
         cfg, spec = fleet.config, fleet.config.fleet
         self.gate = FrontGate(cfg.max_in_flight, cfg.retry_after_s)
         self.sessions: set[RelaySession] = set()  # the streams being relayed now
+        self.epoch = fleet.clock()  # deadlines sent to workers as priorities count from here (workers/kinds/)
         self._tokenize_turn = 0  # which healthy worker judges the next prompt first (_prompt_ids)
         self.migration = MigrationDriver(fleet, self.sessions, fleet.controller, spec.migration_interval_s)
         self.handoff = HandoffDriver(fleet, self.migration, spec.pd_transfer)
@@ -437,15 +438,19 @@ class Front:
         if isinstance(body.get("model"), str):
             payload["model"] = body["model"]
         forwarded = {k: v for k, v in headers.items() if k != "content-type"}
-        if self.fleet.fleet_secret:
-            forwarded[FLEET_SECRET_HEADER] = self.fleet.fleet_secret
         healthy = self.fleet.healthy()
         self._tokenize_turn += 1  # each worker asked first in turn: no one worker judges every body
         for k in range(len(healthy)):
             inst = healthy[(self._tokenize_turn + k) % len(healthy)]
+            kind = inst.handle.engine_kind
+            call = kind.tokenize_call(payload)
+            if call is None:  # the prompt is its ids: this kind of worker judges them at generation
+                return _token_ids(payload.get("prompt")), None
+            route, asked = call
+            secret = {FLEET_SECRET_HEADER: self.fleet.fleet_secret} if self.fleet.fleet_secret and kind.contract else {}
             try:
-                resp = await self.fleet.client.post(inst.handle.url + "/internal/tokenize", json=payload,
-                                                    headers=forwarded, timeout=30.0)
+                resp = await self.fleet.client.post(inst.handle.url + route, json=asked,
+                                                    headers={**forwarded, **secret}, timeout=30.0)
             except _TRANSPORT_ERRORS as e:
                 self.fleet.suspect(inst, inst.handle, e)
                 continue
@@ -612,11 +617,11 @@ class Front:
             body = as_stream(body)
             raw = json.dumps(body).encode()
             stream = True
-        upstream_headers = dict(headers)
+        contract_headers = {}  # for workers that speak sloserve's contract (workers/kinds/)
         if self.fleet.fleet_secret:  # the workers annotate the streams of their own front
-            upstream_headers[FLEET_SECRET_HEADER] = self.fleet.fleet_secret
+            contract_headers[FLEET_SECRET_HEADER] = self.fleet.fleet_secret
             # the class and priority resolved here, once: the worker takes them as given
-            upstream_headers[QOS_HEADER] = qos_header(routed.qos.name, routed.priority)
+            contract_headers[QOS_HEADER] = qos_header(routed.qos.name, routed.priority)
         tried: set = set()
         last_error = "no healthy instance"
         refused: Optional[Response] = None  # the last worker's 429/503, returned if nobody else takes it
@@ -643,6 +648,9 @@ class Front:
                 if inst is None:
                     break
                 handle = inst.handle
+                kind = handle.engine_kind
+                upstream_headers = {**headers, **contract_headers} if kind.contract else dict(headers)
+                sent = raw if kind.contract else kind.upstream_body(body, raw, routed, self.epoch)
                 tried.add((inst.slot, inst.generation))
                 if attempt:
                     self.fleet.counters["retries"] += 1
@@ -650,11 +658,11 @@ class Front:
                 upstream: Optional[httpx.Response] = None
                 session_owns = False  # a RelaySession took the upstream over (and releases it)
                 # a pipelined hand-off: the decode instance is chosen now and gets the KV as it is computed
-                early = self.handoff.early_target(routed, inst) if resumable(body, chat) else None
+                early = self.handoff.early_target(routed, inst) if kind.contract and resumable(body, chat) else None
                 try:
                     try:
                         upstream = await self._before_start(stop, inst, tried, self.fleet.client.send(
-                            self.fleet.client.build_request("POST", handle.url + path, content=raw,
+                            self.fleet.client.build_request("POST", handle.url + path, content=sent,
                                                             headers=upstream_headers if early is None
                                                             else {**upstream_headers, **early.header()}),
                             stream=True))
@@ -690,7 +698,8 @@ class Front:
                             status, payload = await self._answer_whole(_chunks(head), chat)
                             return JSONResponse(payload, status_code=status, headers=_whole_headers(back))
                         return Response(head, status_code=200, headers=back, media_type=media)
-                    session = RelaySession(self, routed, path, body, headers, chat, resumable(body, chat),
+                    session = RelaySession(self, routed, path, body, headers, chat,
+                                           kind.contract and resumable(body, chat),
                                            Upstream(inst, inst.generation, upstream, chunks),
                                            ticket.abort if ticket is not None else None)
                     session.answered_whole = whole

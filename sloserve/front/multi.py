@@ -22,6 +22,7 @@ import uvicorn
 from sloserve.cluster.spec import FleetSpec
 from sloserve.core.config import CacheConfig, EngineConfig, PoolSettings
 from sloserve.server.connections import DrainingServer
+from sloserve.workers.source import WorkerSource
 
 if TYPE_CHECKING:
     from sloserve.front.models import ModelEntry  # noqa: F401
@@ -35,28 +36,6 @@ def cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:
         return os.cpu_count() or 1
-
-
-def make_spawner(specs, backend: str, threads_per_worker: int, ray_address: Optional[str] = None):
-    """slot -> a started WorkerHandle of the chosen backend, from `specs[slot]` (one WorkerSpec
-    per slot: the pools of a disaggregated fleet run different scheduler settings)."""
-    from sloserve.workers.handles import ProcessWorker, RayWorker
-
-    if backend == "process":
-        return lambda slot: ProcessWorker(specs[slot])
-    if backend == "ray":
-        try:
-            import ray
-        except ImportError:
-            raise ValueError("--backend ray needs the `ray` package (pip install 'ray>=2.9')") from None
-        if not ray.is_initialized():
-            # an existing cluster (address "auto" or ray://...), else a local Ray instance on this machine
-            if ray_address:
-                ray.init(address=ray_address, log_to_driver=False)
-            else:
-                ray.init(include_dashboard=False, log_to_driver=False)
-        return lambda slot: RayWorker(specs[slot], num_cpus=threads_per_worker)
-    raise ValueError(f"unknown backend {backend!r}; use process or ray")
 
 
 async def serve_front(fleet, front, config: uvicorn.Config, grace_s: float, start_timeout_s: float,
@@ -76,10 +55,11 @@ async def serve_front(fleet, front, config: uvicorn.Config, grace_s: float, star
         await fleet.close()
 
 
-def build_worker_fleet(spawn, config: "FrontConfig", clock=None, fleet_secret: Optional[str] = None):
+def build_worker_fleet(spawn, config: "FrontConfig", clock=None, fleet_secret: Optional[str] = None,
+                       operator_drain: bool = True):
     """The real fleet of `config.fleet` with its controller (cluster.assembly.build_controller, as
-    the simulator assembles it), which also runs `drain`: an operator's request is honoured
-    whatever `--migration` says."""
+    the simulator assembles it), which also runs `drain` (`operator_drain`, for workers that can
+    hand their requests on): an operator's request is honoured whatever `--migration` says."""
     import time
 
     from sloserve.cluster.assembly import build_controller
@@ -91,7 +71,8 @@ def build_worker_fleet(spawn, config: "FrontConfig", clock=None, fleet_secret: O
         from sloserve.cluster.predict import PredictionBook, load_predictor
 
         predictions = PredictionBook(load_predictor(spec.resolved_predictor))  # type: ignore[arg-type]
-    controller = build_controller(spec, predictions=predictions, history=config.scaling_history, operator_drain=True)
+    controller = build_controller(spec, predictions=predictions, history=config.scaling_history,
+                                  operator_drain=operator_drain)
     return WorkerFleet(spawn, config, controller, predictions, clock or time.monotonic, fleet_secret)
 
 
@@ -133,12 +114,12 @@ def check_fleet_spec(engine_config: EngineConfig, spec: FleetSpec, scaling_histo
 
 
 def build_front(engine_config: EngineConfig, settings, spec: FleetSpec, *, threads_per_worker: int,
-                fleet_secret: str, salt_secret: str, backend: str = "process", qos_config: Optional[str] = None,
-                api_keys: Sequence[str] = (), ray_address: Optional[str] = None, log_level: str = "warning",
+                fleet_secret: str, salt_secret: str, source: WorkerSource = WorkerSource(),
+                qos_config: Optional[str] = None, api_keys: Sequence[str] = (), log_level: str = "warning",
                 admin_keys: Sequence[str] = (), max_in_flight: Optional[int] = None, hang_timeout_s: float = 60.0,
                 cold_start_s: float = 30.0, scaling_history=None, clock: Optional[Callable[[], float]] = None):
     """The front of one model (a Front over its WorkerFleet, not started): the fleet `spec`
-    describes, each worker `engine_config` on `threads_per_worker` threads. `clock` (default
+    describes, its workers from `source`, each `engine_config` on `threads_per_worker` threads. `clock` (default
     time.monotonic) is the time the fleet and its controller loops read: autoscaling windows,
     delays, health and start timeouts."""
     from sloserve.front.app import Front
@@ -158,14 +139,14 @@ def build_front(engine_config: EngineConfig, settings, spec: FleetSpec, *, threa
                     for index, role in enumerate(spec.roles)]
     for worker in worker_specs:
         worker.engine.scheduler.validate()
-    spawn = make_spawner(worker_specs, backend, threads_per_worker, ray_address)
+    spawn = source.spawner(worker_specs, threads_per_worker, engine_config, settings.served_model_names)
     config = FrontConfig(spec, hang_timeout_s=hang_timeout_s, cold_start_guess_s=cold_start_s,
                          scaling_history=scaling_history,
                          max_in_flight=max_in_flight or front_capacity(engine_config, settings.max_queue, instances),
                          max_body_bytes=settings.max_body_bytes, body_timeout_s=settings.body_timeout_s,
                          retry_after_s=settings.retry_after_s, admin_keys=tuple(admin_keys),
                          timeline_interval_s=settings.timeline_interval_s)
-    fleet = build_worker_fleet(spawn, config, clock=clock, fleet_secret=fleet_secret)
+    fleet = build_worker_fleet(spawn, config, clock=clock, fleet_secret=fleet_secret, operator_drain=source.contract)
     front = Front(fleet, settings.registry, CacheSalter(cache_secret(salt_secret)), engine_config.lora_modules,
                   Tracing(settings.otlp_traces_endpoint, "sloserve-front"))
 
@@ -188,31 +169,34 @@ def _secrets(settings) -> tuple[str, str]:
     return fleet_secret, settings.cache_salt_secret or os.environ.get(CACHE_SECRET_ENV) or secrets.token_urlsafe(32)
 
 
-def run_multi(engine_config: EngineConfig, settings, spec: FleetSpec, *, backend: str = "process",
+def run_multi(engine_config: EngineConfig, settings, spec: FleetSpec, *, source: WorkerSource = WorkerSource(),
               host: str = "127.0.0.1", port: int = 8000, qos_config: Optional[str] = None,
-              api_keys: Sequence[str] = (), ray_address: Optional[str] = None, log_level: str = "warning",
+              api_keys: Sequence[str] = (), log_level: str = "warning",
               admin_keys: Sequence[str] = (), max_in_flight: Optional[int] = None,
               hang_timeout_s: float = 60.0, cold_start_s: float = 30.0, scaling_history=None) -> int:
-    """The fleet `spec` describes (cluster/spec.py: routing, migration, P/D, autoscaling), on
-    worker processes or Ray actors. `settings` (ServerSettings) gives the edge: max_body_bytes,
+    """The fleet `spec` describes (cluster/spec.py: routing, migration, P/D, autoscaling), its
+    workers from `source` (workers/source.py: sloserve's on processes or Ray actors, stock vLLM
+    servers, or servers attached by URL). `settings` (ServerSettings) gives the edge: max_body_bytes,
     body and header timeouts, connection cap, retry_after_s, grace_period_s; max_queue applies to
     each worker. `cold_start_s`: the start time autoscaling assumes until a worker was timed;
     `scaling_history`: the demand (workload.series.Series) that trains a forecaster."""
     from sloserve.server.connections import uvicorn_config
 
     check_fleet_spec(engine_config, spec, scaling_history, max_in_flight, hang_timeout_s)
+    source.check(spec, engine_config)
     settings.validate()
     instances = spec.instances
     per_worker = max(1, (engine_config.num_threads or cores()) // instances)
     fleet_secret, salt_secret = _secrets(settings)
     front = build_front(engine_config, settings, spec, threads_per_worker=per_worker, fleet_secret=fleet_secret,
-                        salt_secret=salt_secret, backend=backend, qos_config=qos_config, api_keys=api_keys,
-                        ray_address=ray_address, log_level=log_level, admin_keys=admin_keys,
+                        salt_secret=salt_secret, source=source, qos_config=qos_config, api_keys=api_keys,
+                        log_level=log_level, admin_keys=admin_keys,
                         max_in_flight=max_in_flight, hang_timeout_s=hang_timeout_s, cold_start_s=cold_start_s,
                         scaling_history=scaling_history)
     uv_config = uvicorn_config(front.build_app(), host=host, port=port, limits=settings.connection_limits(),
                                loop=settings.event_loop)
-    logger.info("starting %d %s workers (%d threads each%s); serving once one is healthy", instances, backend,
+    logger.info("starting %d %s workers (%d threads each%s); serving once one is healthy", instances,
+                "attached" if source.attach else source.engine if source.engine != "sloserve" else source.backend,
                 per_worker, f"; {spec.pd_text} prefill:decode, {spec.pd_transfer} hand-off" if spec.pd else "")
     with asyncio.Runner(loop_factory=uv_config.get_loop_factory()) as runner:  # uvloop, as one instance runs
         runner.run(serve_front(front.fleet, front, uv_config, settings.grace_period_s, front.fleet.config.start_timeout_s))
@@ -220,8 +204,8 @@ def run_multi(engine_config: EngineConfig, settings, spec: FleetSpec, *, backend
 
 
 def run_models(models: Sequence["ModelEntry"], settings, *, budget: Optional[int] = None,
-               backend: str = "process", host: str = "127.0.0.1", port: int = 8000,
-               qos_config: Optional[str] = None, api_keys: Sequence[str] = (), ray_address: Optional[str] = None,
+               source: WorkerSource = WorkerSource(), host: str = "127.0.0.1", port: int = 8000,
+               qos_config: Optional[str] = None, api_keys: Sequence[str] = (),
                log_level: str = "warning", admin_keys: Sequence[str] = (), max_in_flight: Optional[int] = None,
                hang_timeout_s: float = 60.0, cold_start_s: float = 30.0, scaling_history=None) -> int:
     """Several models behind one front (front/models.py): each ModelEntry gets its own fleet (its
@@ -238,6 +222,7 @@ def run_models(models: Sequence["ModelEntry"], settings, *, budget: Optional[int
                  for m in models}  # each model's own past demand, else the command line's
     for m in models:
         check_fleet_spec(m.engine, m.spec, histories[m.name], m.max_in_flight or max_in_flight, hang_timeout_s)
+        source.check(m.spec, m.engine)
     settings.validate()
     workers = sum(m.spec.instances for m in models)
     per_worker = max(1, (models[0].engine.num_threads or cores()) // workers)
@@ -249,8 +234,8 @@ def run_models(models: Sequence["ModelEntry"], settings, *, budget: Optional[int
             own.registry = load_qos_config(m.qos_config).with_keys(list(api_keys)) \
                 .with_cache_isolation(settings.registry.cache_isolation)
         fronts[m.name] = build_front(m.engine, own, m.spec, threads_per_worker=per_worker, fleet_secret=fleet_secret,
-                                     salt_secret=salt_secret, backend=backend, qos_config=m.qos_config or qos_config,
-                                     api_keys=api_keys, ray_address=ray_address, log_level=log_level,
+                                     salt_secret=salt_secret, source=source, qos_config=m.qos_config or qos_config,
+                                     api_keys=api_keys, log_level=log_level,
                                      admin_keys=admin_keys, max_in_flight=m.max_in_flight or max_in_flight,
                                      hang_timeout_s=hang_timeout_s, cold_start_s=cold_start_s,
                                      scaling_history=histories[m.name])
@@ -266,7 +251,7 @@ def run_models(models: Sequence["ModelEntry"], settings, *, budget: Optional[int
     uv_config = uvicorn_config(app, host=host, port=port, limits=settings.connection_limits(),
                                loop=settings.event_loop)
     logger.info("starting %d models on %d %s workers (%d threads each); serving once each has one healthy",
-                len(models), workers, backend, per_worker)
+                len(models), workers, source.engine if source.engine != "sloserve" else source.backend, per_worker)
     with asyncio.Runner(loop_factory=uv_config.get_loop_factory()) as runner:
         runner.run(serve_fronts(list(fronts.values()), uv_config, settings.grace_period_s, budget=shared))
     return 0

@@ -33,7 +33,6 @@ from sloserve.cluster.spec import FleetSpec
 from sloserve.timeline import (DEAD as SHOWN_DEAD, DRAINING as SHOWN_DRAINING, FAILURE, INSTANCE_READY,
                                READING_FIELDS, READY as SHOWN_READY, START, STOP, InstanceReading)
 from sloserve.sched.state import InstanceState, KeySetIndex
-from sloserve.workers.contract import FLEET_SECRET_HEADER, WorkerState
 from sloserve.workers.handles import NoWorker, WorkerHandle
 from sloserve.core.types import Request
 
@@ -194,8 +193,7 @@ class WorkerFleet:
         self._client = httpx.AsyncClient(timeout=httpx.Timeout(connect=5.0, read=None, write=30.0, pool=30.0),
                                          limits=httpx.Limits(max_connections=2048, max_keepalive_connections=256))
         n = len(self.instances)
-        headers = {FLEET_SECRET_HEADER: self.fleet_secret} if self.fleet_secret else {}
-        self._health = httpx.AsyncClient(timeout=httpx.Timeout(self.config.poll_timeout_s), headers=headers,
+        self._health = httpx.AsyncClient(timeout=httpx.Timeout(self.config.poll_timeout_s),  # each kind adds its auth
                                          limits=httpx.Limits(max_connections=2 * n, max_keepalive_connections=n))
         self._monitors = [asyncio.create_task(self._watch(inst)) for inst in self.instances]
         if wait_ready_s is not None:
@@ -256,9 +254,7 @@ class WorkerFleet:
         assert self._health is not None, "fleet not started"
         sent = self.clock()
         try:
-            resp = await self._health.get(url + "/internal/state")
-            resp.raise_for_status()
-            published = WorkerState.from_json(resp.json())
+            published = await handle.engine_kind.read_state(handle, self._health, self.fleet_secret)
             state, keys, reading = published.state, published.prefix_keys, published.reading
         except Exception as e:  # noqa: BLE001 - any failure to answer counts the same
             if handle is inst.handle:

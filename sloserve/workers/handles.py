@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from sloserve.core.config import EngineConfig
+from sloserve.workers.kinds.base import SLOSERVE, EngineKind
 from sloserve.workers.contract import API_KEYS_ENV, CACHE_SECRET_ENV, FLEET_SECRET_ENV, WORKER_MODULE, config_to_json
 
 logger = logging.getLogger(__name__)
@@ -66,7 +67,8 @@ class WorkerSpec:
 
 
 class WorkerHandle(ABC):
-    kind: str = "?"
+    kind: str = "?"  # how it runs: process, ray, vllm, attached
+    engine_kind: "EngineKind" = SLOSERVE  # how the front speaks to it (workers/kinds/)
 
     @property
     @abstractmethod
@@ -84,6 +86,28 @@ class WorkerHandle(ABC):
 
     def describe(self) -> dict:
         return {"kind": self.kind, "url": self.url}
+
+
+class AttachedWorker(WorkerHandle):
+    """A server started elsewhere (`sloserve serve --workers URL,...`): the front neither starts nor
+    stops it; it is alive while it answers its polls, and a replacement is the same URL, polled
+    until it answers again. `engine_kind`: how to speak to it (kinds/)."""
+
+    kind = "attached"
+
+    def __init__(self, url: str, engine_kind=None):
+        self._url = url.rstrip("/")
+        self.engine_kind = engine_kind or SLOSERVE
+
+    @property
+    def url(self) -> str:
+        return self._url
+
+    def is_running(self) -> bool:
+        return True  # judged over HTTP, by the polls
+
+    def kill(self) -> None:
+        self.engine_kind.close(self)
 
 
 class NoWorker(WorkerHandle):
