@@ -63,8 +63,10 @@ SHAPES = {
     "tiny-llama": Shape("llama", 64, 128, 2, 4, 2, 49_216, 512, 10_000.0, 1e-5, qkv_bias=False, init_std=0.3),
     "tiny-qwen2": Shape("qwen2", 64, 128, 2, 4, 2, 49_216, 512, 10_000.0, 1e-6, qkv_bias=True, init_std=0.3),
     # for the tests that run stock vLLM-CPU workers: its CPU attention takes head_dim 64 (not 16); a context
-    # of 2048 leaves prompts room for several of its 128-token KV blocks
-    "tiny-llama-h64": Shape("llama", 128, 256, 2, 2, 1, 49_216, 2048, 10_000.0, 1e-5, qkv_bias=False, init_std=0.3),
+    # of 2048 leaves prompts room for several of its 128-token KV blocks; deep enough that a long stream is still
+    # being generated while a test stops its worker (hundreds of tokens a second on one core, not thousands)
+    "small-llama-h64": Shape("llama", 256, 1024, 8, 4, 2, 49_216, 2048, 10_000.0, 1e-5, qkv_bias=False,
+                             init_std=0.3),
 }
 
 

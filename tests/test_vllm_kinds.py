@@ -144,7 +144,7 @@ def test_a_generation_call_carries_its_deadline_as_vllms_priority():
     kind = VllmKind()
     body = {"model": "m", "prompt": "hi", "qos_class": "c", "sloserve_prompt_ids": [1, 2], "stream": True}
     sent = json.loads(kind.upstream_body(body, b"", routed(110.0, 0.5), epoch=100.0))
-    assert sent == {"model": "m", "prompt": "hi", "stream": True, "priority": 10_500}
+    assert sent == {"model": "m", "prompt": "hi", "stream": True, "priority": 10_500, "return_token_ids": True}
     salted = routed(110.0, 0.5)
     salted.cache_salt = "tenant-a"
     assert json.loads(kind.upstream_body(body, b"", salted, epoch=100.0))["cache_salt"] == "tenant-a"
@@ -187,3 +187,91 @@ def test_vllm_without_its_venv_says_how_to_get_it(tmp_path):
             model=str(tmp_path)))
     with pytest.raises(ValueError, match="http"):
         WorkerSource.parse_urls("localhost:8000")
+
+
+def sse(obj) -> bytes:
+    import json
+
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+
+def test_the_stream_reader_takes_vllms_token_ids_out_and_notes_them():
+    import json
+
+    from sloserve.workers.kinds.vllm_stream import StreamReader
+
+    reader = StreamReader()
+    first = {"id": "cmpl-1", "created": 7, "object": "text_completion", "model": "m",
+             "choices": [{"index": 0, "text": " a", "prompt_token_ids": [1, 2, 3], "token_ids": [9]}]}
+    out, note = reader.event(sse(first))
+    assert note == {"id": "cmpl-1", "engine_id": "cmpl-1", "created": 7, "prompt_ids": [1, 2, 3],
+                    "prompt_tokens": 3, "t": [9]}
+    assert json.loads(out[6:])["choices"][0] == {"index": 0, "text": " a"}
+    chat = {"id": "chat-1", "created": 7, "prompt_token_ids": [1, 2], "choices": [{"index": 0, "delta": {
+        "content": "x"}, "token_ids": [5, 6]}]}
+    out, note = reader.event(sse(chat))
+    assert note["t"] == [5, 6] and note["prompt_ids"] == [1, 2] and b"token_ids" not in out
+    assert reader.event(b"data: [DONE]\n\n") == (b"data: [DONE]\n\n", None)
+    kept, _ = StreamReader(client_asked_ids=True).event(sse(first))  # the client asked for them: kept
+    assert b"token_ids" in kept
+
+
+def test_a_call_continues_from_its_prompt_and_the_tokens_sent():
+    from sloserve.workers.kinds.vllm_stream import resume_call
+
+    body = {"model": "m", "prompt": "hi", "max_tokens": 10, "temperature": 0, "stream": True, "priority": 5,
+            "min_tokens": 4, "ignore_eos": True}
+    call = resume_call(body, False, {"prompt_ids": [1, 2]}, [7, 8, 9])
+    assert call["prompt"] == [1, 2, 7, 8, 9] and call["max_tokens"] == 7 and call["min_tokens"] == 1
+    assert (call["priority"], call["temperature"], call["ignore_eos"], call["return_token_ids"]) == (5, 0, True, True)
+    assert resume_call({**body, "max_tokens": 3}, False, {"prompt_ids": [1]}, [7, 8, 9]) is None  # nothing left
+    assert resume_call({**body, "logprobs": 2}, False, {"prompt_ids": [1]}, [7]) is None
+    assert resume_call({"messages": [], "tools": [{"type": "function"}]}, True, {"prompt_ids": [1]}, [7]) is None
+    chat = resume_call({"model": "m", "messages": [], "max_completion_tokens": 5}, True, {"prompt_ids": [1]}, [2])
+    assert chat["max_tokens"] == 4 and chat["add_special_tokens"] is False
+    assert resume_call(body, False, {}, [7]) is None  # the prompt's ids never arrived
+
+
+def test_a_chat_calls_continuation_reads_as_the_original_call():
+    import json
+
+    from sloserve.workers.kinds.vllm_stream import ResumedReader
+
+    reader = ResumedReader(chat=True, head={"id": "chat-1", "created": 7}, sent=3, usage_asked=True, model="m")
+    out, note = reader.event(sse({"id": "cmpl-9", "created": 9, "object": "text_completion", "model": "x",
+                                  "choices": [{"index": 0, "text": " more", "token_ids": [4],
+                                               "finish_reason": None}]}))
+    event = json.loads(out[6:])
+    assert note == {"t": [4]} and (event["id"], event["created"], event["object"]) == ("chat-1", 7,
+                                                                                     "chat.completion.chunk")
+    assert event["choices"] == [{"index": 0, "delta": {"content": " more"}, "logprobs": None, "finish_reason": None}]
+    out, _ = reader.event(sse({"id": "cmpl-9", "choices": [], "usage": {"prompt_tokens": 13, "completion_tokens": 4,
+                                                                       "total_tokens": 17}}))
+    assert json.loads(out[6:])["usage"] == {"prompt_tokens": 10, "completion_tokens": 7, "total_tokens": 17}
+    silent = ResumedReader(chat=False, head={"id": "c"}, sent=1, usage_asked=False, model="m")
+    assert silent.event(sse({"id": "x", "choices": [], "usage": {"prompt_tokens": 2}}))[0] == b""
+
+
+def test_the_priority_vllm_is_sent_is_the_deadline_unless_asked_otherwise():
+    assert WorkerSource(engine="vllm").engine_kind().deadline_priority  # the servers sloserve starts
+    assert not WorkerSource(engine="vllm", attach=("http://a:1",)).engine_kind().deadline_priority
+    assert not WorkerSource(engine="vllm", vllm_priority="none").engine_kind().deadline_priority
+    assert WorkerSource(engine="vllm", attach=("http://a:1",), vllm_priority="deadline").engine_kind().deadline_priority
+    with pytest.raises(ValueError, match="--vllm-priority"):
+        WorkerSource(engine="vllm", vllm_priority="edf").check(FleetSpec(), EngineConfig(model=None))
+
+
+def test_a_continuation_whose_first_piece_repeats_the_text_so_far_keeps_only_what_is_new():
+    import json
+
+    from sloserve.workers.kinds.vllm_stream import ResumedReader
+
+    reader = ResumedReader(chat=True, head={"id": "c"}, sent=2, usage_asked=False, model="m",
+                           sent_text=" once upon")
+    whole = {"id": "x", "choices": [{"index": 0, "text": "system\nYou are kind\nuser\nHi\nassistant\n once upon a",
+                                     "token_ids": [7]}]}
+    out, _ = reader.event(sse(whole))
+    assert json.loads(out[6:])["choices"][0]["delta"] == {"content": " a"}
+    out, _ = reader.event(sse({"id": "x", "choices": [{"index": 0, "text": " once upon", "token_ids": [8]}]}))
+    assert json.loads(out[6:])["choices"][0]["delta"] == {"content": " once upon"}  # only the first is cut
+    assert reader.text == " once upon a once upon"

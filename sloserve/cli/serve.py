@@ -6,7 +6,7 @@ import argparse
 import logging
 
 from sloserve.cli.engine_args import add_engine_args, engine_config_from_args
-from sloserve.workers.source import BACKENDS, ENGINES, WorkerSource
+from sloserve.workers.source import BACKENDS, ENGINES, VLLM_PRIORITIES, WorkerSource
 
 
 def add_serve_parser(sub: argparse._SubParsersAction) -> None:
@@ -67,7 +67,7 @@ def worker_source(args: argparse.Namespace) -> "WorkerSource":
     """Where the fleet's workers come from (workers/source.py), as the options say."""
     return WorkerSource(engine=args.engine, backend=args.backend, ray_address=args.ray_address,
                         vllm_python=args.vllm_python, vllm_args=tuple(args.vllm_arg or ()),
-                        attach=WorkerSource.parse_urls(args.workers))
+                        attach=WorkerSource.parse_urls(args.workers), vllm_priority=args.vllm_priority)
 
 
 def server_settings(args: argparse.Namespace):
@@ -181,6 +181,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "instance each, instead of starting any")
     m.add_argument("--vllm-python", metavar="PATH",
                    help="the interpreter of the venv vLLM is installed in (default: the one `make vllm` sets up)")
+    m.add_argument("--vllm-priority", choices=list(VLLM_PRIORITIES),
+                   help="what each call's vLLM `priority` says: its TTFT deadline, so vLLM serves in deadline order "
+                        "(default for the vLLM servers sloserve starts), or none: arrival order (default for attached)")
     m.add_argument("--vllm-arg", action="append", metavar="ARG",
                    help="one more of vLLM's own flags for every vLLM worker (repeatable; e.g. "
                         "--vllm-arg=--enforce-eager)")

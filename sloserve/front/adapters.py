@@ -62,7 +62,7 @@ class AdapterFanout:
                     break
                 done.append(inst)
                 if resp.status_code == 200:
-                    answer = resp.json()
+                    answer = _answer(resp, name)
             if failure is not None or not done:
                 del self.loaded[name]
                 self._changed()
@@ -120,11 +120,24 @@ class AdapterFanout:
 
 
 def _exists(resp: httpx.Response) -> bool:
-    """A worker's answer that it serves the adapter already (it started after the spec changed)."""
+    """A worker's answer that it serves the adapter already (it started after the spec changed):
+    sloserve's worker says so by code, vLLM's in its message."""
     try:
-        return resp.status_code == 400 and resp.json()["error"]["code"] == "lora_adapter_exists"
-    except (ValueError, KeyError, TypeError):
+        error = resp.json()["error"]
+        return resp.status_code == 400 and (error.get("code") == "lora_adapter_exists"
+                                            or "already been loaded" in str(error.get("message", "")))
+    except (ValueError, KeyError, TypeError, AttributeError):
         return False
+
+
+def _answer(resp: httpx.Response, name: str) -> dict:
+    """A worker's 200 to a load, as the front answers it: sloserve's worker answers JSON, vLLM a
+    line of text."""
+    try:
+        answer = resp.json()
+    except ValueError:
+        answer = None
+    return answer if isinstance(answer, dict) else {"object": "lora_adapter", "id": name, "status": "loaded"}
 
 
 def _body(raw: bytes, fields: tuple[str, ...]) -> tuple[dict, Optional[Response]]:

@@ -123,6 +123,15 @@ def _headers_back(upstream: httpx.Response) -> dict:
     return {k: v for k, v in upstream.headers.items() if k.lower() in _PASS_BACK}
 
 
+def _read_events(reader, data: bytes) -> bytes:
+    """`data`'s SSE events as the client gets them through a worker kind's stream reader (None:
+    as they are)."""
+    if reader is None:
+        return data
+    splitter = SSESplitter()
+    return b"".join(reader.event(e)[0] for e in splitter.feed(data)) + splitter.rest()
+
+
 def _token_ids(value: object) -> Optional[list[int]]:
     """`value` if it is a non-empty list of ints (not bools), else None."""
     if isinstance(value, list) and value and all(type(t) is int for t in value):
@@ -658,7 +667,8 @@ class Front:
                 upstream: Optional[httpx.Response] = None
                 session_owns = False  # a RelaySession took the upstream over (and releases it)
                 # a pipelined hand-off: the decode instance is chosen now and gets the KV as it is computed
-                early = self.handoff.early_target(routed, inst) if kind.contract and resumable(body, chat) else None
+                continuable = resumable(body, chat) and kind.resumable(body)
+                early = self.handoff.early_target(routed, inst) if kind.contract and continuable else None
                 try:
                     try:
                         upstream = await self._before_start(stop, inst, tried, self.fleet.client.send(
@@ -693,13 +703,13 @@ class Front:
                             self.finished(routed, now, now, _completion_tokens(content) or 1)
                         return Response(content, status_code=upstream.status_code, headers=back, media_type=media)
                     if done:  # the whole stream came before anything counted as started
+                        head = _read_events(kind.stream_reader(body), head)
                         self.learn(routed, head)
                         if whole:
                             status, payload = await self._answer_whole(_chunks(head), chat)
                             return JSONResponse(payload, status_code=status, headers=_whole_headers(back))
                         return Response(head, status_code=200, headers=back, media_type=media)
-                    session = RelaySession(self, routed, path, body, headers, chat,
-                                           kind.contract and resumable(body, chat),
+                    session = RelaySession(self, routed, path, body, headers, chat, continuable,
                                            Upstream(inst, inst.generation, upstream, chunks),
                                            ticket.abort if ticket is not None else None)
                     session.answered_whole = whole

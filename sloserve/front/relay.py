@@ -141,6 +141,8 @@ class RelaySession:
         self.num_instances = 1
         self.early_target: Optional[EarlyTarget] = None  # a pipelined hand-off's decode instance
         self._splitter = SSESplitter()
+        # reads the upstream's events for what the client has (None: sloserve's annotations, read here)
+        self._reader = upstream.inst.handle.engine_kind.stream_reader(body)
         self._tail = b""
         self._read: Optional[asyncio.Future] = None
         self._switch: Optional[_Switch] = None
@@ -158,7 +160,7 @@ class RelaySession:
     @property
     def movable(self) -> bool:
         return (self.resumable and not self.finished and not self.migrating and self.engine_id is not None
-                and bool(self.tokens))
+                and bool(self.tokens) and self.upstream.inst.handle.engine_kind.contract)
 
     @property
     def last_token_at(self) -> Optional[float]:
@@ -271,6 +273,10 @@ class RelaySession:
             if event.startswith(_COMMENT):
                 line, _, event = event.partition(b"\n")
                 self._note(line[len(_COMMENT):])
+            elif self._reader is not None:
+                event, note = self._reader.event(event)
+                if note:
+                    self._record(note)
             if _FINISHED in event or event.startswith(b"data: [DONE]"):
                 self.finished = True
             out.append(event)
@@ -283,9 +289,12 @@ class RelaySession:
             note = json.loads(raw)
         except ValueError:
             return
-        if not isinstance(note, dict):
-            return
-        for key in ("id", "created", "engine_id", "prompt_tokens"):
+        if isinstance(note, dict):
+            self._record(note)
+
+    def _record(self, note: dict) -> None:
+        """What an event says the client now has: sloserve's annotation, or a reader's note."""
+        for key in ("id", "created", "engine_id", "prompt_tokens", "prompt_ids"):
             if key in note and key not in self.head:
                 self.head[key] = note[key]
         tokens = note.get("t")
@@ -310,19 +319,42 @@ class RelaySession:
 
     async def _open_resumed(self, inst: "Instance", state: dict,
                             migration_id: Optional[str] = None) -> Optional[tuple[Upstream, bytes]]:
-        """Resume the call on `inst`; its upstream and the bytes up to its first token, or None."""
-        payload = {"request": self.body, "resume": state, "id": self.head.get("id"),
-                   "created": self.head.get("created"), "migration_id": migration_id}
+        """Resume the call on `inst`; its upstream and the bytes up to its first token, or None.
+        A sloserve worker resumes it (its /internal/resume route, with the KV a migration sent);
+        another kind of worker (a vLLM server) continues it as a new call from the prompt plus the
+        tokens sent (workers/kinds/vllm_stream.py), its events made the original call's."""
+        headers = {k: v for k, v in self.headers.items() if k not in ("content-type", "x-request-id")}
+        if inst.handle.engine_kind.contract:
+            payload = {"request": self.body, "resume": state, "id": self.head.get("id"),
+                       "created": self.head.get("created"), "migration_id": migration_id}
+            secret = {FLEET_SECRET_HEADER: self.fleet.fleet_secret or ""}
+            return await self._open_stream(inst, f"/internal/resume{self.path}", payload, {**headers, **secret},
+                                           self.chat)
+        from sloserve.workers.kinds.vllm_stream import ResumedReader, resume_call
+
+        call = resume_call(self.body, self.chat, self.head, self.tokens)
+        if call is None:
+            return None
+        if self.routed.cache_salt:  # as the first call was sent (workers/kinds/vllm.py)
+            call["cache_salt"] = self.routed.cache_salt
+        opened = await self._open_stream(inst, "/v1/completions", call, headers, chat=False)
+        if opened is not None:
+            usage_asked = bool((self.body.get("stream_options") or {}).get("include_usage"))
+            sent_text = getattr(self._reader, "text", "")
+            self._reader = ResumedReader(self.chat, self.head, len(self.tokens), usage_asked, self.body.get("model"),
+                                         client_asked_ids=bool(self.body.get("return_token_ids")), sent_text=sent_text)
+        return opened
+
+    async def _open_stream(self, inst: "Instance", route: str, payload: dict, headers: dict,
+                           chat: bool) -> Optional[tuple[Upstream, bytes]]:
+        """POST `payload` to `inst`'s `route` as a stream: its upstream and the bytes up to its first
+        output event, or None when it refuses, fails or ends before producing anything."""
         client = self.fleet.client
         generation = inst.generation
-        headers = {**self.headers, FLEET_SECRET_HEADER: self.fleet.fleet_secret or ""}
-        headers.pop("content-type", None)
-        headers.pop("x-request-id", None)
         inst.in_flight += 1
         response: Optional[httpx.Response] = None
         try:
-            request = client.build_request("POST", f"{inst.handle.url}/internal/resume{self.path}", json=payload,
-                                           headers=headers)
+            request = client.build_request("POST", f"{inst.handle.url}{route}", json=payload, headers=headers)
             response = await self._stop.run(client.send(request, stream=True))
             if response.status_code != 200:
                 body = await response.aread()
@@ -335,7 +367,7 @@ class RelaySession:
             async with asyncio.timeout(SWITCH_READ_TIMEOUT_S * 3):
                 async for chunk in chunks:
                     head += chunk
-                    if any(carries_output(e, self.chat) for e in splitter.feed(chunk)):
+                    if any(carries_output(e, chat) for e in splitter.feed(chunk)):
                         break
                 else:
                     raise _Refused()  # ended before producing anything

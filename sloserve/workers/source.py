@@ -5,7 +5,7 @@ description, checked once, that gives the fleet a spawner: slot -> a started Wor
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 from sloserve.workers.handles import WorkerHandle
@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 
 ENGINES = ("sloserve", "vllm")
 BACKENDS = ("process", "ray")
+VLLM_PRIORITIES = ("deadline", "none")
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,10 @@ class WorkerSource:
     vllm_python: Optional[str] = None  # vLLM's interpreter (default: the one `make vllm` sets up)
     vllm_args: tuple[str, ...] = ()  # more of vLLM's own flags for every vLLM worker
     attach: tuple[str, ...] = ()  # URLs of servers started elsewhere, one per slot (then nothing is started)
+    # What a vLLM worker's `priority` says: each call's TTFT deadline ("deadline"), or nothing ("none": vLLM
+    # serves in arrival order). Default: deadline for the vLLM servers the front starts (with
+    # --scheduling-policy priority), none for attached ones (which may run without it and refuse any but 0).
+    vllm_priority: Optional[str] = None
 
     @classmethod
     def parse_urls(cls, text: Optional[str]) -> tuple[str, ...]:
@@ -41,6 +46,8 @@ class WorkerSource:
 
     def check(self, spec: "FleetSpec", engine: "EngineConfig") -> None:
         """ValueError (one line) on workers this source cannot give the fleet `spec` describes."""
+        if self.vllm_priority not in (None, *VLLM_PRIORITIES):
+            raise ValueError(f"unknown --vllm-priority {self.vllm_priority!r}; use one of {', '.join(VLLM_PRIORITIES)}")
         if self.engine not in ENGINES:
             raise ValueError(f"unknown --engine {self.engine!r}; use one of {', '.join(ENGINES)}")
         if self.backend not in BACKENDS:
@@ -88,9 +95,16 @@ class WorkerSource:
                 args += ["--dtype", engine.dtype]
             if engine.max_model_len:
                 args += ["--max-model-len", str(engine.max_model_len)]
+            lora = bool(engine.lora_modules) or "--enable-lora" in args
             spec = VllmSpec(str(engine.model), tuple(served_model_names), self.vllm_python or str(VLLM_PYTHON),
-                            threads_per_worker, engine.cache.kv_cache_gib, tuple(args))
-            return lambda slot: VllmWorker(spec, slot)
+                            threads_per_worker, engine.cache.kv_cache_gib,
+                            tuple(a for a in args if a != "--enable-lora"), lora=lora, max_loras=engine.max_loras,
+                            max_lora_rank=engine.max_lora_rank)
+            # the adapters of the moment (the front's loads update the worker specs): a worker started
+            # later by autoscaling or after a crash starts with them
+            kind = self.engine_kind()
+            return lambda slot: VllmWorker(replace(spec, lora_modules=worker_specs[slot].engine.lora_modules), slot,
+                                           kind)
         if self.backend == "process":
             return lambda slot: ProcessWorker(worker_specs[slot])
         try:
@@ -110,8 +124,8 @@ class WorkerSource:
         if self.engine == "vllm":
             from sloserve.workers.kinds.vllm import VllmKind
 
-            # an attached vLLM may run without --scheduling-policy priority, which refuses any priority but 0
-            return VllmKind(deadline_priority=not self.attach)
+            priority = self.vllm_priority or ("none" if self.attach else "deadline")
+            return VllmKind(deadline_priority=priority == "deadline")
         from sloserve.workers.kinds import SLOSERVE
 
         return SLOSERVE

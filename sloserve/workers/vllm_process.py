@@ -13,10 +13,12 @@ On the CPU build it gets a share of the cores (`VLLM_CPU_OMP_THREADS_BIND`), its
 (`VLLM_CPU_KVCACHE_SPACE`, GiB) and torch's libgomp preloaded, as vLLM's CPU docs ask."""
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import os
+import signal
 import subprocess
 import tempfile
 import uuid
@@ -46,6 +48,12 @@ class VllmSpec:
     threads: int = 1  # cores bound to this worker (CPU build)
     kv_cache_gib: float = 1.0  # its KV cache (CPU build; rounded up to whole GiB, what vLLM takes)
     args: tuple[str, ...] = ()  # more of vLLM's own flags, as given (`--vllm-arg`)
+    # LoRA: served from the start as (name, PEFT directory); with `lora`, vLLM runs its LoRA layers
+    # and takes adapters at run time too (the front's /v1/load_lora_adapter reaches its own route)
+    lora: bool = False
+    lora_modules: tuple[tuple[str, str], ...] = ()
+    max_loras: int = 4
+    max_lora_rank: int = 64
     cpus: tuple[int, ...] = field(default_factory=lambda: tuple(sorted(os.sched_getaffinity(0))))
 
     def check(self) -> None:
@@ -60,21 +68,25 @@ class VllmSpec:
 class VllmWorker(WorkerHandle):
     kind = "vllm"
 
-    def __init__(self, spec: VllmSpec, slot: int, host: str = "127.0.0.1", port: Optional[int] = None):
+    def __init__(self, spec: VllmSpec, slot: int, engine_kind: Optional[VllmKind] = None, host: str = "127.0.0.1",
+                 port: Optional[int] = None):
         self.host = host
         self.port = port or free_port(host)
         sockets = Path(tempfile.gettempdir()) / f"sloserve-kv-{uuid.uuid4().hex[:12]}"
         events, replay = f"ipc://{sockets}.sock", f"ipc://{sockets}-replay.sock"
         self._sockets = [Path(f"{sockets}.sock"), Path(f"{sockets}-replay.sock")]
-        self.engine_kind = VllmKind(deadline_priority=True)
+        self.engine_kind = engine_kind or VllmKind(deadline_priority=True)
         self.kv_feed = KVEventFeed(events, replay)
         cmd = [spec.python, "-m", SERVER_MODULE, "--model", spec.model, "--host", host, "--port", str(self.port),
                "--scheduling-policy", "priority", "--kv-events-config",
                json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": events,
                            "replay_endpoint": replay, "topic": ""}),
-               *(["--served-model-name", *spec.served_model_names] if spec.served_model_names else []), *spec.args]
+               *(["--served-model-name", *spec.served_model_names] if spec.served_model_names else []),
+               *lora_flags(spec), *spec.args]
+        self.lora = spec.lora
+        # its own session: vLLM's engine core and workers are its children, and a kill takes the whole group
         self.proc = subprocess.Popen(cmd, env=vllm_env(spec, slot), stdin=subprocess.DEVNULL,
-                                     preexec_fn=die_with_parent)
+                                     preexec_fn=die_with_parent, start_new_session=True)
         logger.info("started vLLM worker pid %d on port %d", self.proc.pid, self.port)
 
     @property
@@ -87,18 +99,30 @@ class VllmWorker(WorkerHandle):
     def kill(self) -> None:
         self.engine_kind.close(self)
         if self.proc.poll() is None:
-            self.proc.terminate()  # vLLM's API server stops its engine process on SIGTERM
+            self._signal(signal.SIGTERM)  # vLLM's API server stops its engine processes on SIGTERM
             try:
                 self.proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
+                self._signal(signal.SIGKILL)
                 self.proc.wait(timeout=10)
+        self._signal(signal.SIGKILL)  # what is left of its group: an engine core whose server died first
         for path in self._sockets:
             path.unlink(missing_ok=True)
+
+    def _signal(self, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, sig)
 
     def describe(self) -> dict:
         return {"kind": self.kind, "url": self.url, "pid": self.proc.pid, "exit_code": self.proc.poll(),
                 "kv_events": dict(self.kv_feed.index.counters)}
+
+
+def lora_flags(spec: VllmSpec) -> list[str]:
+    if not spec.lora:
+        return []
+    modules = ["--lora-modules", *(f"{name}={path}" for name, path in spec.lora_modules)] if spec.lora_modules else []
+    return ["--enable-lora", "--max-loras", str(spec.max_loras), "--max-lora-rank", str(spec.max_lora_rank), *modules]
 
 
 def vllm_env(spec: VllmSpec, slot: int) -> dict[str, str]:
@@ -112,6 +136,8 @@ def vllm_env(spec: VllmSpec, slot: int) -> dict[str, str]:
     env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(str(c) for c in sorted(set(mine)))
     env.setdefault("HF_HUB_OFFLINE", "1")  # nothing from a hub at run time
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if spec.lora:
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"  # its /v1/load_lora_adapter and unload routes
     gomp = _torch_libgomp(spec.python)
     if gomp and gomp not in env.get("LD_PRELOAD", ""):
         env["LD_PRELOAD"] = ":".join(filter(None, [gomp, env.get("LD_PRELOAD")]))

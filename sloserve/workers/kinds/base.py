@@ -46,6 +46,15 @@ class EngineKind:
         """The generation call's body as this worker takes it (`raw`: `body` serialized)."""
         return raw
 
+    def resumable(self, body: dict) -> bool:
+        """Whether another worker of this kind can continue this single-choice streamed call."""
+        return True
+
+    def stream_reader(self, body: dict) -> Any:
+        """What reads this kind's stream events for the relay (None: sloserve's annotations,
+        which the relay reads itself)."""
+        return None
+
     def close(self, handle: Any) -> None:
         """Release what this kind holds for `handle` (the handle is being killed)."""
 

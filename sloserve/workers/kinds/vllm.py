@@ -10,14 +10,15 @@ deadline (milliseconds of the front's clock): vLLM started with `--scheduling-po
 serves its queue in that order, which is deadline order. A priority the client gave is passed as
 given.
 
-What vLLM cannot do over its API: hand a running request's KV to another server mid-stream (live
-migration), resume a stream from sloserve's relay annotations, or take sloserve's P/D hand-off
-(`contract` is False: the front routes such calls once, and a fleet of vLLM workers runs no
-migration policy)."""
+A stream whose vLLM worker dies goes on from another one (vllm_stream.py: the call asks for its
+token ids, and a greedy call continues from the prompt plus the tokens sent). What vLLM cannot do
+over its API: hand a running request's KV to another server mid-stream (live migration), or take
+sloserve's P/D hand-off (`contract` is False: a fleet of vLLM workers runs no migration policy)."""
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 from typing import TYPE_CHECKING, Any, Optional
@@ -61,7 +62,13 @@ class VllmKind(EngineKind):
         if feed is not None:
             feed.start()
             keys = feed.index.prefix_keys
-        return WorkerState(load.instance_state(), keys, load.reading())
+        state = load.instance_state()
+        if getattr(handle, "lora", False):  # the adapters it holds, which adapter-aware routing reads
+            models = await client.get(f"{handle.url}/v1/models")
+            models.raise_for_status()
+            loaded = {m["id"] for m in models.json().get("data", []) if isinstance(m, dict) and m.get("parent")}
+            state = dataclasses.replace(state, adapters=state.adapters | frozenset(loaded))
+        return WorkerState(state, keys, load.reading())
 
     def tokenize_call(self, payload: dict) -> Optional[tuple[str, dict]]:
         model = {"model": payload["model"]} if isinstance(payload.get("model"), str) else {}
@@ -76,6 +83,8 @@ class VllmKind(EngineKind):
 
     def upstream_body(self, body: dict, raw: bytes, routed: "Request", epoch: float) -> bytes:
         out = {k: v for k, v in body.items() if k not in SLOSERVE_FIELDS}
+        if out.get("stream") is True and self.resumable(body):
+            out["return_token_ids"] = True  # what the relay resumes from if this worker dies (vllm_stream.py)
         if routed.cache_salt:  # the tenant's: vLLM isolates its prefix cache by it, as sloserve's engine does
             out["cache_salt"] = routed.cache_salt
         if self.deadline_priority:
@@ -83,6 +92,16 @@ class VllmKind(EngineKind):
         else:
             out.pop("priority", None)
         return json.dumps(out).encode()
+
+    def resumable(self, body: dict) -> bool:
+        from sloserve.workers.kinds.vllm_stream import resumable
+
+        return resumable(body)
+
+    def stream_reader(self, body: dict) -> Any:
+        from sloserve.workers.kinds.vllm_stream import StreamReader
+
+        return StreamReader(client_asked_ids=bool(body.get("return_token_ids")))
 
     def close(self, handle: Any) -> None:
         feed: Optional[KVEventFeed] = getattr(handle, "kv_feed", None)
