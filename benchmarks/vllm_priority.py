@@ -46,12 +46,12 @@ def cpu_model() -> str:
     return platform.processor()
 
 
-def one_run(args, setting: str, classes: Path, out: Path, port: int) -> dict:
+def one_run(args, setting: str, classes: Path, qos: Path, out: Path, port: int) -> dict:
     """A fresh front and workers, one load, their per-class results."""
     front = subprocess.Popen(
         [sys.executable, "-m", "sloserve.cli", "serve", "--engine", "vllm", "--model", args.model,
          "--served-model-name", "m", "--instances", str(args.instances), "--vllm-priority", setting,
-         "--qos-config", str(classes), "--dtype", args.dtype, "--kv-cache-gib", "1", "--host", "127.0.0.1",
+         "--qos-config", str(qos), "--dtype", args.dtype, "--kv-cache-gib", "1", "--host", "127.0.0.1",
          "--port", str(port), "--log-level", "warning"],
         stdout=open(out / f"front-{setting}.log", "wb"), stderr=subprocess.STDOUT)
     try:
@@ -98,8 +98,11 @@ def main() -> int:
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "vllm_priority")
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    classes = Path(tempfile.mkdtemp()) / "classes.yaml"
+    folder = Path(tempfile.mkdtemp())
+    classes, qos = folder / "classes.yaml", folder / "qos.yaml"  # the bench's mix; the front's classes (no shares)
     classes.write_text(yaml.safe_dump(CLASSES))
+    qos.write_text(yaml.safe_dump({**CLASSES, "classes": {name: {k: v for k, v in c.items() if k != "share"}
+                                                          for name, c in CLASSES["classes"].items()}}))
     console = Console(stderr=True)
     runs: dict[str, list[dict]] = {s: [] for s in SETTINGS}
     port = 8300 + os.getpid() % 500
@@ -107,7 +110,7 @@ def main() -> int:
         order = SETTINGS if round_ % 2 == 0 else tuple(reversed(SETTINGS))  # interleaved, alternating first
         for setting in order:
             console.print(f"round {round_ + 1}/{args.rounds}: --vllm-priority {setting} ...")
-            runs[setting].append(one_run(args, setting, classes, args.out, port))
+            runs[setting].append(one_run(args, setting, classes, qos, args.out, port))
             console.print(f"  {json.dumps(runs[setting][-1])}")
     record = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "cpu": cpu_model(),
               "cores": len(os.sched_getaffinity(0)), "model": args.model, "dtype": args.dtype,
