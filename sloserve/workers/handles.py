@@ -1,11 +1,13 @@
 """Engine workers as the front sees them: something that starts, has a URL, can be checked
-and killed. Two kinds behind one interface:
+and killed, and names the engine kind the front speaks to it with (`engine_kind`, kinds/).
 
 - `ProcessWorker`: a local child process (`python -m sloserve.server.worker`);
 - `RayWorker`: a Ray actor running the same worker app in its process, placed by Ray's
-  resources (`num_cpus` = the threads it gets), so instances can live on other machines.
+  resources (`num_cpus` = the threads it gets), so instances can live on other machines;
+- `AttachedWorker`: a server started elsewhere, known by its URL;
+- (`vllm_process.VllmWorker`: a stock vLLM server started as a worker.)
 
-Both speak HTTP to the front, which is what keeps the front identical for both.
+All speak HTTP to the front, which is what keeps the front identical for all.
 """
 from __future__ import annotations
 
