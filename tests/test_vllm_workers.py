@@ -210,6 +210,8 @@ def test_a_stream_whose_vllm_worker_fails_goes_on_from_the_other_with_the_same_t
     assert text_of(events) == text_of(reference) and len(text_of(events)) > 0
     assert len({e["id"] for e in events}) == 1 and events[-1]["usage"] == reference[-1]["usage"]
     assert all("token_ids" not in json.dumps(e) for e in events)  # the client did not ask for them
+    if how != signal.SIGKILL:
+        return  # the last test here: its worker's replacement is the dying case's to check
     slot = victim["instance"]
     wait_for(lambda: instances(front)[slot]["generation"] == victim["generation"] + 1, 60.0)
     for _ in range(3):  # meanwhile the other worker serves
