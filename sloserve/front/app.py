@@ -70,10 +70,10 @@ from sloserve.front import responses as front_responses
 from sloserve.front.fanout import MergedStream, Part, merge, split
 from sloserve.front.whole import answers_whole, as_stream, collect_whole
 from sloserve.front.stream import Interrupted, SSESplitter, Stop, carries_output
-from sloserve.server.protocol import (FRONT_IDS_FIELD, GenerationRequest, check_call, header_priority, prompt_label,
+from sloserve.server.protocol import (GenerationRequest, check_call, header_priority, prompt_label,
                                       refuse_front_ids)
 from sloserve.server.qos import CacheSalter, QoSRegistry, cache_secret
-from sloserve.workers.contract import FLEET_SECRET_HEADER, QOS_HEADER, qos_header
+from sloserve.workers.contract import FLEET_SECRET_HEADER, FRONT_IDS_FIELD, QOS_HEADER, qos_header
 from sloserve.timeline import DRAIN, UNDRAIN, FleetTimeline
 from sloserve.tracing import OFF, Tracing, trace_headers
 from sloserve.core.types import Request, SamplingParams

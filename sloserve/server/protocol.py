@@ -22,6 +22,7 @@ from typing import Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic_core import PydanticCustomError
 
+from sloserve.workers.contract import FRONT_IDS_FIELD
 from sloserve.server.errors import APIError, bad_request, param_from_message, validation_message
 from sloserve.core.types import SamplingParams, StructuredOutput
 
@@ -466,7 +467,6 @@ class UnloadLoraAdapterRequest(_Strict):
 
 
 GenerationRequest = Union[CompletionRequest, ChatCompletionRequest]
-FRONT_IDS_FIELD = "sloserve_prompt_ids"
 
 
 def refuse_front_ids(body: SamplingFields) -> None:

@@ -28,6 +28,8 @@ KV_PUSH_HEADER = "X-Sloserve-KV-Push"
 # secret): the QoS class and priority the front resolved for its caller, which the worker uses as
 # given instead of resolving them again.
 QOS_HEADER = "X-Sloserve-QoS"
+# A generation body's field from the front (with the fleet secret): the prompt's token ids, tokenized once there.
+FRONT_IDS_FIELD = "sloserve_prompt_ids"
 
 
 def qos_header(class_name: str, priority) -> str:

@@ -23,6 +23,7 @@ import json
 import logging
 from typing import TYPE_CHECKING, Any, Optional
 
+from sloserve.workers.contract import FRONT_IDS_FIELD
 from sloserve.workers.kinds.base import EngineKind
 from sloserve.workers.kinds.vllm_events import SEQ_BYTES, KVEventIndex, decode_batch
 
@@ -35,7 +36,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 # Body fields sloserve's API adds to OpenAI's that vLLM would not read (priority it reads: set below)
-SLOSERVE_FIELDS = ("qos_class", "sloserve_prompt_ids")
+SLOSERVE_FIELDS = ("qos_class", FRONT_IDS_FIELD)
 REPLAY_TIMEOUT_S = 2.0
 NO_TARGET_S = 3600.0
 

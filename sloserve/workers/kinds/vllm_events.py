@@ -49,11 +49,17 @@ class KVEventIndex:
                                                               "orphans": 0})
     block_size: int = 0  # as the events say
 
+    _frozen: Optional[frozenset[int]] = field(default=None, init=False, repr=False)  # prefix_keys till a change
+
     @property
     def prefix_keys(self) -> frozenset[int]:
-        return frozenset(key for key, _ in self.keys.values())
+        """The keys a router matches a prompt against (built once per change, not once per poll)."""
+        if self._frozen is None:
+            self._frozen = frozenset(key for key, _ in self.keys.values())
+        return self._frozen
 
     def reset(self) -> None:
+        self._frozen = None
         self.keys.clear()
         self.last_seq = None
 
@@ -95,6 +101,7 @@ class KVEventIndex:
 
     def apply(self, events: list[dict]) -> None:
         self.counters["batches"] += 1
+        self._frozen = None
         for event in events:
             kind = event.get("type")
             try:

@@ -82,7 +82,8 @@ def parse_metrics(text: str) -> VllmLoad:
                     continue
                 name = sample.name[:-len("_total")] if sample.name.endswith("_total") else sample.name
                 values[name] = values.get(name, 0.0) + float(sample.value)
-                labels.setdefault(name, []).append(dict(sample.labels))
+                if name in (CACHE_INFO, LORA_INFO):
+                    labels.setdefault(name, []).append(dict(sample.labels))
     except (ValueError, TypeError, IndexError) as e:
         raise MetricsError(f"unreadable /metrics ({type(e).__name__}: {e})") from None
     missing = [what for what, names in REQUIRED.items() if _first(values, names) is None]
